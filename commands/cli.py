@@ -1,0 +1,122 @@
+"""The ``slimectl`` root group: global options, lazy subcommands from one table, error policy."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+import click
+
+from slimectl import __version__
+from slimectl.commands._options import AppState
+
+#: The command table: name -> "module:attribute". Modules load only when their command runs
+#: (or its help is shown), so the root help never imports torch.
+COMMANDS: dict[str, str] = {
+    "init": "slimectl.commands.init:init_cmd",
+    "status": "slimectl.commands.status:status_cmd",
+    "convert": "slimectl.commands.convert:convert_cmd",
+    "serve": "slimectl.commands.serve:serve_cmd",
+    "rollout": "slimectl.commands.rollout:rollout_cmd",
+    "train": "slimectl.commands.train:train_cmd",
+    "sync": "slimectl.commands.sync:sync_cmd",
+    "export": "slimectl.commands.export:export_cmd",
+    "rl": "slimectl.commands.rl:rl_cmd",
+}
+
+DEBUG_ENV = "SLIMECTL_DEBUG"
+
+
+class CliError(click.ClickException):
+    """A one-line error with the exit code of the library error it came from."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0", "false", "no")
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported on first use, in table order."""
+
+    def __init__(self, *args: Any, lazy_commands: dict[str, str] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = dict(lazy_commands or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.lazy_commands) + [c for c in super().list_commands(ctx) if c not in self.lazy_commands]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy_commands:
+            module_name, attr = self.lazy_commands[cmd_name].split(":")
+            cmd = getattr(importlib.import_module(module_name), attr)
+            if not isinstance(cmd, click.Command):
+                raise TypeError(f"{self.lazy_commands[cmd_name]} is not a click command")
+            return cmd
+        return super().get_command(ctx, cmd_name)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from slimectl.errors import SlimectlError
+
+        try:
+            return super().invoke(ctx)
+        except SlimectlError as exc:
+            if debug_enabled():
+                raise
+            raise CliError(str(exc), exc.exit_code) from None
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # an unexpected failure: one line, traceback only on request
+            if debug_enabled():
+                raise
+            raise CliError(f"unexpected {type(exc).__name__}: {exc} (rerun with {DEBUG_ENV}=1 for a traceback)", 1) from None
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy_commands=COMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.option(
+    "-r",
+    "--run-dir",
+    envvar="SLIMECTL_RUN_DIR",
+    show_envvar=True,
+    type=click.Path(file_okay=False),
+    help="Run directory shared by all stages.",
+)
+@click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
+@click.option("-q", "--quiet", count=True, help="Less log output on stderr.")
+@click.version_option(__version__, prog_name="slimectl")
+@click.pass_context
+def cli(ctx: click.Context, run_dir: str | None, verbose: int, quiet: int) -> None:
+    """RL post-training of LLMs in stages that share one run directory.
+
+    \b
+    Stages run together (slimectl rl --config cfg.yaml) or one at a time:
+      slimectl init RUN --config cfg.yaml     freeze a config into a run directory
+      slimectl serve -r RUN                    start inference engines
+      slimectl rollout -r RUN --next           generate + score one rollout
+      slimectl train -r RUN --follow           train on each rollout exactly once
+      slimectl sync -r RUN                     push new weights to the engines
+      slimectl status -r RUN                   see where the run stands
+
+    Set SLIMECTL_DEBUG=1 for tracebacks on errors.
+    """
+    from slimectl.logs import setup_logging
+
+    ctx.obj = AppState(run_dir=run_dir, verbosity=verbose - quiet)
+    setup_logging(verbose - quiet)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main(args=argv, prog_name="slimectl")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])

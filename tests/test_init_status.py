@@ -1,0 +1,147 @@
+"""slimectl init + status on a tiny config, through the CLI."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slimectl.rundir import EngineRecord, RunDir
+
+
+def test_init_freezes_resolved_config_with_absolute_paths(cli, tmp_path, fake_model, monkeypatch):
+    cfg_dir = tmp_path / "cfgs"
+    cfg_dir.mkdir()
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"input": "1+1", "label": "2"}\n')
+    (cfg_dir / "c.yaml").write_text(f"name: demo\nmodel:\n  path: ../model\ndata:\n  prompt_data: ../prompts.jsonl@[0:1]\n")
+    monkeypatch.chdir(tmp_path)
+    res = cli("init", "runs/a", "--config", cfg_dir / "c.yaml", "--set", "train.lr=5e-6")
+    assert res.exit_code == 0, res.output
+    run = RunDir.open(tmp_path / "runs" / "a")
+    assert res.output.strip().splitlines()[-1] == str(run.path)
+    cfg = run.config()
+    assert cfg.model.path == str(fake_model.resolve())
+    assert cfg.data.prompt_data == f"{data.resolve()}@[0:1]"
+    assert cfg.train.lr == pytest.approx(5e-6)
+    frozen = yaml.safe_load((run.path / "config.yaml").read_text())
+    assert frozen["train"]["lr"] == pytest.approx(5e-6) and frozen["name"] == "demo"
+    info = json.loads((run.path / "run.json").read_text())
+    assert info["contract_version"] == 1 and info["config_fingerprint"] == cfg.fingerprint()
+
+
+def test_init_is_idempotent_and_refuses_a_different_config(cli, tmp_path, fake_model):
+    args = ("init", tmp_path / "r", "--set", f"model.path={fake_model}")
+    assert cli(*args).exit_code == 0
+    assert cli(*args).exit_code == 0
+    res = cli(*args, "--set", "train.lr=1")
+    assert res.exit_code == 1 and "different config (changed: train.lr)" in res.output
+    assert cli(*args, "--set", "train.lr=1", "--force").exit_code == 0
+    assert RunDir.open(tmp_path / "r").config().train.lr == 1
+
+
+def test_force_never_replaces_the_config_of_a_run_with_artifacts(cli, run_dir):
+    with run_dir.rollouts.publish(0) as d:
+        (d / "x").write_text("1")
+    model = run_dir.config().model.path
+    res = cli("init", run_dir.path, "--set", f"model.path={model}", "--set", "train.lr=1", "--force")
+    assert res.exit_code == 1 and "already has artifacts (1 rollouts)" in res.output
+
+
+@pytest.mark.parametrize(
+    "args, exit_code, needle",
+    [
+        (("--set", "model.path=/definitely/missing"), 2, "model.path = /definitely/missing: no such directory"),
+        ((), 2, "model.path is not set"),
+        (("--set", "train.lr=abc"), 2, "train.lr = \"abc\""),
+    ],
+)
+def test_init_bad_input(cli, tmp_path, args, exit_code, needle):
+    res = cli("init", tmp_path / "r", *args)
+    assert res.exit_code == exit_code, res.output
+    assert needle in res.output
+    assert not (tmp_path / "r" / "run.json").exists()
+
+
+def test_init_refuses_a_foreign_non_empty_directory(cli, tmp_path, fake_model):
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "thesis.tex").write_text("precious")
+    res = cli("init", d, "--set", f"model.path={fake_model}")
+    assert res.exit_code == 1 and "not a slimectl run directory" in res.output
+    assert (d / "thesis.tex").read_text() == "precious" and not (d / "run.json").exists()
+
+
+def test_init_dry_run_writes_nothing(cli, tmp_path, fake_model):
+    res = cli("init", tmp_path / "r", "--set", f"model.path={fake_model}", "--dry-run")
+    assert res.exit_code == 0
+    assert yaml.safe_load(res.output)["model"]["path"] == str(fake_model)
+    assert not (tmp_path / "r").exists()
+
+
+def test_run_dir_version_is_checked(cli, run_dir):
+    info = json.loads((run_dir.path / "run.json").read_text())
+    info["contract_version"] = 99
+    (run_dir.path / "run.json").write_text(json.dumps(info))
+    res = cli("status", "-r", run_dir.path)
+    assert res.exit_code == 1 and "contract v99" in res.output and "upgrade slimectl" in res.output
+
+
+def test_hand_edited_config_is_detected(cli, run_dir):
+    p = run_dir.path / "config.yaml"
+    p.write_text(p.read_text().replace("lr: 1.0e-06", "lr: 0.5"))
+    res = cli("status", "-r", run_dir.path, "--no-probe")
+    assert res.exit_code == 0  # status still shows the run...
+    assert "edited by hand" in res.output  # ...and says what is wrong with it
+    res = cli("train", "-r", run_dir.path, "--dry-run")
+    assert res.exit_code == 1 and "edited by hand" in res.output
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+def test_status_shows_artifacts_cursor_engines_locks_metrics(cli, run_dir):
+    from slimectl.metrics import MetricsWriter
+
+    for i in range(3):
+        with run_dir.rollouts.publish(i, meta={"weight_version": i}) as d:
+            (d / "samples.jsonl").write_text("{}\n")
+    with run_dir.checkpoints.publish(1) as d:
+        (d / "model.bin").write_bytes(b"x")
+    with run_dir.lock("train") as lock:
+        run_dir.cursor("train").commit(0, lock=lock)
+        run_dir.cursor("train").commit(1, lock=lock)
+    with MetricsWriter(run_dir.metrics_path("train")) as m:
+        m.log(1, {"train/loss": 0.5})
+    server = HTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        run_dir.engines.register(EngineRecord(url=url, backend="embedded", id="e0", weight_version="3"))
+        run_dir.engines.register(EngineRecord(url="http://127.0.0.1:9", backend="embedded", id="e1", pid=None))
+        with run_dir.lock("serve"):
+            res = cli("status", "-r", run_dir.path, "--json")
+            text = cli("status", "-r", run_dir.path)
+    finally:
+        server.shutdown()
+    assert res.exit_code == 0, res.output
+    st = json.loads(res.output)
+    assert st["artifacts"]["rollouts"] == {"count": 3, "latest": 2}
+    assert st["artifacts"]["checkpoints"] == {"count": 1, "latest": 1}
+    assert st["consumed"]["train"]["next"] == 2 and st["rollouts_pending"] == 1
+    health = {e["id"]: e["health"] for e in st["engines"]}
+    assert health["e0"] == "ok" and health["e1"].startswith("unreachable")
+    assert st["running"]["serve"]["stale"] is False
+    assert st["last_metrics"]["train"]["train/loss"] == 0.5
+    assert "rollouts   3 (latest 2); consumed by train: 2 (next 2), pending 1" in text.output
+    assert "serve      running" in text.output and "train/loss=0.5" in text.output
