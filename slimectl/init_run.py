@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from slimectl.config import (
     load_yaml_file,
 )
 from slimectl.errors import ConfigError
+from slimectl.logs import quiet_hf_progress
 from slimectl.rundir.run import RunDir
 
 log = logging.getLogger("slimectl.init")
@@ -120,7 +122,13 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
         target = Path(cfg.model.path)  # type: ignore[arg-type]
         if not (target / "config.json").is_file():
             log.info("building tiny %s model in %s", tiny_model, target)
-            build_tiny_model(tiny_model, target)
+            quiet_hf_progress()
+            # Build aside and rename, so a killed init never leaves a half-written model behind.
+            tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            build_tiny_model(tiny_model, tmp)
+            shutil.rmtree(target, ignore_errors=True)
+            os.rename(tmp, target)
     _check_inputs(cfg)
     run, outcome = RunDir.create(run.path, cfg, force=force)
     return InitResult(cfg, run, outcome)

@@ -50,3 +50,21 @@ def progress(iterable: Iterable[Any] | None = None, mode: str = "auto", **kwargs
 
     disable = mode == "off" or (mode == "auto" and not sys.stderr.isatty())
     return tqdm(iterable, file=sys.stderr, disable=disable, dynamic_ncols=True, **kwargs)
+
+
+def quiet_hf_progress() -> None:
+    """Turn off transformers'/huggingface_hub's own progress bars unless stderr is a TTY."""
+    if sys.stderr.isatty():
+        return
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass

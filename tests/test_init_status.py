@@ -145,3 +145,22 @@ def test_status_shows_artifacts_cursor_engines_locks_metrics(cli, run_dir):
     assert st["last_metrics"]["train"]["train/loss"] == 0.5
     assert "rollouts   3 (latest 2); consumed by train: 2 (next 2), pending 1" in text.output
     assert "serve      running" in text.output and "train/loss=0.5" in text.output
+
+
+def test_init_with_tiny_model_builds_and_status_shows_it(cli, tmp_path):
+    res = cli("init", tmp_path / "r", "--tiny-model", "qwen2", "--set", "rollout.batch_size=2")
+    assert res.exit_code == 0, res.output
+    run = RunDir.open(tmp_path / "r")
+    model = Path(run.config().model.path)
+    assert model == run.path / "models" / "tiny-qwen2"
+    assert (model / "model.safetensors").is_file() and (model / "tokenizer.json").is_file()
+    assert not [p for p in model.parent.iterdir() if p.name.startswith(".tmp")]
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(model).model_type == "qwen2"
+    st = cli("status", "-r", run.path)
+    assert f"model      {model} (fp32)" in st.output
+    again = cli("init", tmp_path / "r", "--tiny-model", "qwen2", "--set", "rollout.batch_size=2")
+    assert again.exit_code == 0  # idempotent, nothing rebuilt
+    clash = cli("init", tmp_path / "r2", "--tiny-model", "qwen2", "--set", "model.path=/x")
+    assert clash.exit_code == 2 and "conflicts with model.path" in clash.output
