@@ -4,12 +4,70 @@ from __future__ import annotations
 
 import click
 
+from slimectl.commands._options import force_option, resolve_run_dir, run_dir_option
+
 
 @click.command("convert", short_help="Convert an HF model to a Megatron torch_dist checkpoint.")
-@click.option("--hf", "hf_dir", type=click.Path(file_okay=False), help="HF model directory.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output checkpoint directory.")
-def convert_cmd(hf_dir: str | None, out_dir: str | None) -> None:
-    """Convert an HF safetensors model to a Megatron torch_dist checkpoint (TP/PP aware)."""
-    from slimectl.errors import NotAvailableYet
+@click.option("--hf", "hf_dir", type=click.Path(file_okay=False),
+              help="HF model directory (default with -r: the run's model.path).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="Output checkpoint directory (default with -r: RUN/checkpoints/000000).")
+@run_dir_option
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1), help="Tensor-parallel size.")
+@click.option("--pp", default=1, show_default=True, type=click.IntRange(min=1), help="Pipeline-parallel size.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Parameter dtype of the checkpoint.")
+@force_option("Replace an existing output.")
+@click.pass_context
+def convert_cmd(ctx: click.Context, hf_dir: str | None, out_dir: str | None, run_dir: str | None, tp: int, pp: int,
+                dtype: str, force: bool) -> None:
+    """Convert an HF safetensors model (Llama, Qwen2, Qwen3) to a Megatron torch_dist checkpoint.
 
-    raise NotAvailableYet("`slimectl convert` is not available yet in this release (tracked in issue #3)")
+    The result loads in Megatron-LM (--ckpt-format torch_dist; tracker "release") and in
+    `slimectl train`, at any TP/PP. With --tp/--pp > 1 the command launches tp*pp processes
+    with torchrun itself (or runs as one of them when started under torchrun).
+
+    \b
+    Examples:
+      slimectl convert --hf Qwen2.5-0.5B --out ckpt/qwen --tp 2
+      slimectl convert -r runs/a            # the run's model.path -> RUN/checkpoints/000000
+    """
+    import os
+
+    from slimectl.convert import (
+        _under_torchrun,
+        check_convert_inputs,
+        convert_hf_to_megatron,
+        relaunch_under_torchrun,
+    )
+    from slimectl.errors import UsageError
+
+    run = resolve_run_dir(ctx, run_dir)
+    if out_dir is None and run is None:
+        raise UsageError("pass --out DIR, or -r RUN to publish into a run directory")
+    if out_dir is not None and run is not None and run_dir is None:
+        run = None  # an explicit --out wins over a run dir inherited from the root/env
+    if hf_dir is None:
+        if run is None:
+            raise UsageError("pass --hf DIR (the HF model to convert)")
+        from slimectl.rundir import RunDir
+
+        hf_dir = RunDir.open(run).config().model.path
+    if tp * pp > 1 and not _under_torchrun():
+        check_convert_inputs(hf_dir, out_dir, tp, pp, dtype, force, run if out_dir is None else None)
+        argv = ["convert", "--hf", str(hf_dir), "--tp", str(tp), "--pp", str(pp), "--dtype", dtype]
+        argv += ["--out", str(out_dir)] if out_dir is not None else ["-r", str(run)]
+        argv += ["--force"] if force else []
+        code = relaunch_under_torchrun(tp * pp, argv)
+        if code:
+            ctx.exit(code)
+        return
+    result = convert_hf_to_megatron(hf_dir, out_dir, tp=tp, pp=pp, dtype=dtype, force=force,
+                                    run_dir=run if out_dir is None else None)
+    if int(os.environ.get("RANK", "0")) == 0:
+        import logging
+
+        logging.getLogger("slimectl.convert").info(
+            "converted %s -> %s (%.2fM parameters, tp=%d pp=%d, %s)", hf_dir, result.out, result.num_params / 1e6,
+            tp, pp, dtype)
+        click.echo(str(result.out))

@@ -1,0 +1,232 @@
+"""Megatron checkpoints: fill a model from HF tensors, save/load torch_dist in Megatron-LM's layout,
+and read a model back out as HF tensors.
+
+Layout of a checkpoint root (what Megatron-LM's ``load_checkpoint`` expects, plus our metadata):
+
+    ROOT/latest_checkpointed_iteration.txt   "N", or "release" for a converted model (as slime's converter)
+    ROOT/iter_000000N/ or ROOT/release/      torch_dist files (metadata.json, *.distcp, common.pt)
+
+``common.pt`` holds ``checkpoint_version`` 3.0, ``iteration`` and an ``args`` Namespace of plain
+values, which is what Megatron-LM's ``load_checkpoint`` reads (``--ckpt-format torch_dist``).
+    ROOT/slimectl_checkpoint.json            architecture, padded vocab, dtype, TP/PP at save
+    ROOT/hf/                                 copy of the HF config + tokenizer (for export/serve)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from slimectl.errors import SlimectlError
+from slimectl.models.arch import CheckpointMismatch, ModelArch
+from slimectl.models.hf_io import HFCheckpoint
+from slimectl.models.mapping import rule_for, to_hf, to_megatron, tp_gather, tp_shard
+
+log = logging.getLogger("slimectl.megatron")
+
+TRACKER = "latest_checkpointed_iteration.txt"
+META = "slimectl_checkpoint.json"
+HF_DIR = "hf"
+CHECKPOINT_VERSION = 3.0
+# What Megatron-LM's save_checkpoint records; its loader reads it back to pick the sharding layout.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+HF_AUX_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+    "added_tokens.json",
+)
+
+
+class MegatronCheckpointError(SlimectlError):
+    """A Megatron checkpoint directory is missing, damaged or does not match the model."""
+
+
+def iter_dir_name(iteration: int | str) -> str:
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+# ----------------------------------------------------------------------------- HF -> model
+
+
+def load_hf_into_model(model, arch: ModelArch, hf: HFCheckpoint, padded_vocab: int, tp_rank: int, tp_size: int,
+                       progress=None) -> int:
+    """Copy every parameter of this rank's model from the HF checkpoint, one tensor at a time.
+
+    Returns the number of parameters filled. Shape mismatches name the tensor and both shapes.
+    """
+    from slimectl.megatron.provider import global_param_names
+
+    names = global_param_names(model)
+    params = dict(model.named_parameters())
+    filled = 0
+    for local, global_name in names.items():
+        try:
+            rule = rule_for(arch, global_name)
+        except KeyError as exc:
+            raise MegatronCheckpointError(str(exc)) from None
+        full = to_megatron(arch, rule, [hf.get(n) for n in rule.hf], padded_vocab)
+        shard = tp_shard(rule, full, tp_rank, tp_size)
+        p = params[local]
+        if tuple(shard.shape) != tuple(p.shape):
+            raise CheckpointMismatch(
+                f"{global_name} (from {', '.join(rule.hf)}): converted shard has shape {list(shard.shape)}, "
+                f"the model expects {list(p.shape)}"
+            )
+        with torch.no_grad():
+            p.copy_(shard)
+        del full, shard
+        filled += 1
+        if progress is not None:
+            progress.update(1)
+    return filled
+
+
+# ----------------------------------------------------------------------------- model -> HF
+
+
+def model_to_hf_tensors(model, arch: ModelArch, tp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for this pipeline stage's parameters, gathering TP shards.
+
+    Every rank of the TP group must iterate together (the gather is collective). With tied
+    embeddings the output layer copy is skipped: HF has no lm_head.
+    """
+    import torch.distributed as dist
+
+    from slimectl.megatron.provider import global_param_names
+
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+    params = dict(model.named_parameters())
+    for local, global_name in global_param_names(model).items():
+        if arch.tie_word_embeddings and global_name == "output_layer.weight":
+            continue
+        rule = rule_for(arch, global_name)
+        shard = params[local].detach()
+        if tp_size > 1 and rule.tp_dim is not None:
+            shards = [torch.empty_like(shard) for _ in range(tp_size)]
+            dist.all_gather(shards, shard.contiguous(), group=tp_group)
+            full = tp_gather(rule, shards)
+        else:
+            full = shard
+        yield from to_hf(arch, rule, full)
+
+
+# ----------------------------------------------------------------------------- torch_dist save/load
+
+
+def _sharded_state_dict(model) -> dict[str, Any]:
+    return model.sharded_state_dict(prefix="")
+
+
+def save_megatron_checkpoint(model, root: str | Path, iteration: int | str, arch: ModelArch, padded_vocab: int,
+                             dtype: str, tp: int, pp: int, extra_state: dict[str, Any] | None = None,
+                             hf_source: str | Path | None = None, args: Any = None) -> Path:
+    """Save the model as torch_dist under ``root/iter_NNNNNNN`` and point the tracker at it.
+
+    Collective: every rank calls it. Rank 0 writes the tracker and metadata afterwards, so a
+    reader that sees the tracker sees a complete iteration directory.
+    """
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    it_dir = root / iter_dir_name(iteration)
+    if dist.get_rank() == 0:
+        it_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state: dict[str, Any] = {
+        "model": _sharded_state_dict(model),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": 0 if iteration == "release" else int(iteration),
+    }
+    if args is not None:
+        state["args"] = args
+    if extra_state:
+        state.update(extra_state)
+    dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        meta = {
+            "format": "torch_dist",
+            "arch": arch.to_dict(),
+            "padded_vocab_size": padded_vocab,
+            "dtype": dtype,
+            "saved_with": {"tp": tp, "pp": pp},
+            "iteration": iteration,
+        }
+        (root / META).write_text(json.dumps(meta, indent=2) + "\n")
+        if hf_source is not None:
+            copy_hf_aux_files(hf_source, root / HF_DIR)
+        (root / TRACKER).write_text(str(iteration))
+    dist.barrier()
+    return it_dir
+
+
+def copy_hf_aux_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy config and tokenizer files (not weights) of an HF directory."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in HF_AUX_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def read_checkpoint_meta(root: str | Path, iteration: int | None = None) -> tuple[dict[str, Any], Path, int | str]:
+    """Validate a checkpoint root; return (metadata, iteration dir, iteration)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise MegatronCheckpointError(f"Megatron checkpoint directory {root} does not exist")
+    meta_p = root / META
+    if not meta_p.is_file():
+        raise MegatronCheckpointError(
+            f"{root} has no {META}; it was not written by `slimectl convert`/`train` (pass such a checkpoint)"
+        )
+    try:
+        meta = json.loads(meta_p.read_text())
+    except json.JSONDecodeError:
+        raise MegatronCheckpointError(f"{meta_p} is not valid JSON; the checkpoint is damaged") from None
+    if iteration is None:
+        tracker = root / TRACKER
+        if not tracker.is_file():
+            raise MegatronCheckpointError(f"{root} has no {TRACKER}; pass --iteration N")
+        text = tracker.read_text().strip()
+        it: int | str = "release" if text == "release" else int(text)
+    else:
+        it = iteration
+    it_dir = root / iter_dir_name(it)
+    if not (it_dir / "metadata.json").is_file():
+        have = sorted(p.name for p in root.glob("iter_*"))
+        raise MegatronCheckpointError(
+            f"{it_dir} is not a complete torch_dist checkpoint (no metadata.json); iterations present: {', '.join(have) or 'none'}"
+        )
+    return meta, it_dir, it
+
+
+def arch_from_meta(meta: dict[str, Any]) -> ModelArch:
+    return ModelArch(**meta["arch"])
+
+
+def load_megatron_checkpoint(model, it_dir: str | Path, strict: bool = True) -> dict[str, Any]:
+    """Load torch_dist weights into ``model`` (any TP/PP: dist_checkpointing reshards)."""
+    from megatron.core import dist_checkpointing
+
+    state = {"model": _sharded_state_dict(model)}
+    try:
+        loaded = dist_checkpointing.load(state, str(it_dir))
+    except Exception as exc:  # dist_checkpointing raises many types for mismatches
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MegatronCheckpointError(f"cannot load {it_dir} into this model: {msg}") from None
+    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if strict and (missing or unexpected):
+        raise MegatronCheckpointError(
+            f"{it_dir}: checkpoint/model mismatch (missing {missing[:3]}, unexpected {list(unexpected)[:3]})"
+        )
+    return {k: v for k, v in loaded.items() if k != "model"}

@@ -1,0 +1,1 @@
+"""Model architectures and HF <-> Megatron weight mapping (torch only; no Megatron import)."""

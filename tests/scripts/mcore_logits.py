@@ -1,0 +1,68 @@
+"""Load slimectl Megatron checkpoints at the TP/PP of this launch and compare their logits with
+the HF models' on the same tokens. Prints one RESULT JSON line per checkpoint. Run with python
+or torchrun.
+
+    [torchrun --nproc_per_node N] mcore_logits.py TP PP CKPT_ROOT HF_DIR [CKPT_ROOT HF_DIR ...]
+"""
+
+import json
+import sys
+
+import torch
+
+
+def main() -> None:
+    tp, pp, pairs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    from slimectl.megatron.parallel import init_parallel, shutdown_parallel
+
+    info = init_parallel(tp=tp, pp=pp)
+    for ckpt, hf_dir in zip(pairs[::2], pairs[1::2]):
+        compare(info, ckpt, hf_dir, tp, pp)
+    shutdown_parallel()
+
+
+def compare(info, ckpt, hf_dir, tp, pp) -> None:
+    from slimectl.megatron.checkpoint import arch_from_meta, load_megatron_checkpoint, read_checkpoint_meta
+    from slimectl.megatron.provider import build_gpt_model
+
+    meta, it_dir, _ = read_checkpoint_meta(ckpt)
+    arch = arch_from_meta(meta)
+    model = build_gpt_model(arch, meta["padded_vocab_size"], tp=tp, pp=pp, init=False).eval()
+    load_megatron_checkpoint(model, it_dir)
+    B, S = 2, 24
+    ids = torch.randint(0, arch.vocab_size, (B, S), generator=torch.Generator().manual_seed(7))
+    pos = torch.arange(S).expand(B, S)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    outputs = []
+
+    def forward_step(data_iterator, model):
+        out = model(ids, pos, None)
+
+        def collect(output_tensor, non_loss_data=False):
+            outputs.append(gather_from_tensor_model_parallel_region(output_tensor.detach()))
+            return torch.zeros(()), {}
+
+        return out, collect
+
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            seq_length=S, micro_batch_size=B, forward_only=True, collect_non_loss_data=True,
+        )
+    result = {"rank": info.rank, "tp": tp, "pp": pp, "ckpt": ckpt}
+    if info.is_last_stage and info.tp_rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref = hf(ids).logits
+        got = outputs[0][..., : arch.vocab_size]
+        result.update(max_abs_diff=(got - ref).abs().max().item(), scale=ref.abs().max().item(),
+                      padded_vocab=int(outputs[0].shape[-1]))
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""slimectl convert / export on tiny random Llama, Qwen2 and Qwen3 models (real megatron-core, gloo).
+
+One module fixture converts every family at TP=1 (one process) and at TP=2 (torchrun, 2 ranks;
+Llama through the CLI, which launches torchrun itself). The tests then check the round trip,
+logits parity at TP=1/TP=2, and resharding a TP=2 checkpoint to TP=1 and PP=2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT
+from slimectl.megatron.parallel import free_port
+
+SCRIPTS = ROOT / "tests" / "scripts"
+FAMILIES = ("llama", "qwen2", "qwen3")
+TOL = 1e-4
+
+
+def py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def torchrun(n: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return py("-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
+              "--master_port", str(free_port()), *args, timeout=timeout)
+
+
+def slimectl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "slimectl", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def results(proc: subprocess.CompletedProcess) -> list[dict]:
+    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    from slimectl.fixtures.tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for fam in FAMILIES:
+        # initializer_range 0.3 makes attention/RoPE mistakes visible in the logits; Llama's
+        # 300-token vocab is padded to 384 at TP=1 and 512 at TP=2, so padding is exercised.
+        out[fam] = build_tiny_model(fam, root / fam, initializer_range=0.3, num_layers=2,
+                                    vocab_size=300 if fam == "llama" else 512, seed=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(models, tmp_path_factory) -> dict[tuple[str, int], Path]:
+    root = tmp_path_factory.mktemp("mcore")
+    ckpts = {(fam, 1): root / f"tp1-{fam}" for fam in FAMILIES}
+    ckpts.update({(fam, 2): root / f"tp2-{fam}" for fam in FAMILIES})
+    pairs = [str(x) for fam in FAMILIES for x in (models[fam], ckpts[(fam, 1)])]
+    py(str(SCRIPTS / "convert_batch.py"), "1", "1", *pairs)
+    cli = slimectl("convert", "--hf", str(models["llama"]), "--out", str(ckpts[("llama", 2)]), "--tp", "2")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert cli.stdout.strip() == str(ckpts[("llama", 2)])
+    pairs = [str(x) for fam in ("qwen2", "qwen3") for x in (models[fam], ckpts[(fam, 2)])]
+    torchrun(2, str(SCRIPTS / "convert_batch.py"), "2", "1", *pairs)
+    return ckpts
+
+
+def test_checkpoint_layout_is_megatron_lms(converted):
+    root = converted[("qwen2", 2)]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert (root / "release" / "metadata.json").is_file() and (root / "release" / "common.pt").is_file()
+    meta = json.loads((root / "slimectl_checkpoint.json").read_text())
+    assert meta["saved_with"] == {"tp": 2, "pp": 1} and meta["arch"]["family"] == "qwen2"
+    assert {"config.json", "tokenizer.json"} <= {p.name for p in (root / "hf").iterdir()}
+    import argparse
+
+    with torch.serialization.safe_globals([argparse.Namespace]):  # plain values only: loads weights_only
+        common = torch.load(root / "release" / "common.pt", weights_only=True)
+    assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
+    assert common["args"].num_layers == 2 and common["args"].tensor_model_parallel_size == 2
+    from megatron.core import dist_checkpointing
+
+    keys = set(dist_checkpointing.load_tensors_metadata(str(root / "release")))
+    assert "decoder.layers.self_attention.linear_qkv.weight" in keys  # stacked layers, no prefix
+    assert "embedding.word_embeddings.weight" in keys
+    assert json.loads((converted[("llama", 2)] / "slimectl_checkpoint.json").read_text())["padded_vocab_size"] == 512
+    assert json.loads((converted[("llama", 1)] / "slimectl_checkpoint.json").read_text())["padded_vocab_size"] == 384
+
+
+def test_roundtrip_is_bit_exact_for_every_tensor(models, converted, tmp_path):
+    pairs, outs = [], {}
+    for key, ckpt in converted.items():
+        outs[key] = tmp_path / f"{key[0]}-tp{key[1]}"
+        pairs += [str(ckpt), str(outs[key])]
+    py(str(SCRIPTS / "export_batch.py"), *pairs)
+    for (fam, tp), out in outs.items():
+        ref = load_file(str(models[fam] / "model.safetensors"))
+        got = load_file(str(out / "model.safetensors"))
+        assert sorted(got) == sorted(ref), (fam, tp)
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), f"{fam} tp{tp}: {name} differs"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for fam in FAMILIES:
+        m = AutoModelForCausalLM.from_pretrained(outs[(fam, 2)], dtype=torch.float32)
+        assert type(m).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[fam]
+        assert AutoTokenizer.from_pretrained(outs[(fam, 2)]).encode("7+8=") == AutoTokenizer.from_pretrained(models[fam]).encode("7+8=")
+
+
+def parity_pairs(models, converted, tp_of_ckpt):
+    return [str(x) for fam in FAMILIES for x in (converted[(fam, tp_of_ckpt)], models[fam])]
+
+
+def check(res, n, tp, pp):
+    assert len(res) == n
+    for r in res:
+        assert r["tp"] == tp and r["pp"] == pp
+        assert r["max_abs_diff"] <= TOL, r
+        assert r["scale"] > 1.0  # logits large enough for a mistake to show
+
+
+def test_logits_parity_tp1(models, converted):
+    check(results(py(str(SCRIPTS / "mcore_logits.py"), "1", "1", *parity_pairs(models, converted, 1))), 3, 1, 1)
+
+
+def test_logits_parity_tp2(models, converted):
+    check(results(torchrun(2, str(SCRIPTS / "mcore_logits.py"), "2", "1", *parity_pairs(models, converted, 2))), 3, 2, 1)
+
+
+def test_tp2_checkpoint_resharded_to_tp1(models, converted):
+    check(results(py(str(SCRIPTS / "mcore_logits.py"), "1", "1", *parity_pairs(models, converted, 2))), 3, 1, 1)
+
+
+def test_tp2_checkpoint_resharded_to_pp2(models, converted):
+    check(results(torchrun(2, str(SCRIPTS / "mcore_logits.py"), "1", "2", *parity_pairs(models, converted, 2))), 3, 1, 2)
+
+
+def test_export_cli_and_dtype(converted, tmp_path):
+    out = tmp_path / "bf16"
+    res = slimectl("export", "--checkpoint", str(converted[("qwen3", 1)]), "--out", str(out), "--dtype", "bf16",
+                   "--max-shard-size", "40KB")
+    assert res.returncode == 0, res.stderr[-2000:]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).is_file() for s in shards)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(out)
+    assert next(m.parameters()).dtype == torch.bfloat16
+    again = slimectl("export", "--checkpoint", str(converted[("qwen3", 1)]), "--out", str(out))
+    assert again.returncode == 2 and "--force" in again.stderr
+
+
+def test_convert_and_export_through_the_run_directory(models, tmp_path):
+    run = tmp_path / "run"
+    init = slimectl("init", str(run), "--set", f"model.path={models['qwen2']}")
+    assert init.returncode == 0, init.stderr
+    res = slimectl("convert", "-r", str(run))
+    assert res.returncode == 0, res.stderr[-2000:]
+    from slimectl.rundir import RunDir
+
+    r = RunDir.open(run)
+    art = r.checkpoints.get(0, verify="full")
+    assert art.meta["source"] == "convert" and art.meta["tp"] == 1
+    assert "release/metadata.json" in art.files and "slimectl_checkpoint.json" in art.files
+    again = slimectl("convert", "-r", str(run))
+    assert again.returncode == 2 and "already exists" in again.stderr
+    exp = slimectl("export", "-r", str(run))
+    assert exp.returncode == 0, exp.stderr[-2000:]
+    w = r.weights.get(0, verify="full")
+    assert w.meta["source"] == "export"
+    ref = load_file(str(models["qwen2"] / "model.safetensors"))
+    got = load_file(str(w.file("model.safetensors")))
+    assert all(torch.equal(got[k], ref[k]) for k in ref) and sorted(got) == sorted(ref)
+    assert not list((run / ".staging").iterdir())
