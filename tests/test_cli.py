@@ -62,12 +62,6 @@ def test_unlanded_stage_says_so_and_exits_1(cli, run_dir, stage):
     assert "not available yet" in res.output and "Traceback" not in res.output
 
 
-@pytest.mark.parametrize("stage", ["convert", "export"])
-def test_unlanded_converters_exit_1(cli, stage):
-    res = cli(stage)
-    assert res.exit_code == 1 and "not available yet" in res.output
-
-
 def test_stage_dry_run_prints_overridden_config(cli, run_dir):
     import yaml
 
