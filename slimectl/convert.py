@@ -140,6 +140,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path | None = None, tp
         n = sum(1 for _ in model.parameters())
         with bar(total=n, mode=progress if info.rank == 0 else "off", desc="convert", unit="tensor") as pbar:
             load_hf_into_model(model, arch, hf, padded, info.tp_rank, info.tp, progress=pbar)
+        hf.close()
         num_params = sum(p.numel() for p in model.parameters())
         if run is not None:
             result_dir = _save_into_run(run, model, arch, padded, dtype, tp, pp, hf_dir, force, info)

@@ -118,6 +118,25 @@ def model_to_hf_tensors(model, arch: ModelArch, tp_group=None) -> Iterator[tuple
 # ----------------------------------------------------------------------------- torch_dist save/load
 
 
+def _use_in_process_results_queue() -> None:
+    """Make megatron's *synchronous* torch_dist save collect writer results on a plain queue.
+
+    megatron-core creates a ``multiprocessing.Manager`` (a spawned server process) the first
+    time a process saves, so that an asynchronous checkpoint worker could report back; the
+    server then imports torch to unpickle the results. That costs ~2 s per process on 2 CPU
+    cores — more than writing a 100M-parameter model. slimectl only saves synchronously: the
+    results are put and taken by this very process (the forked writers report on a queue of
+    their own), so a plain thread-safe queue does the job. Left alone if megatron has already
+    created its queue.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if getattr(fa, "_results_queue", "missing") is None:
+        fa._results_queue = queue.Queue()
+
+
 def _sharded_state_dict(model) -> dict[str, Any]:
     return model.sharded_state_dict(prefix="")
 
@@ -147,6 +166,7 @@ def save_megatron_checkpoint(model, root: str | Path, iteration: int | str, arch
         state["args"] = args
     if extra_state:
         state.update(extra_state)
+    _use_in_process_results_queue()
     dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA)
     dist.barrier()
     if dist.get_rank() == 0:

@@ -68,6 +68,10 @@ class HFCheckpoint:
                 if self._where.get(name) != f:
                     raise HFCheckpointError(f"{INDEX} says {name} is in {f}, but that shard does not hold it")
 
+    def close(self) -> None:
+        """Drop the memory-mapped shard handles (their pages stop counting against this process)."""
+        self._handles.clear()
+
     def names(self) -> list[str]:
         return sorted(self._where)
 
