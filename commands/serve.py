@@ -1,19 +1,47 @@
-"""``slimectl serve``: Start inference engines (embedded CPU engine or SGLang) and register them."""
+"""``slimectl serve``: start inference engines (embedded CPU engine or SGLang) and register them."""
 
 from __future__ import annotations
 
 import click
 
 from slimectl.commands._options import stage_options
-from slimectl.commands._stage import stage_config_or_unavailable
 
 
 @click.command("serve", short_help="Start inference engines (embedded CPU engine or SGLang) and register them.")
 @stage_options
+@click.option("--backend", type=click.Choice(["embedded", "sglang", "external"]),
+              help="Engine backend (default: the run's engine.backend).")
+@click.option("--num-engines", type=click.IntRange(min=1), help="How many engines to start.")
+@click.option("--engine-url", "engine_urls", multiple=True, metavar="URL",
+              help="Register a server started elsewhere (repeatable; implies --backend external).")
+@click.option("--host", help="Interface to bind (default 127.0.0.1: loopback only).")
+@click.option("--port", type=click.IntRange(0, 65535), help="First port (0: pick free ports).")
 @click.pass_context
-def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool) -> None:
-    """Start inference engines (embedded CPU engine or SGLang) and register them.
+def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool, backend: str | None,
+              num_engines: int | None, engine_urls: tuple[str, ...], host: str | None, port: int | None) -> None:
+    """Start engines, wait until each answers /health_generate, record them in RUN/engines/, print
+    their URLs on stdout, and keep them up until Ctrl-C/SIGTERM (then stop them, leaving no orphans).
 
-    Reads the run's frozen config; --set may override this stage's own sections.
+    \b
+    Examples:
+      slimectl serve -r runs/a                       # embedded engines on CPU
+      slimectl serve -r runs/a --backend sglang --set engine.gpu_ids=[0,1] --num-engines 2
+      slimectl serve -r runs/a --engine-url http://10.0.0.5:30000
     """
-    stage_config_or_unavailable(ctx, "serve", run_dir, overrides, dry_run, issue=4)
+    from slimectl.commands._options import resolve_run_dir
+    from slimectl.rundir import RunDir
+    from slimectl.serve import serve
+
+    sets = list(overrides)
+    for key, value in (("backend", backend), ("num_engines", num_engines), ("host", host), ("port", port)):
+        if value is not None:
+            sets.append(f"engine.{key}={value}")
+    if engine_urls:
+        sets.append("engine.backend=external")
+    run = RunDir.open(resolve_run_dir(ctx, run_dir))
+    cfg = run.stage_config("serve", sets)
+    if dry_run:
+        click.echo(cfg.to_yaml(), nl=False)
+        return
+    run.save_stage_config("serve", cfg)
+    serve(run, cfg, engine_urls, announce=lambda url: click.echo(url))

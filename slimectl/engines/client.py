@@ -1,0 +1,223 @@
+"""Async client for the subset of SGLang's HTTP API that slimectl uses (real SGLang or embedded).
+
+Every failure raises :class:`EngineError` naming the engine URL, the endpoint and the reason.
+Connection failures are retried with exponential backoff; HTTP errors are not (the request
+reached the engine and it said no).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+
+from slimectl.errors import SlimectlError
+
+log = logging.getLogger("slimectl.client")
+
+
+class EngineError(SlimectlError):
+    """An engine could not be reached or refused a request."""
+
+    def __init__(self, message: str, status: int | None = None, url: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.url = url
+
+
+class EngineClient:
+    """``async with EngineClient(url) as c: await c.generate(...)``."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 600.0, retries: int = 3,
+                 backoff: float = 0.5, session: aiohttp.ClientSession | None = None):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self._session = session
+        self._own_session = session is None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
+                      expect_json: bool = True) -> Any:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        attempt = 0
+        while True:
+            try:
+                async with self._sess().request(
+                    method, self.url + path, json=body if body is not None or method == "POST" else None,
+                    headers=headers, timeout=aiohttp.ClientTimeout(total=timeout or self.timeout),
+                ) as resp:
+                    raw = await resp.read()
+                    if resp.status >= 400:
+                        raise EngineError(
+                            f"engine {self.url}: {method} {path} failed with HTTP {resp.status}: {_reason(raw)}",
+                            status=resp.status, url=self.url,
+                        )
+                    if not expect_json:
+                        return raw.decode("utf-8", errors="replace")
+                    if not raw.strip():
+                        return None
+                    try:
+                        import json
+
+                        return json.loads(raw)
+                    except ValueError:
+                        raise EngineError(f"engine {self.url}: {method} {path} returned non-JSON: {raw[:200]!r}",
+                                          status=resp.status, url=self.url) from None
+            except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+                attempt += 1
+                if attempt > self.retries:
+                    raise EngineError(
+                        f"engine {self.url} is unreachable ({type(exc).__name__}: {exc}) after {attempt} attempts; "
+                        f"is it running? (`slimectl status` lists engines and their health)",
+                        url=self.url,
+                    ) from None
+                delay = self.backoff * 2 ** (attempt - 1)
+                log.warning("engine %s: %s on %s %s; retrying in %.1f s", self.url, type(exc).__name__, method, path, delay)
+                await asyncio.sleep(delay)
+            except asyncio.TimeoutError:
+                raise EngineError(f"engine {self.url}: {method} {path} timed out after {timeout or self.timeout:g} s",
+                                  url=self.url) from None
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, input_ids: list[int] | None = None, text: str | None = None,
+                       sampling_params: dict[str, Any] | None = None, return_logprob: bool = False,
+                       logprob_start_len: int | None = None, rid: str | None = None, **extra: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {"sampling_params": sampling_params or {}, "stream": False}
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        if text is not None:
+            body["text"] = text
+        if return_logprob:
+            body["return_logprob"] = True
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = logprob_start_len
+        if rid is not None:
+            body["rid"] = rid
+        body.update(extra)
+        return await self.request("POST", "/generate", body)
+
+    async def health(self, timeout: float = 5.0) -> bool:
+        try:
+            await self.request("GET", "/health", timeout=timeout, expect_json=False)
+            return True
+        except EngineError:
+            return False
+
+    async def health_generate(self, timeout: float = 60.0) -> None:
+        await self.request("GET", "/health_generate", timeout=timeout, expect_json=False)
+
+    async def wait_healthy(self, timeout: float = 600.0, interval: float = 0.5) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        last = None
+        while loop.time() < deadline:
+            try:
+                await self.request("GET", "/health_generate", timeout=min(60.0, timeout), expect_json=False)
+                return
+            except EngineError as exc:
+                last = exc
+            await asyncio.sleep(interval)
+        raise EngineError(f"engine {self.url} did not become healthy within {timeout:g} s ({last})", url=self.url)
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self.request("GET", "/get_model_info")
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self.request("GET", "/get_server_info")
+
+    async def weight_version(self) -> str:
+        return (await self.get_model_info())["weight_version"]
+
+    async def loads(self) -> dict[str, Any]:
+        return await self.request("GET", "/v1/loads")
+
+    # ------------------------------------------------------------------ control
+    async def flush_cache(self) -> str:
+        return await self.request("POST", "/flush_cache", expect_json=False)
+
+    async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        return await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return await self.request("POST", "/continue_generation", {})
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        body: dict[str, Any] = {"abort_all": True} if abort_all else {"rid": rid}
+        await self.request("POST", "/abort_request", body, expect_json=False)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return await self.request("POST", "/release_memory_occupation", {"tags": tags} if tags else {})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return await self.request("POST", "/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    # ------------------------------------------------------------------ weights
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       abort_all_requests: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if abort_all_requests:
+            body["abort_all_requests"] = True
+        return await self.request("POST", "/update_weights_from_disk", body)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> dict[str, Any]:
+        return await self.request("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        })
+
+    async def begin_weight_update(self) -> dict[str, Any]:
+        return await self.request("POST", "/begin_weight_update", {})
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        return await self.request("POST", "/end_weight_update", {})
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, weight_version: str | None = None,
+                                              flush_cache: bool = True) -> dict[str, Any]:
+        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self.request("POST", "/update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+
+def _reason(raw: bytes) -> str:
+    import json
+
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", errors="replace")[:300] or "(empty body)"
+    if isinstance(body, dict):
+        if isinstance(body.get("error"), dict) and "message" in body["error"]:
+            return str(body["error"]["message"])
+        for key in ("message", "detail", "error"):
+            if key in body:
+                return str(body[key])
+    return json.dumps(body)[:300]

@@ -1,0 +1,50 @@
+"""The weight-update process group between a trainer (rank 0) and engine ranks.
+
+SGLang's ``/init_weights_update_group`` joins a *custom* process group: a TCP rendezvous at
+``master_address:master_port`` whose store is prefixed with the group name, built without
+touching the default process group (trainer and engines each have their own default group,
+or none). This module builds the same group with plain torch, so the trainer side (``sync``)
+and our embedded engine interoperate with real SGLang servers: NCCL on GPUs, gloo on CPUs.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def init_custom_process_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                              backend: str = "gloo", timeout_s: float = 600.0):
+    """Join (as ``rank``) the group named ``group_name``; blocks until all ``world_size`` ranks joined."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+    from torch.distributed.rendezvous import rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_group(pg) -> None:
+    try:
+        dist.destroy_process_group(pg)
+    except Exception:  # a group whose peer died cannot always be torn down cleanly
+        pass
