@@ -43,6 +43,20 @@ ADMIN_PATHS = {
 }
 
 
+# SGLang 0.5.23 reports its embedding-mode capabilities in /model_info; a generation-only engine
+# reports them all off, with the same field names and types.
+EMBEDDING_INFO = {
+    "family": "none", "task": "none", "execution": "none", "attention": "none", "pooling": "model_defined",
+    "normalize": False, "postprocessor": "none", "tokenizer_special_tokens": "model_default",
+    "supports_dimensions": False, "supports_token_embeddings": False, "supports_multimodal": False,
+    "requires_embedding_flag": False, "auto_enable_embedding": False, "bcg_eligibility": "disabled",
+    "safe_disable_kv_cache": False, "safe_disable_radix_cache": False, "safe_disable_chunked_prefill": False,
+    "enabled": False, "matryoshka_dimensions": [],
+    "bcg": {"prefill_backend": "disabled", "enabled": False, "capture_token_budget": 0, "capture_batch_sizes": []},
+    "cache": {"kv_cache_disabled": False, "radix_cache_disabled": True, "chunked_prefill_disabled": True},
+}
+
+
 class BadRequest(Exception):
     pass
 
@@ -162,8 +176,14 @@ class EmbeddedEngine:
             "preferred_sampling_params": None,
             "weight_version": self.runner.weight_version,
             "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
             "model_type": info.get("model_type"),
             "architectures": info.get("architectures"),
+            "embedding": EMBEDDING_INFO,
         }
 
     async def model_info(self, request: web.Request) -> web.Response:

@@ -1,0 +1,105 @@
+"""slimectl serve: embedded engines as supervised children, registered in the run dir, torn down on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from slimectl.rundir import RunDir
+
+
+def start_serve(run: RunDir, *args: str) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "serve", "-r", str(run.path), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    urls = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        urls.append(line.strip())
+        if len(urls) == expected_engines(args):
+            return proc, urls
+    proc.kill()
+    raise AssertionError(f"serve did not announce its engines: {urls} {proc.stderr.read()[-3000:]}")
+
+
+def expected_engines(args) -> int:
+    if "--engine-url" in args:
+        return list(args).count("--engine-url")
+    return int(args[list(args).index("--num-engines") + 1]) if "--num-engines" in args else 1
+
+
+@pytest.fixture
+def tiny_run(tmp_path, cli):
+    res = cli("init", tmp_path / "run", "--tiny-model", "qwen2")
+    assert res.exit_code == 0, res.output
+    return RunDir.open(tmp_path / "run")
+
+
+def test_serve_two_embedded_engines_register_and_clean_up(tiny_run, cli):
+    proc, urls = start_serve(tiny_run, "--num-engines", "2")
+    try:
+        assert all(u.startswith("http://127.0.0.1:") for u in urls) and len(set(urls)) == 2
+        recs = tiny_run.engines.list()
+        assert sorted(r.url for r in recs) == sorted(urls)
+        assert all(r.backend == "embedded" and r.weight_version == "0" and r.alive() for r in recs)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2
+        st = json.loads(cli("status", "-r", tiny_run.path, "--json").output)
+        assert [e["health"] for e in st["engines"]] == ["ok", "ok"]
+        assert st["running"]["serve"]["stale"] is False
+        for i in range(2):
+            assert (tiny_run.path / "logs" / f"engine-{i}.log").stat().st_size > 0
+        second = subprocess.run([sys.executable, "-m", "slimectl", "serve", "-r", str(tiny_run.path)],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and "already running" in second.stderr  # one serve per run dir
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]
+    assert tiny_run.engines.list() == []
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_serve_registers_external_engines_and_checks_their_health(tiny_run, tmp_path, cli):
+    proc, urls = start_serve(tiny_run)
+    try:
+        other = cli("init", tmp_path / "other", "--set", f"model.path={tiny_run.config().model.path}")
+        assert other.exit_code == 0
+        other_run = RunDir.open(tmp_path / "other")
+        ext, ext_urls = start_serve(other_run, "--engine-url", urls[0])
+        try:
+            (rec,) = other_run.engines.list()
+            assert rec.url == urls[0] and rec.backend == "external" and rec.pid is None and rec.weight_version == "0"
+        finally:
+            ext.send_signal(signal.SIGTERM)
+            ext.wait(timeout=30)
+        assert other_run.engines.list() == []
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def test_serve_fails_cleanly_on_a_dead_external_engine(tiny_run):
+    res = subprocess.run([sys.executable, "-m", "slimectl", "serve", "-r", str(tiny_run.path), "--engine-url",
+                          "http://127.0.0.1:9", "--set", "engine.startup_timeout_s=2"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "http://127.0.0.1:9" in res.stderr and "Traceback" not in res.stderr
+    assert tiny_run.engines.list() == []
+
+
+def test_serve_refuses_a_missing_model(tmp_path, cli, fake_model):
+    cli("init", tmp_path / "r", "--set", f"model.path={fake_model}")
+    res = subprocess.run([sys.executable, "-m", "slimectl", "serve", "-r", str(tmp_path / "r"),
+                          "--set", "engine.startup_timeout_s=30"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "engine-0" in res.stderr and "engine-0.log" in res.stderr
+    assert RunDir.open(tmp_path / "r").engines.list() == []
