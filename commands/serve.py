@@ -7,7 +7,8 @@ import click
 from slimectl.commands._options import stage_options
 
 
-@click.command("serve", short_help="Start inference engines (embedded CPU engine or SGLang) and register them.")
+@click.command("serve", short_help="Start inference engines (embedded CPU engine or SGLang) and register them.",
+               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @stage_options
 @click.option("--backend", type=click.Choice(["embedded", "sglang", "external"]),
               help="Engine backend (default: the run's engine.backend).")
@@ -16,9 +17,12 @@ from slimectl.commands._options import stage_options
               help="Register a server started elsewhere (repeatable; implies --backend external).")
 @click.option("--host", help="Interface to bind (default 127.0.0.1: loopback only).")
 @click.option("--port", type=click.IntRange(0, 65535), help="First port (0: pick free ports).")
+@click.option("--sglang-python", type=click.Path(dir_okay=False),
+              help="Interpreter that has sglang installed (sglang pins its own torch).")
 @click.pass_context
 def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool, backend: str | None,
-              num_engines: int | None, engine_urls: tuple[str, ...], host: str | None, port: int | None) -> None:
+              num_engines: int | None, engine_urls: tuple[str, ...], host: str | None, port: int | None,
+              sglang_python: str | None) -> None:
     """Start engines, wait until each answers /health_generate, record them in RUN/engines/, print
     their URLs on stdout, and keep them up until Ctrl-C/SIGTERM (then stop them, leaving no orphans).
 
@@ -27,12 +31,22 @@ def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
       slimectl serve -r runs/a                       # embedded engines on CPU
       slimectl serve -r runs/a --backend sglang --set engine.gpu_ids=[0,1] --num-engines 2
       slimectl serve -r runs/a --engine-url http://10.0.0.5:30000
+      slimectl serve -r runs/a --backend sglang --sglang-context-length 4096 --sglang-enable-dp-attention
+
+    Any --sglang-FLAG [VALUE] is passed to sglang.launch_server as --FLAG [VALUE].
     """
     from slimectl.commands._options import resolve_run_dir
     from slimectl.rundir import RunDir
     from slimectl.serve import serve
 
     sets = list(overrides)
+    passthrough = parse_sglang_passthrough(ctx.args)
+    if passthrough:
+        import json
+
+        sets.append(f"engine.sglang_args={json.dumps(passthrough)}")
+    if sglang_python:
+        sets.append(f"engine.sglang_python={sglang_python}")
     for key, value in (("backend", backend), ("num_engines", num_engines), ("host", host), ("port", port)):
         if value is not None:
             sets.append(f"engine.{key}={value}")
@@ -45,3 +59,29 @@ def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
         return
     run.save_stage_config("serve", cfg)
     serve(run, cfg, engine_urls, announce=lambda url: click.echo(url))
+
+
+def parse_sglang_passthrough(args: list[str]) -> dict:
+    """``--sglang-context-length 4096 --sglang-enable-dp-attention`` -> {"context_length": 4096, "enable_dp_attention": True}."""
+    import yaml
+
+    from slimectl.errors import UsageError
+
+    out: dict = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--sglang-") or a == "--sglang-":
+            raise UsageError(f"unexpected argument {a!r}; only --sglang-FLAG [VALUE] pass-through options are accepted")
+        key, _, inline = a[len("--sglang-"):].partition("=")
+        key = key.replace("-", "_")
+        if inline:
+            out[key] = yaml.safe_load(inline)
+            i += 1
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out[key] = yaml.safe_load(args[i + 1])
+            i += 2
+        else:
+            out[key] = True
+            i += 1
+    return out

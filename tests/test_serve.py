@@ -103,3 +103,30 @@ def test_serve_refuses_a_missing_model(tmp_path, cli, fake_model):
                           "--set", "engine.startup_timeout_s=30"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "engine-0" in res.stderr and "engine-0.log" in res.stderr
     assert RunDir.open(tmp_path / "r").engines.list() == []
+
+
+def test_sglang_passthrough_flags_reach_the_config(cli, run_dir):
+    import yaml
+
+    res = cli("serve", "-r", run_dir.path, "--backend", "sglang", "--sglang-context-length", "4096",
+              "--sglang-enable-dp-attention", "--sglang-python", "/opt/sg/bin/python", "--dry-run")
+    assert res.exit_code == 0, res.output
+    eng = yaml.safe_load(res.output)["engine"]
+    assert eng["backend"] == "sglang" and eng["sglang_python"] == "/opt/sg/bin/python"
+    assert eng["sglang_args"] == {"context_length": 4096, "enable_dp_attention": True}
+    bad = cli("serve", "-r", run_dir.path, "--bogus", "--dry-run")
+    assert bad.exit_code == 2 and "--bogus" in bad.output
+
+
+def test_sglang_backend_argv_from_the_run_config(run_dir):
+    from slimectl.config import build_config
+    from slimectl.serve import EngineGroup
+
+    data = run_dir.config().to_dict()
+    data["engine"].update(backend="sglang", tp_size=2, gpu_ids=[0, 1, 2, 3], sglang_args={"context_length": 4096})
+    group = EngineGroup(run_dir, build_config(data))
+    argv, env, secrets = group._launch_argv(1, 30001)
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--port") + 1] == "30001"
+    assert argv[argv.index("--context-length") + 1] == "4096" and argv[argv.index("--weight-version") + 1] == "0"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and secrets == []
