@@ -1,0 +1,90 @@
+"""Group reward post-processing (slime: ``slime/ray/rollout.py::RolloutManager._post_process_rewards``).
+
+slime, per rollout, for ``--advantage-estimator`` in {grpo, gspo, cispo,
+reinforce_plus_plus_baseline} with rewards normalization on (``--disable-rewards-normalization``
+turns it off)::
+
+    R = tensor(raw).reshape(-1, n_samples_per_prompt)      # one row per prompt group
+    R = R - R.mean(-1, keepdim=True)
+    if estimator in {grpo, gspo, cispo} and grpo_std_normalization:
+        R = R / (R.std(-1, keepdim=True) + 1e-6)            # torch.std: unbiased (N-1)
+    rewards = R.flatten()
+
+``--disable-grpo-std-normalization`` drops the std division, and slime forces it off when
+``n_samples_per_prompt == 1`` (the unbiased std of one element is nan). When the sample count is
+not ``n * rollout_batch_size`` slime falls back to one group of everything; here pass
+``n_samples_per_prompt=None`` for that.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import torch
+
+RewardNormMode = Literal["group_mean_std", "group_mean", "none"]
+REWARD_NORM_MODES: tuple[str, ...] = ("group_mean_std", "group_mean", "none")
+GRPO_STD_EPS = 1e-6
+
+
+def normalize_group_rewards(
+    rewards: torch.Tensor | Sequence[float],
+    n_samples_per_prompt: int | None = None,
+    mode: RewardNormMode = "group_mean_std",
+    eps: float = GRPO_STD_EPS,
+) -> torch.Tensor:
+    """Normalize rewards within each prompt group.
+
+    ``rewards``: ``[num_groups * n]`` (give ``n_samples_per_prompt``; ``None`` means one single
+    group) or ``[num_groups, n]`` (the last dim is the group). The result has the input's shape.
+
+    * ``"group_mean_std"``: ``(r - mean_g) / (std_g + eps)`` with the unbiased std; for groups of
+      one sample the std division is skipped (slime forces it off), leaving ``r - r = 0``.
+    * ``"group_mean"``: ``r - mean_g`` (also the REINFORCE++-baseline baseline).
+    * ``"none"``: rewards returned unchanged (as float).
+    """
+    r = torch.as_tensor(rewards)
+    if not r.is_floating_point():
+        r = r.float()
+    if mode not in REWARD_NORM_MODES:
+        raise ValueError(f"unknown reward normalization mode {mode!r}; expected one of {REWARD_NORM_MODES}")
+    if mode == "none":
+        return r.clone()
+    shape = r.shape
+    if r.dim() == 1:
+        n = r.numel() if n_samples_per_prompt is None else int(n_samples_per_prompt)
+        if n <= 0 or r.numel() % n != 0:
+            raise ValueError(f"{r.numel()} rewards cannot be split into groups of {n_samples_per_prompt}")
+        groups = r.reshape(-1, n)
+    elif r.dim() == 2:
+        if n_samples_per_prompt is not None and r.shape[-1] != n_samples_per_prompt:
+            raise ValueError(f"rewards {tuple(r.shape)} do not have groups of {n_samples_per_prompt}")
+        groups = r
+    else:
+        raise ValueError(f"rewards must be 1-D or 2-D, got shape {tuple(shape)}")
+    out = groups - groups.mean(-1, keepdim=True)
+    if mode == "group_mean_std" and groups.shape[-1] > 1:
+        out = out / (out.std(-1, keepdim=True) + eps)
+    return out.reshape(shape)
+
+
+def reward_norm_mode_for(
+    advantage_estimator: str,
+    rewards_normalization: bool = True,
+    grpo_std_normalization: bool = True,
+    n_samples_per_prompt: int = 1,
+) -> RewardNormMode:
+    """Which normalization slime applies for an estimator and its flags.
+
+    ``rewards_normalization`` = not ``--disable-rewards-normalization``;
+    ``grpo_std_normalization`` = not ``--disable-grpo-std-normalization``.
+    """
+    if not rewards_normalization:
+        return "none"
+    if advantage_estimator in ("grpo", "gspo", "cispo"):
+        if grpo_std_normalization and n_samples_per_prompt > 1:
+            return "group_mean_std"
+        return "group_mean"
+    if advantage_estimator == "reinforce_plus_plus_baseline":
+        return "group_mean"
+    return "none"

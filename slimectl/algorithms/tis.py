@@ -1,0 +1,104 @@
+"""Truncated importance sampling for the train/inference mismatch (slime:
+``slime/backends/megatron_utils/loss.py::vanilla_tis_function``, ``--use-tis``,
+``--get-mismatch-metrics``).
+
+The rollout engine (SGLang) and the trainer (Megatron) compute slightly different log-probs for
+the same tokens. With ``old_lp`` the trainer's old-policy log-probs and ``rollout_lp`` the
+engine's, per token::
+
+    tis          = exp(old_lp - rollout_lp)                   # pi_train_old / pi_rollout
+    tis_weights  = clamp(tis, tis_clip_low, tis_clip)          # defaults 0 and 2.0
+    tis_clipfrac = (tis_weights != tis)
+    tis_abs      = |tis - 1|
+    pg_loss      = pg_loss * tis_weights                       # before reduction
+
+The weights carry no gradient (slime builds them from stored / detached log-probs).
+``train_rollout_logprob_abs_diff = reduce(|train_lp - rollout_lp|)`` is the headline mismatch
+metric; here two KL estimates of ``KL(pi_rollout || pi_train)`` are reported too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slimectl.algorithms.kl import compute_approx_kl
+from slimectl.algorithms.reduce import ReductionMode, masked, reduce_masked
+
+DEFAULT_TIS_CLIP = 2.0
+DEFAULT_TIS_CLIP_LOW = 0.0
+
+
+@dataclass
+class TISOutput:
+    """Per-token TIS quantities (``[B, T]``, 0 where ``mask == 0``)."""
+
+    weights: torch.Tensor  # clamp(tis, low, high), detached
+    tis: torch.Tensor  # raw ratio exp(old_lp - rollout_lp)
+    clipfrac: torch.Tensor  # 1.0 where the clamp changed the ratio
+    tis_abs: torch.Tensor  # |tis - 1|
+    mask: torch.Tensor
+
+    def metrics(self, reduction: ReductionMode = "sample_mean") -> dict[str, torch.Tensor]:
+        """slime's ``tis``, ``tis_clipfrac``, ``tis_abs`` metrics, reduced."""
+        return {
+            "tis": reduce_masked(self.tis, self.mask, reduction),
+            "tis_clipfrac": reduce_masked(self.clipfrac, self.mask, reduction),
+            "tis_abs": reduce_masked(self.tis_abs, self.mask, reduction),
+        }
+
+
+def compute_tis_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    tis_clip: float = DEFAULT_TIS_CLIP,
+    tis_clip_low: float = DEFAULT_TIS_CLIP_LOW,
+) -> TISOutput:
+    """Vanilla token-level TIS weights (see the module docstring)."""
+    if tis_clip_low > tis_clip:
+        raise ValueError(f"tis_clip_low {tis_clip_low} > tis_clip {tis_clip}")
+    with torch.no_grad():
+        log_ratio = masked(old_log_probs.detach() - rollout_log_probs.detach().to(old_log_probs.dtype), mask)
+        tis = log_ratio.exp()
+        weights = tis.clamp(min=tis_clip_low, max=tis_clip)
+        clipfrac = (weights != tis).to(tis.dtype)
+        return TISOutput(
+            weights=masked(weights, mask),
+            tis=masked(tis, mask),
+            clipfrac=masked(clipfrac, mask),
+            tis_abs=masked((tis - 1).abs(), mask),
+            mask=mask,
+        )
+
+
+def apply_tis(pg_loss: torch.Tensor, weights: torch.Tensor | TISOutput) -> torch.Tensor:
+    """``pg_loss * weights`` per token (apply before reducing)."""
+    w = weights.weights if isinstance(weights, TISOutput) else weights
+    return pg_loss * w.detach()
+
+
+def mismatch_metrics(
+    train_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    reduction: ReductionMode = "sample_mean",
+    tis_clip: float = DEFAULT_TIS_CLIP,
+    tis_clip_low: float = DEFAULT_TIS_CLIP_LOW,
+) -> dict[str, torch.Tensor]:
+    """Train-vs-rollout mismatch metrics (detached scalars).
+
+    * ``train_rollout_logprob_abs_diff``: ``reduce(|train_lp - rollout_lp|)`` (slime's name);
+    * ``tis``, ``tis_clipfrac``, ``tis_abs``: as :class:`TISOutput`;
+    * ``mismatch_kl_k1`` / ``mismatch_kl_k3``: ``reduce(approx_kl(rollout_lp, train_lp))``, estimates
+      of ``KL(pi_rollout || pi_train)`` from the rollout's own samples.
+    """
+    with torch.no_grad():
+        t = train_log_probs.detach()
+        r = rollout_log_probs.detach().to(t.dtype)
+        out = {"train_rollout_logprob_abs_diff": reduce_masked(masked(t - r, mask).abs(), mask, reduction)}
+        out.update(compute_tis_weights(t, r, mask, tis_clip, tis_clip_low).metrics(reduction))
+        out["mismatch_kl_k1"] = reduce_masked(compute_approx_kl(r, t, "k1", mask=mask), mask, reduction)
+        out["mismatch_kl_k3"] = reduce_masked(compute_approx_kl(r, t, "k3", mask=mask), mask, reduction)
+        return out
