@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "sync": "slimectl.commands.sync:sync_cmd",
     "export": "slimectl.commands.export:export_cmd",
     "rl": "slimectl.commands.rl:rl_cmd",
+    "inspect": "slimectl.commands.inspect:inspect_cmd",
 }
 
 DEBUG_ENV = "SLIMECTL_DEBUG"

@@ -1,19 +1,44 @@
-"""``slimectl rollout``: Generate and score one rollout into the run directory."""
+"""``slimectl rollout``: generate and score one rollout into the run directory."""
 
 from __future__ import annotations
 
 import click
 
-from slimectl.commands._options import stage_options
-from slimectl.commands._stage import stage_config_or_unavailable
+from slimectl.commands._options import force_option, resolve_run_dir, stage_options
 
 
 @click.command("rollout", short_help="Generate and score one rollout into the run directory.")
 @stage_options
+@click.option("--id", "rollout_id", type=click.IntRange(min=0), help="Rollout id to produce.")
+@click.option("--next", "next_", is_flag=True, help="Produce the next rollout id (the default).")
+@click.option("--engine-url", "engine_urls", multiple=True, metavar="URL",
+              help="Use these engines instead of the registered ones (repeatable).")
+@click.option("--skip-bad-rows", is_flag=True, default=None, help="Skip (and count) malformed dataset rows.")
+@force_option("Regenerate a rollout that is already published.")
 @click.pass_context
-def rollout_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool) -> None:
-    """Generate and score one rollout into the run directory.
+def rollout_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool,
+                rollout_id: int | None, next_: bool, engine_urls: tuple[str, ...], skip_bad_rows: bool | None,
+                force: bool) -> None:
+    """Generate one rollout on the registered engines (prompts x n samples, rewards, filters) and
+    publish it as RUN/rollouts/N. Prints the artifact path.
 
-    Reads the run's frozen config; --set may override this stage's own sections.
+    \b
+    Examples:
+      slimectl rollout -r runs/a --next
+      slimectl rollout -r runs/a --id 3 --force --set rollout.temperature=0.8
     """
-    stage_config_or_unavailable(ctx, "rollout", run_dir, overrides, dry_run, issue=5)
+    from slimectl.errors import UsageError
+    from slimectl.rundir import RunDir
+
+    if rollout_id is not None and next_:
+        raise UsageError("pass either --id N or --next, not both")
+    run = RunDir.open(resolve_run_dir(ctx, run_dir))
+    cfg = run.stage_config("rollout", overrides)
+    if dry_run:
+        click.echo(cfg.to_yaml(), nl=False)
+        return
+    run.save_stage_config("rollout", cfg)
+    from slimectl.rollout.stage import run_rollout
+
+    result = run_rollout(run, cfg, rollout_id, engine_urls, force=force, skip_bad_rows=skip_bad_rows)
+    click.echo(str(result.path))

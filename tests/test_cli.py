@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, run_py
 from slimectl.commands.cli import COMMANDS, cli as root
 
-EXPECTED = ["init", "status", "convert", "serve", "rollout", "train", "sync", "export", "rl"]
+EXPECTED = ["init", "status", "convert", "serve", "rollout", "train", "sync", "export", "rl", "inspect"]
 
 
 def test_command_table_is_complete_and_importable():
@@ -55,7 +55,7 @@ def test_console_script_and_python_m_agree():
     assert a.stdout.startswith("slimectl, version ")
 
 
-@pytest.mark.parametrize("stage", ["rollout", "train", "sync"])
+@pytest.mark.parametrize("stage", ["train", "sync"])
 def test_unlanded_stage_says_so_and_exits_1(cli, run_dir, stage):
     res = cli(stage, "-r", run_dir.path)
     assert res.exit_code == 1

@@ -1,0 +1,1 @@
+"""Rollout stage: generation and reward computation (never imports slimectl.train)."""

@@ -1,0 +1,194 @@
+"""slimectl rollout end to end on real embedded engines (subprocesses) with a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from slimectl.rundir import EngineRecord, RunDir
+from slimectl.samples import SAMPLES_FILE, Status, read_samples
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_engine(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded", "--model-path", str(model),
+                             "--port", str(port), "--weight-version", "0"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(urls):
+    import asyncio
+
+    from slimectl.engines.client import EngineClient
+
+    async def go():
+        for u in urls:
+            async with EngineClient(u, retries=0) as c:
+                await c.wait_healthy(timeout=120, interval=0.2)
+
+    asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from slimectl.fixtures.tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("rollout")
+    model = build_tiny_model("qwen2", root / "model", seed=5)
+    data = root / "arith.jsonl"
+    data.write_text("".join(json.dumps({"input": f"What is {a} + {b}?", "label": str(a + b), "metadata": {"a": a}}) + "\n"
+                            for a, b in [(i, 2 * i + 1) for i in range(12)]))
+    engines = [start_engine(model, root / f"e{i}.log") for i in range(2)]
+    wait_healthy([u for _, u in engines])
+    yield {"model": model, "data": data, "engines": engines, "root": root}
+    for p, _ in engines:
+        p.kill()
+        p.wait()
+
+
+def make_run(tmp_path, setup, cli, *sets):
+    res = cli("init", tmp_path / "run", "--set", f"model.path={setup['model']}", "--set", f"data.prompt_data={setup['data']}",
+              "--set", "rollout.reward=random", "--set", "rollout.batch_size=3", "--set", "rollout.n_samples_per_prompt=4",
+              "--set", "rollout.max_response_len=6", *[x for s in sets for x in ("--set", s)])
+    assert res.exit_code == 0, res.output
+    run = RunDir.open(tmp_path / "run")
+    for i, (p, url) in enumerate(setup["engines"]):
+        run.engines.register(EngineRecord(url=url, backend="embedded", pid=p.pid, id=f"e{i}", weight_version="0"))
+    return run
+
+
+def test_rollout_end_to_end_publishes_samples_metrics_and_state(tmp_path, setup, cli):
+    run = make_run(tmp_path, setup, cli)
+    res = cli("rollout", "-r", run.path, "--next")
+    assert res.exit_code == 0, res.output
+    assert res.output.strip().splitlines()[-1] == str(run.rollouts.dir_for(0))
+    art = run.rollouts.get(0, verify="full")
+    samples = read_samples(art.file(SAMPLES_FILE))
+    assert len(samples) == 12 and [s.index for s in samples] == list(range(12))
+    assert sorted({s.group_index for s in samples}) == [0, 1, 2]
+    for s in samples:
+        assert 1 <= s.response_length <= 6 and len(s.rollout_log_probs) == s.response_length
+        assert s.loss_mask == [1] * s.response_length and s.weight_versions == ["0"]
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED) and s.reward in (0.0, 1.0)
+        assert s.tokens[: s.prompt_length] and s.prompt.endswith("<|im_start|>assistant\n")
+        assert all(lp <= 0 for lp in s.rollout_log_probs)
+    used = {s.metadata["engine_url"] for s in samples}
+    assert used == {u for _, u in setup["engines"]}  # balanced over both engines
+    assert art.meta["weight_version"] == "0" and art.meta["num_samples"] == 12
+    metrics = json.loads(art.file("metrics.json").read_text())
+    assert metrics["rollout/num_samples"] == 12 and 0 <= metrics["rollout/reward_mean"] <= 1
+    assert json.loads(art.file("data_state.json").read_text())["offset"] == 3
+    spans = [json.loads(line) for line in art.file("trace.jsonl").read_text().splitlines()]
+    assert {sp["span"] for sp in spans} == {"generate", "reward"} and len([sp for sp in spans if sp["span"] == "generate"]) == 12
+    from slimectl.metrics import read_metrics
+
+    assert read_metrics(run.metrics_path("rollout"))[-1]["step"] == 0
+    # the next rollout continues the prompt order; an existing one is not regenerated without --force
+    assert cli("rollout", "-r", run.path).exit_code == 0
+    s1 = read_samples(run.rollouts.get(1).file(SAMPLES_FILE))
+    assert {s.group_index for s in s1} == {3, 4, 5}
+    again = cli("rollout", "-r", run.path, "--id", "1")
+    assert again.exit_code == 1 and "--force" in again.output
+    assert cli("rollout", "-r", run.path, "--id", "1", "--force").exit_code == 0
+    s1b = read_samples(run.rollouts.get(1).file(SAMPLES_FILE))
+    assert [s.metadata["row"] for s in s1b] == [s.metadata["row"] for s in s1]  # same prompts: state came from rollout 0
+    out = cli("inspect", "rollout", "-r", run.path, "1", "--limit", "2")
+    assert out.exit_code == 0 and "rollouts/000001: 12 samples in 3 groups" in out.output and "... 10 more" in out.output
+
+
+def test_over_sampling_and_dynamic_filter(tmp_path, setup, cli):
+    run = make_run(tmp_path, setup, cli, "rollout.over_sampling_batch_size=6", "rollout.dynamic_filter=nonzero_std")
+    res = cli("rollout", "-r", run.path)
+    assert res.exit_code == 0, res.output
+    art = run.rollouts.get(0)
+    samples = read_samples(art.file(SAMPLES_FILE))
+    groups = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s.reward)
+    assert len(groups) == 3 and all(len(v) == 4 and len(set(v)) > 1 for v in groups.values())
+    m = json.loads(art.file("metrics.json").read_text())
+    assert m["rollout/zero_std_groups"] == 0
+    state = json.loads(art.file("data_state.json").read_text())
+    assert state["next_group"] >= 6  # a whole over-sampled round was drawn
+    assert m["rollout/filter_dropped_groups"] + m["rollout/aborted_groups"] + 3 <= state["next_group"]
+
+
+def test_malformed_rows_fail_or_are_counted(tmp_path, setup, cli):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(setup["data"].read_text() + "{broken\n")
+    run = make_run(tmp_path, setup, cli, f"data.prompt_data={bad}")
+    res = cli("rollout", "-r", run.path)
+    assert res.exit_code == 1 and f"{bad} line 13: invalid JSON" in res.output
+    assert run.rollouts.ids() == []
+    res = cli("rollout", "-r", run.path, "--skip-bad-rows")
+    assert res.exit_code == 0, res.output
+    assert json.loads(run.rollouts.get(0).file("metrics.json").read_text())["rollout/bad_rows_skipped"] == 1
+
+
+def test_engine_killed_mid_rollout_finishes_on_the_other(tmp_path, setup, cli):
+    root = tmp_path
+    e1, u1 = start_engine(setup["model"], root / "k1.log")
+    e2, u2 = start_engine(setup["model"], root / "k2.log")
+    try:
+        wait_healthy([u1, u2])
+        run = make_run(tmp_path, setup, cli, "rollout.max_response_len=64", "rollout.batch_size=6")
+        for r in run.engines.list():
+            run.engines.unregister(r.id)
+        killer = threading.Timer(1.0, lambda: os.kill(e1.pid, signal.SIGKILL))
+        killer.start()
+        res = cli("rollout", "-r", run.path, "--engine-url", u1, "--engine-url", u2)
+        killer.join()
+        assert res.exit_code == 0, res.output
+        samples = read_samples(run.rollouts.get(0).file(SAMPLES_FILE))
+        assert len(samples) == 24 and all(s.response_length >= 1 for s in samples)
+        # with every engine dead the rollout fails cleanly and publishes nothing
+        e2.kill()
+        e2.wait()
+        res = cli("rollout", "-r", run.path, "--engine-url", u1, "--engine-url", u2)
+        assert res.exit_code == 1 and "engine" in res.output and run.rollouts.ids() == [0]
+        assert not list((run.path / ".staging").iterdir())
+    finally:
+        for p in (e1, e2):
+            p.kill()
+            p.wait()
+
+
+def test_custom_generate_and_reward_by_import_path(tmp_path, setup, cli, monkeypatch):
+    mod = tmp_path / "my_plugins.py"
+    mod.write_text(
+        "async def generate(args, sample, sampling_params):\n"
+        "    out = await args.pool.generate(input_ids=sample.tokens, sampling_params={**sampling_params, 'max_new_tokens': 2},\n"
+        "                                   return_logprob=True)\n"
+        "    meta = out['meta_info']\n"
+        "    sample.append_response_tokens(out['output_ids'], [x[0] for x in meta['output_token_logprobs']], True, meta, out['text'])\n"
+        "    sample.metadata['custom'] = True\n"
+        "    return sample\n"
+        "async def reward(args, sample):\n"
+        "    return float(sample.response_length)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = make_run(tmp_path, setup, cli, "rollout.custom_generate=my_plugins:generate", "rollout.reward=my_plugins:reward")
+    res = cli("rollout", "-r", run.path)
+    assert res.exit_code == 0, res.output
+    samples = read_samples(run.rollouts.get(0).file(SAMPLES_FILE))
+    assert all(s.metadata["custom"] and s.response_length <= 2 and s.reward == float(s.response_length) for s in samples)
+    bad = make_run(tmp_path / "b", setup, cli, "rollout.custom_generate=nowhere_mod:gen")
+    res = cli("rollout", "-r", bad.path)
+    assert res.exit_code == 2 and "rollout.custom_generate 'nowhere_mod:gen'" in res.output
