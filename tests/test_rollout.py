@@ -192,3 +192,51 @@ def test_custom_generate_and_reward_by_import_path(tmp_path, setup, cli, monkeyp
     bad = make_run(tmp_path / "b", setup, cli, "rollout.custom_generate=nowhere_mod:gen")
     res = cli("rollout", "-r", bad.path)
     assert res.exit_code == 2 and "rollout.custom_generate 'nowhere_mod:gen'" in res.output
+
+
+@pytest.mark.parametrize("mask_offpolicy", [False, True])
+def test_partial_rollout_continues_aborted_samples_aligned(tmp_path, setup, cli, mask_offpolicy):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    # Stop tokens make samples finish at different steps (seeded, so the same every run): the first
+    # group done is kept, and samples of other groups are still running when the abort comes.
+    run = make_run(tmp_path, setup, cli, "rollout.partial_rollout=true", "rollout.batch_size=1",
+                   f"rollout.stop_token_ids={list(range(3, 40))}",
+                   "rollout.over_sampling_batch_size=6", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=48",
+                   f"rollout.mask_offpolicy_in_partial_rollout={str(mask_offpolicy).lower()}")
+    assert cli("rollout", "-r", run.path).exit_code == 0
+    art0 = run.rollouts.get(0)
+    assert "buffer.parquet" in art0.files
+    buffered = read_samples(art0.file("buffer.parquet"))
+    assert buffered and any(s.status == Status.ABORTED and s.response_length > 0 for s in buffered)
+    partial_before = {s.index: s for s in buffered}
+    # the next rollouts take the buffered groups first and continue them
+    continued = []
+    for rid in (1, 2, 3):
+        res = cli("rollout", "-r", run.path)
+        assert res.exit_code == 0, res.output
+        continued += [s for s in read_samples(run.rollouts.get(rid).file(SAMPLES_FILE)) if s.index in partial_before]
+    assert continued, "no buffered group was continued"
+    hf = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32).eval()
+    grew = 0
+    for s in continued:
+        old = partial_before[s.index]
+        assert s.tokens[: len(old.tokens)] == old.tokens  # old tokens kept...
+        assert s.rollout_log_probs[: old.response_length] == old.rollout_log_probs  # ...with their log-probs
+        assert len(s.rollout_log_probs) == s.response_length == len(s.loss_mask) <= 48
+        if s.response_length > old.response_length:
+            grew += 1
+            assert len(s.weight_versions) > len(old.weight_versions)  # one more engine call per continuation
+            if mask_offpolicy:  # tokens from earlier calls are masked; the last call's are trained on
+                assert s.loss_mask[: old.response_length] == [0] * old.response_length and s.loss_mask[-1] == 1
+            else:
+                assert s.loss_mask == [1] * s.response_length
+        # alignment: every response token's log-prob equals a fresh forward over the whole sequence
+        with torch.no_grad():
+            logits = hf(torch.tensor([s.tokens])).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        start = s.prompt_length
+        ref = [lp[start + i - 1, s.tokens[start + i]].item() for i in range(s.response_length)]
+        assert max(abs(a - b) for a, b in zip(ref, s.rollout_log_probs)) < 1e-4
+    assert grew >= 1

@@ -107,8 +107,21 @@ def load_function(path: str, what: str) -> Callable:
 
 
 async def default_generate(args: SimpleNamespace, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
-    """Single turn: the prompt tokens in, one generation out, with per-token log-probs."""
-    out = await args.pool.generate(input_ids=sample.tokens, sampling_params=sampling_params, return_logprob=True)
+    """Single turn: the prompt tokens in, one generation out, with per-token log-probs.
+
+    A sample aborted in an earlier rollout (partial rollout) continues from its tokens so far with
+    the remaining token budget; with ``mask_offpolicy`` its older tokens are masked out of the loss.
+    """
+    params = dict(sampling_params)
+    if sample.response_length:
+        budget = int(params.get("max_new_tokens", 0)) - sample.response_length
+        if budget <= 0:
+            sample.status = Status.TRUNCATED
+            return sample
+        params["max_new_tokens"] = budget
+        if getattr(args, "mask_offpolicy", False):
+            sample.loss_mask = [0] * sample.response_length
+    out = await args.pool.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True)
     meta = out["meta_info"]
     lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
     sample.append_response_tokens(out["output_ids"], lps, True, meta, out.get("text", ""))
@@ -122,6 +135,8 @@ class GroupResult:
     samples: list[Sample]
     kept: bool = True
     spans: list[dict[str, Any]] = field(default_factory=list)
+    partial: bool = False
+    """Some sample was aborted before finishing (partial rollout keeps the group for later)."""
 
 
 RewardFn = Callable[[list[Sample]], Awaitable[None]]
@@ -129,10 +144,15 @@ RewardFn = Callable[[list[Sample]], Awaitable[None]]
 
 async def run_group(args: SimpleNamespace, samples: list[Sample], sampling_params: dict[str, Any],
                     generate_fn: Callable, reward_fn: RewardFn) -> GroupResult:
-    """Generate every sample of one prompt group concurrently, then score the group."""
+    """Generate every unfinished sample of one prompt group concurrently, then score the group.
+
+    A group with an aborted sample is returned unscored with ``partial=True``.
+    """
     spans: list[dict[str, Any]] = []
 
     async def one(s: Sample) -> list[Sample]:
+        if s.status in (Status.COMPLETED, Status.TRUNCATED):
+            return [s]  # finished in an earlier rollout (partial rollout)
         params = dict(sampling_params)
         params.setdefault("sampling_seed", s.metadata.get("sampling_seed"))
         t0 = time.time()
@@ -146,6 +166,8 @@ async def run_group(args: SimpleNamespace, samples: list[Sample], sampling_param
 
     parts = await asyncio.gather(*(one(s) for s in samples))
     flat = [s for p in parts for s in p]
+    if any(s.status == Status.ABORTED for s in flat):
+        return GroupResult(samples[0].group_index, flat, False, spans, partial=True)
     t0 = time.time()
     await reward_fn(flat)
     spans.append({"group": samples[0].group_index, "span": "reward", "start": t0, "end": time.time()})
@@ -161,16 +183,38 @@ def nonzero_std(samples: list[Sample], reward_key: str | None) -> bool:
 async def generate_batch(args: SimpleNamespace, supply: Callable[[], list[list[Sample]]], batch_size: int,
                          sampling_params: dict[str, Any], generate_fn: Callable, reward_fn: RewardFn,
                          group_filter: Callable[[list[Sample]], bool] | None, max_rounds: int = 16,
-                         on_group_done: Callable[[GroupResult], None] | None = None) -> tuple[list[GroupResult], dict[str, int]]:
+                         on_group_done: Callable[[GroupResult], None] | None = None,
+                         keep_partial: bool = False) -> tuple[list[GroupResult], dict[str, int], list[list[Sample]]]:
     """Run prompt groups concurrently until ``batch_size`` groups pass the filter; abort the rest.
 
     ``supply()`` returns the next round of groups (over-sampling: a round is usually larger than
     ``batch_size``); a new round is drawn only when every group in flight has finished and too
-    few were kept. Returns the kept groups in group-index order and counters.
+    few were kept. Once the batch is full the engines abort what is still running. With
+    ``keep_partial`` (partial rollout) those unfinished groups are collected — tokens and
+    log-probs so far — and returned so a later rollout continues them; otherwise they are dropped.
+    Returns (kept groups in group order, counters, unfinished groups).
     """
     kept: list[GroupResult] = []
-    counts = {"kept": 0, "dropped": 0, "aborted": 0, "rounds": 0}
+    partial: list[list[Sample]] = []
+    counts = {"kept": 0, "dropped": 0, "aborted": 0, "rounds": 0, "surplus": 0}
     pending: set[asyncio.Future] = set()
+
+    def take(res: GroupResult) -> None:
+        if res.partial:
+            partial.append(res.samples)
+        elif group_filter is not None and not group_filter(res.samples):
+            res.kept = False
+            counts["dropped"] += 1
+        elif len(kept) < batch_size:
+            kept.append(res)
+            counts["kept"] += 1
+        else:
+            counts["surplus"] += 1
+            if keep_partial:  # finished in the same instant the batch filled: keep it for the next rollout
+                partial.append(res.samples)
+        if on_group_done is not None:
+            on_group_done(res)
+
     try:
         while len(kept) < batch_size:
             if not pending:
@@ -184,21 +228,20 @@ async def generate_batch(args: SimpleNamespace, supply: Callable[[], list[list[S
                            for g in supply()}
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
-                res = t.result()  # the failure of every engine propagates from here
-                if group_filter is not None and not group_filter(res.samples):
-                    res.kept = False
-                    counts["dropped"] += 1
-                elif len(kept) < batch_size:
-                    kept.append(res)
-                    counts["kept"] += 1
-                if on_group_done is not None:
-                    on_group_done(res)
+                take(t.result())  # the failure of every engine propagates from here
     finally:
         if pending:
             counts["aborted"] = len(pending)
             await args.pool.abort_all()
+            if keep_partial:
+                done, still = await asyncio.wait(pending, timeout=60)
+                for t in done:
+                    if not t.cancelled() and t.exception() is None:
+                        partial.append(t.result().samples)  # unfinished or just finished: continue later
+                pending = still
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
     kept.sort(key=lambda r: r.group_index)
-    return kept, counts
+    partial.sort(key=lambda g: g[0].group_index)
+    return kept, counts, partial

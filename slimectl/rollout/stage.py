@@ -29,6 +29,8 @@ from slimectl.samples import SAMPLES_FILE, Sample, Status, write_samples
 log = logging.getLogger("slimectl.rollout")
 
 DATA_STATE = "data_state.json"
+BUFFER_FILE = "buffer.parquet"
+"""Partial rollout: groups aborted when this rollout's batch filled; the next rollout continues them first."""
 
 
 @dataclass
@@ -65,6 +67,21 @@ def _data_state(run: RunDir, rollout_id: int) -> dict[str, Any] | None:
         )
     art = run.rollouts.get(rollout_id - 1)
     return json.loads(art.file(DATA_STATE).read_text())
+
+
+def _buffer(run: RunDir, rollout_id: int) -> list[list[Sample]]:
+    """Unfinished groups left by the previous rollout (partial rollout), in group order."""
+    from slimectl.samples import read_samples
+
+    if rollout_id == 0 or not run.rollouts.exists(rollout_id - 1):
+        return []
+    art = run.rollouts.get(rollout_id - 1)
+    if BUFFER_FILE not in art.files:
+        return []
+    groups: dict[int, list[Sample]] = {}
+    for s in read_samples(art.file(BUFFER_FILE)):
+        groups.setdefault(s.group_index, []).append(s)
+    return [groups[g] for g in sorted(groups)]
 
 
 def _sampling_params(cfg: SlimectlConfig) -> dict[str, Any]:
@@ -134,6 +151,7 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
         if run.rollouts.exists(rid) and not force:
             raise ArtifactExists(f"rollouts/{rid:06d} is already published; pass --force to regenerate it")
         state = _data_state(run, rid)
+        buffered = _buffer(run, rid) if cfg.rollout.partial_rollout else []
         from transformers import AutoTokenizer
 
         from slimectl.logs import quiet_hf_progress
@@ -146,8 +164,8 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
         rows, too_long = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
         source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=state)
         urls = _engine_urls(run, engine_urls)
-        result = asyncio.run(_rollout_async(run, cfg, rid, source, urls, tok, lock))
-        samples, metrics, trace = result
+        result = asyncio.run(_rollout_async(run, cfg, rid, source, urls, tok, lock, buffered))
+        samples, metrics, trace, leftover = result
         metrics.update({"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
         meta = {
             "rollout_id": rid,
@@ -165,6 +183,8 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
         with run.rollouts.publish(rid, meta=meta, stage="rollout", overwrite=force) as staging:
             write_samples(samples, staging / SAMPLES_FILE)
             (staging / DATA_STATE).write_text(json.dumps(source.state()))
+            if leftover:
+                write_samples([x for g in leftover for x in g], staging / BUFFER_FILE)
             (staging / "metrics.json").write_text(json.dumps(metrics, indent=2))
             with open(staging / "trace.jsonl", "w") as f:
                 for span in trace:
@@ -188,14 +208,14 @@ def _log_metrics(run: RunDir, cfg: SlimectlConfig, rid: int, metrics: dict[str, 
 
 
 async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: PromptSource, urls: list[str], tok,
-                         lock) -> tuple[list[Sample], dict[str, Any], list[dict[str, Any]]]:
+                         lock, buffered: list[list[Sample]]) -> tuple[list[Sample], dict[str, Any], list[dict[str, Any]], list[list[Sample]]]:
     r = cfg.rollout
     token = os.environ.get(cfg.engine.token_env) or None
     pool = EnginePool(urls, token=token, concurrency_per_engine=r.concurrency_per_engine,
                       timeout=cfg.engine.request_timeout_s)
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=rid,
                            rollout_max_response_len=r.max_response_len, n_samples_per_prompt=r.n_samples_per_prompt,
-                           reward_key=r.reward_key)
+                           reward_key=r.reward_key, mask_offpolicy=r.mask_offpolicy_in_partial_rollout)
     try:
         versions = await pool.weight_versions()
         if not versions:
@@ -216,7 +236,12 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
 
         def supply() -> list[list[Sample]]:
             groups = []
-            for g, row in source.take(round_size):
+            while buffered and len(groups) < round_size:
+                group = buffered.pop(0)
+                for s in group:
+                    s.rollout_id = rid
+                groups.append(group)
+            for g, row in source.take(round_size - len(groups)):
                 group = []
                 for j in range(r.n_samples_per_prompt):
                     idx = g * r.n_samples_per_prompt + j
@@ -229,13 +254,17 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
             return groups
 
         t0 = time.time()
-        kept, counts = await generate_batch(args, supply, r.batch_size, _sampling_params(cfg), generate_fn, reward_fn,
-                                            group_filter, on_group_done=lambda _: lock.check())
+        kept, counts, leftover = await generate_batch(args, supply, r.batch_size, _sampling_params(cfg), generate_fn,
+                                                      reward_fn, group_filter, on_group_done=lambda _: lock.check(),
+                                                      keep_partial=r.partial_rollout)
+        leftover += buffered  # buffered groups this rollout never reached stay buffered
         seconds = time.time() - t0
         samples = [s for g in kept for s in g.samples]
         trace = [span for g in kept for span in g.spans]
         metrics = _metrics(samples, counts, seconds, r.reward_key, [g.samples for g in kept], weight_version)
-        return samples, metrics, trace
+        metrics["rollout/partial_groups_buffered"] = len(leftover)
+        metrics["rollout/partial_samples_continued"] = sum(len(s.weight_versions) > 1 for s in samples)
+        return samples, metrics, trace, leftover
     finally:
         from slimectl.rollout.rewards import close_shared_remotes
 
