@@ -253,10 +253,22 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
                 groups.append(group)
             return groups
 
+        from slimectl.logs import progress
+
+        bar = progress(total=r.batch_size, mode=cfg.logging.progress, desc=f"rollout {rid}", unit="group")
+
+        def on_group_done(res) -> None:
+            lock.check()
+            if res.kept:
+                bar.update(1)
+
         t0 = time.time()
-        kept, counts, leftover = await generate_batch(args, supply, r.batch_size, _sampling_params(cfg), generate_fn,
-                                                      reward_fn, group_filter, on_group_done=lambda _: lock.check(),
-                                                      keep_partial=r.partial_rollout)
+        try:
+            kept, counts, leftover = await generate_batch(args, supply, r.batch_size, _sampling_params(cfg),
+                                                          generate_fn, reward_fn, group_filter,
+                                                          on_group_done=on_group_done, keep_partial=r.partial_rollout)
+        finally:
+            bar.close()
         leftover += buffered  # buffered groups this rollout never reached stay buffered
         seconds = time.time() - t0
         samples = [s for g in kept for s in g.samples]
