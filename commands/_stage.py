@@ -1,4 +1,4 @@
-"""Helpers for stage commands whose implementation lands in a later release."""
+"""What every stage command does first: open the run, resolve its config, honour --dry-run."""
 
 from __future__ import annotations
 
@@ -7,14 +7,29 @@ import click
 from slimectl.commands._options import resolve_run_dir
 
 
+def open_stage(ctx: click.Context, stage: str, run_dir: str | None, overrides: tuple[str, ...] | list[str],
+               dry_run: bool):
+    """Return (run, config) for ``stage`` with its --set overrides, having saved the effective config
+    under RUN/configs/STAGE.yaml — or None after printing the config when ``dry_run``."""
+    from slimectl.rundir import RunDir
+
+    run = RunDir.open(resolve_run_dir(ctx, run_dir))
+    cfg = run.stage_config(stage, list(overrides))
+    if dry_run:
+        click.echo(cfg.to_yaml(), nl=False)
+        return None
+    run.save_stage_config(stage, cfg)
+    return run, cfg
+
+
 def stage_config_or_unavailable(ctx: click.Context, stage: str, run_dir: str | None, overrides: tuple[str, ...],
                                 dry_run: bool, issue: int) -> None:
     """Resolve the stage's config (so --set and --dry-run already work), then say it is not available."""
     from slimectl.errors import NotAvailableYet
+
     from slimectl.rundir import RunDir
 
-    run = RunDir.open(resolve_run_dir(ctx, run_dir))
-    cfg = run.stage_config(stage, overrides)
+    cfg = RunDir.open(resolve_run_dir(ctx, run_dir)).stage_config(stage, list(overrides))
     if dry_run:
         click.echo(cfg.to_yaml(), nl=False)
         return

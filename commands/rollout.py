@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from slimectl.commands._options import force_option, resolve_run_dir, stage_options
+from slimectl.commands._options import force_option, stage_options
 
 
 @click.command("rollout", short_help="Generate and score one rollout into the run directory.")
@@ -27,17 +27,15 @@ def rollout_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, .
       slimectl rollout -r runs/a --next
       slimectl rollout -r runs/a --id 3 --force --set rollout.temperature=0.8
     """
+    from slimectl.commands._stage import open_stage
     from slimectl.errors import UsageError
-    from slimectl.rundir import RunDir
 
     if rollout_id is not None and next_:
         raise UsageError("pass either --id N or --next, not both")
-    run = RunDir.open(resolve_run_dir(ctx, run_dir))
-    cfg = run.stage_config("rollout", overrides)
-    if dry_run:
-        click.echo(cfg.to_yaml(), nl=False)
+    opened = open_stage(ctx, "rollout", run_dir, overrides, dry_run)
+    if opened is None:
         return
-    run.save_stage_config("rollout", cfg)
+    run, cfg = opened
     from slimectl.rollout.stage import run_rollout
 
     result = run_rollout(run, cfg, rollout_id, engine_urls, force=force, skip_bad_rows=skip_bad_rows)

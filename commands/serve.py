@@ -35,8 +35,7 @@ def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
 
     Any --sglang-FLAG [VALUE] is passed to sglang.launch_server as --FLAG [VALUE].
     """
-    from slimectl.commands._options import resolve_run_dir
-    from slimectl.rundir import RunDir
+    from slimectl.commands._stage import open_stage
     from slimectl.serve import serve
 
     sets = list(overrides)
@@ -52,12 +51,10 @@ def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
             sets.append(f"engine.{key}={value}")
     if engine_urls:
         sets.append("engine.backend=external")
-    run = RunDir.open(resolve_run_dir(ctx, run_dir))
-    cfg = run.stage_config("serve", sets)
-    if dry_run:
-        click.echo(cfg.to_yaml(), nl=False)
+    opened = open_stage(ctx, "serve", run_dir, sets, dry_run)
+    if opened is None:
         return
-    run.save_stage_config("serve", cfg)
+    run, cfg = opened
     serve(run, cfg, engine_urls, announce=lambda url: click.echo(url))
 
 
