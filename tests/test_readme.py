@@ -17,7 +17,7 @@ def quickstart_commands() -> list[str]:
 def test_quickstart_has_exactly_two_commands():
     cmds = quickstart_commands()
     assert len(cmds) == 2
-    assert "slimectl" in cmds[0] and "pytest" in cmds[1]
+    assert "examples/cpu_demo.py" in cmds[0] and "pytest" in cmds[1]
     for c in cmds:
         assert c.startswith("python3 -m venv "), c  # each makes its own virtualenv
 
@@ -32,3 +32,19 @@ def test_readme_commands_name_existing_files():
     first = quickstart_commands()[0]
     for path in re.findall(r"examples/\S+", first):
         assert (ROOT / path).is_file(), path
+
+
+def test_the_demo_script_runs_every_landed_stage(tmp_path):
+    """README command 1's job (examples/cpu_demo.py), end to end on a fresh run directory."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "cpu_demo.py"), str(tmp_path / "demo")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from slimectl.rundir import RunDir
+
+    run = RunDir.open(tmp_path / "demo")
+    assert run.checkpoints.ids() == [0] and run.rollouts.ids() == [0, 1]
+    assert run.engines.list() == []  # serve stopped and unregistered its engine
+    assert "rollouts   2 (latest 1)" in proc.stdout

@@ -1,0 +1,1 @@
+"""Training side (Megatron): packing rollout samples into micro-batches and computing log-probs."""
