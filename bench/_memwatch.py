@@ -7,7 +7,6 @@ not double-counted the way summed RSS would be.
 from __future__ import annotations
 
 import threading
-import time
 
 import psutil
 

@@ -18,7 +18,7 @@ def test_init_freezes_resolved_config_with_absolute_paths(cli, tmp_path, fake_mo
     cfg_dir.mkdir()
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"input": "1+1", "label": "2"}\n')
-    (cfg_dir / "c.yaml").write_text(f"name: demo\nmodel:\n  path: ../model\ndata:\n  prompt_data: ../prompts.jsonl@[0:1]\n")
+    (cfg_dir / "c.yaml").write_text("name: demo\nmodel:\n  path: ../model\ndata:\n  prompt_data: ../prompts.jsonl@[0:1]\n")
     monkeypatch.chdir(tmp_path)
     res = cli("init", "runs/a", "--config", cfg_dir / "c.yaml", "--set", "train.lr=5e-6")
     assert res.exit_code == 0, res.output

@@ -9,13 +9,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from conftest import run_py
 from slimectl.errors import ArtifactExists, ArtifactNotFound, CorruptArtifact, WaitTimeout
-from slimectl.rundir import READY, RunDir
+from slimectl.rundir import READY
 from slimectl.rundir.artifacts import format_id
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import inspect
 import logging
 import time
 from dataclasses import dataclass, field

@@ -59,7 +59,6 @@ def _engine_urls(run: RunDir, given: list[str] | tuple[str, ...]) -> list[str]:
 def _data_state(run: RunDir, rollout_id: int) -> dict[str, Any] | None:
     if rollout_id == 0:
         return None
-    prev = run.rollouts.dir_for(rollout_id - 1)
     if not run.rollouts.exists(rollout_id - 1):
         raise SlimectlError(
             f"rollouts/{rollout_id - 1:06d} is not published, so rollout {rollout_id} cannot know where the prompt data "
