@@ -1,0 +1,350 @@
+"""The Megatron actor: GPTModel + Megatron DDP + Megatron optimizer, trained on rollout samples.
+
+slime's GRPO path (``actor.train_actor`` + ``loss.py``), in one process per rank:
+
+1. rewards -> per-group normalization (``algorithm.reward_normalization``; a group is every
+   sample sharing a ``group_index``; samples without one form one group);
+2. old log-probs: recomputed with the current weights (no grad), or the rollout's
+   (``train.use_rollout_logprobs``); ref log-probs from a frozen copy when ``use_kl_loss``;
+3. per-token advantages over the response tokens (:func:`slimectl.algorithms.compute_advantages`);
+4. ``train.num_steps_per_rollout`` optimizer steps, each over one global batch packed into
+   micro-batches (``train.max_tokens_per_micro_batch``) with gradient accumulation.
+
+Loss reduction across micro-batches is exact: each micro-batch's reduced loss is weighted by its
+share of the global batch (samples for the per-sample mean, loss tokens for the per-token mean),
+so a step over several micro-batches equals the step over one (up to float rounding).
+
+Old / ref log-probs are computed with the same micro-batch layout the step uses, so on the first
+step the ratio is exactly 1 and the KL to the reference exactly 0.
+
+Scope: TP >= 1 with DP = 1 and PP = 1 (pipeline schedules and data-parallel sample sharding are
+not implemented; both raise). Imports megatron lazily; never imports :mod:`slimectl.rollout`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from slimectl.algorithms import (
+    compute_advantages,
+    compute_tis_weights,
+    gspo_policy_loss,
+    kl_loss,
+    normalize_group_rewards,
+    ppo_policy_loss,
+    reduce_masked,
+    reduction_mode,
+    sft_loss,
+)
+from slimectl.algorithms.tis import apply_tis
+from slimectl.errors import NotAvailableYet
+from slimectl.train.logprobs import compute_log_probs
+from slimectl.train.packing import MicroBatch, pack_samples
+
+
+def lr_at(step: int, lr: float, min_lr: float = 0.0, warmup_steps: int = 0, decay_style: str = "constant",
+          total_steps: int | None = None) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup from 0 over
+    ``warmup_steps``, then constant / linear / cosine decay from ``lr`` to ``min_lr`` at
+    ``total_steps`` (Megatron's OptimizerParamScheduler shapes)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if decay_style == "constant":
+        return lr
+    if decay_style not in ("linear", "cosine"):
+        raise ValueError(f"unknown lr_decay_style {decay_style!r}")
+    if not total_steps:
+        raise ValueError(f"lr_decay_style {decay_style!r} needs total_steps (the decay horizon)")
+    span = max(total_steps - warmup_steps, 1)
+    frac = min(max(step - warmup_steps, 0) / span, 1.0)
+    coeff = 1.0 - frac if decay_style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1.0)
+    return min_lr + coeff * (lr - min_lr)
+
+
+def group_normalized_rewards(samples: Sequence[Any], mode: str, reward_key: str | None = None) -> torch.Tensor:
+    """``[N]`` rewards normalized within each ``group_index`` group (uneven groups allowed)."""
+    raw = torch.tensor([s.reward_value(reward_key) for s in samples], dtype=torch.float32)
+    groups: dict[Any, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.group_index, []).append(i)
+    out = torch.empty_like(raw)
+    for idx in groups.values():
+        t = torch.tensor(idx)
+        out[t] = normalize_group_rewards(raw[t], None, mode)
+    return out
+
+
+def _loss_mask(sample) -> torch.Tensor:
+    if getattr(sample, "remove_sample", False):
+        return torch.zeros(sample.response_length)
+    if sample.loss_mask is not None:
+        return torch.tensor(sample.loss_mask, dtype=torch.float32)
+    return torch.ones(sample.response_length)
+
+
+def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
+    return pad_sequence([r.reshape(-1) for r in rows], batch_first=True)
+
+
+class MegatronActor:
+    """Policy (+ optional frozen reference) on Megatron-core; see the module docstring."""
+
+    def __init__(self, arch, padded_vocab: int, train, algo, tp: int = 1, pp: int = 1, dtype: str = "fp32",
+                 total_steps: int | None = None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from slimectl.megatron.parallel import init_parallel
+        from slimectl.megatron.provider import build_gpt_model, transformer_config
+
+        if pp != 1:
+            raise NotAvailableYet("training with pipeline parallelism (train.pp > 1) is not available yet (issue #6); "
+                                  "use train.pp = 1")
+        self.arch, self.padded_vocab, self.train_cfg, self.algo = arch, padded_vocab, train, algo
+        self.tp, self.pp, self.dtype = tp, pp, dtype
+        self.total_steps = total_steps
+        self.info = init_parallel(tp=tp, pp=pp, seed=train.seed)
+        if self.info.dp != 1:
+            raise NotAvailableYet(f"training with data parallelism (dp = {self.info.dp}) is not available yet (issue #6); "
+                                  f"launch tp*pp processes")
+        self.tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+
+        gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True)
+        cfg = transformer_config(arch, tp, pp, dtype)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=train.use_distributed_optimizer)
+        self.model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt)
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
+            adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
+            clip_grad=train.clip_grad, bf16=dtype == "bf16", fp16=dtype == "fp16",
+            params_dtype=cfg.params_dtype, use_distributed_optimizer=train.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+        self.ref_model = None
+        if algo.use_kl_loss:
+            self.ref_model = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=False).eval()
+            self.ref_model.requires_grad_(False)
+            self._sync_ref()
+        self.step = 0  # optimizer steps taken
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def module(self):
+        """The bare GPTModel (inside DDP)."""
+        return self.model.module
+
+    def _after_load(self) -> None:
+        self.optimizer.reload_model_params()  # fp32 main params of a bf16/fp16 optimizer
+        self._sync_ref()
+
+    def _sync_ref(self) -> None:
+        if self.ref_model is not None:
+            with torch.no_grad():
+                src = dict(self.module.named_parameters())
+                for name, p in self.ref_model.named_parameters():
+                    p.copy_(src[name])
+
+    def load_hf(self, hf_dir) -> int:
+        """Fill the actor (and the reference) from an HF checkpoint directory."""
+        from slimectl.megatron.checkpoint import load_hf_into_model
+        from slimectl.models.hf_io import HFCheckpoint
+
+        n = load_hf_into_model(self.module, self.arch, HFCheckpoint(str(hf_dir)), self.padded_vocab,
+                               self.info.tp_rank, self.tp)
+        self._after_load()
+        return n
+
+    def load_checkpoint(self, it_dir) -> dict[str, Any]:
+        """Fill the actor (and the reference) from a torch_dist ``iter_XXXXXXX`` directory."""
+        from slimectl.megatron.checkpoint import load_megatron_checkpoint
+
+        extra = load_megatron_checkpoint(self.module, it_dir)
+        self._after_load()
+        return extra
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named full tensors (TP shards gathered; collective under TP > 1)."""
+        from slimectl.megatron.checkpoint import model_to_hf_tensors
+
+        return {k: v.detach().clone() for k, v in model_to_hf_tensors(self.module, self.arch, self.tp_group)}
+
+    # ------------------------------------------------------------------ log-probs
+    def _log_probs(self, model, mbs: list[MicroBatch], temperature: float, with_entropy: bool = False):
+        out = {}
+        for mb in mbs:
+            for r in compute_log_probs(model, mb, self.arch.vocab_size, temperature, with_entropy, self.tp_group):
+                out[r.sample_index] = r
+        return out
+
+    @torch.no_grad()
+    def compute_log_probs(self, samples: Sequence[Any], temperature: float = 1.0,
+                          ref: bool = False) -> list[torch.Tensor]:
+        """Per-sample response log-probs under the current (or reference) weights."""
+        model = self.ref_model if ref else self.module
+        mbs = pack_samples(samples, self.train_cfg.max_tokens_per_micro_batch)
+        res = self._log_probs(model, mbs, temperature)
+        return [res[i].log_probs for i in range(len(samples))]
+
+    # ------------------------------------------------------------------ training
+    def _step_batches(self, n: int) -> list[list[int]]:
+        steps = self.train_cfg.num_steps_per_rollout
+        gbs = self.train_cfg.global_batch_size
+        if gbs is None:
+            if n < steps:
+                raise ValueError(f"{n} samples cannot make {steps} optimizer steps")
+            return [c.tolist() for c in torch.arange(n).tensor_split(steps)]
+        if gbs * steps > n:
+            raise ValueError(f"{steps} steps x global_batch_size {gbs} needs {gbs * steps} samples, got {n}")
+        return [list(range(k * gbs, (k + 1) * gbs)) for k in range(steps)]
+
+    def _set_lr(self) -> float:
+        t = self.train_cfg
+        lr = lr_at(self.step, t.lr, t.min_lr, t.lr_warmup_steps, t.lr_decay_style, self.total_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def train_on_samples(self, samples: Sequence[Any], rollout_temperature: float = 1.0,
+                         reward_key: str | None = None) -> list[dict[str, float]]:
+        """Train on one rollout's samples; one metrics dict per optimizer step."""
+        if not samples:
+            raise ValueError("no samples to train on")
+        algo, tcfg = self.algo, self.train_cfg
+        sft = algo.loss_type == "sft_loss"
+        mode = reduction_mode(algo.calculate_per_token_loss)
+        n = len(samples)
+        masks = [_loss_mask(s) for s in samples]
+        for s, m in zip(samples, masks):
+            if m.numel() != s.response_length:
+                raise ValueError(f"sample {s.index}: loss_mask has {m.numel()} entries for {s.response_length} tokens")
+        has_rollout_lp = all(s.rollout_log_probs is not None for s in samples)
+        rollout_lp = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples] if has_rollout_lp else None
+        if (tcfg.use_rollout_logprobs or algo.use_tis) and not has_rollout_lp and not sft:
+            raise ValueError("use_rollout_logprobs / use_tis need every sample's rollout_log_probs")
+
+        # Global batches and their micro-batches (fixed for the whole call).
+        batches = self._step_batches(n)
+        layouts: list[list[tuple[MicroBatch, list[int]]]] = []
+        for idx in batches:
+            sub = [samples[i] for i in idx]
+            mbs = pack_samples(sub, tcfg.max_tokens_per_micro_batch)
+            layouts.append([(mb, [idx[s.sample_index] for s in mb.seqs]) for mb in mbs])
+
+        # Old / ref log-probs with the training layout (so the first step's ratio is exactly 1).
+        old_lp: list[torch.Tensor | None] = [None] * n
+        ref_lp: list[torch.Tensor | None] = [None] * n
+        self.module.eval()
+        with torch.no_grad():
+            for layout in layouts:
+                for mb, gidx in layout:
+                    if not sft:
+                        for r, g in zip(compute_log_probs(self.module, mb, self.arch.vocab_size, rollout_temperature,
+                                                          False, self.tp_group), gidx):
+                            old_lp[g] = r.log_probs.detach()
+                    if self.ref_model is not None:
+                        for r, g in zip(compute_log_probs(self.ref_model, mb, self.arch.vocab_size,
+                                                          rollout_temperature, False, self.tp_group), gidx):
+                            ref_lp[g] = r.log_probs.detach()
+        self.module.train()
+        train_old = old_lp
+        if not sft and tcfg.use_rollout_logprobs:
+            train_old = list(rollout_lp)
+
+        # Advantages over the whole rollout.
+        adv_rows: list[torch.Tensor | None] = [None] * n
+        if not sft:
+            rewards = group_normalized_rewards(samples, algo.reward_normalization, reward_key)
+            mask_all = _pad(masks)
+            res = compute_advantages(
+                algo.advantage_estimator, rewards, mask_all,
+                log_probs=_pad(train_old),
+                ref_log_probs=_pad(ref_lp) if self.ref_model is not None else None,
+                kl_coef=algo.kl_coef, kl_type=algo.kl_loss_type, gamma=algo.gamma,
+            )
+            adv_rows = [res.advantages[i, : samples[i].response_length] for i in range(n)]
+
+        metrics_out = []
+        for layout, idx in zip(layouts, batches):
+            metrics_out.append(self._train_step(samples, layout, idx, masks, train_old, old_lp, ref_lp, rollout_lp,
+                                                adv_rows, rollout_temperature, mode, sft))
+        return metrics_out
+
+    def _train_step(self, samples, layout, idx, masks, train_old, old_lp, ref_lp, rollout_lp, adv_rows,
+                    temperature, mode, sft) -> dict[str, float]:
+        algo = self.algo
+        t0 = time.perf_counter()
+        lr = self._set_lr()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        n_step = len(idx)
+        tokens_step = max(float(sum(masks[i].sum() for i in idx)), 1.0)
+        acc: dict[str, float] = {}
+
+        def add(key, value, w):
+            acc[key] = acc.get(key, 0.0) + float(value) * w
+
+        n_tokens = 0
+        for mb, gidx in layout:
+            n_tokens += mb.num_tokens
+            res = compute_log_probs(self.model, mb, self.arch.vocab_size, temperature, True, self.tp_group)
+            lp = _pad([r.log_probs for r in res])
+            ent = _pad([r.entropy for r in res])
+            mask = _pad([masks[g] for g in gidx])
+            w = len(gidx) / n_step if mode == "sample_mean" else float(mask.sum()) / tokens_step
+            entropy = reduce_masked(ent, mask, mode)
+            if sft:
+                loss = sft_loss(lp, mask, mode)
+                add("train/pg_loss", 0.0, w)
+            else:
+                old = _pad([train_old[g] for g in gidx])
+                adv = _pad([adv_rows[g] for g in gidx])
+                fn = gspo_policy_loss if algo.advantage_estimator == "gspo" else ppo_policy_loss
+                out = fn(lp, old, adv, mask, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c)
+                pg_tok = out.pg_loss
+                if algo.use_tis:
+                    tis = compute_tis_weights(_pad([old_lp[g] for g in gidx]), _pad([rollout_lp[g] for g in gidx]),
+                                              mask, algo.tis_clip, algo.tis_clip_low)
+                    pg_tok = apply_tis(pg_tok, tis)
+                    for k, v in tis.metrics(mode).items():
+                        add(f"train/{k}", v, w)
+                pg_loss = reduce_masked(pg_tok, mask, mode)
+                loss = pg_loss
+                add("train/pg_loss", pg_loss.detach(), w)
+                add("train/pg_clipfrac", reduce_masked(out.clipfrac, mask, mode), w)
+                add("train/ppo_kl", reduce_masked(out.ppo_kl.detach(), mask, mode), w)
+            if algo.entropy_coef:
+                loss = loss - algo.entropy_coef * entropy
+            if self.ref_model is not None:
+                kl = kl_loss(lp, _pad([ref_lp[g] for g in gidx]), mask, algo.kl_loss_type, reduction=mode)
+                loss = loss + algo.kl_loss_coef * kl
+                add("train/kl_loss", kl.detach(), w)
+            if rollout_lp is not None and old_lp[gidx[0]] is not None:
+                diff = (_pad([old_lp[g] for g in gidx]) - _pad([rollout_lp[g] for g in gidx])).abs()
+                add("train/train_rollout_logprob_abs_diff", reduce_masked(diff, mask, mode), w)
+            add("train/entropy", entropy.detach(), w)
+            add("train/loss", loss.detach(), w)
+            (loss * w).backward()
+
+        self.model.finish_grad_sync()
+        ok, grad_norm, _ = self.optimizer.step()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        m = {"train/loss": 0.0, "train/pg_loss": 0.0, "train/pg_clipfrac": 0.0, "train/ppo_kl": 0.0,
+             "train/kl_loss": 0.0, "train/entropy": 0.0}
+        m.update(acc)
+        m.update({"train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                  "train/lr": lr, "train/update_successful": float(bool(ok)),
+                  "train/num_micro_batches": float(len(layout)), "train/step": float(self.step),
+                  "perf/train_time": dt, "perf/tokens_per_s": n_tokens / dt if dt > 0 else 0.0})
+        return m

@@ -1,0 +1,113 @@
+"""MegatronActor checks on rollout samples (TP from argv, default 1; DP = PP = 1).
+
+    [torchrun --nproc_per_node TP] train_actor_check.py HF_DIR SAMPLES_JSON [TP]
+
+SAMPLES_JSON: [{"tokens", "response_length", "rollout_log_probs", "reward", "group_index"}, ...].
+Prints "RESULT {json}" with:
+  grpo:   metrics of a GRPO step (use_kl_loss low_var_kl, TIS) on fresh rollouts, then of a second
+          call on the same samples; mean new-old log-prob of positive / negative advantage samples
+  sft:    loss of 5 sft_loss steps on one fixed batch
+  accum:  one GRPO step with 1 vs 2 packed micro-batches: max |weight diff|, metrics of both
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    hf_dir, samples_json = sys.argv[1], sys.argv[2]
+    tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    t0 = time.perf_counter()
+    from slimectl.config import AlgorithmSection, TrainSection
+    from slimectl.models.arch import arch_from_dir
+    from slimectl.samples import Sample
+    from slimectl.train.actor import MegatronActor, group_normalized_rewards
+    from slimectl.train.packing import pack_samples
+
+    arch = arch_from_dir(hf_dir)
+    padded = arch.padded_vocab_size(tp)
+    samples = [Sample(**d) for d in json.loads(Path(samples_json).read_text())]
+    out: dict = {}
+
+    def actor(train_kw, algo_kw):
+        a = MegatronActor(arch, padded, TrainSection(**train_kw), AlgorithmSection(**algo_kw), tp=tp)
+        a.load_hf(hf_dir)
+        return a
+
+    t_import = time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- GRPO + KL + TIS
+    t = time.perf_counter()
+    a = actor({"lr": 1e-3}, {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl",
+                             "use_tis": True})
+    before = a.compute_log_probs(samples)
+    ref_before = a.compute_log_probs(samples, ref=True)
+    m0 = a.train_on_samples(samples, rollout_temperature=1.0)
+    after = a.compute_log_probs(samples)
+    ref_after = a.compute_log_probs(samples, ref=True)
+    m1 = a.train_on_samples(samples, rollout_temperature=1.0)
+    adv = group_normalized_rewards(samples, "group_mean_std")
+    delta = torch.stack([(x - y).mean() for x, y in zip(after, before)])
+    out["grpo"] = {
+        "step0": m0, "step1": m1, "advantages": adv.tolist(), "delta": delta.tolist(),
+        "pos_delta": float(delta[adv > 0].mean()), "neg_delta": float(delta[adv < 0].mean()),
+        "ref_moved": max(float((x - y).abs().max()) for x, y in zip(ref_after, ref_before)),
+        "ref_eq_actor_before": max(float((x - y).abs().max()) for x, y in zip(ref_before, before)),
+        "hf_keys": sorted(a.hf_state_dict())[:3], "hf_count": len(a.hf_state_dict()),
+        "seconds": time.perf_counter() - t,
+    }
+    del a
+
+    # ---------------------------------------------------------------- SFT on a fixed batch
+    t = time.perf_counter()
+    a = actor({"lr": 1e-3}, {"loss_type": "sft_loss"})
+    sft = [a.train_on_samples(samples)[0] for _ in range(5)]
+    out["sft"] = {"loss": [m["train/loss"] for m in sft], "grad_norm": [m["train/grad_norm"] for m in sft],
+                  "seconds": time.perf_counter() - t}
+    del a
+
+    # ---------------------------------------------------------------- gradient accumulation
+    t = time.perf_counter()
+    total = sum(len(s.tokens) for s in samples)
+    budget = next(b for b in range(total // 2, total + 1) if len(pack_samples(samples, b)) == 2)
+    res = {}
+    for name, b in (("one", total), ("two", budget)):
+        a = actor({"lr": 1e-3, "max_tokens_per_micro_batch": b}, {})
+        w0 = a.hf_state_dict()
+        m = a.train_on_samples(samples)[0]
+        res[name] = (m, a.hf_state_dict())
+        del a
+    w1, w2 = res["one"][1], res["two"][1]
+    out["accum"] = {
+        "budget": budget, "one": res["one"][0], "two": res["two"][0],
+        "max_weight_diff": max(float((w1[k] - w2[k]).abs().max()) for k in w1),
+        "max_weight_move": max(float((w1[k] - w0[k]).abs().max()) for k in w1),
+        "seconds": time.perf_counter() - t,
+    }
+    # ---------------------------------------------------------------- 2 steps, per-token loss, warmup
+    t = time.perf_counter()
+    a = MegatronActor(arch, padded, TrainSection(lr=1e-3, min_lr=1e-4, lr_warmup_steps=1, lr_decay_style="cosine",
+                                                 num_steps_per_rollout=2),
+                      AlgorithmSection(calculate_per_token_loss=True, entropy_coef=0.01), tp=tp, total_steps=3)
+    a.load_hf(hf_dir)
+    ms = a.train_on_samples(samples) + a.train_on_samples(samples)
+    out["multi"] = {"metrics": ms, "seconds": time.perf_counter() - t}
+    del a
+
+    out["import_s"] = t_import
+    out["total_s"] = time.perf_counter() - t0
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    from slimectl.megatron.parallel import shutdown_parallel
+
+    shutdown_parallel(destroy_process_group=True)
+
+
+if __name__ == "__main__":
+    main()

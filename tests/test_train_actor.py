@@ -1,0 +1,169 @@
+"""slimectl.train.actor: MegatronActor on rollouts from the embedded engine (TP=1, CPU).
+
+Megatron runs in one subprocess (tests/scripts/train_actor_check.py: its CPU shim patches
+torch.cuda process-wide); several tests share its RESULT.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+from conftest import ROOT
+
+from slimectl.train.actor import group_normalized_rewards, lr_at
+
+SCRIPT = ROOT / "tests" / "scripts" / "train_actor_check.py"
+PROMPTS = ["one two three", "the cat sat on", "2 + 2 =", "why is the sky"]
+PER_GROUP, NEW_TOKENS = 2, 12
+REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.2, 0.9]  # every group has a non-zero std
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def test_lr_schedule():
+    assert lr_at(0, 1e-3) == lr_at(99, 1e-3) == 1e-3
+    assert lr_at(0, 1.0, warmup_steps=4) == 0.25 and lr_at(3, 1.0, warmup_steps=4) == 1.0
+    assert lr_at(4, 1.0, 0.1, 0, "linear", 10) == pytest.approx(0.64)
+    assert lr_at(10, 1.0, 0.1, 0, "linear", 10) == pytest.approx(0.1)
+    assert lr_at(5, 1.0, 0.0, 0, "cosine", 10) == pytest.approx(0.5)
+    assert lr_at(50, 1.0, 0.1, 0, "cosine", 10) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        lr_at(1, 1.0, decay_style="cosine")
+
+
+def test_group_normalized_rewards_uneven_groups():
+    from slimectl.samples import Sample
+
+    s = [Sample(group_index=g, reward=r) for g, r in [(0, 1.0), (0, 0.0), (1, 2.0), (1, 2.0), (1, 5.0), (2, 3.0)]]
+    r = group_normalized_rewards(s, "group_mean_std").tolist()
+    assert r[0] == pytest.approx(0.7071, abs=1e-3) and r[1] == pytest.approx(-0.7071, abs=1e-3)
+    assert sum(r[2:5]) == pytest.approx(0.0, abs=1e-6) and r[4] > 0 and r[5] == 0.0
+    assert group_normalized_rewards(s, "none").tolist() == [1.0, 0.0, 2.0, 2.0, 5.0, 3.0]
+
+
+# ----------------------------------------------------------------------------- Megatron run
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    from slimectl.engines.runner import BatchRunner, GenRequest, SamplingParams
+    from slimectl.fixtures.tiny_models import build_tiny_model
+
+    d = tmp_path_factory.mktemp("train_actor")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model_dir = build_tiny_model("qwen2", d / "qwen2", seed=3, vocab_size=300, initializer_range=0.1)
+    runner = BatchRunner(str(model_dir))
+    runner.start()
+    try:
+        tok = runner.tokenizer
+        reqs = [(g, tok.encode(p)) for g, p in enumerate(PROMPTS) for _ in range(PER_GROUP)]
+        futs = [runner.submit(GenRequest(f"r{i}", ids, SamplingParams(
+            max_new_tokens=NEW_TOKENS, temperature=1.0, sampling_seed=200 + i, ignore_eos=True), return_logprob=True))
+            for i, (_, ids) in enumerate(reqs)]
+        outs = [f.result(timeout=120) for f in futs]
+    finally:
+        runner.stop()
+    samples = [{"group_index": g, "index": i, "tokens": ids + list(o.output_ids), "response_length": len(o.output_ids),
+                "rollout_log_probs": list(o.output_token_logprobs), "reward": REWARDS[i]}
+               for i, ((g, ids), o) in enumerate(zip(reqs, outs))]
+    path = d / "samples.json"
+    path.write_text(json.dumps(samples))
+    res = run_check(model_dir, path, tp=1)
+    res["_paths"] = (str(model_dir), str(path))
+    return res
+
+
+def run_check(model_dir, samples_json, tp: int) -> dict:
+    from slimectl.megatron.parallel import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [str(SCRIPT), str(model_dir), str(samples_json), str(tp)]
+    if tp > 1:
+        args = ["-m", "torch.distributed.run", "--nproc_per_node", str(tp), "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port()), *args]
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[len("RESULT "):])
+    print(f"tp={tp}", {k: round(v["seconds"], 2) for k, v in res.items() if isinstance(v, dict)},
+          "import", round(res["import_s"], 2), "total", round(res["total_s"], 2))
+    return res
+
+
+KEYS = {"train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss", "train/entropy",
+        "train/grad_norm", "train/lr", "train/train_rollout_logprob_abs_diff", "train/tis", "perf/train_time",
+        "perf/tokens_per_s"}
+
+
+def test_grpo_step0_invariants(result):
+    g = result["grpo"]
+    (m,) = g["step0"]
+    print({k: m[k] for k in sorted(KEYS)})
+    assert KEYS <= set(m)
+    assert m["train/train_rollout_logprob_abs_diff"] <= 1e-4
+    assert abs(m["train/ppo_kl"]) < 1e-6 and m["train/pg_clipfrac"] == 0.0
+    assert m["train/kl_loss"] == 0.0 and g["ref_eq_actor_before"] == 0.0  # ref == actor before any update
+    assert abs(m["train/tis"] - 1.0) < 1e-3
+    assert m["train/grad_norm"] > 0 and m["train/lr"] == 1e-3 and m["train/entropy"] > 0
+    assert m["perf/tokens_per_s"] > 0
+
+
+def test_grpo_step_moves_logprobs_and_ref_stays(result):
+    g = result["grpo"]
+    print("pos_delta", g["pos_delta"], "neg_delta", g["neg_delta"])
+    assert g["pos_delta"] > 0 and g["neg_delta"] < 0
+    assert g["ref_moved"] == 0.0  # the reference is frozen
+    (m1,) = g["step1"]
+    assert m1["train/kl_loss"] > 0  # actor moved away from the reference
+    assert m1["train/train_rollout_logprob_abs_diff"] > 1e-4  # rollout log-probs are now stale
+    assert g["hf_count"] > 0 and all(k.startswith("model.") or k == "lm_head.weight" for k in g["hf_keys"])
+
+
+def test_sft_loss_decreases(result):
+    loss = result["sft"]["loss"]
+    print("sft loss", loss)
+    assert all(b < a for a, b in itertools.pairwise(loss))
+    assert loss[-1] < loss[0] - 0.05
+
+
+def test_gradient_accumulation_matches_single_micro_batch(result):
+    a = result["accum"]
+    print("budget", a["budget"], "max weight diff", a["max_weight_diff"], "max move", a["max_weight_move"])
+    assert a["one"]["train/num_micro_batches"] == 1 and a["two"]["train/num_micro_batches"] == 2
+    assert abs(a["one"]["train/loss"] - a["two"]["train/loss"]) < 1e-6
+    assert a["one"]["train/grad_norm"] == pytest.approx(a["two"]["train/grad_norm"], rel=1e-5)
+    assert a["max_weight_move"] > 1e-4  # the step did update the weights
+    assert a["max_weight_diff"] <= 1e-5
+
+
+def test_two_steps_per_rollout_per_token_loss_and_schedule(result):
+    ms = result["multi"]["metrics"]
+    assert len(ms) == 4  # 2 calls x num_steps_per_rollout=2
+    assert [m["train/step"] for m in ms] == [1.0, 2.0, 3.0, 4.0]
+    # warmup 1 step to 1e-3, cosine to min_lr 1e-4 at total_steps=3, then held
+    assert [round(m["train/lr"], 7) for m in ms] == [1e-3, 1e-3, 1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi / 2)), 1e-4]
+    m0 = ms[0]
+    assert abs(m0["train/ppo_kl"]) < 1e-6 and m0["train/pg_clipfrac"] == 0.0
+    assert ms[1]["train/ppo_kl"] != 0.0  # second step of a rollout is off-policy (old log-probs fixed)
+    assert all(m["train/entropy"] > 0 and m["train/grad_norm"] > 0 for m in ms)
+
+
+def test_tp2_matches_tp1(result):
+    tp2 = run_check(*result["_paths"], tp=2)
+    m1, m2 = result["grpo"]["step0"][0], tp2["grpo"]["step0"][0]
+    assert m2["train/train_rollout_logprob_abs_diff"] <= 1e-4 and m2["train/kl_loss"] == 0.0
+    assert abs(m2["train/ppo_kl"]) < 1e-6 and m2["train/pg_clipfrac"] == 0.0
+    assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-5)
+    assert tp2["grpo"]["pos_delta"] == pytest.approx(result["grpo"]["pos_delta"], abs=1e-4)
+    assert tp2["sft"]["loss"] == pytest.approx(result["sft"]["loss"], abs=1e-4)
+    assert tp2["accum"]["max_weight_diff"] <= 1e-5
+    assert tp2["grpo"]["hf_count"] == result["grpo"]["hf_count"]
