@@ -1,19 +1,40 @@
-"""``slimectl train``: Train the Megatron actor on READY rollouts, each exactly once."""
+"""``slimectl train``: train the Megatron actor on READY rollouts, each exactly once."""
 
 from __future__ import annotations
 
 import click
 
 from slimectl.commands._options import stage_options
-from slimectl.commands._stage import stage_config_or_unavailable
 
 
 @click.command("train", short_help="Train the Megatron actor on READY rollouts, each exactly once.")
 @stage_options
+@click.option("--id", "rollout_id", type=click.IntRange(min=0), help="Train on this rollout only (must be the next one).")
+@click.option("--follow", is_flag=True, help="Wait for rollouts that are not published yet (multi-machine use).")
+@click.option("--max-rollouts", type=click.IntRange(min=1), help="Stop after this many rollouts.")
+@click.option("--wait-timeout", type=float, help="With --follow: give up after this many seconds per rollout.")
+@click.option("--allow-empty", is_flag=True, help="Exit 0 when there is nothing left to train.")
 @click.pass_context
-def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool) -> None:
-    """Train the Megatron actor on READY rollouts, each exactly once.
+def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool, rollout_id: int | None,
+              follow: bool, max_rollouts: int | None, wait_timeout: float | None, allow_empty: bool) -> None:
+    """Train on rollouts from the consumption cursor onward (TP via torchrun is not wired yet: train.tp = 1).
 
-    Reads the run's frozen config; --set may override this stage's own sections.
+    Saves checkpoints/N and weights/N every train.save_interval rollouts and after the last one;
+    a rerun after a crash resumes from the last checkpoint and trains nothing twice.
+
+    \b
+    Examples:
+      slimectl train -r runs/a
+      slimectl train -r runs/a --follow          # wait for rollouts produced elsewhere
     """
-    stage_config_or_unavailable(ctx, "train", run_dir, overrides, dry_run, issue=6)
+    from slimectl.commands._stage import open_stage
+
+    opened = open_stage(ctx, "train", run_dir, overrides, dry_run)
+    if opened is None:
+        return
+    run, cfg = opened
+    from slimectl.train.stage import run_train
+
+    result = run_train(run, cfg, rollout_id, follow=follow, max_rollouts=max_rollouts, allow_empty=allow_empty,
+                       wait_timeout=wait_timeout)
+    click.echo(f"trained rollouts {result.trained}; weight version {result.weight_version}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ from slimectl.algorithms import (
     reduction_mode,
     sft_loss,
 )
+import slimectl.megatron  # noqa: F401  (quiets megatron's import-time notices about missing TE/Apex)
 from slimectl.algorithms.tis import apply_tis
 from slimectl.errors import NotAvailableYet
 from slimectl.train.logprobs import compute_log_probs
@@ -172,6 +174,51 @@ class MegatronActor:
         extra = load_megatron_checkpoint(self.module, it_dir)
         self._after_load()
         return extra
+
+    def _fill_empty_adam_state(self) -> None:
+        """A never-stepped torch Adam has no state to load a checkpoint into: give it zeros first."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    st = inner.state[p]
+                    if not st:
+                        st["step"] = torch.tensor(0.0)
+                        st["exp_avg"] = torch.zeros_like(p.data)
+                        st["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    def save_state(self, it_dir, extra: dict[str, Any] | None = None) -> None:
+        """Save model + optimizer (torch_dist, resharding-capable) and the actor's step counter."""
+        from megatron.core import dist_checkpointing
+
+        from slimectl.megatron.checkpoint import CHECKPOINT_VERSION, CONTENT_METADATA, _use_in_process_results_queue
+
+        self._fill_empty_adam_state()
+        Path(it_dir).mkdir(parents=True, exist_ok=True)
+        msd = self.module.sharded_state_dict(prefix="")
+        state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
+                 "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.step, "actor_step": self.step,
+                 **(extra or {})}
+        _use_in_process_results_queue()
+        dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA)
+
+    def load_state(self, it_dir) -> dict[str, Any]:
+        """Load what :meth:`save_state` wrote (model, optimizer, step); returns the other saved keys.
+
+        Load the initial policy first (it fills the reference model), then this."""
+        from megatron.core import dist_checkpointing
+
+        self._fill_empty_adam_state()
+        msd = self.module.sharded_state_dict(prefix="")
+        loaded = dist_checkpointing.load({"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True)},
+                                         str(it_dir))
+        self.module.load_state_dict(loaded["model"], strict=False)
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        common = dist_checkpointing.load_common_state_dict(str(it_dir))
+        self.step = int(common.get("actor_step", 0))
+        # The reference model is deliberately untouched: it stays the *initial* policy, which the
+        # caller loads first (load_hf / load_checkpoint) before resuming from here.
+        return {k: v for k, v in common.items() if k not in ("model", "optimizer")}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named full tensors (TP shards gathered; collective under TP > 1)."""
