@@ -418,7 +418,8 @@ def test_pause_in_place_holds_requests_until_resume(fresh_runner):
     base = r.load_stats()["num_generated_tokens"]
     wait_for(lambda: r.load_stats()["num_generated_tokens"] >= base + 3)
     r.pause("in_place")
-    parked = r.submit(GenRequest(rid="new", input_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=4)))
+    parked = r.submit(GenRequest(rid="new", input_ids=[5, 6, 7],
+                                 params=SamplingParams(max_new_tokens=4, ignore_eos=True)))
     frozen = r.load_stats()["num_generated_tokens"]
     time.sleep(0.2)
     assert not running.done() and not parked.done()
@@ -437,7 +438,7 @@ def test_pause_abort_aborts_in_flight_and_parks_new(fresh_runner):
     wait_for(lambda: r.load_stats()["num_generated_tokens"] >= 2)
     r.pause("abort")
     assert f.result(2).finish_reason["type"] == "abort"
-    g = r.submit(GenRequest(rid="y", input_ids=[5], params=SamplingParams(max_new_tokens=2)))
+    g = r.submit(GenRequest(rid="y", input_ids=[5], params=SamplingParams(max_new_tokens=2, ignore_eos=True)))
     time.sleep(0.1)
     assert not g.done()
     r.resume()
