@@ -60,6 +60,12 @@ def force_option(help: str = "Replace existing output instead of refusing.") -> 
     return deco
 
 
+def engine_urls_option(fn: F) -> F:
+    """``--engine-url URL`` (repeatable): use these engines instead of the registered ones."""
+    return click.option("--engine-url", "engine_urls", multiple=True, metavar="URL",
+                        help="Use these engines instead of the registered ones (repeatable).")(fn)
+
+
 def stage_options(fn: F) -> F:
     """-r/--run-dir, --set and --dry-run: what every stage that reads the run config takes."""
     for deco in (dry_run_option, overrides_option, run_dir_option):

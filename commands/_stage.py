@@ -20,20 +20,3 @@ def open_stage(ctx: click.Context, stage: str, run_dir: str | None, overrides: t
         return None
     run.save_stage_config(stage, cfg)
     return run, cfg
-
-
-def stage_config_or_unavailable(ctx: click.Context, stage: str, run_dir: str | None, overrides: tuple[str, ...],
-                                dry_run: bool, issue: int) -> None:
-    """Resolve the stage's config (so --set and --dry-run already work), then say it is not available."""
-    from slimectl.errors import NotAvailableYet
-
-    from slimectl.rundir import RunDir
-
-    cfg = RunDir.open(resolve_run_dir(ctx, run_dir)).stage_config(stage, list(overrides))
-    if dry_run:
-        click.echo(cfg.to_yaml(), nl=False)
-        return
-    raise NotAvailableYet(
-        f"`slimectl {stage}` is not available yet in this release (tracked in issue #{issue}); "
-        f"--dry-run shows the config it would use"
-    )

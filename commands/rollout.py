@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import click
 
-from slimectl.commands._options import force_option, stage_options
+from slimectl.commands._options import engine_urls_option, force_option, stage_options
 
 
 @click.command("rollout", short_help="Generate and score one rollout into the run directory.")
 @stage_options
 @click.option("--id", "rollout_id", type=click.IntRange(min=0), help="Rollout id to produce.")
 @click.option("--next", "next_", is_flag=True, help="Produce the next rollout id (the default).")
-@click.option("--engine-url", "engine_urls", multiple=True, metavar="URL",
-              help="Use these engines instead of the registered ones (repeatable).")
+@engine_urls_option
 @click.option("--skip-bad-rows", is_flag=True, default=None, help="Skip (and count) malformed dataset rows.")
 @force_option("Regenerate a rollout that is already published.")
 @click.pass_context

@@ -1,19 +1,39 @@
-"""``slimectl sync``: Push published weights to every registered engine."""
+"""``slimectl sync``: push a published weight version to every registered engine."""
 
 from __future__ import annotations
 
 import click
 
-from slimectl.commands._options import stage_options
-from slimectl.commands._stage import stage_config_or_unavailable
+from slimectl.commands._options import engine_urls_option, stage_options
 
 
-@click.command("sync", short_help="Push published weights to every registered engine.")
+@click.command("sync", short_help="Push a published weight version to every registered engine.")
 @stage_options
+@click.option("--version", "version", type=click.IntRange(min=0),
+              help="Weight version to push (default: the latest in RUN/weights; 0 = the initial model).")
+@click.option("--transport", type=click.Choice(["disk", "distributed"]), help="Override sync.transport.")
+@click.option("--verify/--no-verify", default=None, help="Read sampled weights back from each engine and compare.")
+@engine_urls_option
 @click.pass_context
-def sync_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool) -> None:
-    """Push published weights to every registered engine.
+def sync_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool, version: int | None,
+             transport: str | None, verify: bool | None, engine_urls: tuple[str, ...]) -> None:
+    """Pause each engine, load weight version N (disk: weights/N through /update_weights_from_disk;
+    distributed: a gloo/NCCL broadcast in buckets), continue it, and check that every engine
+    reports version N. Engines are never left paused. Prints the version and the engines.
 
-    Reads the run's frozen config; --set may override this stage's own sections.
+    \b
+    Examples:
+      slimectl sync -r runs/a
+      slimectl sync -r runs/a --version 3 --transport distributed --verify
     """
-    stage_config_or_unavailable(ctx, "sync", run_dir, overrides, dry_run, issue=7)
+    from slimectl.commands._stage import open_stage
+
+    opened = open_stage(ctx, "sync", run_dir, overrides, dry_run)
+    if opened is None:
+        return
+    run, cfg = opened
+    from slimectl.sync import run_sync
+
+    result = run_sync(run, cfg, version, transport, verify, engine_urls)
+    click.echo(f"weight version {result.version} -> {', '.join(result.engines)} ({result.transport}, "
+               f"{result.seconds:.2f} s{', verified' if result.verified else ''})")

@@ -203,6 +203,9 @@ class SyncSection(Section):
     master_addr: str = "127.0.0.1"
     master_port: int = Field(default=0, ge=0, le=65535)
     verify: bool = False
+    """After each sync read sampled tensors back from every engine and compare them with the trainer's."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How engines pause for the update (SGLang's /pause_generation modes)."""
     timeout_s: float = Field(default=600.0, gt=0)
     keep_weights: Optional[int] = Field(default=2, gt=0)
 

@@ -55,13 +55,6 @@ def test_console_script_and_python_m_agree():
     assert a.stdout.startswith("slimectl, version ")
 
 
-@pytest.mark.parametrize("stage", ["sync"])
-def test_unlanded_stage_says_so_and_exits_1(cli, run_dir, stage):
-    res = cli(stage, "-r", run_dir.path)
-    assert res.exit_code == 1
-    assert "not available yet" in res.output and "Traceback" not in res.output
-
-
 def test_stage_dry_run_prints_overridden_config(cli, run_dir):
     import yaml
 

@@ -181,6 +181,9 @@ class EngineClient:
             body["abort_all_requests"] = True
         return await self.request("POST", "/update_weights_from_disk", body)
 
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        return await self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> dict[str, Any]:
         return await self.request("POST", "/init_weights_update_group", {

@@ -102,6 +102,7 @@ class EmbeddedEngine:
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/begin_weight_update", self.begin_weight_update)
@@ -361,6 +362,21 @@ class EmbeddedEngine:
             self.runner.abort(abort_all=True)
         self.runner.set_weight_version(new)
         return web.json_response({"success": True, "message": f"Weight version updated to {new}", "new_version": new})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        name = body.get("name")
+        try:
+            truncate = int(body.get("truncate_size", 100))
+        except (TypeError, ValueError):
+            raise BadRequest("truncate_size must be an integer") from None
+        if not isinstance(name, str):
+            raise BadRequest("name must be a string")
+        try:
+            values = await self._in_thread(self.runner.get_weights_by_name, name, truncate)
+        except KeyError:
+            return _fail("Get parameter by name failed")
+        return web.json_response(values)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await self._json(request)

@@ -830,6 +830,15 @@ class BatchRunner:
 
         self._apply_weights(items, weight_version, after)
 
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first ``truncate_size`` rows (dim 0) of parameter ``name`` as float32 nested lists —
+        SGLang's ``/get_weights_by_name`` semantics; used by ``slimectl sync --verify``."""
+        p = self._params.get(name)
+        if p is None:
+            raise KeyError(name)
+        with torch.no_grad():
+            return p.detach()[: max(0, int(truncate_size))].to(torch.float32).tolist()
+
     def _check_named_tensors(self, named_tensors) -> list[tuple[str, torch.Tensor]]:
         items = []
         for entry in named_tensors:

@@ -1,0 +1,169 @@
+"""slimectl sync: disk and distributed (gloo) weight handoff to live embedded engines, --verify, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+from slimectl.rundir import RunDir
+from slimectl.sync.distributed import buckets
+from slimectl.sync.verify import compare, pick_names
+
+
+def slimectl(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "slimectl", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def post(url, path, body, timeout=30):
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def greedy(url, ids=(5, 6, 7, 8)):
+    """(output ids + their log-probs rounded to 5 digits, weight version): a fingerprint of the weights."""
+    out = post(url, "/generate", {"input_ids": list(ids), "return_logprob": True,
+                                  "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
+    lps = [round(x[0], 5) for x in out["meta_info"]["output_token_logprobs"]]
+    return out["output_ids"] + lps, out["meta_info"]["weight_version"]
+
+
+def publish_weights(run: RunDir, version: int, seed: int) -> dict[str, torch.Tensor]:
+    """weights/VERSION: the initial model with noise added to every tensor."""
+    from safetensors.torch import load_file
+
+    from slimectl.megatron.checkpoint import copy_hf_aux_files
+    from slimectl.models.hf_io import write_safetensors_sharded
+
+    model = run.config().model.path
+    base = load_file(os.path.join(model, "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    new = {k: v + 0.3 * torch.randn(v.shape, generator=g) * (v.std() if v.numel() > 1 else 1.0) for k, v in base.items()}
+    with run.weights.publish(version, meta={"weight_version": version}) as d:
+        write_safetensors_sharded(new.items(), d)
+        copy_hf_aux_files(model, d)
+    return new
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A run with a tiny qwen2 model, weights/1 and weights/2, and `slimectl serve` with two engines."""
+    from tests.test_serve import start_serve
+
+    root = tmp_path_factory.mktemp("sync")
+    res = slimectl("init", root / "run", "--tiny-model", "qwen2", "--set", "logging.tensorboard=false")
+    assert res.returncode == 0, res.stderr
+    run = RunDir.open(root / "run")
+    w1, w2 = publish_weights(run, 1, 1), publish_weights(run, 2, 2)
+    proc, urls = start_serve(run, "--num-engines", "2")
+    try:
+        yield run, urls, {1: w1, 2: w2}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def test_disk_sync_changes_outputs_and_verifies(served):
+    run, urls, _ = served
+    assert slimectl("sync", "-r", run.path, "--version", "0").returncode == 0
+    before = [greedy(u) for u in urls]
+    assert {v for _, v in before} == {"0"}
+    res = slimectl("sync", "-r", run.path, "--version", "1", "--verify")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "weight version 1 ->" in res.stdout and "verified" in res.stdout
+    after = [greedy(u) for u in urls]
+    assert {v for _, v in after} == {"1"}
+    assert after[0][0] == after[1][0] != before[0][0]  # the engines' outputs changed, identically
+    assert {r.weight_version for r in run.engines.list()} == {"1"}
+    from slimectl.metrics import read_metrics
+
+    rec = read_metrics(run.metrics_path("sync"))[-1]
+    assert rec["step"] == 1 and rec["sync/time"] > 0 and rec["sync/bytes"] > 0
+
+
+def test_distributed_sync_matches_disk_sync(served):
+    run, urls, weights = served
+    assert slimectl("sync", "-r", run.path, "--version", "2").returncode == 0
+    by_disk = greedy(urls[0])
+    assert slimectl("sync", "-r", run.path, "--version", "0").returncode == 0
+    assert greedy(urls[0]) != by_disk
+    # tiny buckets: the model crosses in many update_weights_from_distributed calls
+    res = slimectl("sync", "-r", run.path, "--version", "2", "--transport", "distributed", "--verify",
+                   "--set", "sync.bucket_size_mb=1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert all(greedy(u) == by_disk for u in urls)  # same tokens as the disk path, version 2
+    got = post(urls[1], "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 3})
+    assert torch.equal(torch.tensor(got), weights[2]["model.norm.weight"][:3])
+
+
+def test_verify_detects_engines_holding_other_weights(served):
+    from slimectl.engines.client import EngineClient
+    from slimectl.sync import WeightSource
+    from slimectl.sync.verify import verify_engines
+
+    run, urls, _ = served
+    assert slimectl("sync", "-r", run.path, "--version", "1").returncode == 0
+
+    async def check(version):
+        clients = {u: EngineClient(u) for u in urls}
+        try:
+            return await verify_engines(clients, WeightSource.from_dir(version, run.weights.get(version).path))
+        finally:
+            for c in clients.values():
+                await c.close()
+
+    assert asyncio.run(check(1)) == []
+    problems = asyncio.run(check(2))
+    assert len(problems) >= 2 and all("differs from weight version 2" in p for p in problems)
+    assert {p.split()[1].rstrip(":") for p in problems} == set(urls)
+
+
+def test_a_dead_engine_is_named_and_the_live_one_is_not_left_paused(served):
+    run, urls, _ = served
+    dead = "http://127.0.0.1:9"
+    res = slimectl("sync", "-r", run.path, "--version", "2", "--engine-url", urls[0], "--engine-url", dead,
+                   "--set", "sync.timeout_s=5")
+    assert res.returncode == 1 and dead in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()[-1]) < 400
+    ids, version = greedy(urls[0])  # would hang if the engine were left paused
+    assert len(ids) == 24
+
+
+def test_unpublished_version_and_no_engines(served, tmp_path):
+    run, _, _ = served
+    res = slimectl("sync", "-r", run.path, "--version", "7")
+    assert res.returncode == 2 and "weights/000007 is not published (published versions: 1, 2)" in res.stderr
+    other = tmp_path / "other"
+    assert slimectl("init", other, "--tiny-model", "llama").returncode == 0
+    res = slimectl("sync", "-r", other)
+    assert res.returncode == 1 and "no live engines registered" in res.stderr
+
+
+def test_buckets_split_by_size_and_mark_the_last():
+    t = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]
+    out = list(buckets(iter(t), bucket_bytes=4 * 25))
+    assert [[n for n, _ in b] for b, _ in out] == [["t0", "t1"], ["t2"], ["t3"], ["t4"], ["t5"]]
+    assert [last for _, last in out] == [False, False, False, False, True]
+    assert list(buckets(iter([]), 10)) == []
+    assert [last for _, last in buckets(iter(t[:1]), 10)] == [True]
+
+
+def test_verify_compare_and_pick_names():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert compare(x, x.tolist(), "fp32") is None
+    assert compare(x, (x + 1e-6).tolist(), "float32") == pytest.approx(1e-6, rel=0.2)
+    assert compare(x, x.to(torch.bfloat16).float().tolist(), "bf16") is None  # rounding allowed across dtypes
+    assert compare(x, [[1.0, 2.0]], "fp32") == float("inf")
+    names = [f"n{i:02d}" for i in range(20)]
+    picked = pick_names(names, 5)
+    assert picked[0] == "n00" and picked[-1] == "n19" and len(picked) == 5
+    assert pick_names(names[:3], 5) == names[:3]
