@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import click
 
-from slimectl.commands._options import dry_run_option, overrides_option, resolve_run_dir, run_dir_option
+from slimectl.commands._options import (
+    dry_run_option,
+    engine_urls_option,
+    overrides_option,
+    resolve_run_dir,
+    run_dir_option,
+)
 
 
 @click.command("rl", short_help="Run the whole loop: serve, rollout, train, sync, repeat.")
@@ -12,30 +18,76 @@ from slimectl.commands._options import dry_run_option, overrides_option, resolve
 @run_dir_option
 @overrides_option
 @dry_run_option
+@click.option("--tiny-model", type=click.Choice(["llama", "qwen2", "qwen3"]),
+              help="With --config on a new run: build a tiny offline model as model.path (CPU demos).")
+@engine_urls_option
 @click.pass_context
 def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, overrides: tuple[str, ...],
-           dry_run: bool) -> None:
-    """Run rollout -> train -> sync for every rollout id, resuming from the run directory.
+           dry_run: bool, tiny_model: str | None, engine_urls: tuple[str, ...]) -> None:
+    """Run sync -> rollout -> train for every rollout id, resuming from the run directory.
+
+    With --config the run directory is initialized first (as `slimectl init`; the default run
+    directory is runs/NAME); rerunning the same command resumes where the last run stopped.
+    Ctrl-C stops every stage cleanly. Prints the trained rollout ids and the final weight version.
 
     \b
-    Example:
+    Examples:
       slimectl rl --config examples/cpu_demo.yaml -r runs/demo
+      slimectl rl -r runs/demo --set rollout.num_rollout=60      # go on for longer
     """
-    from slimectl.errors import NotAvailableYet, UsageError
-    from slimectl.init_run import resolve_init_config
+    from pathlib import Path
 
-    if config_path is None and resolve_run_dir(ctx, run_dir) is None:
+    from slimectl.errors import UsageError
+
+    path = resolve_run_dir(ctx, run_dir)
+    if config_path is None and path is None:
         raise UsageError("pass --config CFG (and -r RUN), or -r RUN of an initialized run")
-    if dry_run:
-        if config_path is not None:
-            cfg = resolve_init_config(config_path, overrides)
-        else:
-            from slimectl.rundir import RunDir
+    if config_path is not None:
+        from slimectl.init_run import init_run, resolve_init_config
 
-            cfg = RunDir.open(resolve_run_dir(ctx, run_dir)).stage_config("rl", overrides)
+        if path is None:
+            cfg = resolve_init_config(config_path, overrides)
+            path = str(Path("runs") / (cfg.name or Path(config_path).stem))
+        if tiny_model is None:
+            tiny_model = _frozen_tiny_model(path)  # a rerun of the command that built it
+        result = init_run(path, config_path, overrides, tiny_model=tiny_model, dry_run=dry_run)
+        if dry_run:
+            click.echo(result.config.to_yaml(), nl=False)
+            return
+        overrides = ()  # frozen into the run's config by init
+    elif tiny_model is not None:
+        raise UsageError("--tiny-model needs --config (it builds the model of a new run)")
+    from slimectl.rundir import RunDir
+
+    run = RunDir.open(path)
+    cfg = run.stage_config("rl", list(overrides))
+    if dry_run:
         click.echo(cfg.to_yaml(), nl=False)
         return
-    raise NotAvailableYet(
-        "`slimectl rl` is not available yet in this release (tracked in issue #7); "
-        "`slimectl init` and `slimectl status` work today"
-    )
+    run.save_stage_config("rl", cfg)
+    import threading
+
+    from slimectl.rl import install_stop_signals, run_rl
+
+    stop = threading.Event()
+    install_stop_signals(stop)
+    try:
+        res = run_rl(run, cfg, engine_urls, stop=stop)
+    except KeyboardInterrupt:
+        raise click.ClickException(f"interrupted; rerun `slimectl rl -r {run.path}` to resume") from None
+    click.echo(f"trained rollouts {res.trained}; weight version {res.weight_version}; {res.seconds:.1f} s")
+
+
+def _frozen_tiny_model(path: str) -> str | None:
+    """The tiny-model family of an initialized run whose model.path is its own models/tiny-FAMILY."""
+    from pathlib import Path
+
+    from slimectl.rundir import RunDir
+
+    run = RunDir(path)
+    if not run.initialized:
+        return None
+    model = Path(run.config().model.path or "")
+    if model.parent == run.path.resolve() / "models" and model.name.startswith("tiny-"):
+        return model.name[len("tiny-"):]
+    return None

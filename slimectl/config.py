@@ -62,6 +62,8 @@ class DataSection(Section):
     seed: int = 42
     skip_bad_rows: bool = False
     """Skip (and count) malformed rows instead of failing on the first one."""
+    eval_data: dict[str, str] = Field(default_factory=dict)
+    """Evaluation datasets, ``{name: file.jsonl|file.parquet}`` (same keys as prompt_data)."""
 
 
 class RolloutSection(Section):
@@ -95,6 +97,16 @@ class RolloutSection(Section):
     mask_offpolicy_in_partial_rollout: bool = False
     concurrency_per_engine: int = Field(default=64, gt=0)
     seed: int = 42
+    async_mode: Literal["off", "one_step_off"] = "off"
+    """``slimectl rl``: ``one_step_off`` generates rollout N+1 (on weights N) while rollout N trains."""
+    eval_interval: Optional[int] = Field(default=None, gt=0)
+    """``slimectl rl``: evaluate on data.eval_data every this many weight versions (and at the end)."""
+    eval_n_samples: int = Field(default=4, gt=0)
+    """Samples per eval prompt (pass@k needs k <= this)."""
+    eval_pass_k: list[int] = Field(default_factory=lambda: [1])
+    eval_temperature: float = Field(default=1.0, gt=0)
+    eval_max_response_len: Optional[int] = Field(default=None, gt=0)
+    """Default: max_response_len."""
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutSection":

@@ -41,7 +41,16 @@ def split_data_spec(spec: str) -> tuple[str, str]:
     return spec, ""
 
 
+def _absolute(value: str, base: Path) -> str:
+    path, suffix = split_data_spec(value)
+    p = Path(os.path.expanduser(path))
+    return str((base / p).resolve()) + suffix if not p.is_absolute() else value
+
+
 def _absolutize(data: dict[str, Any], base: Path) -> None:
+    evals = (data.get("data") or {}).get("eval_data") if isinstance(data.get("data"), dict) else None
+    if isinstance(evals, dict):
+        data["data"]["eval_data"] = {k: _absolute(v, base) if isinstance(v, str) and v else v for k, v in evals.items()}
     for section, key in PATH_KEYS:
         sec = data.get(section)
         if not isinstance(sec, dict):
@@ -93,6 +102,13 @@ def _check_inputs(cfg: SlimectlConfig) -> None:
         path, _ = split_data_spec(cfg.data.prompt_data)
         if not Path(path).is_file():
             raise ConfigError(f"data.prompt_data = {cfg.data.prompt_data}: no such file; point it at a .jsonl or .parquet file")
+    for name, spec in cfg.data.eval_data.items():
+        if not Path(split_data_spec(spec)[0]).is_file():
+            raise ConfigError(f"data.eval_data.{name} = {spec}: no such file; point it at a .jsonl or .parquet file")
+    bad_k = [k for k in cfg.rollout.eval_pass_k if not 1 <= k <= cfg.rollout.eval_n_samples]
+    if bad_k:
+        raise ConfigError(f"rollout.eval_pass_k = {cfg.rollout.eval_pass_k}: each k must be in 1..rollout.eval_n_samples "
+                          f"({cfg.rollout.eval_n_samples})")
 
 
 def init_run(run_path: str | Path, config_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),

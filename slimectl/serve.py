@@ -104,7 +104,8 @@ class EngineGroup:
         if self.backend == "embedded":
             argv = [self.python, "-m", "slimectl.engines.embedded", "--model-path", str(self.model_path),
                     "--host", ec.host, "--port", str(port), "--dtype", self.cfg.model.dtype,
-                    "--weight-version", INITIAL_WEIGHT_VERSION, "--max-running-requests", str(ec.max_batch_size)]
+                    "--weight-version", INITIAL_WEIGHT_VERSION, "--max-running-requests", str(ec.max_batch_size),
+                    "--parent-pid", str(os.getpid())]
             if self.token:
                 argv += ["--admin-api-key-env", ec.token_env]  # the child reads the token from its environment
             return argv, env, [self.token] if self.token else []

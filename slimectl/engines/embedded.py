@@ -498,6 +498,16 @@ class EmbeddedEngine:
         self.runner.stop()
 
 
+async def _watch_parent(pid: int, stop: asyncio.Event, interval: float = 0.5) -> None:
+    """Set ``stop`` once ``pid`` is no longer this process's parent (it died; we were re-parented)."""
+    while not stop.is_set():
+        if os.getppid() != pid:
+            log.warning("supervising process %d is gone; shutting down", pid)
+            stop.set()
+            return
+        await asyncio.sleep(interval)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m slimectl.engines.embedded",
                                  description="slimectl's embedded engine (SGLang-compatible HTTP API).")
@@ -511,6 +521,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--admin-api-key-env", default=None,
                     help="name of an environment variable holding the admin token")
     ap.add_argument("--ready-file", default=None, help="write 'host port' here once serving (for supervisors)")
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="shut down when this process (the supervising slimectl) is gone, even after kill -9")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s embedded: %(message)s", stream=sys.stderr)
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"}.get(args.dtype, args.dtype)
@@ -528,6 +540,8 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if args.parent_pid:
+            loop.create_task(_watch_parent(args.parent_pid, stop))
         await stop.wait()
         log.info("shutting down")
         await app_runner.cleanup()

@@ -220,6 +220,12 @@ class MegatronActor:
         # caller loads first (load_hf / load_checkpoint) before resuming from here.
         return {k: v for k, v in common.items() if k not in ("model", "optimizer")}
 
+    def iter_hf_tensors(self):
+        """Stream (HF name, full tensor) without holding a second copy of the model (for sync)."""
+        from slimectl.megatron.checkpoint import model_to_hf_tensors
+
+        return model_to_hf_tensors(self.module, self.arch, self.tp_group)
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named full tensors (TP shards gathered; collective under TP > 1)."""
         from slimectl.megatron.checkpoint import model_to_hf_tensors

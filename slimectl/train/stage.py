@@ -54,37 +54,90 @@ def _latest_train_checkpoint(run: RunDir):
     return None
 
 
-def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, follow: bool = False,
-              max_rollouts: int | None = None, allow_empty: bool = False, wait_timeout: float | None = None) -> TrainResult:
-    """Train on rollouts from the cursor onward (all of ``rollout.num_rollout``, or just ``rollout_id``)."""
-    from slimectl.metrics import MetricsWriter
-    from slimectl.train.actor import MegatronActor
+class Trainer:
+    """The train stage as an object: the actor resumed from the run directory, trained one rollout
+    at a time. ``run_train`` drives it alone; ``slimectl rl`` drives it between rollouts and syncs.
 
-    t = cfg.train
-    with run.lock("train") as lock:
-        cursor = run.cursor("train")
-        arch, padded, init_dir = _initial_arch(run, cfg)
+    Must be used inside ``run.lock("train")`` (pass the held lock).
+    """
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, lock):
+        from slimectl.train.actor import MegatronActor
+
+        self.run, self.cfg, self.lock = run, cfg, lock
+        t = cfg.train
+        self.cursor = run.cursor("train")
+        self.arch, self.padded, init_dir = _initial_arch(run, cfg)
         total_steps = cfg.rollout.num_rollout * t.num_steps_per_rollout
-        actor = MegatronActor(arch, padded, t, cfg.algorithm, tp=t.tp, pp=t.pp, dtype=cfg.model.dtype,
-                              total_steps=total_steps)
+        self.actor = MegatronActor(self.arch, self.padded, t, cfg.algorithm, tp=t.tp, pp=t.pp, dtype=cfg.model.dtype,
+                                   total_steps=total_steps)
         if init_dir is not None:
-            actor.load_checkpoint(init_dir)
+            self.actor.load_checkpoint(init_dir)
         else:
-            actor.load_hf(cfg.model.path)
+            self.actor.load_hf(cfg.model.path)
         next_id = 0
         last = _latest_train_checkpoint(run)
         if last is not None:
-            actor.load_state(last.path / STATE_DIR)
+            self.actor.load_state(last.path / STATE_DIR)
             next_id = int(last.meta["next_rollout"])
-        state = cursor.read()
+        state = self.cursor.read()
         if state.next < next_id:
             # Killed between publishing the checkpoint and committing the cursor: the checkpoint
             # holds those rollouts' effect, so they are consumed.
             for rid in range(state.next, next_id):
-                cursor.commit(rid, {"weight_version": rid + 1}, lock=lock)
+                self.cursor.commit(rid, {"weight_version": rid + 1}, lock=lock)
         elif state.next > next_id:
-            cursor.rewind(next_id, {"checkpoint": last.id if last else None},
-                          reason=f"training after checkpoint {last.id if last else 'initial'} was lost", lock=lock)
+            self.cursor.rewind(next_id, {"checkpoint": last.id if last else None},
+                               reason=f"training after checkpoint {last.id if last else 'initial'} was lost", lock=lock)
+        self.next_rollout = next_id
+        self.last_published = last.id if last is not None else 0
+
+    @property
+    def weight_version(self) -> int:
+        """The version the actor's weights are: trained on rollouts 0 .. version-1."""
+        return self.next_rollout
+
+    def iter_hf_tensors(self):
+        return self.actor.iter_hf_tensors()
+
+    def train_rollout(self, rid: int, art, metrics, publish_weights: bool = True, last: bool = False) -> list[dict]:
+        """Train on rollout ``rid`` (its READY artifact), publish at the save interval, commit the cursor."""
+        if rid != self.next_rollout:
+            raise UsageError(f"rollout {rid}: the next rollout to train is {self.next_rollout} (each is trained exactly "
+                             f"once, in order)")
+        self.lock.check()
+        samples = read_samples(art.file(SAMPLES_FILE))
+        steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key)
+        for m in steps:
+            rec = {k: v for k, v in m.items() if k != "train/step"}
+            rec["train/rollout_id"] = rid
+            metrics.log(self.actor.step, rec)
+            log.info("step %d (rollout %d): loss %.4f, pg_clipfrac %.3f, ppo_kl %.2e, grad_norm %.3f, lr %.2e, "
+                     "%.0f ms", self.actor.step, rid, m.get("train/loss", float("nan")), m.get("train/pg_clipfrac", 0.0),
+                     m.get("train/ppo_kl", 0.0), m.get("train/grad_norm", 0.0), m.get("train/lr", 0.0),
+                     1e3 * m.get("perf/train_time", 0.0))
+        version = rid + 1
+        save = version % self.cfg.train.save_interval == 0 or last
+        if save or publish_weights:
+            self.publish(rid, version, checkpoint=save, weights=True)
+        self.cursor.commit(rid, {"weight_version": version}, lock=self.lock)
+        self.next_rollout = version
+        return steps
+
+    def publish(self, rid: int, version: int, checkpoint: bool = True, weights: bool = True) -> None:
+        _publish(self.run, self.actor, self.arch, self.padded, self.cfg, rid, version, checkpoint, weights)
+        if checkpoint:
+            self.last_published = version
+
+
+def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, follow: bool = False,
+              max_rollouts: int | None = None, allow_empty: bool = False, wait_timeout: float | None = None) -> TrainResult:
+    """Train on rollouts from the cursor onward (all of ``rollout.num_rollout``, or just ``rollout_id``)."""
+    from slimectl.metrics import MetricsWriter
+
+    with run.lock("train") as lock:
+        trainer = Trainer(run, cfg, lock)
+        next_id = trainer.next_rollout
         if rollout_id is not None and rollout_id != next_id:
             raise UsageError(f"--id {rollout_id}: the next rollout to train is {next_id} (each is trained exactly once, in order)")
         todo = list(range(next_id, cfg.rollout.num_rollout)) if rollout_id is None else [rollout_id]
@@ -107,48 +160,49 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
                     art = run.rollouts.get(rid, verify="full")
                 else:
                     if trained:
+                        if trainer.last_published != rid:  # stopping early: what was trained is checkpointed
+                            trainer.publish(rid - 1, rid)
                         break
                     raise SlimectlError(f"rollouts/{rid:06d} is not published yet; run `slimectl rollout -r {run.path}` "
                                         f"or use --follow to wait for it")
-                samples = read_samples(art.file(SAMPLES_FILE))
-                steps = actor.train_on_samples(samples, cfg.rollout.temperature, cfg.rollout.reward_key)
-                for m in steps:
-                    rec = {k: v for k, v in m.items() if k != "train/step"}
-                    rec["train/rollout_id"] = rid
-                    metrics.log(actor.step, rec)
-                    log.info("step %d (rollout %d): loss %.4f, pg_clipfrac %.3f, ppo_kl %.2e, grad_norm %.3f, lr %.2e, "
-                             "%.0f ms", actor.step, rid, m.get("train/loss", float("nan")), m.get("train/pg_clipfrac", 0.0),
-                             m.get("train/ppo_kl", 0.0), m.get("train/grad_norm", 0.0), m.get("train/lr", 0.0),
-                             1e3 * m.get("perf/train_time", 0.0))
-                version = rid + 1
-                if version % t.save_interval == 0 or n == len(todo) - 1:
-                    _publish(run, actor, arch, padded, cfg, rid, version)
-                cursor.commit(rid, {"weight_version": version}, lock=lock)
+                trainer.train_rollout(rid, art, metrics, publish_weights=False, last=n == len(todo) - 1)
                 trained.append(rid)
-        return TrainResult(trained, trained[-1] + 1 if trained else next_id, trained[-1] + 1 if trained else next_id)
+        return TrainResult(trained, trainer.next_rollout, trainer.next_rollout)
 
 
-def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: int, version: int) -> None:
-    """checkpoints/VERSION (model + optimizer) and weights/VERSION (HF safetensors)."""
-    import json
-
-    from slimectl.megatron.checkpoint import HF_DIR, META, copy_hf_aux_files
+def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: int, version: int,
+             checkpoint: bool = True, weights: bool = True) -> None:
+    """checkpoints/VERSION (model + optimizer) and/or weights/VERSION (HF safetensors)."""
+    from slimectl.megatron.checkpoint import copy_hf_aux_files
     from slimectl.models.hf_io import write_safetensors_sharded
 
     hf_src = Path(cfg.model.path)
     meta = {"source": "train", "next_rollout": rid + 1, "weight_version": version, "actor_step": actor.step}
+    if checkpoint:
+        _publish_checkpoint(run, actor, arch, padded, cfg, meta, version, hf_src)
+    if weights:
+        with run.weights.publish(version, meta={"source": "train", "rollout_id": rid, "weight_version": version},
+                                 stage="train", overwrite=True) as staging:
+            write_safetensors_sharded(actor.hf_state_dict().items(), staging)
+            copy_hf_aux_files(hf_src, staging)
+    if cfg.train.keep_checkpoints:
+        run.checkpoints.prune(cfg.train.keep_checkpoints, protect={0})
+    if cfg.sync.keep_weights:
+        run.weights.prune(cfg.sync.keep_weights)
+    log.info("published %s", " and ".join(f"{k}/{version:06d}" for k, on in (("checkpoints", checkpoint),
+                                                                               ("weights", weights)) if on))
+
+
+def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, meta: dict, version: int,
+                        hf_src: Path) -> None:
+    import json
+
+    from slimectl.megatron.checkpoint import HF_DIR, META, copy_hf_aux_files
+
+    rid = meta["next_rollout"] - 1
     with run.checkpoints.publish(version, meta=meta, stage="train", overwrite=True) as staging:
         actor.save_state(staging / STATE_DIR, {"next_rollout": rid + 1})
         (staging / META).write_text(json.dumps({"format": "torch_dist", "arch": arch.to_dict(), "padded_vocab_size": padded,
                                                 "dtype": cfg.model.dtype, "saved_with": {"tp": cfg.train.tp, "pp": cfg.train.pp},
                                                 "iteration": actor.step}, indent=2))
         copy_hf_aux_files(hf_src, staging / HF_DIR)
-    with run.weights.publish(version, meta={"source": "train", "rollout_id": rid, "weight_version": version},
-                             stage="train", overwrite=True) as staging:
-        write_safetensors_sharded(actor.hf_state_dict().items(), staging)
-        copy_hf_aux_files(hf_src, staging)
-    if cfg.train.keep_checkpoints:
-        run.checkpoints.prune(cfg.train.keep_checkpoints, protect={0})
-    if cfg.sync.keep_weights:
-        run.weights.prune(cfg.sync.keep_weights)
-    log.info("published checkpoints/%06d and weights/%06d", version, version)

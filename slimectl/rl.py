@@ -1,0 +1,253 @@
+"""``slimectl rl``: serve → (sync → rollout → train)* in one process tree, resumable.
+
+The stages are the very code of the standalone subcommands: :func:`run_rollout` produces
+``rollouts/N``, :class:`Trainer` (the train stage) consumes it exactly once and publishes,
+:func:`sync_engines` moves the new weights in. They still meet only through the run directory
+and the engine protocol; this module just sequences them.
+
+Loop, for rollout ids from the train cursor to ``rollout.num_rollout``:
+
+- ``rollout.async_mode = off`` (synchronous): rollout N on weights N → train N → sync N+1.
+- ``one_step_off``: rollout N+1 is generated (on weights N) while train N runs; the sync of
+  N+1 first drains it, so a rollout is at most one version stale (``rl/staleness``).
+
+Engines: the registered ones when a ``slimectl serve`` is running for this run directory;
+otherwise ``rl`` starts its own (they die with it, even after ``kill -9``). Before the first
+rollout the actor's current weights are synced, so a rerun after a crash continues on the
+weights the checkpoint holds. Rollouts already published are reused, never regenerated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+from slimectl.config import SlimectlConfig
+from slimectl.errors import LockHeld, SlimectlError, UsageError
+from slimectl.rundir import RunDir
+
+log = logging.getLogger("slimectl.rl")
+
+
+@dataclass
+class RLResult:
+    trained: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    weight_version: int = 0
+    seconds: float = 0.0
+
+
+def _kill_orphan_engines(run: RunDir) -> None:
+    """With no serve running, live registered engines are leftovers of a killed serve/rl: stop them."""
+    import psutil
+
+    for rec in run.engines.list():
+        if rec.alive():
+            try:
+                p = psutil.Process(rec.pid)
+                p.terminate()
+                p.wait(10)
+            except psutil.TimeoutExpired:
+                p.kill()
+            except psutil.Error:
+                pass
+            log.warning("stopped orphaned engine %s (pid %s) left by an earlier run", rec.url, rec.pid)
+        if rec.alive() is not None:
+            run.engines.unregister(rec.id)
+
+
+class _Engines:
+    """Attach to a running ``slimectl serve`` of this run, or start engines owned by this process."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...], stack: ExitStack):
+        from slimectl.serve import EngineGroup
+
+        self.ids: dict[str, str | None] = {}
+        given = list(engine_urls) or list(cfg.engine.urls)
+        if given:
+            self.ids = {u.rstrip("/"): None for u in given}
+            return
+        serve_lock = run.lock("serve")
+        try:
+            serve_lock.acquire()
+        except LockHeld:
+            recs = [r for r in run.engines.list() if r.alive() is not False]
+            if not recs:
+                raise SlimectlError(f"a `slimectl serve` holds {run.path} but registered no live engines yet; "
+                                    f"wait for it or stop it") from None
+            self.ids = {r.url.rstrip("/"): r.id for r in recs}
+            log.info("using %d engine(s) of the running `slimectl serve`: %s", len(recs), ", ".join(self.ids))
+            return
+        stack.callback(serve_lock.release)
+        _kill_orphan_engines(run)
+        group = EngineGroup(run, cfg)
+        stack.callback(group.stop)
+        group.start()
+        self.group = group
+        self.ids = {e.url: e.id for e in group.engines}
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.ids)
+
+    def check_alive(self) -> None:
+        group = getattr(self, "group", None)
+        if group is None:
+            return
+        for p in group.supervisor.processes:
+            if p.popen.poll() is not None:
+                raise SlimectlError(f"{p.name} at {p.url} exited with code {p.popen.returncode}; see {p.log_path}")
+
+
+def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
+           stop: threading.Event | None = None) -> RLResult:
+    """Run the loop until ``rollout.num_rollout`` rollouts are trained (or ``stop`` is set)."""
+    from slimectl.engines.client import EngineClient
+    from slimectl.metrics import MetricsWriter
+    from slimectl.rollout.stage import run_rollout
+    from slimectl.sync import WeightSource, sync_engines
+    from slimectl.sync.transport import make_transport
+    from slimectl.train.stage import Trainer
+
+    if cfg.data.prompt_data is None:
+        raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
+    stop = stop or threading.Event()
+    t_start = time.perf_counter()
+    result = RLResult()
+    n_total = cfg.rollout.num_rollout
+    one_step_off = cfg.rollout.async_mode == "one_step_off"
+    disk = cfg.sync.transport == "disk"
+    with ExitStack() as stack:
+        stack.enter_context(run.lock("rl"))
+        train_lock = stack.enter_context(run.lock("train"))
+        trainer = Trainer(run, cfg, train_lock)
+        start = trainer.next_rollout
+        result.weight_version = trainer.weight_version
+        if start >= n_total:
+            log.info("all %d rollouts are trained; nothing to do", n_total)
+            return result
+        engines = _Engines(run, cfg, engine_urls, stack)
+        log.info("resuming at rollout %d, %d to go (%s loop, %s sync, %d engine(s))", start, n_total - start,
+                 "one-step-off async" if one_step_off else "synchronous", cfg.sync.transport, len(engines.urls))
+
+        loop = asyncio.new_event_loop()
+        stack.callback(loop.close)
+        token = os.environ.get(cfg.engine.token_env) or None
+        clients = {u: EngineClient(u, token=token, timeout=cfg.sync.timeout_s) for u in engines.urls}
+
+        async def close_clients() -> None:
+            await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
+
+        stack.callback(lambda: loop.run_until_complete(close_clients()))
+        transport = make_transport(cfg.sync.transport, cfg.sync)
+        stack.callback(lambda: loop.run_until_complete(transport.close(clients)))
+        tb = (lambda s: run.tensorboard_dir(s)) if cfg.logging.tensorboard else (lambda s: None)
+        train_metrics = stack.enter_context(MetricsWriter(run.metrics_path("train"), tb("train")))
+        sync_metrics = stack.enter_context(MetricsWriter(run.metrics_path("sync"), tb("sync")))
+        rl_metrics = stack.enter_context(MetricsWriter(run.metrics_path("rl"), tb("rl")))
+
+        def source(version: int) -> WeightSource:
+            if not disk:
+                return WeightSource.from_tensors(version, trainer.iter_hf_tensors)
+            if not run.weights.exists(version):
+                if version == 0:
+                    return WeightSource.from_dir(0, cfg.model.path)
+                trainer.publish(version - 1, version, checkpoint=False, weights=True)
+            return WeightSource.from_dir(version, run.weights.get(version).path)
+
+        def sync(version: int) -> float:
+            engines.check_alive()
+            res = loop.run_until_complete(sync_engines(clients, transport, source(version), cfg.sync.pause_mode,
+                                                       cfg.sync.verify))
+            for url, engine_id in engines.ids.items():
+                if engine_id is not None:
+                    try:
+                        run.engines.update(engine_id, weight_version=str(version))
+                    except SlimectlError:
+                        pass
+            sync_metrics.log(version, res.metrics())
+            return res.seconds
+
+        def rollout(rid: int):
+            if not run.rollouts.exists(rid):
+                engines.check_alive()
+                run_rollout(run, cfg, rid, engines.urls)
+                result.generated.append(rid)
+            return run.rollouts.get(rid, verify="full")
+
+        loop.run_until_complete(transport.connect(clients))
+        sync(trainer.weight_version)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-rollout")
+        ahead: Future | None = None
+        try:
+            for rid in range(start, n_total):
+                if stop.is_set():
+                    log.info("stopping before rollout %d", rid)
+                    break
+                t0 = time.perf_counter()
+                art = ahead.result() if ahead is not None else rollout(rid)
+                t_rollout = time.perf_counter() - t0
+                ahead = pool.submit(rollout, rid + 1) if one_step_off and rid + 1 < n_total else None
+                t1 = time.perf_counter()
+                steps = trainer.train_rollout(rid, art, train_metrics, publish_weights=disk, last=rid == n_total - 1)
+                t_train = time.perf_counter() - t1
+                result.trained.append(rid)
+                t2 = time.perf_counter()
+                if ahead is not None:
+                    ahead.result()  # drain: rollout rid+1 finishes on weights rid before they change
+                t_drain = time.perf_counter() - t2
+                t_sync = sync(rid + 1)
+                result.weight_version = rid + 1
+                t_eval = 0.0
+                ev = cfg.rollout.eval_interval
+                if cfg.data.eval_data and ev and ((rid + 1) % ev == 0 or rid == n_total - 1):
+                    from slimectl.rollout.eval import run_eval
+
+                    t3 = time.perf_counter()
+                    run_eval(run, cfg, rid + 1, engines.urls)
+                    t_eval = time.perf_counter() - t3
+                total = time.perf_counter() - t0
+                meta = art.meta
+                staleness = rid - int(meta.get("weight_version") or 0)
+                rec = {"rl/staleness": staleness, "rl/reward_mean": meta.get("reward_mean"),
+                       "perf/rl_step_time": total, "perf/rl_rollout_wait_time": t_rollout + t_drain,
+                       "perf/rl_train_time": t_train, "perf/rl_sync_time": t_sync, "perf/rl_eval_time": t_eval,
+                       "perf/rl_other_time": max(0.0, total - t_rollout - t_drain - t_train - t_sync - t_eval),
+                       "train/loss": steps[-1].get("train/loss") if steps else None}
+                rl_metrics.log(rid, {k: v for k, v in rec.items() if v is not None})
+                log.info("rl %d/%d: reward %.3f, staleness %d, rollout %.2f s, train %.2f s, sync %.2f s, step %.2f s",
+                         rid + 1, n_total, meta.get("reward_mean") or 0.0, staleness, t_rollout + t_drain, t_train,
+                         t_sync, total)
+        finally:
+            stop.set()
+            if ahead is not None and not ahead.done():
+                for c in clients.values():  # unblock the rollout still in flight
+                    try:
+                        loop.run_until_complete(c.abort_request(abort_all=True))
+                    except Exception:
+                        pass
+            pool.shutdown(wait=True, cancel_futures=True)
+        result.seconds = time.perf_counter() - t_start
+        return result
+
+
+def install_stop_signals(stop: threading.Event):
+    """SIGTERM/SIGINT -> a KeyboardInterrupt in the main thread (the loop stops and cleans up)."""
+    previous = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous
+
+    def handler(signum, frame):
+        stop.set()
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    return previous

@@ -1,0 +1,189 @@
+"""slimectl rl: the whole loop on the embedded engine and real Megatron (gloo), resume after kill -9,
+the same artifacts by hand, eval with pass@k."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from slimectl.rollout.eval import pass_at_k
+from slimectl.rundir import RunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+ARITH = ROOT / "examples" / "data" / "arith.jsonl"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def slimectl(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "slimectl", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def write_config(tmp_path, **sections) -> Path:
+    cfg = {"name": "t", "data": {"prompt_data": str(ARITH)},
+           "rollout": {"num_rollout": 3, "batch_size": 2, "n_samples_per_prompt": 4, "max_response_len": 6,
+                       "reward": "random"},
+           "train": {"lr": 1e-3}, "logging": {"tensorboard": False}}
+    for sec, values in sections.items():
+        cfg.setdefault(sec, {}).update(values)
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def engine_pids(run: RunDir) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and "slimectl.engines.embedded" in p.info["cmdline"]
+            and str(run.path) in " ".join(p.info["cmdline"])]
+
+
+def assert_trained_once(run: RunDir, n: int):
+    cur = run.cursor("train").read()
+    assert cur.next == n and cur.consumed == list(range(n))
+    assert run.rollouts.ids() == list(range(n))
+    last = run.checkpoints.get(run.checkpoints.ids()[-1])
+    assert last.meta["next_rollout"] == n and last.meta["actor_step"] == n  # one step per rollout, none twice
+
+
+def test_rl_synchronous_loop_end_to_end(tmp_path):
+    cfg = write_config(tmp_path)
+    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "trained rollouts [0, 1, 2]; weight version 3" in res.stdout
+    run = RunDir.open(tmp_path / "run")
+    assert_trained_once(run, 3)
+    rl = read_jsonl(run.metrics_path("rl"))
+    assert [r["step"] for r in rl] == [0, 1, 2] and all(r["rl/staleness"] == 0 for r in rl)
+    assert all(r["perf/rl_step_time"] >= r["perf/rl_train_time"] > 0 for r in rl)
+    assert [r["step"] for r in read_jsonl(run.metrics_path("sync"))] == [0, 1, 2, 3]
+    # rollout N was generated on weight version N, and the engine ended on version 3
+    assert [run.rollouts.get(i).meta["weight_version"] for i in range(3)] == ["0", "1", "2"]
+    assert run.engines.list() == [] and engine_pids(run) == []
+    again = slimectl("rl", "-c", cfg, "-r", tmp_path / "run")
+    assert again.returncode == 0 and "nothing to do" in again.stderr and "trained rollouts []" in again.stdout
+
+
+def test_rl_one_step_off_async_with_distributed_sync(tmp_path):
+    cfg = write_config(tmp_path, rollout={"async_mode": "one_step_off", "num_rollout": 4},
+                       sync={"transport": "distributed", "verify": True, "bucket_size_mb": 1})
+    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = RunDir.open(tmp_path / "run")
+    assert_trained_once(run, 4)
+    assert [r["rl/staleness"] for r in read_jsonl(run.metrics_path("rl"))] == [0, 1, 1, 1]
+    assert [run.rollouts.get(i).meta["weight_version"] for i in range(4)] == ["0", "0", "1", "2"]
+    from slimectl.samples import SAMPLES_FILE, read_samples
+
+    samples = read_samples(run.rollouts.get(3).file(SAMPLES_FILE))
+    assert {v for s in samples for v in s.weight_versions} == {"2"}  # each sample records its weight version
+
+
+@pytest.mark.parametrize("marker", ["rollout 1:", "step 2 ", "rl 2/4"])
+def test_kill_9_then_rerun_trains_each_rollout_once(tmp_path, marker):
+    """kill -9 right after `marker` on stderr: during train ("rollout 1:" = rollout 1 just published),
+    during publish/sync ("step 2 " = step done), during the next rollout ("rl 2/4")."""
+    cfg = write_config(tmp_path, rollout={"num_rollout": 4})
+    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "rl", "-c", str(cfg), "-r", str(tmp_path / "run"),
+                             "--tiny-model", "qwen2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    seen = []
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            seen.append(line)
+            if marker in line:
+                proc.kill()
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert any(marker in x for x in seen), "".join(seen)[-3000:]
+    run = RunDir.open(tmp_path / "run")
+    deadline = time.monotonic() + 20
+    while engine_pids(run) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert engine_pids(run) == []  # the engine noticed its parent died
+    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming at rollout" in res.stderr
+    assert_trained_once(run, 4)
+    assert engine_pids(run) == []
+
+
+def test_stages_by_hand_make_the_same_artifacts_as_rl(tmp_path):
+    from tests.test_serve import start_serve
+
+    cfg = write_config(tmp_path, rollout={"num_rollout": 2})
+    assert slimectl("init", tmp_path / "hand", "-c", cfg, "--tiny-model", "qwen2").returncode == 0
+    hand = RunDir.open(tmp_path / "hand")
+    proc, urls = start_serve(hand)
+    try:
+        for rid in range(2):
+            for cmd in (("rollout", "--next"), ("train", "--id", str(rid)), ("sync",)):
+                res = slimectl(cmd[0], "-r", hand.path, *cmd[1:])
+                assert res.returncode == 0, (cmd, res.stderr[-2000:])
+        assert {r.weight_version for r in hand.engines.list()} == {"2"}
+        # rl attaches to the running serve's engines instead of starting its own
+        res = slimectl("rl", "-r", hand.path, "--set", "rollout.num_rollout=3")
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "using 1 engine(s) of the running `slimectl serve`" in res.stderr
+        assert hand.cursor("train").read().consumed == [0, 1, 2]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "rl", "--tiny-model", "qwen2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    auto = RunDir.open(tmp_path / "rl")
+    for kind in ("rollouts", "checkpoints", "weights"):
+        assert (auto.path / kind).is_dir() and (hand.path / kind).is_dir()
+    for stage in ("rollout", "train", "sync"):
+        a, h = read_jsonl(auto.metrics_path(stage))[-1], read_jsonl(hand.metrics_path(stage))[-1]
+        assert set(a) == set(h), stage
+
+
+def test_rl_evaluates_with_pass_at_k(tmp_path):
+    cfg = write_config(tmp_path, rollout={"num_rollout": 2, "eval_interval": 1, "eval_n_samples": 4,
+                                          "eval_pass_k": [1, 4]},
+                       data={"eval_data": {"arith": f"{ARITH}@[0:3]"}})
+    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = RunDir.open(tmp_path / "run")
+    assert run.evals.ids() == [1, 2]
+    results = json.loads(run.evals.get(2).file("results.json").read_text())
+    m = results["arith"]
+    assert m["num_prompts"] == 3 and 0 <= m["pass@1"] <= m["pass@4"] <= 1
+    assert abs(m["pass@1"] - m["reward_mean"]) < 1e-9 or m["reward_mean"] < 0  # random reward is 0/1: pass@1 = mean
+    recs = read_jsonl(run.metrics_path("eval"))
+    assert [r["step"] for r in recs] == [1, 2] and "eval/arith/pass@4" in recs[-1]
+
+
+def test_pass_at_k_hand_computed():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # C(3,3) / C(5,3)
+    assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(5, 5, 1) == 1.0
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+
+
+def test_rl_refuses_bad_input(tmp_path):
+    res = slimectl("rl")
+    assert res.returncode == 2 and "pass --config" in res.stderr
+    cfg = write_config(tmp_path, rollout={"async_mode": "two_step"})
+    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    assert res.returncode == 2 and "rollout.async_mode" in res.stderr
