@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "export": "slimectl.commands.export:export_cmd",
     "rl": "slimectl.commands.rl:rl_cmd",
     "inspect": "slimectl.commands.inspect:inspect_cmd",
+    "plot": "slimectl.commands.plot:plot_cmd",
 }
 
 DEBUG_ENV = "SLIMECTL_DEBUG"
