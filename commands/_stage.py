@@ -20,3 +20,18 @@ def open_stage(ctx: click.Context, stage: str, run_dir: str | None, overrides: t
         return None
     run.save_stage_config(stage, cfg)
     return run, cfg
+
+
+def format_ids(ids: list[int]) -> str:
+    """``[0, 1, 2, 3, 7]`` -> ``0-3, 7``: runs of consecutive ids collapsed."""
+    if not ids:
+        return "none"
+    parts, start, prev = [], ids[0], ids[0]
+    for i in list(ids[1:]) + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(parts)

@@ -75,7 +75,9 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
         res = run_rl(run, cfg, engine_urls, stop=stop)
     except KeyboardInterrupt:
         raise click.ClickException(f"interrupted; rerun `slimectl rl -r {run.path}` to resume") from None
-    click.echo(f"trained rollouts {res.trained}; weight version {res.weight_version}; {res.seconds:.1f} s")
+    from slimectl.commands._stage import format_ids
+
+    click.echo(f"trained rollouts {format_ids(res.trained)}; weight version {res.weight_version}; {res.seconds:.1f} s")
 
 
 def _frozen_tiny_model(path: str) -> str | None:

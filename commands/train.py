@@ -37,4 +37,6 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
 
     result = run_train(run, cfg, rollout_id, follow=follow, max_rollouts=max_rollouts, allow_empty=allow_empty,
                        wait_timeout=wait_timeout)
-    click.echo(f"trained rollouts {result.trained}; weight version {result.weight_version}")
+    from slimectl.commands._stage import format_ids
+
+    click.echo(f"trained rollouts {format_ids(result.trained)}; weight version {result.weight_version}")

@@ -1,20 +1,21 @@
-"""The CPU demo: run every landed stage of slimectl, as separate commands on one run directory.
+"""The CPU demo: a tiny offline model, an SFT warm start, then GRPO whose reward visibly rises.
 
-    python examples/cpu_demo.py [RUN_DIR]        (default: runs/demo)
+    python examples/cpu_demo.py [RUN_DIR] [--seed N]        (default: runs/demo)
 
-1. ``slimectl init``     tiny offline Qwen2 + the demo config (examples/cpu_demo.yaml)
-2. ``slimectl convert``  HF -> Megatron torch_dist, published as RUN/checkpoints/000000
-3. ``slimectl serve``    an embedded engine, in the background, registered in RUN/engines
-4. ``slimectl rollout``  two rollouts (prompts x 8 samples, math reward) -> RUN/rollouts/
-5. ``slimectl inspect``  a look at the samples; ``slimectl status`` at the end
+1. ``slimectl init RUN-warmstart``  a tiny offline Qwen2 (examples/sft_warmstart.yaml)
+2. SFT samples ("\\boxed{a+b}" answers to the prompts) published as that run's rollouts
+3. ``slimectl train -r RUN-warmstart``  100 SFT steps (algorithm.loss_type = sft_loss)
+4. ``slimectl rl --config examples/cpu_demo.yaml -r RUN``  GRPO from the warm start: the
+   embedded engine, rollout -> train -> disk sync, eval with pass@k every 100 versions
+5. ``slimectl plot -r RUN``  the reward curve, and RUN/plots/curves.png
 
-Rerunning continues the same run (init is idempotent, rollouts go on from --next). Once
-``slimectl rl`` lands (issue #7) this script becomes one ``slimectl rl --config`` call.
+Rerunning resumes every step from its run directory.
 """
 
 from __future__ import annotations
 
-import signal
+import argparse
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -22,35 +23,62 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def slimectl(*args: str, capture: bool = False) -> str:
+def slimectl(*args: str, ok=(0,)) -> int:
     print(f"$ slimectl {' '.join(args)}", file=sys.stderr, flush=True)
-    proc = subprocess.run([sys.executable, "-m", "slimectl", *args], text=True,
-                          stdout=subprocess.PIPE if capture else None)
-    if proc.returncode != 0:
-        sys.exit(f"slimectl {args[0]} failed with exit code {proc.returncode}")
-    return proc.stdout or ""
+    rc = subprocess.run([sys.executable, "-m", "slimectl", *args]).returncode
+    if rc not in ok:
+        sys.exit(f"slimectl {args[0]} failed with exit code {rc}")
+    return rc
+
+
+def publish_sft_rollouts(run_path: str, seed: int) -> None:
+    """One SFT batch per rollout id: prompt tokens + "\\boxed{label}<eos>", every response token trained."""
+    from transformers import AutoTokenizer
+
+    from slimectl.logs import quiet_hf_progress
+    from slimectl.rollout.data import load_prompts, tokenize_prompts
+    from slimectl.rundir import RunDir
+    from slimectl.samples import SAMPLES_FILE, Sample, Status, write_samples
+
+    run = RunDir.open(run_path)
+    cfg = run.config()
+    quiet_hf_progress()
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    rows, _ = tokenize_prompts(load_prompts(cfg.data.prompt_data)[0], tok, cfg.data.apply_chat_template)
+    rng = random.Random(seed)
+    for rid in range(cfg.rollout.num_rollout):
+        if run.rollouts.exists(rid):
+            continue
+        samples = []
+        for i in range(cfg.rollout.batch_size):
+            row = rng.choice(rows)
+            answer = tok.encode(f"\\boxed{{{row.label}}}", add_special_tokens=False) + [tok.eos_token_id]
+            s = Sample(group_index=i, index=i, rollout_id=rid, prompt=row.prompt_text, tokens=list(row.prompt_ids),
+                       label=str(row.label))
+            s.append_response_tokens(answer, [0.0] * len(answer), True, {"weight_version": "sft"})
+            s.status, s.reward = Status.COMPLETED, 0.0
+            samples.append(s)
+        with run.rollouts.publish(rid, meta={"weight_version": "0", "kind": "sft"}, stage="sft-data") as d:
+            write_samples(samples, d / SAMPLES_FILE)
 
 
 def main() -> None:
-    run = sys.argv[1] if len(sys.argv) > 1 else "runs/demo"
-    slimectl("init", run, "--config", str(HERE / "cpu_demo.yaml"), "--tiny-model", "qwen2")
-    if not (Path(run) / "checkpoints" / "000000" / "READY").exists():
-        slimectl("convert", "-r", run)
-    print(f"$ slimectl serve -r {run} &", file=sys.stderr, flush=True)
-    serve = subprocess.Popen([sys.executable, "-m", "slimectl", "serve", "-r", run], stdout=subprocess.PIPE, text=True)
-    try:
-        url = serve.stdout.readline().strip()
-        if not url:
-            sys.exit(f"slimectl serve exited with code {serve.wait()}")
-        print(f"engine ready at {url}", file=sys.stderr)
-        for _ in range(2):
-            path = slimectl("rollout", "-r", run, "--next", capture=True).strip()
-            rollout_id = int(Path(path).name)
-        slimectl("inspect", "rollout", "-r", run, str(rollout_id), "--limit", "2")
-        slimectl("status", "-r", run, "--no-probe")
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(timeout=60)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", nargs="?", default="runs/demo")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the SFT data, the model and the RL run")
+    a = ap.parse_args()
+    warm = f"{a.run}-warmstart"
+    slimectl("init", warm, "--config", str(HERE / "sft_warmstart.yaml"), "--tiny-model", "qwen2",
+             "--set", f"train.seed={1234 + a.seed}")
+    publish_sft_rollouts(warm, a.seed)
+    slimectl("train", "-r", warm, "--allow-empty")
+    from slimectl.rundir import RunDir
+
+    start = RunDir.open(warm).weights.latest()
+    slimectl("rl", "--config", str(HERE / "cpu_demo.yaml"), "-r", a.run, "--set", f"model.path={start.path}",
+             "--set", f"rollout.seed={42 + a.seed}", "--set", f"data.seed={42 + a.seed}",
+             "--set", f"train.seed={1234 + a.seed}")
+    slimectl("plot", "-r", a.run)
 
 
 if __name__ == "__main__":

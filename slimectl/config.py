@@ -135,6 +135,10 @@ class EngineSection(Section):
     tp_size: int = Field(default=1, gt=0)
     gpu_ids: list[int] = Field(default_factory=list)
     mem_fraction_static: Optional[float] = Field(default=None, gt=0, le=1)
+    offload_during_train: bool = False
+    """``slimectl rl`` (synchronous loop, colocated): engines release their memory while the
+    actor trains (``/release_memory_occupation``) and take it back for the sync — SGLang frees
+    GPU memory; the embedded engine accepts the calls and keeps its (CPU) memory."""
     sglang_python: Optional[str] = None
     """Interpreter that has sglang installed (sglang pins its own torch)."""
     sglang_args: dict[str, Any] = Field(default_factory=dict)

@@ -34,7 +34,8 @@ def load_curves(run: RunDir) -> Curves:
     length = [(i, float(r["rollout/response_len_mean"])) for i, r in sorted(by_id.items())
               if "rollout/response_len_mean" in r]
     train = read_metrics(run.metrics_path("train"))
-    kl_name = "train/kl_loss" if any("train/kl_loss" in r for r in train) else "train/ppo_kl"
+    # KL to the reference when it was computed (use_kl_loss), else the per-step policy KL.
+    kl_name = "train/kl_loss" if any(r.get("train/kl_loss") for r in train) else "train/ppo_kl"
     kl = [(int(r["step"]), float(r[kl_name])) for r in train if kl_name in r]
     rl = read_metrics(run.metrics_path("rl"))
     if rl:

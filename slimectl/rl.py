@@ -196,6 +196,9 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
                 t_rollout = time.perf_counter() - t0
                 ahead = pool.submit(rollout, rid + 1) if one_step_off and rid + 1 < n_total else None
                 t1 = time.perf_counter()
+                offload = cfg.engine.offload_during_train and ahead is None
+                if offload:
+                    release_engines(loop, clients)
                 steps = trainer.train_rollout(rid, art, train_metrics, publish_weights=disk, last=rid == n_total - 1)
                 t_train = time.perf_counter() - t1
                 result.trained.append(rid)
@@ -203,7 +206,11 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
                 if ahead is not None:
                     ahead.result()  # drain: rollout rid+1 finishes on weights rid before they change
                 t_drain = time.perf_counter() - t2
+                if offload:
+                    resume_engines(loop, clients, ["weights"])
                 t_sync = sync(rid + 1)
+                if offload:
+                    resume_engines(loop, clients, ["kv_cache"])
                 result.weight_version = rid + 1
                 t_eval = 0.0
                 ev = cfg.rollout.eval_interval
@@ -236,6 +243,19 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
             pool.shutdown(wait=True, cancel_futures=True)
         result.seconds = time.perf_counter() - t_start
         return result
+
+
+async def _gather(coros) -> list:
+    return await asyncio.gather(*coros)
+
+
+def release_engines(loop, clients: dict) -> None:
+    """Colocated training: every engine frees its memory (weights and KV cache) for the trainer."""
+    loop.run_until_complete(_gather([c.release_memory_occupation() for c in clients.values()]))
+
+
+def resume_engines(loop, clients: dict, tags: list[str]) -> None:
+    loop.run_until_complete(_gather([c.resume_memory_occupation(tags) for c in clients.values()]))
 
 
 def install_stop_signals(stop: threading.Event):

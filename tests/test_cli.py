@@ -114,3 +114,10 @@ def test_unexpected_exception_is_wrapped(cli, monkeypatch, run_dir):
 def test_unknown_option_is_exit_2(cli):
     res = cli("init", "--no-such-flag")
     assert res.exit_code == 2
+
+
+def test_format_ids_collapses_runs():
+    from slimectl.commands._stage import format_ids
+
+    assert format_ids([]) == "none" and format_ids([4]) == "4"
+    assert format_ids([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10"

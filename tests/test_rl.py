@@ -59,10 +59,10 @@ def assert_trained_once(run: RunDir, n: int):
 
 
 def test_rl_synchronous_loop_end_to_end(tmp_path):
-    cfg = write_config(tmp_path)
+    cfg = write_config(tmp_path, engine={"offload_during_train": True})
     res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "trained rollouts [0, 1, 2]; weight version 3" in res.stdout
+    assert "trained rollouts 0-2; weight version 3" in res.stdout
     run = RunDir.open(tmp_path / "run")
     assert_trained_once(run, 3)
     rl = read_jsonl(run.metrics_path("rl"))
@@ -73,7 +73,7 @@ def test_rl_synchronous_loop_end_to_end(tmp_path):
     assert [run.rollouts.get(i).meta["weight_version"] for i in range(3)] == ["0", "1", "2"]
     assert run.engines.list() == [] and engine_pids(run) == []
     again = slimectl("rl", "-c", cfg, "-r", tmp_path / "run")
-    assert again.returncode == 0 and "nothing to do" in again.stderr and "trained rollouts []" in again.stdout
+    assert again.returncode == 0 and "nothing to do" in again.stderr and "trained rollouts none;" in again.stdout
 
 
 def test_rl_one_step_off_async_with_distributed_sync(tmp_path):
@@ -187,3 +187,25 @@ def test_rl_refuses_bad_input(tmp_path):
     cfg = write_config(tmp_path, rollout={"async_mode": "two_step"})
     res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
     assert res.returncode == 2 and "rollout.async_mode" in res.stderr
+
+
+def test_sigterm_stops_every_stage_cleanly_and_rerun_resumes(tmp_path):
+    cfg = write_config(tmp_path, rollout={"num_rollout": 4})
+    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "rl", "-c", str(cfg), "-r", str(tmp_path / "run"),
+                             "--tiny-model", "qwen2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    err = []
+    for line in proc.stderr:
+        err.append(line)
+        if "rl 1/4" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    err.extend(proc.stderr)  # the rest, until the process closes it
+    proc.wait(timeout=120)
+    assert proc.returncode == 1, "".join(err)[-3000:]
+    assert "interrupted; rerun `slimectl rl -r" in "".join(err)
+    run = RunDir.open(tmp_path / "run")
+    assert run.engines.list() == [] and engine_pids(run) == []
+    assert not list((run.path / "locks").glob("*.lock"))
+    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_trained_once(run, 4)

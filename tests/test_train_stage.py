@@ -70,7 +70,7 @@ def test_train_consumes_each_rollout_once_and_publishes(tmp_path, rollouts):
     run = make_run(tmp_path, model, rolls)
     res = slimectl("train", "-r", run.path)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming at rollout 0, 3 to go" in res.stderr and "trained rollouts [0, 1, 2]" in res.stdout
+    assert "resuming at rollout 0, 3 to go" in res.stderr and "trained rollouts 0-2;" in res.stdout
     cur = run.cursor("train").read()
     assert cur.next == 3 and cur.consumed == [0, 1, 2]
     assert run.checkpoints.ids() == [1, 2, 3] and run.weights.ids() == [1, 2, 3]
@@ -109,7 +109,7 @@ def test_missing_rollout_and_wrong_id(tmp_path, rollouts):
     res = slimectl("train", "-r", run.path, "--id", "1")
     assert res.returncode == 2 and "the next rollout to train is 0" in res.stderr
     res = slimectl("train", "-r", run.path)
-    assert res.returncode == 0 and "trained rollouts [0]" in res.stdout  # stops at the first unpublished rollout
+    assert res.returncode == 0 and "trained rollouts 0;" in res.stdout  # stops at the first unpublished rollout
     res = slimectl("train", "-r", run.path)
     assert res.returncode == 1 and "rollouts/000001 is not published yet" in res.stderr
 
