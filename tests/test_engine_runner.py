@@ -572,3 +572,27 @@ def test_model_info_and_stats(runner):
     stats = runner.load_stats()
     assert {"num_running_reqs", "num_waiting_reqs", "num_used_tokens"} <= set(stats)
     assert runner.tokenizer.eos_token_id == 2
+
+
+def test_receive_weights_checks_first_fills_in_place_and_marks_a_broken_receive(fresh_runner):
+    r = fresh_runner()
+    name, p = next((n, q) for n, q in r._params.items() if q.dim() == 2)
+    shape = tuple(p.shape)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        r.receive_weights([("nope", torch.float32, (1,))], lambda t: None, "v1")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        r.receive_weights([(name, torch.float32, (1,))], lambda t: None, "v1")
+    ptr = p.data_ptr()
+    new = torch.full(shape, 0.5)
+    r.receive_weights([(name, torch.float32, shape)], lambda t: t.copy_(new), "v2")
+    assert r.weight_version == "v2" and torch.equal(r._params[name], new) and r._params[name].data_ptr() == ptr
+    other = torch.full(shape, 0.25, dtype=torch.float64)  # another dtype goes through a buffer and is cast
+    r.receive_weights([(name, torch.float64, shape)], lambda t: t.copy_(other), None)
+    assert torch.equal(r._params[name], other.float()) and r.weight_version == "v2"
+
+    def broken(t):
+        raise RuntimeError("peer died")
+
+    with pytest.raises(RuntimeError, match="peer died"):
+        r.receive_weights([(name, torch.float32, shape)], broken, "v3")
+    assert r.weight_version == "v2-incomplete"  # a mix of versions is never reported as either

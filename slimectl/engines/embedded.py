@@ -427,7 +427,6 @@ class EmbeddedEngine:
         return web.json_response({"success": True, "message": "Success"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        import torch
         import torch.distributed as dist
 
         from slimectl.engines.weight_group import DTYPES
@@ -446,24 +445,20 @@ class EmbeddedEngine:
         if any(d not in DTYPES for d in dtypes):
             return _fail(f"unsupported dtype in {sorted(set(dtypes) - set(DTYPES))}")
         pg = self.groups[name]
+        try:
+            specs = [(str(n), DTYPES[d], tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
+        except (TypeError, ValueError):
+            return _fail("every shape must be a list of integers")
 
-        def receive():
-            tensors = []
-            for n, d, s in zip(names, dtypes, shapes):
-                t = torch.empty(list(s), dtype=DTYPES[d])
-                dist.broadcast(t, src=0, group=pg)
-                tensors.append((n, t))
-            return tensors
+        def recv(t):
+            dist.broadcast(t, src=0, group=pg)
 
         try:
-            tensors = await self._in_thread(receive)
-        except Exception as exc:
-            return _fail(f"Failed to receive weights: {exc}")
-        version = body.get("weight_version")
-        try:
-            await self._in_thread(self.runner.update_weights, tensors, version)
+            await self._in_thread(self.runner.receive_weights, specs, recv, body.get("weight_version"))
         except ValueError as exc:
             return _fail(f"Failed to update parameter online: {exc}")
+        except Exception as exc:
+            return _fail(f"Failed to receive weights: {exc}")
         v = self.runner.weight_version
         return web.json_response({"success": True, "message": f"Succeeded to update parameter online. Weight version updated to {v}."})
 

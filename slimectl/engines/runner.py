@@ -839,6 +839,45 @@ class BatchRunner:
         with torch.no_grad():
             return p.detach()[: max(0, int(truncate_size))].to(torch.float32).tolist()
 
+    def receive_weights(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], recv,
+                        weight_version: str | None = None) -> None:
+        """Fill parameters straight from ``recv(tensor)`` (a collective receive), between scheduler
+        steps: no staging copy when the dtype matches the parameter's.
+
+        Names and shapes are checked before anything is received (ValueError, nothing applied).
+        If a receive fails midway the model holds a mix, so the weight version becomes
+        ``<old>-incomplete`` (rollouts refuse mixed versions; the next full update fixes it).
+        """
+        for name, dtype, shape in specs:
+            param = self._params.get(name)
+            if param is None:
+                raise ValueError(f"unknown parameter name {name!r}")
+            if tuple(shape) != tuple(param.shape):
+                raise ValueError(f"shape mismatch for {name!r}: got {tuple(shape)}, expected {tuple(param.shape)}")
+            if not dtype.is_floating_point and param.is_floating_point():
+                raise ValueError(f"dtype mismatch for {name!r}: got {dtype}, expected a floating point tensor")
+        if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
+            raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
+
+        def apply():
+            try:
+                with torch.no_grad():
+                    for name, dtype, shape in specs:
+                        p = self._params[name]
+                        if p.dtype == dtype and p.is_contiguous():
+                            recv(p.data)
+                        else:
+                            buf = torch.empty(tuple(shape), dtype=dtype, device=p.device)
+                            recv(buf)
+                            p.copy_(buf.to(p.dtype))
+            except BaseException:
+                self._weight_version = f"{self._weight_version}-incomplete"
+                raise
+            if weight_version is not None:
+                self._weight_version = weight_version
+
+        self._run_control(apply)
+
     def _check_named_tensors(self, named_tensors) -> list[tuple[str, torch.Tensor]]:
         items = []
         for entry in named_tensors:
