@@ -82,19 +82,19 @@ def result(tmp_path_factory):
     return res
 
 
-def run_check(model_dir, samples_json, tp: int) -> dict:
+def run_check(model_dir, samples_json, tp: int, dp: int = 1) -> dict:
     from slimectl.megatron.parallel import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [str(SCRIPT), str(model_dir), str(samples_json), str(tp)]
-    if tp > 1:
-        args = ["-m", "torch.distributed.run", "--nproc_per_node", str(tp), "--master_addr", "127.0.0.1",
+    if tp * dp > 1:
+        args = ["-m", "torch.distributed.run", "--nproc_per_node", str(tp * dp), "--master_addr", "127.0.0.1",
                 "--master_port", str(free_port()), *args]
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     res = json.loads(line[len("RESULT "):])
-    print(f"tp={tp}", {k: round(v["seconds"], 2) for k, v in res.items() if isinstance(v, dict)},
+    print(f"tp={tp} dp={dp}", {k: round(v["seconds"], 2) for k, v in res.items() if isinstance(v, dict)},
           "import", round(res["import_s"], 2), "total", round(res["total_s"], 2))
     return res
 
@@ -167,3 +167,20 @@ def test_tp2_matches_tp1(result):
     assert tp2["sft"]["loss"] == pytest.approx(result["sft"]["loss"], abs=1e-4)
     assert tp2["accum"]["max_weight_diff"] <= 1e-5
     assert tp2["grpo"]["hf_count"] == result["grpo"]["hf_count"]
+
+
+def test_dp2_matches_dp1(result):
+    """Two data-parallel ranks (torchrun, gloo), each packing half of every global batch, train
+    exactly like one rank: same losses, metrics, gradient norm and resulting log-probs."""
+    dp2 = run_check(*result["_paths"], tp=1, dp=2)
+    m1, m2 = result["grpo"]["step0"][0], dp2["grpo"]["step0"][0]
+    for k in ("train/loss", "train/pg_loss", "train/kl_loss", "train/entropy", "train/ppo_kl", "train/pg_clipfrac",
+              "train/train_rollout_logprob_abs_diff", "train/tis"):
+        assert m2[k] == pytest.approx(m1[k], abs=1e-5), k
+    assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-5)
+    assert dp2["grpo"]["step1"][0]["train/loss"] == pytest.approx(result["grpo"]["step1"][0]["train/loss"], abs=1e-5)
+    assert dp2["grpo"]["delta"] == pytest.approx(result["grpo"]["delta"], abs=1e-4)
+    assert dp2["sft"]["loss"] == pytest.approx(result["sft"]["loss"], abs=1e-4)
+    assert dp2["accum"]["max_weight_diff"] <= 1e-5
+    assert [m["train/loss"] for m in dp2["multi"]["metrics"]] == pytest.approx(
+        [m["train/loss"] for m in result["multi"]["metrics"]], abs=1e-5)  # per-token loss, 2 steps per rollout

@@ -116,9 +116,8 @@ class MegatronActor:
         self.tp, self.pp, self.dtype = tp, pp, dtype
         self.total_steps = total_steps
         self.info = init_parallel(tp=tp, pp=pp, seed=train.seed)
-        if self.info.dp != 1:
-            raise NotAvailableYet(f"training with data parallelism (dp = {self.info.dp}) is not available yet (issue #6); "
-                                  f"launch tp*pp processes")
+        self.dp, self.dp_rank = self.info.dp, self.info.dp_rank
+        self.dp_group = ps.get_data_parallel_group() if self.dp > 1 else None
         self.tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
 
         gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True)
@@ -287,12 +286,16 @@ class MegatronActor:
             raise ValueError("use_rollout_logprobs / use_tis need every sample's rollout_log_probs")
 
         # Global batches and their micro-batches (fixed for the whole call).
+        # With data parallelism each rank packs its share (every dp-th sample) of each global batch.
         batches = self._step_batches(n)
         layouts: list[list[tuple[MicroBatch, list[int]]]] = []
         for idx in batches:
-            sub = [samples[i] for i in idx]
+            mine = idx[self.dp_rank::self.dp]
+            if not mine:
+                raise ValueError(f"a global batch of {len(idx)} samples cannot feed {self.dp} data-parallel ranks")
+            sub = [samples[i] for i in mine]
             mbs = pack_samples(sub, tcfg.max_tokens_per_micro_batch)
-            layouts.append([(mb, [idx[s.sample_index] for s in mb.seqs]) for mb in mbs])
+            layouts.append([(mb, [mine[s.sample_index] for s in mb.seqs]) for mb in mbs])
 
         # Old / ref log-probs with the training layout (so the first step's ratio is exactly 1).
         old_lp: list[torch.Tensor | None] = [None] * n
@@ -309,6 +312,7 @@ class MegatronActor:
                         for r, g in zip(compute_log_probs(self.ref_model, mb, self.arch.vocab_size,
                                                           rollout_temperature, False, self.tp_group), gidx):
                             ref_lp[g] = r.log_probs.detach()
+        old_lp, ref_lp = self._dp_merge(old_lp), self._dp_merge(ref_lp)  # every rank sees every sample's
         self.module.train()
         train_old = old_lp
         if not sft and tcfg.use_rollout_logprobs:
@@ -332,6 +336,33 @@ class MegatronActor:
             metrics_out.append(self._train_step(samples, layout, idx, masks, train_old, old_lp, ref_lp, rollout_lp,
                                                 adv_rows, rollout_temperature, mode, sft))
         return metrics_out
+
+    def _dp_merge(self, per_sample: list) -> list:
+        """Fill the entries other data-parallel ranks computed (each rank computed its own share)."""
+        if self.dp == 1:
+            return per_sample
+        import torch.distributed as dist
+
+        mine = {i: t for i, t in enumerate(per_sample) if t is not None}
+        parts: list = [None] * self.dp
+        dist.all_gather_object(parts, mine, group=self.dp_group)
+        out = list(per_sample)
+        for part in parts:
+            for i, t in part.items():
+                out[i] = t
+        return out
+
+    def _dp_sum(self, acc: dict[str, float], n_tokens: int) -> tuple[dict[str, float], int]:
+        """Sum the per-rank partial metrics (already weighted relative to the global batch)."""
+        import torch.distributed as dist
+
+        parts: list = [None] * self.dp
+        dist.all_gather_object(parts, (acc, n_tokens), group=self.dp_group)
+        total: dict[str, float] = {}
+        for a, _ in parts:
+            for k, v in a.items():
+                total[k] = total.get(k, 0.0) + v
+        return total, sum(t for _, t in parts)
 
     def _train_step(self, samples, layout, idx, masks, train_old, old_lp, ref_lp, rollout_lp, adv_rows,
                     temperature, mode, sft) -> dict[str, float]:
@@ -387,9 +418,12 @@ class MegatronActor:
                 add("train/train_rollout_logprob_abs_diff", reduce_masked(diff, mask, mode), w)
             add("train/entropy", entropy.detach(), w)
             add("train/loss", loss.detach(), w)
-            (loss * w).backward()
+            # DDP averages gradients over data-parallel ranks; w is relative to the global batch.
+            (loss * (w * self.dp)).backward()
 
         self.model.finish_grad_sync()
+        if self.dp > 1:
+            acc, n_tokens = self._dp_sum(acc, n_tokens)
         ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
         dt = time.perf_counter() - t0
