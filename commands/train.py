@@ -33,10 +33,31 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     if opened is None:
         return
     run, cfg = opened
-    from slimectl.train.stage import run_train
+    import os
+
+    world = cfg.train.tp * cfg.train.pp * cfg.train.dp
+    if world > 1 and "LOCAL_RANK" not in os.environ:
+        from slimectl.convert import relaunch_under_torchrun
+
+        argv = ["train", "-r", str(run.path)]
+        for o in overrides:
+            argv += ["--set", o]
+        if rollout_id is not None:
+            argv += ["--id", str(rollout_id)]
+        if max_rollouts is not None:
+            argv += ["--max-rollouts", str(max_rollouts)]
+        if wait_timeout is not None:
+            argv += ["--wait-timeout", str(wait_timeout)]
+        argv += ["--follow"] * follow + ["--allow-empty"] * allow_empty
+        code = relaunch_under_torchrun(world, argv)
+        if code:
+            ctx.exit(code)
+        return
+    from slimectl.train.stage import launch_rank, run_train
 
     result = run_train(run, cfg, rollout_id, follow=follow, max_rollouts=max_rollouts, allow_empty=allow_empty,
                        wait_timeout=wait_timeout)
     from slimectl.commands._stage import format_ids
 
-    click.echo(f"trained rollouts {format_ids(result.trained)}; weight version {result.weight_version}")
+    if launch_rank() == 0:
+        click.echo(f"trained rollouts {format_ids(result.trained)}; weight version {result.weight_version}")

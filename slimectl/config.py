@@ -154,6 +154,8 @@ class TrainSection(Section):
 
     tp: int = Field(default=1, gt=0)
     pp: int = Field(default=1, gt=0)
+    dp: int = Field(default=1, gt=0)
+    """Data-parallel ranks: ``slimectl train`` runs tp*pp*dp processes under torchrun."""
     lr: float = Field(default=1e-6, ge=0)
     min_lr: float = Field(default=0.0, ge=0)
     lr_warmup_steps: int = Field(default=0, ge=0)

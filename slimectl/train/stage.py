@@ -24,6 +24,50 @@ from slimectl.samples import SAMPLES_FILE, read_samples
 
 log = logging.getLogger("slimectl.train")
 
+
+def launch_rank() -> int:
+    """This process's rank in a torchrun job (0 when not under torchrun); valid before dist init."""
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+class FollowerLock:
+    """What ranks > 0 hold instead of the stage lock: rank 0 owns the lock and every run-dir write."""
+
+    held = True
+
+    def check(self) -> None:
+        pass
+
+
+class _NullMetrics:
+    def log(self, step, metrics):
+        return metrics
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _broadcast_object(obj):
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
 STATE_DIR = "state"
 
 
@@ -65,6 +109,7 @@ class Trainer:
         from slimectl.train.actor import MegatronActor
 
         self.run, self.cfg, self.lock = run, cfg, lock
+        self.rank0 = launch_rank() == 0
         t = cfg.train
         self.cursor = run.cursor("train")
         self.arch, self.padded, init_dir = _initial_arch(run, cfg)
@@ -81,7 +126,9 @@ class Trainer:
             self.actor.load_state(last.path / STATE_DIR)
             next_id = int(last.meta["next_rollout"])
         state = self.cursor.read()
-        if state.next < next_id:
+        if not self.rank0:
+            pass  # rank 0 reconciles the cursor; every rank derived next_id from the same checkpoint
+        elif state.next < next_id:
             # Killed between publishing the checkpoint and committing the cursor: the checkpoint
             # holds those rollouts' effect, so they are consumed.
             for rid in range(state.next, next_id):
@@ -108,7 +155,7 @@ class Trainer:
         self.lock.check()
         samples = read_samples(art.file(SAMPLES_FILE))
         steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key)
-        for m in steps:
+        for m in steps if self.rank0 else ():
             rec = {k: v for k, v in m.items() if k != "train/step"}
             rec["train/rollout_id"] = rid
             metrics.log(self.actor.step, rec)
@@ -120,7 +167,9 @@ class Trainer:
         save = version % self.cfg.train.save_interval == 0 or last
         if save or publish_weights:
             self.publish(rid, version, checkpoint=save, weights=True)
-        self.cursor.commit(rid, {"weight_version": version}, lock=self.lock)
+        if self.rank0:
+            self.cursor.commit(rid, {"weight_version": version}, lock=self.lock)
+        _barrier()
         self.next_rollout = version
         return steps
 
@@ -133,9 +182,21 @@ class Trainer:
 def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, follow: bool = False,
               max_rollouts: int | None = None, allow_empty: bool = False, wait_timeout: float | None = None) -> TrainResult:
     """Train on rollouts from the cursor onward (all of ``rollout.num_rollout``, or just ``rollout_id``)."""
+    from contextlib import ExitStack
+
     from slimectl.metrics import MetricsWriter
 
-    with run.lock("train") as lock:
+    rank0 = launch_rank() == 0
+    world = cfg.train.tp * cfg.train.pp * cfg.train.dp
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) != world:
+        raise UsageError(f"train.tp*pp*dp = {world} processes are needed, this job has {os.environ.get('WORLD_SIZE', '1')}; "
+                         f"run `slimectl train` (it launches torchrun itself)")
+    if not rank0:
+        logging.getLogger("slimectl").setLevel(logging.WARNING)
+    with ExitStack() as stack:
+        lock = stack.enter_context(run.lock("train")) if rank0 else FollowerLock()
         trainer = Trainer(run, cfg, lock)
         next_id = trainer.next_rollout
         if rollout_id is not None and rollout_id != next_id:
@@ -151,7 +212,7 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
         log.info("resuming at rollout %d, %d to go", next_id, len(todo))
         tb = run.tensorboard_dir("train") if cfg.logging.tensorboard else None
         trained: list[int] = []
-        with MetricsWriter(run.metrics_path("train"), tb) as metrics:
+        with (MetricsWriter(run.metrics_path("train"), tb) if rank0 else _NullMetrics()) as metrics:
             for n, rid in enumerate(todo):
                 lock.check()
                 if follow:
@@ -172,37 +233,54 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
 
 def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: int, version: int,
              checkpoint: bool = True, weights: bool = True) -> None:
-    """checkpoints/VERSION (model + optimizer) and/or weights/VERSION (HF safetensors)."""
+    """checkpoints/VERSION (model + optimizer) and/or weights/VERSION (HF safetensors).
+
+    Collective under torchrun: every rank saves its shards into the staging directory rank 0
+    opened (and joins the TP gather of the HF tensors); rank 0 alone seals and publishes.
+    """
     from slimectl.megatron.checkpoint import copy_hf_aux_files
     from slimectl.models.hf_io import write_safetensors_sharded
 
+    rank0 = launch_rank() == 0
     hf_src = Path(cfg.model.path)
     meta = {"source": "train", "next_rollout": rid + 1, "weight_version": version, "actor_step": actor.step}
     if checkpoint:
-        _publish_checkpoint(run, actor, arch, padded, cfg, meta, version, hf_src)
+        _publish_checkpoint(run, actor, arch, padded, cfg, meta, version, hf_src, rank0)
     if weights:
-        with run.weights.publish(version, meta={"source": "train", "rollout_id": rid, "weight_version": version},
-                                 stage="train", overwrite=True) as staging:
-            write_safetensors_sharded(actor.hf_state_dict().items(), staging)
-            copy_hf_aux_files(hf_src, staging)
-    if cfg.train.keep_checkpoints:
-        run.checkpoints.prune(cfg.train.keep_checkpoints, protect={0})
-    if cfg.sync.keep_weights:
-        run.weights.prune(cfg.sync.keep_weights)
-    log.info("published %s", " and ".join(f"{k}/{version:06d}" for k, on in (("checkpoints", checkpoint),
-                                                                               ("weights", weights)) if on))
+        tensors = actor.hf_state_dict()  # collective under TP
+        if rank0:
+            with run.weights.publish(version, meta={"source": "train", "rollout_id": rid, "weight_version": version},
+                                     stage="train", overwrite=True) as staging:
+                write_safetensors_sharded(tensors.items(), staging)
+                copy_hf_aux_files(hf_src, staging)
+        del tensors
+    if rank0:
+        if cfg.train.keep_checkpoints:
+            run.checkpoints.prune(cfg.train.keep_checkpoints, protect={0})
+        if cfg.sync.keep_weights:
+            run.weights.prune(cfg.sync.keep_weights)
+        log.info("published %s", " and ".join(f"{k}/{version:06d}" for k, on in (("checkpoints", checkpoint),
+                                                                                   ("weights", weights)) if on))
+    _barrier()
 
 
 def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, meta: dict, version: int,
-                        hf_src: Path) -> None:
+                        hf_src: Path, rank0: bool = True) -> None:
     import json
+    from contextlib import ExitStack
 
     from slimectl.megatron.checkpoint import HF_DIR, META, copy_hf_aux_files
 
     rid = meta["next_rollout"] - 1
-    with run.checkpoints.publish(version, meta=meta, stage="train", overwrite=True) as staging:
-        actor.save_state(staging / STATE_DIR, {"next_rollout": rid + 1})
-        (staging / META).write_text(json.dumps({"format": "torch_dist", "arch": arch.to_dict(), "padded_vocab_size": padded,
-                                                "dtype": cfg.model.dtype, "saved_with": {"tp": cfg.train.tp, "pp": cfg.train.pp},
-                                                "iteration": actor.step}, indent=2))
-        copy_hf_aux_files(hf_src, staging / HF_DIR)
+    with ExitStack() as stack:
+        staging = stack.enter_context(run.checkpoints.publish(version, meta=meta, stage="train", overwrite=True)) \
+            if rank0 else None
+        staging = Path(_broadcast_object(str(staging) if rank0 else None))
+        actor.save_state(staging / STATE_DIR, {"next_rollout": rid + 1})  # collective: every rank's shards
+        _barrier()
+        if rank0:
+            (staging / META).write_text(json.dumps({
+                "format": "torch_dist", "arch": arch.to_dict(), "padded_vocab_size": padded, "dtype": cfg.model.dtype,
+                "saved_with": {"tp": cfg.train.tp, "pp": cfg.train.pp, "dp": cfg.train.dp}, "iteration": actor.step},
+                indent=2))
+            copy_hf_aux_files(hf_src, staging / HF_DIR)
