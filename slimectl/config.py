@@ -97,6 +97,9 @@ class RolloutSection(Section):
     mask_offpolicy_in_partial_rollout: bool = False
     concurrency_per_engine: int = Field(default=64, gt=0)
     seed: int = 42
+    teacher_urls: list[str] = Field(default_factory=list)
+    """On-policy distillation: engines serving the teacher (e.g. another ``slimectl serve``); each
+    sample gets the teacher's log-probs of its response tokens (``/generate``, max_new_tokens 0)."""
     async_mode: Literal["off", "one_step_off"] = "off"
     """``slimectl rl``: ``one_step_off`` generates rollout N+1 (on weights N) while rollout N trains."""
     eval_interval: Optional[int] = Field(default=None, gt=0)

@@ -209,3 +209,49 @@ def test_sigterm_stops_every_stage_cleanly_and_rerun_resumes(tmp_path):
     res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run")
     assert res.returncode == 0, res.stderr[-3000:]
     assert_trained_once(run, 4)
+
+
+async def zero_reward(args, sample):
+    """Pure distillation: no task reward, only the teacher's log-probs shape the advantages."""
+    return 0.0
+
+
+def test_on_policy_distillation_takes_teacher_log_probs_and_shapes_advantages(tmp_path):
+    """A second `slimectl serve` is the teacher; each sample carries the teacher's log-probs of its
+    response tokens (checked against the teacher directly), and with zero task reward the policy
+    loss of the first (on-policy) step is exactly the reverse-KL estimate: A_t = -(lp_s - lp_t)."""
+    from slimectl.fixtures.tiny_models import build_tiny_model
+    from tests.test_serve import start_serve
+    from tests.test_sync import post
+
+    teacher_model = build_tiny_model("qwen2", tmp_path / "teacher-model", seed=3, initializer_range=0.2)
+    assert slimectl("init", tmp_path / "teacher", "--set", f"model.path={teacher_model}").returncode == 0
+    proc, (teacher_url,) = start_serve(RunDir.open(tmp_path / "teacher"))
+    try:
+        cfg = write_config(tmp_path, rollout={"num_rollout": 2, "batch_size": 2, "max_response_len": 6,
+                                              "reward": "tests.test_rl:zero_reward", "teacher_urls": [teacher_url]},
+                           algorithm={"use_opd": True, "opd_kl_coef": 1.0})
+        res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+        assert res.returncode == 0, res.stderr[-3000:]
+        run = RunDir.open(tmp_path / "run")
+        from slimectl.samples import SAMPLES_FILE, read_samples
+
+        s = read_samples(run.rollouts.get(0).file(SAMPLES_FILE))[0]
+        direct = post(teacher_url, "/generate", {"input_ids": s.tokens, "return_logprob": True, "logprob_start_len": 0,
+                                                 "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}})
+        want = [x[0] for x in direct["meta_info"]["input_token_logprobs"][-s.response_length:]]
+        assert s.teacher_log_probs == pytest.approx(want, abs=1e-5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    roll, train = read_jsonl(run.metrics_path("rollout")), read_jsonl(run.metrics_path("train"))
+    assert roll[0]["rollout/opd_reverse_kl"] > 0.1  # a different model: a clear gap to distil
+    m = train[0]
+    assert m["train/opd_reverse_kl"] == pytest.approx(roll[0]["rollout/opd_reverse_kl"], abs=1e-3)
+    assert m["train/pg_loss"] == pytest.approx(m["train/opd_reverse_kl"], abs=1e-5)
+
+
+def test_opd_without_teacher_log_probs_fails_clearly(tmp_path):
+    cfg = write_config(tmp_path, rollout={"num_rollout": 1}, algorithm={"use_opd": True})
+    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    assert res.returncode == 1 and "set rollout.teacher_urls" in res.stderr and "Traceback" not in res.stderr

@@ -206,6 +206,39 @@ def _log_metrics(run: RunDir, cfg: SlimectlConfig, rid: int, metrics: dict[str, 
     )
 
 
+async def teacher_log_probs(samples: list[Sample], urls: list[str], temperature: float, token: str | None,
+                            cfg: SlimectlConfig) -> float:
+    """Fill ``sample.teacher_log_probs`` (one per response token) from the teacher engines; return
+    the mean per-token reverse-KL estimate ``student_lp - teacher_lp`` over trained tokens."""
+    pool = EnginePool([u.rstrip("/") for u in urls], token=token, concurrency_per_engine=cfg.rollout.concurrency_per_engine,
+                      timeout=cfg.engine.request_timeout_s)
+
+    async def one(s: Sample) -> None:
+        if s.response_length == 0:
+            s.teacher_log_probs = []
+            return
+        out = await pool.generate(input_ids=s.tokens, return_logprob=True, logprob_start_len=0,
+                                  sampling_params={"max_new_tokens": 0, "temperature": temperature})
+        lps = [float(x[0]) for x in out["meta_info"]["input_token_logprobs"][1:]]
+        if len(lps) < s.response_length:
+            raise SlimectlError(f"teacher at {out['meta_info'].get('engine_url', urls[0])} returned {len(lps)} log-probs "
+                                f"for a {len(s.tokens)}-token sample; is it serving the same tokenizer?")
+        s.teacher_log_probs = lps[-s.response_length:]
+
+    try:
+        await asyncio.gather(*(one(s) for s in samples))
+    finally:
+        await pool.close()
+    num = den = 0.0
+    for s in samples:
+        mask = s.loss_mask or [1] * s.response_length
+        for m, st, te in zip(mask, s.rollout_log_probs or [], s.teacher_log_probs or []):
+            if m:
+                num += st - te
+                den += 1
+    return num / den if den else 0.0
+
+
 async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: PromptSource, urls: list[str], tok,
                          lock, buffered: list[list[Sample]]) -> tuple[list[Sample], dict[str, Any], list[dict[str, Any]], list[list[Sample]]]:
     r = cfg.rollout
@@ -269,10 +302,13 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
         finally:
             bar.close()
         leftover += buffered  # buffered groups this rollout never reached stay buffered
-        seconds = time.time() - t0
         samples = [s for g in kept for s in g.samples]
+        opd_rkl = await teacher_log_probs(samples, r.teacher_urls, r.temperature, token, cfg) if r.teacher_urls else None
+        seconds = time.time() - t0
         trace = [span for g in kept for span in g.spans]
         metrics = _metrics(samples, counts, seconds, r.reward_key, [g.samples for g in kept], weight_version)
+        if opd_rkl is not None:
+            metrics["rollout/opd_reverse_kl"] = opd_rkl
         metrics["rollout/partial_groups_buffered"] = len(leftover)
         metrics["rollout/partial_samples_continued"] = sum(len(s.weight_versions) > 1 for s in samples)
         return samples, metrics, trace, leftover

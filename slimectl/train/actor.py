@@ -44,6 +44,7 @@ from slimectl.algorithms import (
     sft_loss,
 )
 import slimectl.megatron  # noqa: F401  (quiets megatron's import-time notices about missing TE/Apex)
+from slimectl.algorithms.opd import apply_opd_kl
 from slimectl.algorithms.tis import apply_tis
 from slimectl.errors import NotAvailableYet
 from slimectl.train.logprobs import compute_log_probs
@@ -284,6 +285,14 @@ class MegatronActor:
         rollout_lp = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples] if has_rollout_lp else None
         if (tcfg.use_rollout_logprobs or algo.use_tis) and not has_rollout_lp and not sft:
             raise ValueError("use_rollout_logprobs / use_tis need every sample's rollout_log_probs")
+        teacher_lp = None
+        if algo.use_opd and not sft:
+            missing = [s.index for s in samples if s.teacher_log_probs is None
+                       or len(s.teacher_log_probs) != s.response_length]
+            if missing:
+                raise ValueError(f"algorithm.use_opd needs teacher log-probs for every response token; sample {missing[0]} "
+                                 f"has none (or the wrong count): set rollout.teacher_urls to a served teacher")
+            teacher_lp = [torch.tensor(s.teacher_log_probs, dtype=torch.float32) for s in samples]
 
         # Global batches and their micro-batches (fixed for the whole call).
         # With data parallelism each rank packs its share (every dp-th sample) of each global batch.
@@ -329,7 +338,11 @@ class MegatronActor:
                 ref_log_probs=_pad(ref_lp) if self.ref_model is not None else None,
                 kl_coef=algo.kl_coef, kl_type=algo.kl_loss_type, gamma=algo.gamma,
             )
-            adv_rows = [res.advantages[i, : samples[i].response_length] for i in range(n)]
+            advantages = res.advantages
+            if teacher_lp is not None:  # on-policy distillation: A_t -= coef * (log pi_student - log pi_teacher)
+                advantages, rkl = apply_opd_kl(advantages, _pad(train_old), _pad(teacher_lp), mask_all, algo.opd_kl_coef)
+                self._opd_rkl = [rkl[i, : samples[i].response_length] for i in range(n)]
+            adv_rows = [advantages[i, : samples[i].response_length] for i in range(n)]
 
         metrics_out = []
         for layout, idx in zip(layouts, batches):
@@ -413,6 +426,8 @@ class MegatronActor:
                 kl = kl_loss(lp, _pad([ref_lp[g] for g in gidx]), mask, algo.kl_loss_type, reduction=mode)
                 loss = loss + algo.kl_loss_coef * kl
                 add("train/kl_loss", kl.detach(), w)
+            if algo.use_opd and not sft:
+                add("train/opd_reverse_kl", reduce_masked(_pad([self._opd_rkl[g] for g in gidx]), mask, mode), w)
             if rollout_lp is not None and old_lp[gidx[0]] is not None:
                 diff = (_pad([old_lp[g] for g in gidx]) - _pad([rollout_lp[g] for g in gidx])).abs()
                 add("train/train_rollout_logprob_abs_diff", reduce_masked(diff, mask, mode), w)
