@@ -8,7 +8,7 @@ rollout (waiting for it), train and sync.
 
 Prints async/sync step time (target <= 0.8) and the outside share of each mode (target <= 5%).
 
-    python bench/loop.py [--runs 1] [--rollouts 20] [--response-len 128] [--threads 1]
+    python bench/loop.py [--runs 1] [--rollouts 20] [--response-len 128] [--micro-batch 512] [--threads 1]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def run_once(work: Path, mode: str, args) -> dict[str, float]:
     cfg = {"name": f"loop-{mode}", "data": {"prompt_data": str(ROOT / "examples" / "data" / "arith.jsonl")},
            "rollout": {"num_rollout": args.rollouts, "batch_size": 8, "n_samples_per_prompt": 8,
                        "max_response_len": args.response_len, "reward": "random", "async_mode": mode},
-           "train": {"lr": 1e-4, "save_interval": 10_000, "max_tokens_per_micro_batch": 512},
+           "train": {"lr": 1e-4, "save_interval": 10_000, "max_tokens_per_micro_batch": args.micro_batch},
            "logging": {"tensorboard": False}}
     path = work / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--response-len", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=512, help="train.max_tokens_per_micro_batch")
     ap.add_argument("--threads", type=int, default=1,
                     help="OMP_NUM_THREADS of every process (trainer and engine share the cores)")
     args = ap.parse_args()

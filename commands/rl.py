@@ -67,14 +67,20 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     run.save_stage_config("rl", cfg)
     import threading
 
-    from slimectl.rl import install_stop_signals, run_rl
+    from slimectl.rl import StopSignals, run_rl
 
-    stop = threading.Event()
-    install_stop_signals(stop)
+    signals = StopSignals(threading.Event()).install()
+    interrupted = click.ClickException(f"interrupted; rerun `slimectl rl -r {run.path}` to resume")
     try:
-        res = run_rl(run, cfg, engine_urls, stop=stop)
+        res = run_rl(run, cfg, engine_urls, stop=signals.stop, critical=signals.deferred)
     except KeyboardInterrupt:
-        raise click.ClickException(f"interrupted; rerun `slimectl rl -r {run.path}` to resume") from None
+        raise interrupted from None
+    except Exception:
+        if signals.signal is None:
+            raise
+        raise interrupted from None  # whatever the interrupt broke on its way out
+    if signals.signal is not None:
+        raise interrupted
     from slimectl.commands._stage import format_ids
 
     click.echo(f"trained rollouts {format_ids(res.trained)}; weight version {res.weight_version}; {res.seconds:.1f} s")

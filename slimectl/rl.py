@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from slimectl.config import SlimectlConfig
@@ -107,8 +107,11 @@ class _Engines:
 
 
 def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
-           stop: threading.Event | None = None) -> RLResult:
-    """Run the loop until ``rollout.num_rollout`` rollouts are trained (or ``stop`` is set)."""
+           stop: threading.Event | None = None, critical=nullcontext) -> RLResult:
+    """Run the loop until ``rollout.num_rollout`` rollouts are trained (or ``stop`` is set).
+
+    ``critical()`` wraps each weight sync (``StopSignals.deferred`` keeps a signal from cutting
+    a pause/continue sequence in half)."""
     from slimectl.engines.client import EngineClient
     from slimectl.metrics import MetricsWriter
     from slimectl.rollout.stage import run_rollout
@@ -164,8 +167,9 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
 
         def sync(version: int) -> float:
             engines.check_alive()
-            res = loop.run_until_complete(sync_engines(clients, transport, source(version), cfg.sync.pause_mode,
-                                                       cfg.sync.verify))
+            with critical():
+                res = loop.run_until_complete(sync_engines(clients, transport, source(version), cfg.sync.pause_mode,
+                                                           cfg.sync.verify))
             for url, engine_id in engines.ids.items():
                 if engine_id is not None:
                     try:
@@ -182,7 +186,8 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
                 result.generated.append(rid)
             return run.rollouts.get(rid, verify="full")
 
-        loop.run_until_complete(transport.connect(clients))
+        with critical():
+            loop.run_until_complete(transport.connect(clients))
         sync(trainer.weight_version)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-rollout")
         ahead: Future | None = None
@@ -258,16 +263,40 @@ def resume_engines(loop, clients: dict, tags: list[str]) -> None:
     loop.run_until_complete(_gather([c.resume_memory_occupation(tags) for c in clients.values()]))
 
 
-def install_stop_signals(stop: threading.Event):
-    """SIGTERM/SIGINT -> a KeyboardInterrupt in the main thread (the loop stops and cleans up)."""
-    previous = {}
-    if threading.current_thread() is not threading.main_thread():
-        return previous
+class StopSignals:
+    """SIGTERM/SIGINT handling for ``rl``: the first signal sets ``stop`` and raises KeyboardInterrupt
+    in the main thread — at once, or, inside :meth:`deferred` (a weight sync: engines must be
+    continued), when that section ends. Later signals are ignored so the cleanup runs whole."""
 
-    def handler(signum, frame):
-        stop.set()
+    def __init__(self, stop: threading.Event):
+        self.stop = stop
+        self.signal: int | None = None
+        self._depth = 0
+        self._pending = False
+
+    def install(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._handler)
+        return self
+
+    def _handler(self, signum, frame) -> None:
+        if self.signal is not None:
+            return
+        self.signal = signum
+        self.stop.set()
+        if self._depth:
+            self._pending = True
+            return
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, handler)
-    return previous
+    @contextmanager
+    def deferred(self):
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth and self._pending:
+                self._pending = False
+                raise KeyboardInterrupt

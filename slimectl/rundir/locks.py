@@ -87,7 +87,11 @@ class StageLock:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._try_create():
-                self._start_heartbeat()
+                try:
+                    self._start_heartbeat()
+                except BaseException:  # e.g. Ctrl-C right here: never leave our lock file behind
+                    self.release()
+                    raise
                 return self
             info = self.holder()
             if info is None:
@@ -122,11 +126,15 @@ class StageLock:
         except OSError as exc:
             raise RunDirError(f"cannot create lock {self.path}: {exc.strerror}; check permissions") from exc
         try:
-            os.write(fd, json.dumps(record).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(self.dir)
+            try:
+                os.write(fd, json.dumps(record).encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(self.dir)
+        except BaseException:  # interrupted (or a disk error) after O_EXCL created it: the file is ours
+            self.path.unlink(missing_ok=True)
+            raise
         self.token = token
         self._lost.clear()
         return True
@@ -176,9 +184,14 @@ class StageLock:
 
     def release(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        try:
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+        finally:  # even when interrupted while joining, the lock file goes
             self._thread = None
+            self._remove_own_file()
+
+    def _remove_own_file(self) -> None:
         if self.token is None:
             return
         info = _read_lock(self.path)
