@@ -8,7 +8,7 @@ rollout (waiting for it), train and sync.
 
 Prints async/sync step time (target <= 0.8) and the outside share of each mode (target <= 5%).
 
-    python bench/loop.py [--runs 1] [--rollouts 20] [--response-len 128] [--micro-batch 512] [--threads 1]
+    python bench/loop.py [--runs 1] [--rollouts 20] [--response-len 256] [--micro-batch 256] [--threads 1]
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--rollouts", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--response-len", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=512, help="train.max_tokens_per_micro_batch")
+    ap.add_argument("--response-len", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=256, help="train.max_tokens_per_micro_batch")
     ap.add_argument("--threads", type=int, default=1,
                     help="OMP_NUM_THREADS of every process (trainer and engine share the cores)")
     args = ap.parse_args()
