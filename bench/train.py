@@ -13,7 +13,7 @@ recomputed (one more forward than the floor, as slime does by default) and with
 ``train.use_rollout_logprobs`` (the same passes as the floor) — and the padding fraction of the
 packed batches (target <= 5%).
 
-    python bench/train.py [--runs 3]
+    python bench/train.py [--runs 3] [--micro-batch 1024]
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def make_samples(model_dir: Path, n_groups: int = 16, n: int = 4, new_tokens: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--micro-batch", type=int, default=1024, help="train.max_tokens_per_micro_batch")
     args = ap.parse_args()
     import torch
 
@@ -76,7 +77,7 @@ def main() -> None:
     tokens = sum(len(s.tokens) for s in samples)
     cfg = SlimectlConfig()
     cfg.train.lr = 1e-5
-    cfg.train.max_tokens_per_micro_batch = 1024
+    cfg.train.max_tokens_per_micro_batch = args.micro_batch
     arch = arch_from_dir(model_dir)
     actor = MegatronActor(arch, arch.padded_vocab_size(1), cfg.train, cfg.algorithm)
     actor.load_hf(model_dir)

@@ -160,3 +160,20 @@ def test_train_under_torchrun_with_dp2_matches_one_process(tmp_path, rollouts):
     from slimectl.metrics import read_metrics
 
     assert [r["step"] for r in read_metrics(two.metrics_path("train"))] == [1, 2, 3]
+
+
+def test_rollout_logprobs_as_old_logprobs_skip_the_recompute(tmp_path, rollouts):
+    """train.use_rollout_logprobs: the engine's log-probs are the old policy's — no extra forward,
+    so no train-vs-rollout diff metric (with TIS both are needed and the recompute comes back)."""
+    from slimectl.metrics import read_metrics
+
+    model, rolls = rollouts
+    run = make_run(tmp_path / "a", model, rolls, 1, "train.use_rollout_logprobs=true")
+    res = slimectl("train", "-r", run.path, "--max-rollouts", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    (m,) = read_metrics(run.metrics_path("train"))
+    assert "train/train_rollout_logprob_abs_diff" not in m and abs(m["train/ppo_kl"]) < 1e-4
+    tis = make_run(tmp_path / "b", model, rolls, 1, "train.use_rollout_logprobs=true", "algorithm.use_tis=true")
+    assert slimectl("train", "-r", tis.path, "--max-rollouts", "1").returncode == 0
+    (m,) = read_metrics(tis.metrics_path("train"))
+    assert m["train/train_rollout_logprob_abs_diff"] <= 1e-4

@@ -307,13 +307,15 @@ class MegatronActor:
             layouts.append([(mb, [mine[s.sample_index] for s in mb.seqs]) for mb in mbs])
 
         # Old / ref log-probs with the training layout (so the first step's ratio is exactly 1).
+        # With use_rollout_logprobs the engine's are the old ones: recompute only when TIS needs both.
+        need_old = not sft and (not tcfg.use_rollout_logprobs or algo.use_tis)
         old_lp: list[torch.Tensor | None] = [None] * n
         ref_lp: list[torch.Tensor | None] = [None] * n
         self.module.eval()
         with torch.no_grad():
             for layout in layouts:
                 for mb, gidx in layout:
-                    if not sft:
+                    if need_old:
                         for r, g in zip(compute_log_probs(self.module, mb, self.arch.vocab_size, rollout_temperature,
                                                           False, self.tp_group), gidx):
                             old_lp[g] = r.log_probs.detach()
