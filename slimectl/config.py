@@ -118,6 +118,9 @@ class RolloutSection(Section):
                 f"rollout.over_sampling_batch_size ({self.over_sampling_batch_size}) must be >= "
                 f"rollout.batch_size ({self.batch_size})"
             )
+        if any(not 1 <= k <= self.eval_n_samples for k in self.eval_pass_k):
+            raise ValueError(f"rollout.eval_pass_k = {self.eval_pass_k}: each k must be in 1..rollout.eval_n_samples "
+                             f"({self.eval_n_samples})")
         return self
 
 

@@ -105,10 +105,6 @@ def _check_inputs(cfg: SlimectlConfig) -> None:
     for name, spec in cfg.data.eval_data.items():
         if not Path(split_data_spec(spec)[0]).is_file():
             raise ConfigError(f"data.eval_data.{name} = {spec}: no such file; point it at a .jsonl or .parquet file")
-    bad_k = [k for k in cfg.rollout.eval_pass_k if not 1 <= k <= cfg.rollout.eval_n_samples]
-    if bad_k:
-        raise ConfigError(f"rollout.eval_pass_k = {cfg.rollout.eval_pass_k}: each k must be in 1..rollout.eval_n_samples "
-                          f"({cfg.rollout.eval_n_samples})")
 
 
 def init_run(run_path: str | Path, config_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),

@@ -70,6 +70,7 @@ class _Engines:
         from slimectl.serve import EngineGroup
 
         self.ids: dict[str, str | None] = {}
+        self.group: EngineGroup | None = None  # set when this process started the engines
         given = list(engine_urls) or list(cfg.engine.urls)
         if given:
             self.ids = {u.rstrip("/"): None for u in given}
@@ -78,7 +79,7 @@ class _Engines:
         try:
             serve_lock.acquire()
         except LockHeld:
-            recs = [r for r in run.engines.list() if r.alive() is not False]
+            recs = run.engines.live()
             if not recs:
                 raise SlimectlError(f"a `slimectl serve` holds {run.path} but registered no live engines yet; "
                                     f"wait for it or stop it") from None
@@ -98,10 +99,9 @@ class _Engines:
         return list(self.ids)
 
     def check_alive(self) -> None:
-        group = getattr(self, "group", None)
-        if group is None:
+        if self.group is None:
             return
-        for p in group.supervisor.processes:
+        for p in self.group.supervisor.processes:
             if p.popen.poll() is not None:
                 raise SlimectlError(f"{p.name} at {p.url} exited with code {p.popen.returncode}; see {p.log_path}")
 
@@ -170,12 +170,7 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
             with critical():
                 res = loop.run_until_complete(sync_engines(clients, transport, source(version), cfg.sync.pause_mode,
                                                            cfg.sync.verify))
-            for url, engine_id in engines.ids.items():
-                if engine_id is not None:
-                    try:
-                        run.engines.update(engine_id, weight_version=str(version))
-                    except SlimectlError:
-                        pass
+            run.engines.set_weight_version(engines.ids.values(), str(version))
             sync_metrics.log(version, res.metrics())
             return res.seconds
 

@@ -83,7 +83,7 @@ async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list
                       version: int) -> tuple[dict[str, dict[str, float]], dict[str, list[list[Sample]]]]:
     from slimectl.rollout.generate import EnginePool, default_generate, run_group
     from slimectl.rollout.rewards import close_shared_remotes
-    from slimectl.rollout.stage import make_reward_fn
+    from slimectl.rollout.stage import _sampling_params, make_reward_fn
 
     r = cfg.rollout
     pool = EnginePool(urls, token=os.environ.get(cfg.engine.token_env) or None,
@@ -91,12 +91,8 @@ async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=None,
                            rollout_max_response_len=r.eval_max_response_len or r.max_response_len,
                            n_samples_per_prompt=r.eval_n_samples, reward_key=r.reward_key, mask_offpolicy=False)
-    params: dict[str, Any] = {"max_new_tokens": r.eval_max_response_len or r.max_response_len,
-                              "temperature": r.eval_temperature, "top_p": r.top_p, "top_k": r.top_k}
-    if r.stop:
-        params["stop"] = list(r.stop)
-    if r.stop_token_ids:
-        params["stop_token_ids"] = list(r.stop_token_ids)
+    params: dict[str, Any] = {**_sampling_params(cfg), "max_new_tokens": r.eval_max_response_len or r.max_response_len,
+                              "temperature": r.eval_temperature}
     reward_fn = make_reward_fn(cfg, args)
     results, all_samples = {}, {}
     try:

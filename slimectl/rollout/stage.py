@@ -49,11 +49,7 @@ def next_rollout_id(run: RunDir) -> int:
 def _engine_urls(run: RunDir, given: list[str] | tuple[str, ...]) -> list[str]:
     if given:
         return [u.rstrip("/") for u in given]
-    recs = [r for r in run.engines.list() if r.alive() is not False]
-    if not recs:
-        raise SlimectlError(f"no live engines registered in {run.path}/engines; start `slimectl serve -r {run.path}` "
-                            f"or pass --engine-url URL")
-    return [r.url for r in recs]
+    return [r.url for r in run.engines.require_live()]
 
 
 def _data_state(run: RunDir, rollout_id: int) -> dict[str, Any] | None:

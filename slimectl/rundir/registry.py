@@ -95,6 +95,29 @@ class EngineRegistry:
                 continue  # removed meanwhile, or junk: never block discovery on one bad record
         return out
 
+    def live(self) -> list[EngineRecord]:
+        """Records whose process is alive (or on another host, where that cannot be told)."""
+        return [r for r in self.list() if r.alive() is not False]
+
+    def require_live(self) -> list[EngineRecord]:
+        """:meth:`live`, or a clear error when there is none."""
+        recs = self.live()
+        if not recs:
+            run = self.dir.parent
+            raise RunDirError(f"no live engines registered in {self.dir}; start `slimectl serve -r {run}` "
+                              f"or pass --engine-url URL")
+        return recs
+
+    def set_weight_version(self, engine_ids, version: str) -> None:
+        """Record ``version`` on each registered engine (ids of None, or records gone meanwhile, are skipped)."""
+        for engine_id in engine_ids:
+            if engine_id is None:
+                continue
+            try:
+                self.update(engine_id, weight_version=version)
+            except RunDirError:
+                pass  # unregistered meanwhile (its serve stopped)
+
     def prune_dead(self) -> list[str]:
         """Unregister same-host engines whose process is gone."""
         dead = [r.id for r in self.list() if r.alive() is False]

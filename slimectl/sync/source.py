@@ -44,24 +44,19 @@ class WeightSource:
         finally:
             ckpt.close()
 
-    def sample(self, names: set[str]) -> dict[str, torch.Tensor]:
-        """The tensors named in ``names`` (full copies), for verification."""
-        if self._iter is None:
-            ckpt = self._checkpoint()
-            try:
-                return {n: ckpt.get(n) for n in names}
-            finally:
-                ckpt.close()
-        return {n: t.detach().clone() for n, t in self._iter() if n in names}
+    def heads(self, pick: Callable[[list[str]], list[str]], rows: int) -> dict[str, torch.Tensor]:
+        """The first ``rows`` rows of the tensors ``pick(all names)`` chooses, for verification.
 
-    def names(self) -> list[str]:
+        From a directory only the picked tensors are read; from a tensor stream one pass keeps
+        every tensor's head (small) and then picks, so a live trainer is streamed once."""
         if self._iter is None:
             ckpt = self._checkpoint()
             try:
-                return list(ckpt.names())
+                return {n: ckpt.get(n)[:rows] for n in pick(ckpt.names())}
             finally:
                 ckpt.close()
-        return [n for n, _ in self._iter()]
+        every = {n: t.detach()[:rows].clone() for n, t in self._iter()}
+        return {n: every[n] for n in pick(list(every))}
 
     def _checkpoint(self):
         from slimectl.models.hf_io import HFCheckpoint

@@ -96,11 +96,7 @@ def engine_targets(run: RunDir, engine_urls: list[str] | tuple[str, ...] = ()) -
     if engine_urls:
         by_url = {r.url.rstrip("/"): r.id for r in run.engines.list()}
         return [EngineTarget(u.rstrip("/"), by_url.get(u.rstrip("/"))) for u in engine_urls]
-    recs = [r for r in run.engines.list() if r.alive() is not False]
-    if not recs:
-        raise SlimectlError(f"no live engines registered in {run.path}/engines; start `slimectl serve -r {run.path}` "
-                            f"or pass --engine-url URL")
-    return [EngineTarget(r.url.rstrip("/"), r.id) for r in recs]
+    return [EngineTarget(r.url.rstrip("/"), r.id) for r in run.engines.require_live()]
 
 
 def weight_source(run: RunDir, cfg: SlimectlConfig, version: int | None) -> WeightSource:
@@ -143,12 +139,7 @@ def run_sync(run: RunDir, cfg: SlimectlConfig, version: int | None = None, trans
                 await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
 
         result = asyncio.run(go())
-        for t in targets:
-            if t.id is not None:
-                try:
-                    run.engines.update(t.id, weight_version=str(result.version))
-                except SlimectlError:
-                    pass  # unregistered meanwhile (serve stopped)
+        run.engines.set_weight_version([t.id for t in targets], str(result.version))
         tb = run.tensorboard_dir("sync") if cfg.logging.tensorboard else None
         with MetricsWriter(run.metrics_path("sync"), tb) as m:
             m.log(result.version, result.metrics())

@@ -46,8 +46,8 @@ def compare(expected: torch.Tensor, got: list, engine_dtype: str | None) -> floa
 async def verify_engines(clients: dict, source: WeightSource, num_tensors: int = DEFAULT_NUM_TENSORS,
                          rows: int = DEFAULT_ROWS) -> list[str]:
     """Problems found, one line each (empty: every engine holds ``source``'s weights)."""
-    names = pick_names(source.names(), num_tensors)
-    expected = {n: t[:rows] for n, t in source.sample(set(names)).items()}
+    expected = source.heads(lambda names: pick_names(names, num_tensors), rows)
+    names = list(expected)
 
     async def one(url: str, c) -> list[str]:
         try:

@@ -14,6 +14,7 @@ rollout's effect is in the model exactly once.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +28,6 @@ log = logging.getLogger("slimectl.train")
 
 def launch_rank() -> int:
     """This process's rank in a torchrun job (0 when not under torchrun); valid before dist init."""
-    import os
-
     return int(os.environ.get("RANK", "0"))
 
 
@@ -188,8 +187,6 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
 
     rank0 = launch_rank() == 0
     world = cfg.train.tp * cfg.train.pp * cfg.train.dp
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) != world:
         raise UsageError(f"train.tp*pp*dp = {world} processes are needed, this job has {os.environ.get('WORLD_SIZE', '1')}; "
                          f"run `slimectl train` (it launches torchrun itself)")
