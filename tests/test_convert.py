@@ -61,13 +61,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+FORKS: dict[str, int] = {}
+
+
 @pytest.fixture(scope="module")
 def converted(models, tmp_path_factory) -> dict[tuple[str, int], Path]:
     root = tmp_path_factory.mktemp("mcore")
     ckpts = {(fam, 1): root / f"tp1-{fam}" for fam in FAMILIES}
     ckpts.update({(fam, 2): root / f"tp2-{fam}" for fam in FAMILIES})
     pairs = [str(x) for fam in FAMILIES for x in (models[fam], ckpts[(fam, 1)])]
-    py(str(SCRIPTS / "convert_batch.py"), "1", "1", *pairs)
+    FORKS["tp1"] = results(py(str(SCRIPTS / "convert_batch.py"), "1", "1", *pairs))[-1]["forks"]
     cli = slimectl("convert", "--hf", str(models["llama"]), "--out", str(ckpts[("llama", 2)]), "--tp", "2")
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert cli.stdout.strip() == str(ckpts[("llama", 2)])
@@ -96,6 +99,11 @@ def test_checkpoint_layout_is_megatron_lms(converted):
     assert "embedding.word_embeddings.weight" in keys
     assert json.loads((converted[("llama", 2)] / "slimectl_checkpoint.json").read_text())["padded_vocab_size"] == 512
     assert json.loads((converted[("llama", 1)] / "slimectl_checkpoint.json").read_text())["padded_vocab_size"] == 384
+
+
+def test_synchronous_save_writes_from_this_process(converted):
+    # megatron's writer forks per file for async saves; convert saves synchronously and pays for no fork
+    assert FORKS["tp1"] == 0
 
 
 def test_roundtrip_is_bit_exact_for_every_tensor(models, converted, tmp_path):

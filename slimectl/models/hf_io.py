@@ -25,12 +25,104 @@ class HFCheckpointError(SlimectlError):
     """An HF checkpoint directory is missing files or holds damaged ones."""
 
 
+# safetensors dtype codes (https://github.com/huggingface/safetensors, format spec) -> torch.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_MAX_HEADER = 100 * 2**20
+
+
+class SafetensorsFile:
+    """One safetensors file read with ``pread`` (no memory map).
+
+    safetensors' own ``safe_open`` maps the whole file; every page read through the map stays
+    mapped, so converting a model held the source file *and* the model in memory at once. Reading
+    each tensor with ``pread`` into its own buffer keeps one tensor of the source resident at a
+    time. The header (8-byte little-endian length, then JSON) is validated up front: offsets
+    inside the file, sizes matching dtype x shape.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._fd = -1
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            size = os.fstat(self._fd).st_size
+            head = os.pread(self._fd, 8, 0)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 2 <= n <= min(_MAX_HEADER, size - 8):
+                raise ValueError("bad header length")
+            header = json.loads(os.pread(self._fd, n, 8))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+            self.metadata = header.pop("__metadata__", None) or {}
+            self._base = 8 + n
+            self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+            for name, e in header.items():
+                dtype = SAFETENSORS_DTYPES[e["dtype"]]
+                shape = tuple(int(x) for x in e["shape"])
+                begin, end = (int(x) for x in e["data_offsets"])
+                numel = 1
+                for x in shape:
+                    numel *= x
+                if end - begin != numel * torch.empty((), dtype=dtype).element_size() or begin < 0 \
+                        or self._base + end > size:
+                    raise ValueError(f"tensor {name} lies outside the file or has the wrong byte size")
+                self.entries[name] = (dtype, shape, begin, end)
+        except Exception as exc:
+            self.close()
+            raise HFCheckpointError(f"{self.path} is not a readable safetensors file ({exc}); it is truncated or damaged") from None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self):
+        if getattr(self, "_fd", -1) >= 0:
+            self.close()
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][1]
+
+    def read(self, name: str, out: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor ``name``, or its rows ``[start, start + n)`` along dim 0 with ``rows=(start, n)``.
+
+        With ``out`` (contiguous, same dtype, the shape read) the bytes land in ``out`` itself.
+        """
+        dtype, shape, begin, end = self.entries[name]
+        if rows is not None:
+            start, n = rows
+            if not shape or start < 0 or n < 0 or start + n > shape[0]:
+                raise ValueError(f"{name}: rows [{start}, {start + n}) outside shape {list(shape)}")
+            row_bytes = (end - begin) // shape[0] if shape[0] else 0
+            begin, end, shape = begin + start * row_bytes, begin + (start + n) * row_bytes, (n,) + shape[1:]
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(f"{name}: cannot read {dtype} {list(shape)} into {out.dtype} {list(out.shape)}")
+        if end == begin:
+            return out
+        view = memoryview(out.view(-1).view(torch.uint8).numpy())
+        got, pos = 0, self._base + begin
+        while got < end - begin:
+            k = os.preadv(self._fd, [view[got:]], pos + got)
+            if k <= 0:
+                raise OSError(f"unexpected end of file reading {name}")
+            got += k
+        return out
+
+
 class HFCheckpoint:
     """Lazy access to the tensors of an HF safetensors checkpoint (single file or sharded)."""
 
     def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
-
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
             raise HFCheckpointError(f"HF model directory {self.dir} does not exist")
@@ -50,39 +142,53 @@ class HFCheckpoint:
                     f"re-save the model with save_pretrained(safe_serialization=True)"
                 )
             raise HFCheckpointError(f"{self.dir} has no {SINGLE} or {INDEX}; it is not an HF safetensors checkpoint")
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}
         for f in files:
             p = self.dir / f
             if not p.is_file():
+                self.close()
                 raise HFCheckpointError(f"shard {f} listed in {INDEX} is missing from {self.dir}; copy the complete checkpoint")
             try:
-                h = safe_open(str(p), framework="pt", device="cpu")
-            except Exception as exc:  # safetensors raises its own error types for damaged headers
-                raise HFCheckpointError(f"{p} is not a readable safetensors file ({exc}); it is truncated or damaged") from None
+                h = SafetensorsFile(p)
+            except HFCheckpointError:
+                self.close()
+                raise
             self._handles[f] = h
             for name in h.keys():
                 self._where[name] = f
         if weight_map is not None:
             for name, f in weight_map.items():
                 if self._where.get(name) != f:
+                    self.close()
                     raise HFCheckpointError(f"{INDEX} says {name} is in {f}, but that shard does not hold it")
 
     def close(self) -> None:
-        """Drop the memory-mapped shard handles (their pages stop counting against this process)."""
+        """Close the shard files."""
+        for h in self._handles.values():
+            h.close()
         self._handles.clear()
 
     def names(self) -> list[str]:
         return sorted(self._where)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
 
-    def get(self, name: str) -> torch.Tensor:
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._handles[self._where[name]].shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._handles[self._where[name]].entries[name][0]
+
+    def get(self, name: str, out: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Read tensor ``name`` (rows ``(start, n)`` of it; into ``out``: see :meth:`SafetensorsFile.read`)."""
         if name not in self._where:
             raise CheckpointMismatch(f"{self.dir}: tensor {name} is missing from the checkpoint")
         try:
-            return self._handles[self._where[name]].get_tensor(name)
+            return self._handles[self._where[name]].read(name, out, rows)
+        except ValueError:
+            raise
         except Exception as exc:
             raise HFCheckpointError(f"{self.dir / self._where[name]}: cannot read {name} ({exc}); the file is damaged") from None
 

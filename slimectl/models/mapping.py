@@ -193,6 +193,66 @@ def tp_gather(rule: Rule, shards: Sequence[Tensor]) -> Tensor:
     return torch.cat(list(shards), dim=rule.tp_dim)
 
 
+# ----------------------------------------------------------------------------- row placement
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """Rows ``[src, src + rows)`` of HF tensor ``hf`` land at rows ``[dst, dst + rows)`` of a shard."""
+
+    hf: str
+    src: int
+    dst: int
+    rows: int
+
+
+def full_row_blocks(arch: ModelArch, rule: Rule, hf_rows: Sequence[int]) -> list[RowBlock]:
+    """The full Megatron tensor of ``rule`` as blocks of whole HF rows (dim 0), in order.
+
+    ``hf_rows`` are the first-dim sizes of ``rule.hf``. Rows not covered (vocab padding) are
+    zeros. This is :func:`to_megatron` written as placements, so a converter can read every
+    block from disk straight into the parameter instead of building the tensor first.
+    """
+    if rule.kind in ("copy", "vocab"):
+        return [RowBlock(rule.hf[0], 0, 0, hf_rows[0])]
+    if rule.kind == "fc1":
+        return [RowBlock(rule.hf[0], 0, 0, hf_rows[0]), RowBlock(rule.hf[1], 0, hf_rows[0], hf_rows[1])]
+    if rule.kind in ("qkv", "qkv_bias"):
+        g, d, n = arch.num_kv_heads, arch.head_dim, arch.q_per_group
+        out, at = [], 0
+        for j in range(g):
+            out.append(RowBlock(rule.hf[0], j * n * d, at, n * d))
+            out.append(RowBlock(rule.hf[1], j * d, at + n * d, d))
+            out.append(RowBlock(rule.hf[2], j * d, at + (n + 1) * d, d))
+            at += (n + 2) * d
+        return out
+    raise ValueError(f"unknown rule kind {rule.kind}")
+
+
+def shard_row_blocks(arch: ModelArch, rule: Rule, hf_rows: Sequence[int], full_rows: int, rank: int,
+                     size: int) -> list[RowBlock] | None:
+    """The row blocks of TP rank ``rank``'s shard (as :func:`tp_shard` cuts it), or None when
+    the shard is not made of whole rows (row-parallel tensors split along dim 1)."""
+    blocks = full_row_blocks(arch, rule, hf_rows)
+    if rule.tp_dim is None or size == 1:
+        return blocks
+    if rule.tp_dim != 0:
+        return None
+    if rule.kind == "fc1":  # [gate_r; up_r]
+        half = full_rows // 2
+        windows = [(rank * half // size, half // size), (half + rank * half // size, half // size)]
+    else:
+        windows = [(rank * (full_rows // size), full_rows // size)]
+    out, local = [], 0
+    for start, length in windows:
+        for b in blocks:
+            lo, hi = max(b.dst, start), min(b.dst + b.rows, start + length)
+            if lo < hi:
+                out.append(RowBlock(b.hf, b.src + lo - b.dst, local + lo - start, hi - lo))
+        local += length
+    return out
+
+
 def hf_to_megatron_tensors(arch: ModelArch, get_hf: Callable[[str], Tensor], padded_vocab: int,
                            names: Sequence[str] | None = None) -> Iterator[tuple[str, Tensor]]:
     """Yield (Megatron name, full tensor) for ``names`` (default: every parameter), one at a time."""

@@ -1,0 +1,99 @@
+"""The safetensors reader convert/sync use: pread, whole tensors or row ranges, straight into a
+caller's buffer; damaged headers refused with a one-line reason."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slimectl.models.hf_io import HFCheckpoint, HFCheckpointError, SafetensorsFile, write_safetensors_sharded
+
+
+@pytest.fixture()
+def st_file(tmp_path):
+    tensors = {
+        "a": torch.randn(7, 5),
+        "b": torch.randn(3, 2, 4).to(torch.bfloat16),
+        "c": torch.arange(6, dtype=torch.int64),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(3.5),
+    }
+    p = tmp_path / "model.safetensors"
+    save_file(tensors, str(p), metadata={"format": "pt"})
+    return p, tensors
+
+
+def test_reads_every_tensor_bit_exact_as_safetensors_does(st_file):
+    p, tensors = st_file
+    f = SafetensorsFile(p)
+    ref = load_file(str(p))
+    assert set(f.keys()) == set(tensors) and f.metadata == {"format": "pt"}
+    for name, t in ref.items():
+        got = f.read(name)
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), name
+    f.close()
+
+
+def test_reads_rows_into_the_callers_memory(st_file):
+    p, tensors = st_file
+    f = SafetensorsFile(p)
+    dest = torch.full((10, 5), -1.0)
+    f.read("a", out=dest[2:5], rows=(3, 3))
+    assert torch.equal(dest[2:5], tensors["a"][3:6])
+    assert (dest[:2] == -1).all() and (dest[5:] == -1).all()  # nothing outside the window written
+    assert torch.equal(f.read("b", rows=(1, 2)), tensors["b"][1:3])
+    with pytest.raises(ValueError, match="outside shape"):
+        f.read("a", rows=(5, 3))
+    with pytest.raises(ValueError, match="cannot read"):
+        f.read("a", out=torch.empty(7, 5, dtype=torch.float64))
+    f.close()
+
+
+@pytest.mark.parametrize("damage", ["short", "huge-length", "not-json", "offset-past-end", "wrong-size", "bad-dtype"])
+def test_damaged_headers_are_refused_in_one_line(tmp_path, st_file, damage):
+    p, _ = st_file
+    raw = p.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    body = raw[8 + n:]
+
+    def rewrite(h):
+        text = json.dumps(h).encode()
+        return struct.pack("<Q", len(text)) + text + body
+
+    if damage == "short":
+        data = raw[:4]
+    elif damage == "huge-length":
+        data = struct.pack("<Q", 2**40) + raw[8:]
+    elif damage == "not-json":
+        data = raw[:8] + b"{" * n + body
+    elif damage == "offset-past-end":
+        header["a"]["data_offsets"] = [0, len(body) + 1000]
+        data = rewrite(header)
+    elif damage == "wrong-size":
+        header["a"]["shape"] = [7, 6]
+        data = rewrite(header)
+    else:
+        header["a"]["dtype"] = "Q17"
+        data = rewrite(header)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(data)
+    with pytest.raises(HFCheckpointError, match="truncated or damaged") as e:
+        SafetensorsFile(bad)
+    assert "\n" not in str(e.value) and "bad.safetensors" in str(e.value)
+
+
+def test_sharded_checkpoint_reads_across_shards(tmp_path):
+    tensors = [(f"t{i}", torch.randn(64, 16)) for i in range(6)]
+    index = write_safetensors_sharded(iter(tensors), tmp_path, max_shard_bytes=2 * 64 * 16 * 4)
+    assert len(set(index["weight_map"].values())) == 3
+    ckpt = HFCheckpoint(tmp_path)
+    for name, t in tensors:
+        assert name in ckpt and ckpt.shape(name) == (64, 16) and ckpt.dtype(name) == torch.float32
+        assert torch.equal(ckpt.get(name), t) and torch.equal(ckpt.get(name, rows=(10, 5)), t[10:15])
+    assert "nope" not in ckpt
+    ckpt.close()
