@@ -138,20 +138,26 @@ def test_kill_9_mid_training_then_rerun_trains_each_rollout_once(tmp_path, rollo
     assert all((a[k] == b[k]).all() for k in a)  # nothing trained twice, nothing skipped
 
 
-def test_train_under_torchrun_with_dp2_matches_one_process(tmp_path, rollouts):
-    """`slimectl train` with train.dp=2 relaunches itself under torchrun (2 gloo ranks); rank 0 owns
-    the run dir. Same weights as one process, each rollout consumed once, and a dp=1 rerun resumes
-    from the dp=2 checkpoint."""
+@pytest.mark.parametrize("axis", ["dp", "pp"])
+def test_train_under_torchrun_with_two_ranks_matches_one_process(tmp_path, rollouts, axis):
+    """`slimectl train` with train.dp=2 (data parallel) or train.pp=2 (two pipeline stages)
+    relaunches itself under torchrun (2 gloo ranks); rank 0 owns the run dir and, under PP, gets
+    the last stage's tensors for the published weights. Same weights as one process, each rollout
+    consumed once, and a one-rank rerun resumes from the two-rank checkpoint (resharded)."""
     model, rolls = rollouts
     one = make_run(tmp_path / "one", model, rolls)
     assert slimectl("train", "-r", one.path).returncode == 0
-    two = make_run(tmp_path / "two", model, rolls, 3, "train.dp=2")
+    two = make_run(tmp_path / "two", model, rolls, 3, f"train.{axis}=2")
     res = slimectl("train", "-r", two.path, "--max-rollouts", "2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "launching 2 processes" in res.stderr
     assert res.stdout.count("trained rollouts 0-1; weight version 2") == 1  # printed by rank 0 only
     assert two.cursor("train").read().consumed == [0, 1] and two.checkpoints.ids() == [1, 2]
-    res = slimectl("train", "-r", two.path, "--set", "train.dp=1")  # resume the dp=2 checkpoint on one rank
+    w2_one = load_file(str(one.weights.get(2).file("model.safetensors")))
+    w2_two = load_file(str(two.weights.get(2).file("model.safetensors")))
+    assert set(w2_one) == set(w2_two)  # the whole model was published, not rank 0's stage
+    assert max(float((w2_one[k] - w2_two[k]).abs().max()) for k in w2_one) <= 1e-4
+    res = slimectl("train", "-r", two.path, "--set", f"train.{axis}=1")  # resume the 2-rank checkpoint on one rank
     assert res.returncode == 0, res.stderr[-3000:]
     a = load_file(str(one.weights.get(3).file("model.safetensors")))
     b = load_file(str(two.weights.get(3).file("model.safetensors")))

@@ -164,6 +164,58 @@ def model_to_hf_tensors(model, arch: ModelArch, tp_group=None) -> Iterator[tuple
         yield from to_hf(arch, rule, full)
 
 
+def _send_header(obj, dst: int, device=None) -> None:
+    """A small JSON object over point-to-point (length, then bytes), on ``device`` (NCCL: the GPU)."""
+    import torch.distributed as dist
+
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
+    dist.send(torch.tensor([data.numel()], dtype=torch.long, device=device), dst)
+    dist.send(data, dst)
+
+
+def _recv_header(src: int, device=None):
+    import torch.distributed as dist
+
+    n = torch.zeros(1, dtype=torch.long, device=device)
+    dist.recv(n, src)
+    data = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
+    dist.recv(data, src)
+    return json.loads(bytes(data.cpu().tolist()).decode())
+
+
+def pipeline_stages_to_rank0(own: Iterator[tuple[str, torch.Tensor]], pp_group, send: bool,
+                             device=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every pipeline stage's (HF name, tensor) stream, delivered to global rank 0 in stage order.
+
+    Call on every rank with its own stage's stream (which may itself be collective over TP, so
+    every rank runs it to the end). Rank 0 yields its stage's tensors, then receives each later
+    stage's one tensor at a time (a JSON header with name/shape/dtype, then the tensor) from that
+    stage's sender — ``send`` is true on one rank per stage (TP rank 0, DP rank 0), which is in
+    rank 0's pipeline group. Other ranks yield nothing. Memory: one tensor in flight.
+    """
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    stages = dist.get_process_group_ranks(pp_group)
+    if me == 0:
+        yield from own
+        for src in stages[1:]:
+            while (head := _recv_header(src, device)) is not None:
+                name, shape, dtype = head
+                t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                dist.recv(t, src)
+                yield name, t
+    elif send and me in stages:
+        for name, t in own:
+            t = t.detach().contiguous()
+            _send_header([name, list(t.shape), str(t.dtype).removeprefix("torch.")], 0, device)
+            dist.send(t, 0)
+        _send_header(None, 0, device)
+    else:
+        for _ in own:
+            pass
+
+
 # ----------------------------------------------------------------------------- torch_dist save/load
 
 
@@ -230,6 +282,15 @@ def _write_in_this_process(request):
     return request._replace(async_fn=write)
 
 
+def save_torch_dist(state: dict[str, Any], it_dir: str | Path) -> None:
+    """``dist_checkpointing.save`` done synchronously, writing from this process (collective)."""
+    from megatron.core import dist_checkpointing
+
+    _use_in_process_results_queue()
+    request = dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA, async_sharded_save=True)
+    _write_in_this_process(request).execute_sync()
+
+
 def _sharded_state_dict(model) -> dict[str, Any]:
     return model.sharded_state_dict(prefix="")
 
@@ -243,7 +304,6 @@ def save_megatron_checkpoint(model, root: str | Path, iteration: int | str, arch
     reader that sees the tracker sees a complete iteration directory.
     """
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     root = Path(root)
     it_dir = root / iter_dir_name(iteration)
@@ -259,9 +319,7 @@ def save_megatron_checkpoint(model, root: str | Path, iteration: int | str, arch
         state["args"] = args
     if extra_state:
         state.update(extra_state)
-    _use_in_process_results_queue()
-    request = dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA, async_sharded_save=True)
-    _write_in_this_process(request).execute_sync()
+    save_torch_dist(state, it_dir)
     dist.barrier()
     if dist.get_rank() == 0:
         meta = {

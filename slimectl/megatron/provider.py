@@ -14,7 +14,7 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "
 
     cpu = not torch.cuda.is_available()
     params_dtype = DTYPES[dtype]
-    return TransformerConfig(
+    cfg = TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.intermediate_size,
@@ -40,6 +40,11 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "
         perform_initialization=init,
         sequence_parallel=False,
     )
+    # Packed micro-batches differ in length, so pipeline stages exchange tensor shapes before each
+    # transfer. Set after construction: the constructor refuses it for MoE's allgather token
+    # dispatcher, which is the default even for dense models like these.
+    cfg.variable_seq_lengths = pp > 1
+    return cfg
 
 
 def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1, dtype: str = "fp32",

@@ -17,8 +17,10 @@ so a step over several micro-batches equals the step over one (up to float round
 Old / ref log-probs are computed with the same micro-batch layout the step uses, so on the first
 step the ratio is exactly 1 and the KL to the reference exactly 0.
 
-Scope: TP >= 1 with DP = 1 and PP = 1 (pipeline schedules and data-parallel sample sharding are
-not implemented; both raise). Imports megatron lazily; never imports :mod:`slimectl.rollout`.
+Parallelism: TP (vocab-parallel log-probs), DP (each rank packs every dp-th sample of a global
+batch) and PP (Megatron's 1F1B schedule over the packed micro-batches; only the last stage has
+logits, so its log-probs and metrics are shared with the other stages). Imports megatron lazily;
+never imports :mod:`slimectl.rollout`.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from slimectl.algorithms import (
 import slimectl.megatron  # noqa: F401  (quiets megatron's import-time notices about missing TE/Apex)
 from slimectl.algorithms.opd import apply_opd_kl
 from slimectl.algorithms.tis import apply_tis
-from slimectl.errors import NotAvailableYet
 from slimectl.train.logprobs import compute_log_probs
 from slimectl.train.packing import MicroBatch, pack_samples
 
@@ -110,9 +111,6 @@ class MegatronActor:
         from slimectl.megatron.parallel import init_parallel
         from slimectl.megatron.provider import build_gpt_model, transformer_config
 
-        if pp != 1:
-            raise NotAvailableYet("training with pipeline parallelism (train.pp > 1) is not available yet (issue #6); "
-                                  "use train.pp = 1")
         self.arch, self.padded_vocab, self.train_cfg, self.algo = arch, padded_vocab, train, algo
         self.tp, self.pp, self.dtype = tp, pp, dtype
         self.total_steps = total_steps
@@ -120,6 +118,8 @@ class MegatronActor:
         self.dp, self.dp_rank = self.info.dp, self.info.dp_rank
         self.dp_group = ps.get_data_parallel_group() if self.dp > 1 else None
         self.tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+        self.pp_group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+        self.last_stage = self.info.is_last_stage
 
         gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True)
         cfg = transformer_config(arch, tp, pp, dtype)
@@ -187,67 +187,167 @@ class MegatronActor:
                         st["exp_avg"] = torch.zeros_like(p.data)
                         st["exp_avg_sq"] = torch.zeros_like(p.data)
 
-    def save_state(self, it_dir, extra: dict[str, Any] | None = None) -> None:
-        """Save model + optimizer (torch_dist, resharding-capable) and the actor's step counter."""
-        from megatron.core import dist_checkpointing
+    # ------------------------------------------------------------------ RNG
+    @property
+    def _layout(self) -> list[int]:
+        return [self.pp, self.tp, self.dp]
 
-        from slimectl.megatron.checkpoint import CHECKPOINT_VERSION, CONTENT_METADATA, _use_in_process_results_queue
+    def _rng_object(self, data=None):
+        """This rank's RNG states as a torch_dist sharded object (one per (pp, tp, dp) rank)."""
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        return ShardedObject("rng_state", data, tuple(self._layout),
+                             (self.info.pp_rank, self.info.tp_rank, self.dp_rank), replica_id=0)
+
+    @staticmethod
+    def rng_states() -> dict[str, Any]:
+        """Every random generator a step may draw from: Python's, torch's CPU (and CUDA) generator,
+        and Megatron's tensor-parallel tracker (dropout inside / outside TP regions)."""
+        import random
+
+        from megatron.core import tensor_parallel
+
+        return {"python": random.getstate(), "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+    @staticmethod
+    def set_rng_states(states: dict[str, Any]) -> None:
+        import random
+
+        from megatron.core import tensor_parallel
+
+        random.setstate(tuple(states["python"][:1]) + (tuple(states["python"][1]),) + tuple(states["python"][2:]))
+        torch.set_rng_state(states["torch"])
+        if states.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(states["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+
+    # ------------------------------------------------------------------ state
+    def save_state(self, it_dir, extra: dict[str, Any] | None = None) -> None:
+        """Save model + optimizer (torch_dist, resharding-capable), every rank's RNG states and the
+        actor's step counter (collective)."""
+        from slimectl.megatron.checkpoint import CHECKPOINT_VERSION, save_torch_dist
 
         self._fill_empty_adam_state()
         Path(it_dir).mkdir(parents=True, exist_ok=True)
         msd = self.module.sharded_state_dict(prefix="")
         state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
+                 "rng_state": self._rng_object(self.rng_states()), "parallel_layout": self._layout,
                  "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.step, "actor_step": self.step,
                  **(extra or {})}
-        _use_in_process_results_queue()
-        dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA)
+        save_torch_dist(state, it_dir)
 
     def load_state(self, it_dir) -> dict[str, Any]:
         """Load what :meth:`save_state` wrote (model, optimizer, step); returns the other saved keys.
 
-        Load the initial policy first (it fills the reference model), then this."""
+        RNG states come back when the checkpoint was saved with this very (pp, tp, dp) layout; a
+        resharded resume starts the generators from the seed instead (as Megatron-LM does), and
+        says so. Load the initial policy first (it fills the reference model), then this."""
+        import logging
+
         from megatron.core import dist_checkpointing
 
         self._fill_empty_adam_state()
+        common = dist_checkpointing.load_common_state_dict(str(it_dir))
+        same_layout = list(common.get("parallel_layout") or []) == self._layout
         msd = self.module.sharded_state_dict(prefix="")
-        loaded = dist_checkpointing.load({"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True)},
-                                         str(it_dir))
+        request = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True)}
+        if same_layout:
+            request["rng_state"] = self._rng_object()
+        loaded = dist_checkpointing.load(request, str(it_dir))
         self.module.load_state_dict(loaded["model"], strict=False)
         self.optimizer.load_state_dict(loaded["optimizer"])
-        common = dist_checkpointing.load_common_state_dict(str(it_dir))
+        if same_layout:
+            self.set_rng_states(loaded["rng_state"])
+        elif self.info.rank == 0:
+            logging.getLogger("slimectl.train").info(
+                "%s was saved with (pp, tp, dp) = %s, this job is %s: random generators restart from the seed",
+                it_dir, common.get("parallel_layout"), self._layout)
         self.step = int(common.get("actor_step", 0))
         # The reference model is deliberately untouched: it stays the *initial* policy, which the
         # caller loads first (load_hf / load_checkpoint) before resuming from here.
-        return {k: v for k, v in common.items() if k not in ("model", "optimizer")}
+        return {k: v for k, v in common.items() if k not in ("model", "optimizer", "rng_state", "parallel_layout")}
 
     def iter_hf_tensors(self):
-        """Stream (HF name, full tensor) without holding a second copy of the model (for sync)."""
-        from slimectl.megatron.checkpoint import model_to_hf_tensors
+        """Stream (HF name, full tensor) without holding a second copy of the model (for sync).
 
-        return model_to_hf_tensors(self.module, self.arch, self.tp_group)
+        Collective under TP/PP: every rank iterates; global rank 0 gets the whole model (TP shards
+        gathered, later pipeline stages sent to it one tensor at a time), other ranks get nothing."""
+        from slimectl.megatron.checkpoint import model_to_hf_tensors, pipeline_stages_to_rank0
+
+        own = model_to_hf_tensors(self.module, self.arch, self.tp_group)
+        if self.pp == 1:
+            return own
+        device = next(self.module.parameters()).device
+        return pipeline_stages_to_rank0(own, self.pp_group, send=self.info.tp_rank == 0 and self.dp_rank == 0,
+                                        device=device)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-named full tensors (TP shards gathered; collective under TP > 1)."""
-        from slimectl.megatron.checkpoint import model_to_hf_tensors
+        """HF-named full tensors (see :meth:`iter_hf_tensors`: the whole model on rank 0)."""
+        return {k: v.detach().clone() for k, v in self.iter_hf_tensors()}
 
-        return {k: v.detach().clone() for k, v in model_to_hf_tensors(self.module, self.arch, self.tp_group)}
+    # ------------------------------------------------------------------ pipeline
+    def _run_schedule(self, model, layout, loss_fn, forward_only: bool) -> list:
+        """Run ``layout``'s micro-batches through Megatron's pipeline schedule (1F1B, p2p between
+        stages; lengths differ, so stages exchange shapes first). ``loss_fn(mb, gidx, output)``
+        runs on the last stage and returns ``(loss, data)``; returns the ``data`` of every
+        micro-batch, in order, on the last stage (empty elsewhere). Megatron divides each loss by
+        the number of micro-batches before its backward: ``loss_fn`` scales by it to undo that."""
+        import functools
 
-    # ------------------------------------------------------------------ log-probs
-    def _log_probs(self, model, mbs: list[MicroBatch], temperature: float, with_entropy: bool = False):
-        out = {}
-        for mb in mbs:
-            for r in compute_log_probs(model, mb, self.arch.vocab_size, temperature, with_entropy, self.tp_group):
-                out[r.sample_index] = r
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from slimectl.train.logprobs import forward_micro_batch
+
+        def step(data_iterator, chunk):
+            mb, gidx = next(data_iterator)
+            return forward_micro_batch(chunk, mb), functools.partial(loss_fn, mb, gidx)
+
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(layout), model=[model], num_microbatches=len(layout),
+            seq_length=max(mb.length for mb, _ in layout), micro_batch_size=1, forward_only=forward_only)
+
+    def _pp_share(self, obj):
+        """The last pipeline stage's ``obj`` on every stage (only it has logits)."""
+        if self.pp == 1:
+            return obj
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+        return box[0]
+
+    def _layout_log_probs(self, model, layout, temperature: float) -> dict[int, torch.Tensor]:
+        """{sample index: response log-probs} for one layout's micro-batches (no grad), on the last
+        stage (under PP the caller shares them)."""
+        out: dict[int, torch.Tensor] = {}
+        if self.pp == 1:
+            for mb, gidx in layout:
+                for r, g in zip(compute_log_probs(model, mb, self.arch.vocab_size, temperature, False, self.tp_group), gidx):
+                    out[g] = r.log_probs.detach()
+            return out
+        from slimectl.train.logprobs import log_probs_from_output
+
+        def collect(mb, gidx, output):
+            res = log_probs_from_output(output, mb, self.arch.vocab_size, temperature, False, self.tp_group)
+            return output.new_zeros(()), {g: r.log_probs.detach() for g, r in zip(gidx, res)}
+
+        for part in self._run_schedule(model, layout, collect, forward_only=True):
+            out.update(part)
         return out
 
+    # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
     def compute_log_probs(self, samples: Sequence[Any], temperature: float = 1.0,
                           ref: bool = False) -> list[torch.Tensor]:
-        """Per-sample response log-probs under the current (or reference) weights."""
+        """Per-sample response log-probs under the current (or reference) weights (on every rank)."""
         model = self.ref_model if ref else self.module
         mbs = pack_samples(samples, self.train_cfg.max_tokens_per_micro_batch)
-        res = self._log_probs(model, mbs, temperature)
-        return [res[i].log_probs for i in range(len(samples))]
+        res = self._pp_share(self._layout_log_probs(model, [(mb, [s.sample_index for s in mb.seqs]) for mb in mbs],
+                                                    temperature))
+        return [res[i] for i in range(len(samples))]
 
     # ------------------------------------------------------------------ training
     def _step_batches(self, n: int) -> list[list[int]]:
@@ -314,16 +414,14 @@ class MegatronActor:
         self.module.eval()
         with torch.no_grad():
             for layout in layouts:
-                for mb, gidx in layout:
-                    if need_old:
-                        for r, g in zip(compute_log_probs(self.module, mb, self.arch.vocab_size, rollout_temperature,
-                                                          False, self.tp_group), gidx):
-                            old_lp[g] = r.log_probs.detach()
-                    if self.ref_model is not None:
-                        for r, g in zip(compute_log_probs(self.ref_model, mb, self.arch.vocab_size,
-                                                          rollout_temperature, False, self.tp_group), gidx):
-                            ref_lp[g] = r.log_probs.detach()
-        old_lp, ref_lp = self._dp_merge(old_lp), self._dp_merge(ref_lp)  # every rank sees every sample's
+                if need_old:
+                    for g, t in self._layout_log_probs(self.module, layout, rollout_temperature).items():
+                        old_lp[g] = t
+                if self.ref_model is not None:
+                    for g, t in self._layout_log_probs(self.ref_model, layout, rollout_temperature).items():
+                        ref_lp[g] = t
+        # Every rank sees every sample's: merged over data-parallel ranks, then from the last stage.
+        old_lp, ref_lp = self._pp_share((self._dp_merge(old_lp), self._dp_merge(ref_lp)))
         self.module.train()
         train_old = old_lp
         if not sft and tcfg.use_rollout_logprobs:
@@ -379,9 +477,59 @@ class MegatronActor:
                 total[k] = total.get(k, 0.0) + v
         return total, sum(t for _, t in parts)
 
+    def _micro_batch_loss(self, res, gidx, n_step, tokens_step, masks, train_old, old_lp, ref_lp, rollout_lp,
+                          adv_rows, mode, sft) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss to backpropagate for one micro-batch (already weighted by its share of the
+        global batch and scaled for DDP's averaging) and its weighted metric contributions."""
+        algo = self.algo
+        acc: dict[str, float] = {}
+
+        def add(key, value, w):
+            acc[key] = acc.get(key, 0.0) + float(value) * w
+
+        lp = _pad([r.log_probs for r in res])
+        ent = _pad([r.entropy for r in res])
+        mask = _pad([masks[g] for g in gidx])
+        w = len(gidx) / n_step if mode == "sample_mean" else float(mask.sum()) / tokens_step
+        entropy = reduce_masked(ent, mask, mode)
+        if sft:
+            loss = sft_loss(lp, mask, mode)
+            add("train/pg_loss", 0.0, w)
+        else:
+            old = _pad([train_old[g] for g in gidx])
+            adv = _pad([adv_rows[g] for g in gidx])
+            fn = gspo_policy_loss if algo.advantage_estimator == "gspo" else ppo_policy_loss
+            out = fn(lp, old, adv, mask, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c)
+            pg_tok = out.pg_loss
+            if algo.use_tis:
+                tis = compute_tis_weights(_pad([old_lp[g] for g in gidx]), _pad([rollout_lp[g] for g in gidx]),
+                                          mask, algo.tis_clip, algo.tis_clip_low)
+                pg_tok = apply_tis(pg_tok, tis)
+                for k, v in tis.metrics(mode).items():
+                    add(f"train/{k}", v, w)
+            pg_loss = reduce_masked(pg_tok, mask, mode)
+            loss = pg_loss
+            add("train/pg_loss", pg_loss.detach(), w)
+            add("train/pg_clipfrac", reduce_masked(out.clipfrac, mask, mode), w)
+            add("train/ppo_kl", reduce_masked(out.ppo_kl.detach(), mask, mode), w)
+        if algo.entropy_coef:
+            loss = loss - algo.entropy_coef * entropy
+        if self.ref_model is not None:
+            kl = kl_loss(lp, _pad([ref_lp[g] for g in gidx]), mask, algo.kl_loss_type, reduction=mode)
+            loss = loss + algo.kl_loss_coef * kl
+            add("train/kl_loss", kl.detach(), w)
+        if algo.use_opd and not sft:
+            add("train/opd_reverse_kl", reduce_masked(_pad([self._opd_rkl[g] for g in gidx]), mask, mode), w)
+        if rollout_lp is not None and old_lp[gidx[0]] is not None:
+            diff = (_pad([old_lp[g] for g in gidx]) - _pad([rollout_lp[g] for g in gidx])).abs()
+            add("train/train_rollout_logprob_abs_diff", reduce_masked(diff, mask, mode), w)
+        add("train/entropy", entropy.detach(), w)
+        add("train/loss", loss.detach(), w)
+        # DDP averages gradients over data-parallel ranks; w is relative to the global batch.
+        return loss * (w * self.dp), acc
+
     def _train_step(self, samples, layout, idx, masks, train_old, old_lp, ref_lp, rollout_lp, adv_rows,
                     temperature, mode, sft) -> dict[str, float]:
-        algo = self.algo
         t0 = time.perf_counter()
         lr = self._set_lr()
         self.model.zero_grad_buffer()
@@ -389,58 +537,36 @@ class MegatronActor:
         n_step = len(idx)
         tokens_step = max(float(sum(masks[i].sum() for i in idx)), 1.0)
         acc: dict[str, float] = {}
+        n_tokens = sum(mb.num_tokens for mb, _ in layout)
+        args = (n_step, tokens_step, masks, train_old, old_lp, ref_lp, rollout_lp, adv_rows, mode, sft)
 
-        def add(key, value, w):
-            acc[key] = acc.get(key, 0.0) + float(value) * w
+        def merge(part: dict[str, float]) -> None:
+            for k, v in part.items():
+                acc[k] = acc.get(k, 0.0) + v
 
-        n_tokens = 0
-        for mb, gidx in layout:
-            n_tokens += mb.num_tokens
-            res = compute_log_probs(self.model, mb, self.arch.vocab_size, temperature, True, self.tp_group)
-            lp = _pad([r.log_probs for r in res])
-            ent = _pad([r.entropy for r in res])
-            mask = _pad([masks[g] for g in gidx])
-            w = len(gidx) / n_step if mode == "sample_mean" else float(mask.sum()) / tokens_step
-            entropy = reduce_masked(ent, mask, mode)
-            if sft:
-                loss = sft_loss(lp, mask, mode)
-                add("train/pg_loss", 0.0, w)
-            else:
-                old = _pad([train_old[g] for g in gidx])
-                adv = _pad([adv_rows[g] for g in gidx])
-                fn = gspo_policy_loss if algo.advantage_estimator == "gspo" else ppo_policy_loss
-                out = fn(lp, old, adv, mask, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c)
-                pg_tok = out.pg_loss
-                if algo.use_tis:
-                    tis = compute_tis_weights(_pad([old_lp[g] for g in gidx]), _pad([rollout_lp[g] for g in gidx]),
-                                              mask, algo.tis_clip, algo.tis_clip_low)
-                    pg_tok = apply_tis(pg_tok, tis)
-                    for k, v in tis.metrics(mode).items():
-                        add(f"train/{k}", v, w)
-                pg_loss = reduce_masked(pg_tok, mask, mode)
-                loss = pg_loss
-                add("train/pg_loss", pg_loss.detach(), w)
-                add("train/pg_clipfrac", reduce_masked(out.clipfrac, mask, mode), w)
-                add("train/ppo_kl", reduce_masked(out.ppo_kl.detach(), mask, mode), w)
-            if algo.entropy_coef:
-                loss = loss - algo.entropy_coef * entropy
-            if self.ref_model is not None:
-                kl = kl_loss(lp, _pad([ref_lp[g] for g in gidx]), mask, algo.kl_loss_type, reduction=mode)
-                loss = loss + algo.kl_loss_coef * kl
-                add("train/kl_loss", kl.detach(), w)
-            if algo.use_opd and not sft:
-                add("train/opd_reverse_kl", reduce_masked(_pad([self._opd_rkl[g] for g in gidx]), mask, mode), w)
-            if rollout_lp is not None and old_lp[gidx[0]] is not None:
-                diff = (_pad([old_lp[g] for g in gidx]) - _pad([rollout_lp[g] for g in gidx])).abs()
-                add("train/train_rollout_logprob_abs_diff", reduce_masked(diff, mask, mode), w)
-            add("train/entropy", entropy.detach(), w)
-            add("train/loss", loss.detach(), w)
-            # DDP averages gradients over data-parallel ranks; w is relative to the global batch.
-            (loss * (w * self.dp)).backward()
+        if self.pp == 1:
+            for mb, gidx in layout:
+                res = compute_log_probs(self.model, mb, self.arch.vocab_size, temperature, True, self.tp_group)
+                loss, part = self._micro_batch_loss(res, gidx, *args)
+                merge(part)
+                loss.backward()
+            self.model.finish_grad_sync()
+        else:
+            from megatron.core.distributed import finalize_model_grads
 
-        self.model.finish_grad_sync()
+            from slimectl.train.logprobs import log_probs_from_output
+
+            def loss_fn(mb, gidx, output):
+                res = log_probs_from_output(output, mb, self.arch.vocab_size, temperature, True, self.tp_group)
+                loss, part = self._micro_batch_loss(res, gidx, *args)
+                return loss * len(layout), part  # the schedule divides by the number of micro-batches
+
+            for part in self._run_schedule(self.model, layout, loss_fn, forward_only=False):
+                merge(part)
+            finalize_model_grads([self.model])  # DP reduction + tied embedding grads across first/last stage
         if self.dp > 1:
             acc, n_tokens = self._dp_sum(acc, n_tokens)
+        acc = self._pp_share(acc)
         ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
         dt = time.perf_counter() - t0

@@ -13,7 +13,9 @@ temperature in fp32. Under TP > 1 the log-softmax and entropy are computed vocab
 ``reduce_from_tensor_model_parallel_region`` (forward all-reduce, backward identity), so the
 result is differentiable and every TP rank gets the same values and correct local gradients.
 
-Only the last pipeline stage has logits: pipeline parallelism is the caller's concern.
+Only the last pipeline stage has logits: under pipeline parallelism the actor runs
+:func:`forward_micro_batch` inside Megatron's schedule and :func:`log_probs_from_output` on the
+last stage.
 """
 
 from __future__ import annotations
@@ -133,10 +135,25 @@ def compute_log_probs(model, micro_batch: MicroBatch, vocab_size: int, temperatu
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    out = forward_micro_batch(model, micro_batch)
+    return log_probs_from_output(out, micro_batch, vocab_size, temperature, with_entropy, tp_group)
+
+
+def forward_micro_batch(model, micro_batch: MicroBatch) -> torch.Tensor:
+    """The model's output for one packed micro-batch (logits on the last pipeline stage, hidden
+    states on the others — a pipeline schedule passes those on)."""
     device = next(model.parameters()).device
-    ids = micro_batch.input_ids.to(device)
     mask = micro_batch.attention_mask
-    out = model(ids, micro_batch.position_ids.to(device), mask.to(device) if mask is not None else None)
+    return model(micro_batch.input_ids.to(device), micro_batch.position_ids.to(device),
+                 mask.to(device) if mask is not None else None)
+
+
+def log_probs_from_output(out: torch.Tensor, micro_batch: MicroBatch, vocab_size: int, temperature: float = 1.0,
+                          with_entropy: bool = False, tp_group=None) -> list[SeqLogProbs]:
+    """Per-sequence log-probs (and entropy) from the last stage's logits for ``micro_batch``."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    device = out.device
     logits = logits_bsv(out, micro_batch.length)[0]  # [L, V_local]
     rows, targets, counts = response_positions(micro_batch)
     rows, targets = rows.to(device), targets.to(device)

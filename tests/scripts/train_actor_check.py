@@ -1,6 +1,6 @@
-"""MegatronActor checks on rollout samples (TP from argv, default 1; DP = PP = 1).
+"""MegatronActor checks on rollout samples (TP and PP from argv, default 1; DP = world / (TP*PP)).
 
-    [torchrun --nproc_per_node TP] train_actor_check.py HF_DIR SAMPLES_JSON [TP]
+    [torchrun --nproc_per_node TP*PP*DP] train_actor_check.py HF_DIR SAMPLES_JSON [TP [PP]]
 
 SAMPLES_JSON: [{"tokens", "response_length", "rollout_log_probs", "reward", "group_index"}, ...].
 Prints "RESULT {json}" with:
@@ -21,6 +21,7 @@ import torch
 def main() -> None:
     hf_dir, samples_json = sys.argv[1], sys.argv[2]
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    pp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     t0 = time.perf_counter()
     from slimectl.config import AlgorithmSection, TrainSection
     from slimectl.models.arch import arch_from_dir
@@ -34,7 +35,7 @@ def main() -> None:
     out: dict = {}
 
     def actor(train_kw, algo_kw):
-        a = MegatronActor(arch, padded, TrainSection(**train_kw), AlgorithmSection(**algo_kw), tp=tp)
+        a = MegatronActor(arch, padded, TrainSection(**train_kw), AlgorithmSection(**algo_kw), tp=tp, pp=pp)
         a.load_hf(hf_dir)
         return a
 
@@ -84,15 +85,16 @@ def main() -> None:
     w1, w2 = res["one"][1], res["two"][1]
     out["accum"] = {
         "budget": budget, "one": res["one"][0], "two": res["two"][0],
-        "max_weight_diff": max(float((w1[k] - w2[k]).abs().max()) for k in w1),
-        "max_weight_move": max(float((w1[k] - w0[k]).abs().max()) for k in w1),
+        # (under PP only rank 0 gets the whole model back; it is the rank that prints)
+        "max_weight_diff": max((float((w1[k] - w2[k]).abs().max()) for k in w1), default=None),
+        "max_weight_move": max((float((w1[k] - w0[k]).abs().max()) for k in w1), default=None),
         "seconds": time.perf_counter() - t,
     }
     # ---------------------------------------------------------------- 2 steps, per-token loss, warmup
     t = time.perf_counter()
     a = MegatronActor(arch, padded, TrainSection(lr=1e-3, min_lr=1e-4, lr_warmup_steps=1, lr_decay_style="cosine",
                                                  num_steps_per_rollout=2),
-                      AlgorithmSection(calculate_per_token_loss=True, entropy_coef=0.01), tp=tp, total_steps=3)
+                      AlgorithmSection(calculate_per_token_loss=True, entropy_coef=0.01), tp=tp, pp=pp, total_steps=3)
     a.load_hf(hf_dir)
     ms = a.train_on_samples(samples) + a.train_on_samples(samples)
     out["multi"] = {"metrics": ms, "seconds": time.perf_counter() - t}
