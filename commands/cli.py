@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "rl": "slimectl.commands.rl:rl_cmd",
     "inspect": "slimectl.commands.inspect:inspect_cmd",
     "plot": "slimectl.commands.plot:plot_cmd",
+    "harness": "slimectl.commands.harness:harness_cmd",
 }
 
 DEBUG_ENV = "SLIMECTL_DEBUG"
