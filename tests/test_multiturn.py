@@ -579,3 +579,13 @@ def test_rollout_cli_with_the_example_config_keys(engine, tmp_path, cli, monkeyp
         assert s.metadata["tool_calls"] == [{"turn": 1, "name": "python", "status": "ok"}]
         assert 0 in s.loss_mask and s.loss_mask[0] == 1 and s.loss_mask[-1] == 1
         assert len(s.weight_versions) == 2  # one per engine call
+    # eval runs the same generate function as the rollouts (multi-turn here, with the tool)
+    from slimectl.config import apply_overrides, build_config
+    from slimectl.rollout.eval import run_eval
+
+    ecfg = build_config(apply_overrides(run_dir.config().model_dump(mode="json"), [f"data.eval_data={{\"q\": \"{data}\"}}", "rollout.eval_n_samples=1",
+                                              "rollout.eval_temperature=0.01", "rollout.eval_max_response_len=200"]))
+    flat = run_eval(run_dir, ecfg, 0, [engine.url])
+    assert flat["eval/q/pass@1"] == 1.0
+    (evaluated,) = read_samples(run_dir.evals.get(0).file("q.parquet"))
+    assert evaluated.metadata["turns"] == 2 and evaluated.metadata["tool_calls"][0]["name"] == "python"

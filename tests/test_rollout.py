@@ -217,6 +217,15 @@ def test_partial_rollout_continues_aborted_samples_aligned(tmp_path, setup, cli,
         assert res.exit_code == 0, res.output
         continued += [s for s in read_samples(run.rollouts.get(rid).file(SAMPLES_FILE)) if s.index in partial_before]
     assert continued, "no buffered group was continued"
+    resumed = [s for s in continued if partial_before[s.index].response_length > 0]
+    assert resumed and all(s.metadata.get("partial_continued") for s in resumed)
+    assert not any(s.metadata.get("partial_continued") for s in continued if s not in resumed)
+    from slimectl.metrics import read_metrics
+
+    counted = sum(r.get("rollout/partial_samples_continued", 0) for r in read_metrics(run.metrics_path("rollout")))
+    marked = sum(bool(s.metadata.get("partial_continued")) for rid in (1, 2, 3)
+                 for s in read_samples(run.rollouts.get(rid).file(SAMPLES_FILE)))
+    assert counted == marked >= len(resumed)
     hf = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32).eval()
     grew = 0
     for s in continued:

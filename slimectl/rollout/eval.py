@@ -81,7 +81,7 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
 
 async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list[str], tok,
                       version: int) -> tuple[dict[str, dict[str, float]], dict[str, list[list[Sample]]]]:
-    from slimectl.rollout.generate import EnginePool, default_generate, run_group
+    from slimectl.rollout.generate import EnginePool, default_generate, load_function, run_group
     from slimectl.rollout.rewards import close_shared_remotes
     from slimectl.rollout.stage import _sampling_params, make_reward_fn
 
@@ -94,6 +94,8 @@ async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list
     params: dict[str, Any] = {**_sampling_params(cfg), "max_new_tokens": r.eval_max_response_len or r.max_response_len,
                               "temperature": r.eval_temperature}
     reward_fn = make_reward_fn(cfg, args)
+    # The rollout's own generate function (multi-turn, tools, ...): eval measures what training sees.
+    generate_fn = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else default_generate
     results, all_samples = {}, {}
     try:
         for name, rows in datasets.items():
@@ -106,7 +108,7 @@ async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list
                                       metadata={**row.metadata, "row": row.row, "eval": name,
                                                 "sampling_seed": (r.seed * 7919 + version) * 65_537 + g * r.eval_n_samples + j})
                                for j in range(r.eval_n_samples)])
-            done = await asyncio.gather(*(run_group(args, grp, params, default_generate, reward_fn) for grp in groups))
+            done = await asyncio.gather(*(run_group(args, grp, params, generate_fn, reward_fn) for grp in groups))
             all_samples[name] = [res.samples for res in done]
             results[name] = dataset_metrics(all_samples[name], r.eval_pass_k, r.reward_key)
     finally:

@@ -268,6 +268,8 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
                 group = buffered.pop(0)
                 for s in group:
                     s.rollout_id = rid
+                    if s.response_length:  # an aborted sample picks up where it stopped
+                        s.metadata["partial_continued"] = True
                 groups.append(group)
             for g, row in source.take(round_size - len(groups)):
                 group = []
@@ -306,7 +308,7 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
         if opd_rkl is not None:
             metrics["rollout/opd_reverse_kl"] = opd_rkl
         metrics["rollout/partial_groups_buffered"] = len(leftover)
-        metrics["rollout/partial_samples_continued"] = sum(len(s.weight_versions) > 1 for s in samples)
+        metrics["rollout/partial_samples_continued"] = sum(bool(s.metadata.get("partial_continued")) for s in samples)
         return samples, metrics, trace, leftover
     finally:
         from slimectl.rollout.rewards import close_shared_remotes
