@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -27,6 +26,8 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+
+from slimectl.httpserver import InvalidJSON, http_url, request_json, start_site
 
 log = logging.getLogger("slimectl.engine")
 
@@ -133,17 +134,14 @@ class EmbeddedEngine:
 
     @staticmethod
     async def _json(request: web.Request, allow_empty: bool = True) -> dict[str, Any]:
-        raw = await request.read()
-        if not raw.strip():
+        try:
+            body = await request_json(request)
+        except InvalidJSON as exc:
+            raise BadRequest(str(exc)) from None
+        if body is None:
             if allow_empty:
                 return {}
             raise BadRequest("request body is empty; send a JSON object")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from None
-        if body is None and allow_empty:
-            return {}
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
         return body
@@ -476,18 +474,12 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> web.AppRunner:
         self.runner.start()
-        app_runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
-        await app_runner.setup()
-        site = web.TCPSite(app_runner, self.host, self.port, reuse_address=True)
-        await site.start()
-        if self.port == 0:
-            self.port = app_runner.addresses[0][1]
+        app_runner, self.port = await start_site(self.app, self.host, self.port)
         return app_runner
 
     @property
     def url(self) -> str:
-        host = self.host if ":" not in self.host else f"[{self.host}]"
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     def shutdown(self) -> None:
         self.runner.stop()

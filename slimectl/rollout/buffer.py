@@ -39,6 +39,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from slimectl.errors import SlimectlError, UsageError
+from slimectl.httpserver import InvalidJSON, http_url, request_json, start_site
 from slimectl.rollout.importer import check_sample, parse_sample
 from slimectl.rundir.atomic import atomic_write_bytes, atomic_write_json, read_json
 
@@ -579,13 +580,10 @@ class BufferServer:
     @staticmethod
     async def _body(request: web.Request) -> Any:
         """The request's JSON (None when empty); NaN and Infinity are refused (they are not JSON)."""
-        raw = await request.read()
-        if not raw.strip():
-            return None
         try:
-            return json.loads(raw, parse_constant=_refuse_constant)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise Rejected(400, "invalid_json", f"request body is not valid JSON ({exc})") from None
+            return await request_json(request, allow_nan=False)
+        except InvalidJSON as exc:
+            raise Rejected(400, "invalid_json", str(exc)) from None
 
     async def _object(self, request: web.Request) -> dict[str, Any]:
         body = await self._body(request)
@@ -668,22 +666,12 @@ class BufferServer:
         return web.json_response(self.buffer.release(body.get("lease")))
 
     async def start(self) -> web.AppRunner:
-        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
-        await site.start()
-        if self.port == 0:
-            self.port = runner.addresses[0][1]
+        runner, self.port = await start_site(self.app, self.host, self.port)
         return runner
 
     @property
     def url(self) -> str:
-        host = self.host if ":" not in self.host else f"[{self.host}]"
-        return f"http://{host}:{self.port}"
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+        return http_url(self.host, self.port)
 
 
 def _positive_int(value: Any, name: str, default: int | None) -> int | None:

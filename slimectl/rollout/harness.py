@@ -41,6 +41,7 @@ from aiohttp import web
 
 from slimectl.engines.client import EngineError
 from slimectl.errors import ArtifactExists, LockHeld, SlimectlError, UsageError
+from slimectl.httpserver import InvalidJSON, http_url, request_json
 from slimectl.rundir.atomic import atomic_write_text
 from slimectl.samples import Sample
 
@@ -244,15 +245,14 @@ class Harness:
 
     @staticmethod
     async def _body(request: web.Request, allow_empty: bool = False) -> dict[str, Any]:
-        raw = await request.read()
-        if not raw.strip():
+        try:
+            body = await request_json(request)
+        except InvalidJSON as exc:
+            raise HarnessError(400, str(exc)) from None
+        if body is None:
             if allow_empty:
                 return {}
             raise HarnessError(400, "the request body is empty; send a JSON object")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise HarnessError(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise HarnessError(400, "the request body must be a JSON object")
         return body
@@ -658,9 +658,8 @@ def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path,
             await runner.setup()
             await web.SockSite(runner, sock).start()
             bound = sock.getsockname()[1]
-            shown = f"[{host}]" if ":" in host else host
             log.info("harness for %s on %d engine(s), recording into %s", name, len(engine_urls), out_path)
-            announce(f"http://{shown}:{bound}/v1")
+            announce(http_url(host, bound) + "/v1")
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
