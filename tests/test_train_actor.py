@@ -169,43 +169,29 @@ def test_tp2_matches_tp1(result):
     assert tp2["grpo"]["hf_count"] == result["grpo"]["hf_count"]
 
 
-def test_dp2_matches_dp1(result):
-    """Two data-parallel ranks (torchrun, gloo), each packing half of every global batch, train
-    exactly like one rank: same losses, metrics, gradient norm and resulting log-probs."""
-    dp2 = run_check(*result["_paths"], tp=1, dp=2)
-    m1, m2 = result["grpo"]["step0"][0], dp2["grpo"]["step0"][0]
+@pytest.mark.parametrize("axis", ["dp", "pp"])
+def test_two_ranks_match_one(result, axis):
+    """Two data-parallel ranks (each packing half of every global batch) or two pipeline stages
+    (Megatron's 1F1B schedule over packed micro-batches of different lengths, tied embeddings
+    split between first and last stage), torchrun over gloo, train exactly like one rank: same
+    losses and metrics, gradient norm and resulting log-probs, and the whole model comes back to
+    rank 0 as HF tensors."""
+    two = run_check(*result["_paths"], tp=1, **{axis: 2})
+    m1, m2 = result["grpo"]["step0"][0], two["grpo"]["step0"][0]
     for k in ("train/loss", "train/pg_loss", "train/kl_loss", "train/entropy", "train/ppo_kl", "train/pg_clipfrac",
               "train/train_rollout_logprob_abs_diff", "train/tis"):
         assert m2[k] == pytest.approx(m1[k], abs=1e-5), k
     assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-5)
-    assert dp2["grpo"]["step1"][0]["train/loss"] == pytest.approx(result["grpo"]["step1"][0]["train/loss"], abs=1e-5)
-    assert dp2["grpo"]["delta"] == pytest.approx(result["grpo"]["delta"], abs=1e-4)
-    assert dp2["sft"]["loss"] == pytest.approx(result["sft"]["loss"], abs=1e-4)
-    assert dp2["accum"]["max_weight_diff"] <= 1e-5
-    assert [m["train/loss"] for m in dp2["multi"]["metrics"]] == pytest.approx(
+    assert two["grpo"]["step1"][0]["train/loss"] == pytest.approx(result["grpo"]["step1"][0]["train/loss"], abs=1e-5)
+    assert two["grpo"]["delta"] == pytest.approx(result["grpo"]["delta"], abs=1e-4)
+    assert two["grpo"]["ref_moved"] == 0.0
+    assert two["sft"]["loss"] == pytest.approx(result["sft"]["loss"], abs=1e-4)
+    # micro-batches per rank: the pipeline runs both; each data-parallel rank packs its half into one
+    assert two["accum"]["two"]["train/num_micro_batches"] == (2.0 if axis == "pp" else 1.0)
+    assert two["accum"]["max_weight_diff"] <= 1e-5 and two["accum"]["max_weight_move"] > 0
+    assert two["grpo"]["hf_count"] == result["grpo"]["hf_count"] and two["grpo"]["hf_keys"] == result["grpo"]["hf_keys"]
+    assert [m["train/loss"] for m in two["multi"]["metrics"]] == pytest.approx(
         [m["train/loss"] for m in result["multi"]["metrics"]], abs=1e-5)  # per-token loss, 2 steps per rollout
-
-
-def test_pp2_matches_pp1(result):
-    """Two pipeline stages (torchrun, gloo; Megatron's 1F1B schedule over packed micro-batches of
-    different lengths, tied embeddings split between first and last stage) train exactly like
-    one stage: same losses and metrics, same gradient norm, same log-probs afterwards, and the
-    whole model comes back to rank 0 as HF tensors."""
-    pp2 = run_check(*result["_paths"], tp=1, pp=2)
-    m1, m2 = result["grpo"]["step0"][0], pp2["grpo"]["step0"][0]
-    for k in ("train/loss", "train/pg_loss", "train/kl_loss", "train/entropy", "train/ppo_kl", "train/pg_clipfrac",
-              "train/train_rollout_logprob_abs_diff", "train/tis"):
-        assert m2[k] == pytest.approx(m1[k], abs=1e-5), k
-    assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-5)
-    assert pp2["grpo"]["step1"][0]["train/loss"] == pytest.approx(result["grpo"]["step1"][0]["train/loss"], abs=1e-5)
-    assert pp2["grpo"]["delta"] == pytest.approx(result["grpo"]["delta"], abs=1e-4)
-    assert pp2["grpo"]["ref_moved"] == 0.0
-    assert pp2["sft"]["loss"] == pytest.approx(result["sft"]["loss"], abs=1e-4)
-    assert pp2["accum"]["two"]["train/num_micro_batches"] == 2.0  # the schedule really ran 2 micro-batches
-    assert pp2["accum"]["max_weight_diff"] <= 1e-5 and pp2["accum"]["max_weight_move"] > 0
-    assert pp2["grpo"]["hf_count"] == result["grpo"]["hf_count"] and pp2["grpo"]["hf_keys"] == result["grpo"]["hf_keys"]
-    assert [m["train/loss"] for m in pp2["multi"]["metrics"]] == pytest.approx(
-        [m["train/loss"] for m in result["multi"]["metrics"]], abs=1e-5)
 
 
 def test_checkpoint_restores_every_random_generator(result, tmp_path):
