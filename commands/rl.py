@@ -21,9 +21,17 @@ from slimectl.commands._options import (
 @click.option("--tiny-model", type=click.Choice(["llama", "qwen2", "qwen3"]),
               help="With --config on a new run: build a tiny offline model as model.path (CPU demos).")
 @engine_urls_option
+@click.option("--launcher", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where engines and trainer run: child processes of this one, or Ray actors "
+                   "(needs pip install 'slimectl[ray]').")
+@click.option("--address", metavar="ADDR",
+              help="With --launcher ray: the cluster to join (auto, HOST:PORT); default: a private local Ray.")
+@click.option("--colocate/--no-colocate", default=None,
+              help="With --launcher ray: engines and trainer share placement-group bundles (default: separate).")
 @click.pass_context
 def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, overrides: tuple[str, ...],
-           dry_run: bool, tiny_model: str | None, engine_urls: tuple[str, ...]) -> None:
+           dry_run: bool, tiny_model: str | None, engine_urls: tuple[str, ...], launcher: str, address: str | None,
+           colocate: bool | None) -> None:
     """Run sync -> rollout -> train for every rollout id, resuming from the run directory.
 
     With --config the run directory is initialized first (as `slimectl init`; the default run
@@ -34,11 +42,13 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     Examples:
       slimectl rl --config examples/cpu_demo.yaml -r runs/demo
       slimectl rl -r runs/demo --set rollout.num_rollout=60      # go on for longer
+      slimectl rl -r runs/demo --launcher ray --address auto     # engines and trainer as Ray actors
     """
     from pathlib import Path
 
     from slimectl.errors import UsageError
 
+    placer = _make_launcher(launcher, address, colocate)
     path = resolve_run_dir(ctx, run_dir)
     if config_path is None and path is None:
         raise UsageError("pass --config CFG (and -r RUN), or -r RUN of an initialized run")
@@ -72,7 +82,7 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     signals = StopSignals(threading.Event()).install()
     interrupted = click.ClickException(f"interrupted; rerun `slimectl rl -r {run.path}` to resume")
     try:
-        res = run_rl(run, cfg, engine_urls, stop=signals.stop, critical=signals.deferred)
+        res = run_rl(run, cfg, engine_urls, stop=signals.stop, critical=signals.deferred, launcher=placer)
     except KeyboardInterrupt:
         raise interrupted from None
     except Exception:
@@ -84,6 +94,20 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     from slimectl.commands._stage import format_ids
 
     click.echo(f"trained rollouts {format_ids(res.trained)}; weight version {res.weight_version}; {res.seconds:.1f} s")
+
+
+def _make_launcher(launcher: str, address: str | None, colocate: bool | None):
+    """The launcher object for run_rl (None: the default local one); Ray is imported only for ``ray``."""
+    from slimectl.errors import UsageError
+
+    if launcher == "local":
+        for flag, value in (("--address", address), ("--colocate/--no-colocate", colocate)):
+            if value is not None:
+                raise UsageError(f"{flag} places actors on Ray; add --launcher ray")
+        return None
+    from slimectl.launchers.ray_launcher import RayLauncher
+
+    return RayLauncher(address=address, colocate=bool(colocate))
 
 
 def _frozen_tiny_model(path: str) -> str | None:

@@ -16,13 +16,15 @@ from slimectl.commands._options import stage_options
 @click.option("--engine-url", "engine_urls", multiple=True, metavar="URL",
               help="Register a server started elsewhere (repeatable; implies --backend external).")
 @click.option("--host", help="Interface to bind (default 127.0.0.1: loopback only).")
+@click.option("--advertise-host", help="Address other hosts reach the engines at, recorded in RUN/engines/ "
+              "(default: --host; for 0.0.0.0 this machine's address).")
 @click.option("--port", type=click.IntRange(0, 65535), help="First port (0: pick free ports).")
 @click.option("--sglang-python", type=click.Path(dir_okay=False),
               help="Interpreter that has sglang installed (sglang pins its own torch).")
 @click.pass_context
 def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool, backend: str | None,
-              num_engines: int | None, engine_urls: tuple[str, ...], host: str | None, port: int | None,
-              sglang_python: str | None) -> None:
+              num_engines: int | None, engine_urls: tuple[str, ...], host: str | None, advertise_host: str | None,
+              port: int | None, sglang_python: str | None) -> None:
     """Start engines, wait until each answers /health_generate, record them in RUN/engines/, print
     their URLs on stdout, and keep them up until Ctrl-C/SIGTERM (then stop them, leaving no orphans).
 
@@ -31,6 +33,7 @@ def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
       slimectl serve -r runs/a                       # embedded engines on CPU
       slimectl serve -r runs/a --backend sglang --set engine.gpu_ids=[0,1] --num-engines 2
       slimectl serve -r runs/a --engine-url http://10.0.0.5:30000
+      SLIMECTL_ENGINE_TOKEN=... slimectl serve -r runs/a --host 0.0.0.0   # reachable from other hosts
       slimectl serve -r runs/a --backend sglang --sglang-context-length 4096 --sglang-enable-dp-attention
 
     Any --sglang-FLAG [VALUE] is passed to sglang.launch_server as --FLAG [VALUE].
@@ -46,7 +49,8 @@ def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
         sets.append(f"engine.sglang_args={json.dumps(passthrough)}")
     if sglang_python:
         sets.append(f"engine.sglang_python={sglang_python}")
-    for key, value in (("backend", backend), ("num_engines", num_engines), ("host", host), ("port", port)):
+    for key, value in (("backend", backend), ("num_engines", num_engines), ("host", host),
+                       ("advertise_host", advertise_host), ("port", port)):
         if value is not None:
             sets.append(f"engine.{key}={value}")
     if engine_urls:

@@ -14,10 +14,16 @@ from slimectl.commands._options import stage_options
 @click.option("--max-rollouts", type=click.IntRange(min=1), help="Stop after this many rollouts.")
 @click.option("--wait-timeout", type=float, help="With --follow: give up after this many seconds per rollout.")
 @click.option("--allow-empty", is_flag=True, help="Exit 0 when there is nothing left to train.")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Nodes the tp*pp*dp ranks are spread over (run the same command on each node).")
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True, help="This node's rank (0..nnodes-1).")
+@click.option("--master-addr", help="With --nnodes > 1: node 0's address, reachable from every node.")
+@click.option("--master-port", type=click.IntRange(1, 65535), help="With --nnodes > 1: a free port on node 0.")
 @click.pass_context
 def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool, rollout_id: int | None,
-              follow: bool, max_rollouts: int | None, wait_timeout: float | None, allow_empty: bool) -> None:
-    """Train on rollouts from the consumption cursor onward (TP via torchrun is not wired yet: train.tp = 1).
+              follow: bool, max_rollouts: int | None, wait_timeout: float | None, allow_empty: bool, nnodes: int,
+              node_rank: int, master_addr: str | None, master_port: int | None) -> None:
+    """Train on rollouts from the consumption cursor onward.
 
     Saves checkpoints/N and weights/N every train.save_interval rollouts and after the last one;
     a rerun after a crash resumes from the last checkpoint and trains nothing twice.
@@ -26,6 +32,11 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     Examples:
       slimectl train -r runs/a
       slimectl train -r runs/a --follow          # wait for rollouts produced elsewhere
+      slimectl train -r runs/a --follow --set train.dp=16 --nnodes 2 --node-rank 0 \\
+          --master-addr 10.0.0.1 --master-port 29500  # and --node-rank 1 on the second node
+
+    With train.tp*pp*dp > 1 it relaunches itself under torchrun (8 ranks per node on 2 nodes for
+    dp=16 above); launching `torchrun ... -m slimectl train` yourself works as well.
     """
     from slimectl.commands._stage import open_stage
 
@@ -36,6 +47,8 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     import os
 
     world = cfg.train.tp * cfg.train.pp * cfg.train.dp
+    if nnodes > 1 and world % nnodes:
+        raise click.UsageError(f"--nnodes {nnodes} must divide train.tp*pp*dp = {world} (ranks per node)")
     if world > 1 and "LOCAL_RANK" not in os.environ:
         from slimectl.convert import relaunch_under_torchrun
 
@@ -49,7 +62,7 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
         if wait_timeout is not None:
             argv += ["--wait-timeout", str(wait_timeout)]
         argv += ["--follow"] * follow + ["--allow-empty"] * allow_empty
-        code = relaunch_under_torchrun(world, argv)
+        code = relaunch_under_torchrun(world // nnodes, argv, nnodes, node_rank, master_addr, master_port)
         if code:
             ctx.exit(code)
         return

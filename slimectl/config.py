@@ -132,6 +132,9 @@ class EngineSection(Section):
     num_engines: int = Field(default=1, gt=0)
     host: str = "127.0.0.1"
     """Interface the engines bind to; keep loopback unless other hosts must reach them."""
+    advertise_host: Optional[str] = None
+    """Address other hosts use to reach the engines, recorded in ``RUN/engines/`` (default: ``host``;
+    when that is a wildcard such as 0.0.0.0, this machine's address on its default route)."""
     port: int = Field(default=0, ge=0, le=65535)
     """First port (0 = pick free ports)."""
     urls: list[str] = Field(default_factory=list)

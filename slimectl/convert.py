@@ -39,13 +39,23 @@ def _under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run ``python -m slimectl ARGV`` under torchrun with ``nproc`` local processes; return its exit code."""
+def relaunch_under_torchrun(nproc: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
+                            master_addr: str | None = None, master_port: int | None = None) -> int:
+    """Run ``python -m slimectl ARGV`` under torchrun with ``nproc`` processes on this node; return
+    its exit code. With ``nnodes`` > 1 every node runs this with its own ``node_rank`` and the same
+    ``master_addr``/``master_port`` (node 0's address and a port open to the other nodes)."""
     from slimectl.megatron.parallel import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "slimectl", *argv]
-    log.info("launching %d processes: %s", nproc, " ".join(cmd[3:]))
+    if nnodes > 1 and not (master_addr and master_port):
+        raise UsageError(f"--nnodes {nnodes} needs --master-addr (node 0's address, reachable from every node) "
+                         f"and --master-port (the same free port on every node)")
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank} must be in 0..{nnodes - 1} (--nnodes {nnodes})")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
+           "--nproc_per_node", str(nproc), "--master_addr", master_addr or "127.0.0.1",
+           "--master_port", str(master_port or free_port()), "-m", "slimectl", *argv]
+    log.info("launching %d processes%s: %s", nproc, f" on node {node_rank} of {nnodes}" if nnodes > 1 else "",
+             " ".join(cmd[3:]))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.call(cmd, env=env)
 

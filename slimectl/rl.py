@@ -15,6 +15,10 @@ Engines: the registered ones when a ``slimectl serve`` is running for this run d
 otherwise ``rl`` starts its own (they die with it, even after ``kill -9``). Before the first
 rollout the actor's current weights are synced, so a rerun after a crash continues on the
 weights the checkpoint holds. Rollouts already published are reused, never regenerated.
+
+Where engines and trainer run is the launcher's choice: :class:`LocalLauncher` (the default)
+starts engines as child processes and trains in this process; ``slimectl.launchers.ray_launcher``
+places both as Ray actors. Either way the loop below sequences the same stage code.
 """
 
 from __future__ import annotations
@@ -63,14 +67,19 @@ def _kill_orphan_engines(run: RunDir) -> None:
             run.engines.unregister(rec.id)
 
 
-class _Engines:
-    """Attach to a running ``slimectl serve`` of this run, or start engines owned by this process."""
+class Engines:
+    """Attach to a running ``slimectl serve`` of this run, or start engines owned by this process.
 
-    def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...], stack: ExitStack):
+    ``make_group(run, cfg)`` builds what starts them: an :class:`~slimectl.serve.EngineGroup`
+    (child processes), or a launcher's equivalent with the same ``start``/``stop``/``engines``/
+    ``check_alive``."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...], stack: ExitStack,
+                 make_group=None):
         from slimectl.serve import EngineGroup
 
         self.ids: dict[str, str | None] = {}
-        self.group: EngineGroup | None = None  # set when this process started the engines
+        self.group = None  # set when this process started the engines
         given = list(engine_urls) or list(cfg.engine.urls)
         if given:
             self.ids = {u.rstrip("/"): None for u in given}
@@ -88,7 +97,7 @@ class _Engines:
             return
         stack.callback(serve_lock.release)
         _kill_orphan_engines(run)
-        group = EngineGroup(run, cfg)
+        group = (make_group or EngineGroup)(run, cfg)
         stack.callback(group.stop)
         group.start()
         self.group = group
@@ -99,80 +108,137 @@ class _Engines:
         return list(self.ids)
 
     def check_alive(self) -> None:
-        if self.group is None:
-            return
-        for p in self.group.supervisor.processes:
-            if p.popen.poll() is not None:
-                raise SlimectlError(f"{p.name} at {p.url} exited with code {p.popen.returncode}; see {p.log_path}")
+        if self.group is not None:
+            self.group.check_alive()
+
+
+def open_engine_clients(cfg: SlimectlConfig, urls, loop, stack: ExitStack) -> dict:
+    """{url: EngineClient} for ``urls``, closed (on ``loop``) when ``stack`` unwinds."""
+    from slimectl.engines.client import EngineClient
+
+    token = os.environ.get(cfg.engine.token_env) or None
+    clients = {u: EngineClient(u, token=token, timeout=cfg.sync.timeout_s) for u in urls}
+
+    async def close_clients() -> None:
+        await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
+
+    stack.callback(lambda: loop.run_until_complete(close_clients()))
+    return clients
+
+
+class InProcessTrainer:
+    """The train stage in this process (one rank), and the weight sync from it: the trainer of
+    :class:`LocalLauncher`, and what each Ray trainer actor runs inside itself.
+
+    Takes the ``train`` lock; trains each rollout exactly once (:class:`Trainer`); syncs the
+    engines from its live weights (distributed transport) or from ``weights/N`` (disk)."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack):
+        from slimectl.train.stage import Trainer
+
+        self.run, self.cfg, self.stack = run, cfg, stack
+        self.disk = cfg.sync.transport == "disk"
+        self.trainer = Trainer(run, cfg, stack.enter_context(run.lock("train")))
+        self.loop = self.clients = self.transport = self.metrics = None
+
+    @property
+    def weight_version(self) -> int:
+        return self.trainer.weight_version
+
+    def connect(self, loop, clients: dict) -> None:
+        """Open the train metrics and the weight transport to ``clients`` (run on ``loop``)."""
+        from slimectl.metrics import MetricsWriter
+        from slimectl.sync.transport import make_transport
+
+        self.loop, self.clients = loop, clients
+        transport = make_transport(self.cfg.sync.transport, self.cfg.sync)
+        self.stack.callback(lambda: loop.run_until_complete(transport.close(clients)))
+        tb = self.run.tensorboard_dir("train") if self.cfg.logging.tensorboard else None
+        self.metrics = self.stack.enter_context(MetricsWriter(self.run.metrics_path("train"), tb))
+        loop.run_until_complete(transport.connect(clients))
+        self.transport = transport
+
+    def _source(self, version: int):
+        from slimectl.sync import WeightSource
+
+        if not self.disk:
+            return WeightSource.from_tensors(version, self.trainer.iter_hf_tensors)
+        if not self.run.weights.exists(version):
+            if version == 0:
+                return WeightSource.from_dir(0, self.cfg.model.path)
+            self.trainer.publish(version - 1, version, checkpoint=False, weights=True)
+        return WeightSource.from_dir(version, self.run.weights.get(version).path)
+
+    def sync(self, version: int) -> tuple[dict[str, float], float]:
+        """Load weight version ``version`` into every engine; its sync metrics and seconds."""
+        from slimectl.sync import sync_engines
+
+        s = self.cfg.sync
+        res = self.loop.run_until_complete(sync_engines(self.clients, self.transport, self._source(version),
+                                                        s.pause_mode, s.verify))
+        return res.metrics(), res.seconds
+
+    def train(self, rid: int, art, last: bool) -> list[dict]:
+        """Train on rollout ``rid`` (its READY artifact ``art``); the per-step train metrics."""
+        return self.trainer.train_rollout(rid, art, self.metrics, publish_weights=self.disk, last=last)
+
+
+class LocalLauncher:
+    """The default launcher: engines as child processes of this one (or a running serve's), the
+    train stage in this process. Needs nothing beyond slimectl itself."""
+
+    name = "local"
+
+    def start_trainer(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack) -> InProcessTrainer:
+        return InProcessTrainer(run, cfg, stack)
+
+    def start_engines(self, run: RunDir, cfg: SlimectlConfig, engine_urls, stack: ExitStack) -> Engines:
+        return Engines(run, cfg, engine_urls, stack)
 
 
 def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
-           stop: threading.Event | None = None, critical=nullcontext) -> RLResult:
+           stop: threading.Event | None = None, critical=nullcontext, launcher=None) -> RLResult:
     """Run the loop until ``rollout.num_rollout`` rollouts are trained (or ``stop`` is set).
 
     ``critical()`` wraps each weight sync (``StopSignals.deferred`` keeps a signal from cutting
-    a pause/continue sequence in half)."""
-    from slimectl.engines.client import EngineClient
+    a pause/continue sequence in half). ``launcher`` places the engines and the trainer
+    (default :class:`LocalLauncher`)."""
     from slimectl.metrics import MetricsWriter
     from slimectl.rollout.stage import run_rollout
-    from slimectl.sync import WeightSource, sync_engines
-    from slimectl.sync.transport import make_transport
-    from slimectl.train.stage import Trainer
 
     if cfg.data.prompt_data is None:
         raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
+    launcher = launcher or LocalLauncher()
     stop = stop or threading.Event()
     t_start = time.perf_counter()
     result = RLResult()
     n_total = cfg.rollout.num_rollout
     one_step_off = cfg.rollout.async_mode == "one_step_off"
-    disk = cfg.sync.transport == "disk"
     with ExitStack() as stack:
         stack.enter_context(run.lock("rl"))
-        train_lock = stack.enter_context(run.lock("train"))
-        trainer = Trainer(run, cfg, train_lock)
-        start = trainer.next_rollout
-        result.weight_version = trainer.weight_version
+        trainer = launcher.start_trainer(run, cfg, stack)
+        start = result.weight_version = trainer.weight_version  # version N = trained on rollouts 0..N-1
         if start >= n_total:
             log.info("all %d rollouts are trained; nothing to do", n_total)
             return result
-        engines = _Engines(run, cfg, engine_urls, stack)
+        engines = launcher.start_engines(run, cfg, engine_urls, stack)
         log.info("resuming at rollout %d, %d to go (%s loop, %s sync, %d engine(s))", start, n_total - start,
                  "one-step-off async" if one_step_off else "synchronous", cfg.sync.transport, len(engines.urls))
 
         loop = asyncio.new_event_loop()
         stack.callback(loop.close)
-        token = os.environ.get(cfg.engine.token_env) or None
-        clients = {u: EngineClient(u, token=token, timeout=cfg.sync.timeout_s) for u in engines.urls}
-
-        async def close_clients() -> None:
-            await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
-
-        stack.callback(lambda: loop.run_until_complete(close_clients()))
-        transport = make_transport(cfg.sync.transport, cfg.sync)
-        stack.callback(lambda: loop.run_until_complete(transport.close(clients)))
+        clients = open_engine_clients(cfg, engines.urls, loop, stack)
         tb = (lambda s: run.tensorboard_dir(s)) if cfg.logging.tensorboard else (lambda s: None)
-        train_metrics = stack.enter_context(MetricsWriter(run.metrics_path("train"), tb("train")))
         sync_metrics = stack.enter_context(MetricsWriter(run.metrics_path("sync"), tb("sync")))
         rl_metrics = stack.enter_context(MetricsWriter(run.metrics_path("rl"), tb("rl")))
-
-        def source(version: int) -> WeightSource:
-            if not disk:
-                return WeightSource.from_tensors(version, trainer.iter_hf_tensors)
-            if not run.weights.exists(version):
-                if version == 0:
-                    return WeightSource.from_dir(0, cfg.model.path)
-                trainer.publish(version - 1, version, checkpoint=False, weights=True)
-            return WeightSource.from_dir(version, run.weights.get(version).path)
 
         def sync(version: int) -> float:
             engines.check_alive()
             with critical():
-                res = loop.run_until_complete(sync_engines(clients, transport, source(version), cfg.sync.pause_mode,
-                                                           cfg.sync.verify))
+                metrics, seconds = trainer.sync(version)
             run.engines.set_weight_version(engines.ids.values(), str(version))
-            sync_metrics.log(version, res.metrics())
-            return res.seconds
+            sync_metrics.log(version, metrics)
+            return seconds
 
         def rollout(rid: int):
             if not run.rollouts.exists(rid):
@@ -182,7 +248,7 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
             return run.rollouts.get(rid, verify="full")
 
         with critical():
-            loop.run_until_complete(transport.connect(clients))
+            trainer.connect(loop, clients)
         sync(trainer.weight_version)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-rollout")
         ahead: Future | None = None
@@ -199,7 +265,7 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
                 offload = cfg.engine.offload_during_train and ahead is None
                 if offload:
                     release_engines(loop, clients)
-                steps = trainer.train_rollout(rid, art, train_metrics, publish_weights=disk, last=rid == n_total - 1)
+                steps = trainer.train(rid, art, last=rid == n_total - 1)
                 t_train = time.perf_counter() - t1
                 result.trained.append(rid)
                 t2 = time.perf_counter()

@@ -42,6 +42,38 @@ def _url(host: str, port: int) -> str:
     return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
 
 
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def advertised_host(bind: str, advertise: str | None = None) -> str:
+    """The address recorded for engines bound to ``bind``: what rollout and sync on *other*
+    hosts connect to. ``engine.advertise_host`` wins; a specific bind address is itself; for a
+    wildcard bind it is this machine's address on its default route (a bind to 0.0.0.0 recorded
+    as 127.0.0.1 would send every other host to its own loopback)."""
+    if advertise:
+        return advertise
+    if bind not in _WILDCARDS:
+        return bind
+    addr = _default_route_address()
+    if addr is None:
+        log.warning("engines bind %s but this machine's address could not be found; recording 127.0.0.1, "
+                    "which only this host can reach: set engine.advertise_host", bind or "all interfaces")
+        return "127.0.0.1"
+    return addr
+
+
+def _default_route_address() -> str | None:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # a UDP connect sends nothing: it only picks the route
+            addr = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
+
+
 @dataclass
 class ServedEngine:
     id: str
@@ -54,7 +86,9 @@ class EngineGroup:
     """``with EngineGroup(run, cfg) as g: g.urls`` — engines up, healthy and registered."""
 
     def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
-                 model_path: str | None = None, python: str | None = None):
+                 model_path: str | None = None, python: str | None = None, engine_indices: list[int] | None = None):
+        """``engine_indices``: which of the ``engine.num_engines`` engines this group launches (all by
+        default; a launcher that places each engine in its own process passes one index each)."""
         from slimectl.engines.sglang import ProcessSupervisor
 
         self.run = run
@@ -63,6 +97,7 @@ class EngineGroup:
         self.backend = "external" if self.engine_urls else cfg.engine.backend
         self.model_path = model_path or cfg.model.path
         self.python = python or sys.executable
+        self.engine_indices = list(range(cfg.engine.num_engines)) if engine_indices is None else list(engine_indices)
         self.supervisor = ProcessSupervisor()
         self.engines: list[ServedEngine] = []
         self.token = os.environ.get(cfg.engine.token_env) or None
@@ -83,15 +118,17 @@ class EngineGroup:
                 self._attach_external()
             else:
                 launched = []
-                for i in range(ec.num_engines):
+                reach = advertised_host(ec.host, ec.advertise_host)
+                for i in self.engine_indices:
                     port = ec.port + i if ec.port else _free_port(ec.host)
-                    url = _url(ec.host, port)
+                    url = _url(reach, port)
                     argv, env, secrets = self._launch_argv(i, port)
                     proc = self.supervisor.start(f"engine-{i}", argv, env=env, url=url, secrets=secrets,
                                                  log_path=self.run.path / "logs" / f"engine-{i}.log")
-                    launched.append((url, proc.pid))
-                self.supervisor.wait_all_healthy([u for u, _ in launched], timeout=ec.startup_timeout_s, interval=0.25)
-                for i, (url, pid) in enumerate(launched):
+                    launched.append((i, url, proc.pid))
+                self.supervisor.wait_all_healthy([u for _, u, _ in launched], timeout=ec.startup_timeout_s,
+                                                 interval=0.25)
+                for i, url, pid in launched:
                     self._register(f"engine-{i}", url, pid)
         except BaseException:
             self.stop()
@@ -147,6 +184,12 @@ class EngineGroup:
         self.engines = []
         self.supervisor.stop()
 
+    def check_alive(self) -> None:
+        """Raise naming the first engine process that has exited (and its log)."""
+        for p in self.supervisor.processes:
+            if p.popen.poll() is not None:
+                raise SlimectlError(f"{p.name} at {p.url} exited with code {p.popen.returncode}; see {p.log_path}")
+
     def __enter__(self) -> "EngineGroup":
         return self.start()
 
@@ -159,6 +202,9 @@ def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, 
     """Start the engines, print their URLs, and keep them up until SIGINT/SIGTERM (or ``stop``)."""
     stop = stop or threading.Event()
     with run.lock("serve"):
+        dead = run.engines.prune_dead()  # records of this host's earlier serve, killed before it unregistered
+        if dead:
+            log.info("removed the records of dead engines %s", ", ".join(dead))
         group = EngineGroup(run, cfg, engine_urls)
         previous = {}
         if threading.current_thread() is threading.main_thread():
@@ -171,11 +217,7 @@ def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, 
                 if ready is not None:
                     ready.set()
                 while not stop.wait(1.0):
-                    for p in group.supervisor.processes:
-                        if p.popen.poll() is not None:
-                            raise SlimectlError(
-                                f"{p.name} at {p.url} exited with code {p.popen.returncode}; see {p.log_path}"
-                            )
+                    group.check_alive()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

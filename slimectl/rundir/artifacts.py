@@ -35,10 +35,12 @@ from slimectl.rundir.atomic import (
     canonical_json,
     fsync_dir,
     fsync_file,
+    host_id,
     hostname,
     process_alive,
     process_create_time,
     read_json,
+    same_host,
     sha256_file,
     _disk_error,
 )
@@ -67,6 +69,7 @@ def format_id(artifact_id: int) -> str:
 def writer_info(stage: str | None) -> dict[str, Any]:
     return {
         "host": hostname(),
+        "host_id": host_id(),
         "pid": os.getpid(),
         "create_time": process_create_time(),
         "stage": stage,
@@ -76,7 +79,7 @@ def writer_info(stage: str | None) -> dict[str, Any]:
 
 def writer_alive(info: dict[str, Any] | None, path: Path, stale_after: float) -> bool:
     """Is the writer recorded in ``info`` still possibly at work on ``path``?"""
-    if info and info.get("host") == hostname() and isinstance(info.get("pid"), int):
+    if info and same_host(info.get("host"), info.get("host_id")) and isinstance(info.get("pid"), int):
         return process_alive(info["pid"], info.get("create_time"))
     # Another host (or no record): judge by how recently anything in it changed.
     try:

@@ -8,6 +8,7 @@ remain, which nothing reads.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -22,8 +23,42 @@ TMP_PREFIX = ".tmp-"
 _CHUNK = 1 << 20
 
 
+HOST_ID_ENV = "SLIMECTL_HOST_ID"
+
+
 def hostname() -> str:
     return socket.gethostname()
+
+
+def host_id() -> str:
+    """Which process table this process lives in: records (locks, writers, engines) carrying the
+    same ``host_id`` name pids that can be checked from here; any other record is judged by its age.
+
+    Hostnames alone do not say that: containers on different machines can share a hostname, and
+    two containers on one machine can have separate pid namespaces. So the default is hostname +
+    kernel boot id + pid-namespace inode. ``SLIMECTL_HOST_ID`` replaces it (tests that simulate
+    several hosts on one machine, or platforms without /proc).
+    """
+    return os.environ.get(HOST_ID_ENV) or _default_host_id()
+
+
+@functools.lru_cache(maxsize=1)
+def _default_host_id() -> str:
+    parts = [hostname()]
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        pass  # no /proc (macOS): the hostname is all we have
+    return "/".join(parts)
+
+
+def same_host(record_host: str | None, record_host_id: str | None) -> bool:
+    """Can a pid recorded with this host / host_id be checked with :func:`process_alive` here?
+    Records written before ``host_id`` existed are compared by hostname, as they were then."""
+    if record_host_id:
+        return record_host_id == host_id()
+    return record_host == hostname()
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -1,11 +1,13 @@
 """Single-writer stage locks with stale-lock detection, safe across hosts on a shared filesystem.
 
-``locks/STAGE.lock`` is created with O_CREAT|O_EXCL and holds the owner's host, pid, process
-start time and a random token. The owner refreshes the file's mtime every
+``locks/STAGE.lock`` is created with O_CREAT|O_EXCL and holds the owner's host, host id, pid,
+process start time and a random token. The owner refreshes the file's mtime every
 ``heartbeat_interval`` seconds from a daemon thread. A lock is *stale* when
 
-- its owner is on this host and that process is gone (a ``kill -9``: detected at once), or
-- its owner is on another host and the heartbeat is older than ``stale_after`` seconds.
+- its owner is on this host (same :func:`~slimectl.rundir.atomic.host_id`: same kernel and pid
+  namespace) and that process is gone (a ``kill -9``: detected at once), or
+- its owner is on another host and the heartbeat is older than ``stale_after`` seconds. A pid
+  from another host says nothing here, even when the hostnames match.
 
 A stale lock is taken over by renaming it to a unique name (only one contender can win that
 rename), checking that the renamed file is the stale one seen before, and creating a fresh
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from slimectl.errors import LockHeld, LockLost, RunDirError
-from slimectl.rundir.atomic import fsync_dir, hostname, process_alive, process_create_time
+from slimectl.rundir.atomic import fsync_dir, host_id, hostname, process_alive, process_create_time, same_host
 from slimectl.rundir.artifacts import utcnow
 
 log = logging.getLogger("slimectl.rundir")
@@ -35,13 +37,29 @@ DEFAULT_HEARTBEAT_S = 5.0
 
 
 def _read_lock(path: Path) -> dict[str, Any] | None:
+    return _read_lock_and_mtime(path)[0]
+
+
+def _read_lock_and_mtime(path: Path) -> tuple[dict[str, Any] | None, float | None]:
+    """The lock record and its heartbeat (mtime), both read through one open file.
+
+    Taking the mtime from the open file (not a second ``stat`` of the path) reads the record and
+    the heartbeat of the same file, and on NFS the open revalidates the cached attributes
+    (close-to-open consistency), so another host's heartbeat is not judged from a stale cache.
+    """
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else {}
+        with open(path, "rb") as f:
+            mtime = os.fstat(f.fileno()).st_mtime
+            raw = f.read()
     except FileNotFoundError:
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-        return {}  # torn or garbage: judged by its age alone
+        return None, None
+    except OSError:
+        return {}, None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+        return (data if isinstance(data, dict) else {}), mtime
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}, mtime  # torn or garbage: judged by its age alone
 
 
 class StageLock:
@@ -64,20 +82,22 @@ class StageLock:
     # ------------------------------------------------------------------ inspection
     def holder(self) -> dict[str, Any] | None:
         """The current lock record (with ``heartbeat_age_s`` and ``stale``), or None when free."""
-        info = _read_lock(self.path)
+        info, mtime = _read_lock_and_mtime(self.path)
         if info is None:
             return None
-        try:
-            age = time.time() - self.path.stat().st_mtime
-        except FileNotFoundError:
-            return None
+        if mtime is None:  # unreadable right now: judge it by the path's age
+            try:
+                mtime = self.path.stat().st_mtime
+            except FileNotFoundError:
+                return None
+        age = time.time() - mtime
         info = dict(info)
         info["heartbeat_age_s"] = round(age, 1)
         info["stale"] = self._is_stale(info, age)
         return info
 
     def _is_stale(self, info: dict[str, Any], age: float) -> bool:
-        if info.get("host") == hostname() and isinstance(info.get("pid"), int):
+        if same_host(info.get("host"), info.get("host_id")) and isinstance(info.get("pid"), int):
             return not process_alive(info["pid"], info.get("create_time"))
         return age > self.stale_after
 
@@ -114,6 +134,7 @@ class StageLock:
         record = {
             "stage": self.stage,
             "host": hostname(),
+            "host_id": host_id(),
             "pid": os.getpid(),
             "create_time": process_create_time(),
             "token": token,

@@ -2,7 +2,9 @@
 
 ``serve`` registers each engine it starts (or each external URL it is given) and removes the
 record on exit; ``rollout`` and ``sync`` find engines here; ``status`` shows them with their
-health. A record whose process is gone (same host) is reported as dead and pruned.
+health. A record whose process is gone (same host: same
+:func:`~slimectl.rundir.atomic.host_id`) is reported as dead and pruned; a record from another
+host cannot be judged from here and counts as live.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from slimectl.errors import RunDirError
-from slimectl.rundir.atomic import atomic_write_json, hostname, process_alive, process_create_time, read_json
+from slimectl.rundir.atomic import (
+    atomic_write_json,
+    host_id,
+    hostname,
+    process_alive,
+    process_create_time,
+    read_json,
+    same_host,
+)
 from slimectl.rundir.artifacts import utcnow
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -32,10 +42,12 @@ class EngineRecord:
     started: str = field(default_factory=utcnow)
     id: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    host_id: str | None = field(default_factory=host_id)
+    """Whose process table ``pid`` belongs to (None in records written before it existed)."""
 
     def alive(self) -> bool | None:
         """True/False for processes on this host; None when it cannot be told from here."""
-        if self.pid is None or self.host != hostname():
+        if self.pid is None or not same_host(self.host, self.host_id):
             return None
         return process_alive(self.pid, self.create_time)
 
@@ -52,7 +64,7 @@ class EngineRegistry:
     def register(self, record: EngineRecord) -> EngineRecord:
         if not record.id:
             record.id = f"engine-{uuid.uuid4().hex[:8]}"
-        if record.pid is not None and record.create_time is None and record.host == hostname():
+        if record.pid is not None and record.create_time is None and same_host(record.host, record.host_id):
             record.create_time = process_create_time(record.pid)
         self.dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self._path(record.id), asdict(record))
@@ -80,7 +92,7 @@ class EngineRegistry:
     def _load(p: Path) -> EngineRecord:
         raw = read_json(p)
         try:
-            return EngineRecord(**raw)
+            return EngineRecord(**{"host_id": None, **raw})
         except TypeError:
             raise RunDirError(f"engine record {p} is malformed; delete it and restart the engine") from None
 

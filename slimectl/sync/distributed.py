@@ -7,6 +7,10 @@ SGLang's sequence: ``/begin_weight_update``; per bucket of at most ``sync.bucket
 trainer broadcasts those tensors in that order; ``/end_weight_update``. The weight version
 rides on the last bucket, so an engine reports the new version only once all of it landed.
 NCCL on GPUs, gloo on CPUs — the same code.
+
+Across hosts, ``sync.master_addr`` is this (rank-0) host's address as the engines reach it, and
+``sync.master_port`` a port they can connect to; :func:`check_master_addr` refuses the settings
+that would leave every engine waiting on an address it cannot reach.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from slimectl.errors import SlimectlError
+from slimectl.errors import SlimectlError, UsageError
 from slimectl.sync.source import WeightSource
 from slimectl.sync.transport import WeightTransport
 
@@ -58,6 +62,51 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _addresses(host: str) -> list[str]:
+    try:
+        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+    except (socket.gaierror, UnicodeError):
+        return []
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    addrs = _addresses(host)
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def _is_this_host(host: str) -> bool:
+    """Does ``host`` name an address of this machine? (Binding to it succeeds only then.)"""
+    for addr in _addresses(host):
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr, 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def check_master_addr(addr: str, port: int, engine_urls: Iterable[str]) -> None:
+    """Refuse a rendezvous the engines cannot reach, before any engine starts waiting on it."""
+    from urllib.parse import urlsplit
+
+    if addr in ("0.0.0.0", "::", ""):
+        raise UsageError(f"sync.master_addr = {addr!r} is a wildcard, which engines cannot connect to; set it to "
+                         f"this host's address as the engines reach it")
+    if _is_loopback(addr):
+        remote = [u for u in engine_urls if not _is_this_host(urlsplit(u).hostname or "")]
+        if remote:
+            raise UsageError(f"sync.master_addr = {addr} is loopback but engine {remote[0]} is on another host; set "
+                             f"sync.master_addr to this host's address reachable from the engines (and "
+                             f"sync.master_port to a port open between the hosts)")
+    elif not port and not _is_this_host(addr):
+        raise UsageError(f"sync.master_addr = {addr} is not an address of this host, where sync runs as rank 0 of "
+                         f"the weight-update group; use this host's address, or set sync.master_port (behind NAT)")
+
+
 class DistributedTransport(WeightTransport):
     name = "distributed"
 
@@ -82,6 +131,7 @@ class DistributedTransport(WeightTransport):
         tp_sizes = [int(info.get("tp_size", 1) or 1) * int(info.get("dp_size", 1) or 1) for info in infos]
         self.world_size = 1 + sum(tp_sizes)
         addr = self.cfg.master_addr
+        check_master_addr(addr, self.cfg.master_port, clients)
         port = self.cfg.master_port or _free_port(addr)
         offsets, off = [], 1
         for n in tp_sizes:

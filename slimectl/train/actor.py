@@ -46,7 +46,6 @@ from slimectl.algorithms import (
     sft_loss,
 )
 import slimectl.megatron  # noqa: F401  (quiets megatron's import-time notices about missing TE/Apex)
-from slimectl.algorithms.opd import apply_opd_kl
 from slimectl.algorithms.tis import apply_tis
 from slimectl.train.logprobs import compute_log_probs
 from slimectl.train.packing import MicroBatch, pack_samples
@@ -437,11 +436,13 @@ class MegatronActor:
                 log_probs=_pad(train_old),
                 ref_log_probs=_pad(ref_lp) if self.ref_model is not None else None,
                 kl_coef=algo.kl_coef, kl_type=algo.kl_loss_type, gamma=algo.gamma,
+                # on-policy distillation: A_t -= coef * (log pi_student - log pi_teacher), after the
+                # estimator and before REINFORCE++'s whitening (slime's order)
+                teacher_log_probs=_pad(teacher_lp) if teacher_lp is not None else None, opd_kl_coef=algo.opd_kl_coef,
             )
             advantages = res.advantages
-            if teacher_lp is not None:  # on-policy distillation: A_t -= coef * (log pi_student - log pi_teacher)
-                advantages, rkl = apply_opd_kl(advantages, _pad(train_old), _pad(teacher_lp), mask_all, algo.opd_kl_coef)
-                self._opd_rkl = [rkl[i, : samples[i].response_length] for i in range(n)]
+            if res.opd_reverse_kl is not None:
+                self._opd_rkl = [res.opd_reverse_kl[i, : samples[i].response_length] for i in range(n)]
             adv_rows = [advantages[i, : samples[i].response_length] for i in range(n)]
 
         metrics_out = []

@@ -189,7 +189,8 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
     world = cfg.train.tp * cfg.train.pp * cfg.train.dp
     if int(os.environ.get("WORLD_SIZE", "1")) != world:
         raise UsageError(f"train.tp*pp*dp = {world} processes are needed, this job has {os.environ.get('WORLD_SIZE', '1')}; "
-                         f"run `slimectl train` (it launches torchrun itself)")
+                         f"run `slimectl train` (it launches torchrun itself; on several nodes with --nnodes, "
+                         f"--node-rank and --master-addr/--master-port on each)")
     if not rank0:
         logging.getLogger("slimectl").setLevel(logging.WARNING)
     with ExitStack() as stack:
@@ -214,8 +215,10 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
                 lock.check()
                 if follow:
                     art = run.rollouts.wait_for(rid, timeout=wait_timeout, should_stop=lambda: not lock.held)
-                elif run.rollouts.exists(rid):
-                    art = run.rollouts.get(rid, verify="full")
+                elif _broadcast_object(run.rollouts.exists(rid) if rank0 else None):
+                    # Rank 0 decides: ranks on other nodes may see the shared filesystem a moment later.
+                    art = run.rollouts.get(rid, verify="full") if rank0 else \
+                        run.rollouts.wait_for(rid, timeout=60, verify="full")
                 else:
                     if trained:
                         if trainer.last_published != rid:  # stopping early: what was trained is checkpointed

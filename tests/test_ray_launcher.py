@@ -1,0 +1,202 @@
+"""slimectl rl --launcher ray on a real two-node Ray cluster (Ray's own ``cluster_utils.Cluster``,
+both nodes on this machine): engines and trainer in separate Ray actors, colocated and
+disaggregated placement, the same run directory as a local run, resume after kill -9 of the driver."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from slimectl.errors import UsageError
+from slimectl.launchers.ray_launcher import Slot, placement_layout
+from slimectl.rundir import RunDir
+from tests.test_rl import ENV, assert_trained_once, read_jsonl, slimectl, write_config
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes of one logical CPU each: a bundle of {"CPU": 1} fills a node, so the
+    disaggregated trainer and engine bundles must land on different nodes."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        c.add_node(num_cpus=1)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        c.shutdown()
+
+
+class Driver:
+    """`slimectl rl` as a subprocess whose stderr is read line by line in the background."""
+
+    def __init__(self, *args):
+        self.proc = subprocess.Popen([sys.executable, "-m", "slimectl", "rl", *map(str, args)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=ENV)
+        self.lines: list[str] = []
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self._q.put(line)
+        self._q.put(None)
+
+    def wait_for(self, marker: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.lines.append(line)
+            if marker in line:
+                return
+        self.proc.kill()
+        raise AssertionError(f"no {marker!r} from the driver:\n" + "".join(self.lines)[-4000:])
+
+    def finish(self, timeout: float = 180) -> tuple[int, str, str]:
+        out = self.proc.stdout.read()
+        rc = self.proc.wait(timeout=timeout)
+        while (line := self._q.get(timeout=10)) is not None:
+            self.lines.append(line)
+        return rc, out, "".join(self.lines)
+
+
+def placement(run: RunDir, driver_pid: int) -> dict:
+    """Which processes hold the trainer and the engine right now, checked against Ray's process titles."""
+    lock = json.loads((run.path / "locks" / "train.lock").read_text())
+    (rec,) = run.engines.list()
+    trainer, engine_actor = psutil.Process(lock["pid"]), psutil.Process(rec.extra["actor_pid"])
+    assert trainer.pid != driver_pid and engine_actor.pid not in (driver_pid, trainer.pid)
+    assert "ray::TrainerActor" in " ".join(trainer.cmdline())  # a Ray worker running the trainer actor
+    assert "ray::EngineActor" in " ".join(engine_actor.cmdline())
+    assert psutil.Process(rec.pid).ppid() == engine_actor.pid  # the engine is the actor's child process
+    assert rec.extra["launcher"] == "ray" and rec.id == f"engine-0-{engine_actor.pid}"
+    # a Ray worker is a child of its node's raylet: same parent = same Ray node
+    return {"trainer": trainer.pid, "engine_actor": engine_actor.pid, "engine": rec.pid,
+            "same_node": trainer.ppid() == engine_actor.ppid()}
+
+
+def wait_gone(pids, timeout=30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if psutil.pid_exists(p)]
+
+
+def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_killed(tmp_path, cluster):
+    cfg = write_config(tmp_path, rollout={"num_rollout": 2})
+    path = tmp_path / "run"
+    ray_args = ("--launcher", "ray", "--address", cluster.address)
+
+    # 1. colocated: trainer and engine share one bundle (one node); kill -9 the driver after rollout 0
+    first = Driver("-c", cfg, "-r", path, "--tiny-model", "qwen2", *ray_args, "--colocate")
+    first.wait_for("resuming at rollout 0")
+    run = RunDir.open(path)
+    where = placement(run, first.proc.pid)
+    assert where["same_node"], where
+    first.wait_for("rl 1/2")
+    first.proc.kill()
+    first.proc.wait()
+    # Ray ends a dead driver's actors; the engine follows its actor
+    assert wait_gone([where["trainer"], where["engine_actor"], where["engine"]]) == []
+    assert run.cursor("train").read().consumed == [0]
+
+    # 2. rerun, disaggregated: separate bundles, which on these one-CPU nodes means separate nodes
+    second = Driver("-c", cfg, "-r", path, *ray_args)
+    second.wait_for("resuming at rollout 1")
+    where2 = placement(run, second.proc.pid)
+    assert not where2["same_node"], where2
+    rc, out, err = second.finish()
+    assert rc == 0, err[-4000:]
+    assert "trained rollouts 1; weight version 2" in out
+    assert_trained_once(run, 2)
+    assert run.engines.list() == [] and not list((run.path / "locks").glob("*.lock"))
+    assert wait_gone([where2["trainer"], where2["engine_actor"], where2["engine"]]) == []
+
+    # 3. the same run directory as the local launcher makes from the same config
+    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "local", "--tiny-model", "qwen2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    local = RunDir.open(tmp_path / "local")
+    for kind in ("rollouts", "checkpoints", "weights"):
+        assert getattr(run, kind).ids() == getattr(local, kind).ids(), kind
+    for stage in ("rollout", "train", "sync", "rl"):
+        ray_recs, local_recs = read_jsonl(run.metrics_path(stage)), read_jsonl(local.metrics_path(stage))
+        if stage == "sync":  # a resumed run first syncs the version it resumes at once more
+            assert [r["step"] for r in ray_recs] == [0, 1, 1, 2] and [r["step"] for r in local_recs] == [0, 1, 2]
+            ray_recs = ray_recs[:1] + ray_recs[2:]
+        assert [set(r) for r in ray_recs] == [set(r) for r in local_recs], stage
+    # the same stage code on the same seeds and weights: the same samples, the same rewards
+    assert [run.rollouts.get(i).meta["reward_mean"] for i in (0, 1)] == \
+           [local.rollouts.get(i).meta["reward_mean"] for i in (0, 1)]
+
+
+def test_sigterm_stops_the_actors_cleanly(tmp_path, cluster):
+    """ray.init replaces the driver's signal handlers; rl's own must still stop every actor cleanly."""
+    cfg = write_config(tmp_path, rollout={"num_rollout": 2})
+    driver = Driver("-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2", "--launcher", "ray",
+                    "--address", cluster.address)
+    driver.wait_for("resuming at rollout 0")
+    run = RunDir.open(tmp_path / "run")
+    where = placement(run, driver.proc.pid)
+    driver.proc.send_signal(signal.SIGTERM)
+    rc, _, err = driver.finish(timeout=120)
+    assert rc == 1 and "interrupted; rerun `slimectl rl -r" in err, err[-3000:]
+    assert run.engines.list() == [] and not list((run.path / "locks").glob("*.lock"))  # unregistered, released
+    assert wait_gone([where["trainer"], where["engine_actor"], where["engine"]]) == []
+
+
+def test_an_error_inside_an_actor_is_one_line(tmp_path, cluster):
+    """The trainer actor cannot take the train lock held here: the driver says so in one line."""
+    cfg = write_config(tmp_path, rollout={"num_rollout": 1})
+    assert slimectl("init", tmp_path / "run", "-c", cfg, "--tiny-model", "qwen2").returncode == 0
+    run = RunDir.open(tmp_path / "run")
+    with run.lock("train"):
+        res = slimectl("rl", "-r", run.path, "--launcher", "ray", "--address", cluster.address)
+    assert res.returncode == 1, res.stderr[-3000:]
+    (line,) = [x for x in res.stderr.splitlines() if x.startswith("Error:")]
+    assert f"stage 'train' is already running in this run directory: pid {os.getpid()}" in line
+    assert "Traceback" not in res.stderr
+    assert run.engines.list() == [] and not list((run.path / "locks").glob("*.lock"))
+
+
+def test_ray_options_need_the_ray_launcher_and_ray_itself(tmp_path):
+    res = slimectl("rl", "-r", tmp_path, "--address", "auto")
+    assert res.returncode == 2 and "--address places actors on Ray; add --launcher ray" in res.stderr
+    # A Python where `import ray` fails, as on an install without the extra
+    shadow = tmp_path / "no-ray" / "ray"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'ray'\")\n")
+    res = subprocess.run([sys.executable, "-m", "slimectl", "rl", "-r", tmp_path, "--launcher", "ray"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**ENV, "PYTHONPATH": str(tmp_path / "no-ray")})
+    assert res.returncode == 2
+    assert "--launcher ray needs Ray, which is not installed; pip install 'slimectl[ray]'" in res.stderr
+
+
+def test_placement_layout_colocated_shares_bundles_disaggregated_separates_them():
+    dis = placement_layout(num_engines=2, trainer_ranks=1, colocate=False)
+    assert dis.groups == {"trainer": [{"CPU": 1.0}], "engines": [{"CPU": 1.0}, {"CPU": 1.0}]}
+    assert dis.trainer == [Slot("trainer", 0, 1.0, 0.0)]
+    assert dis.engines == [Slot("engines", 0, 1.0, 0.0), Slot("engines", 1, 1.0, 0.0)]
+    co = placement_layout(num_engines=2, trainer_ranks=1, colocate=True, trainer_gpus=1, engine_gpus=1)
+    assert co.groups == {"shared": [{"CPU": 1.0, "GPU": 1.0}] * 2}
+    assert co.trainer == [Slot("shared", 0, 0.5, 0.5)]  # trainer and engine 0 split bundle 0
+    assert co.engines == [Slot("shared", 0, 0.5, 0.5), Slot("shared", 1, 0.5, 0.5)]
+    gpu = placement_layout(num_engines=1, trainer_ranks=1, colocate=False, trainer_gpus=1, engine_gpus=2)
+    assert gpu.groups == {"trainer": [{"CPU": 1.0, "GPU": 1.0}], "engines": [{"CPU": 1.0, "GPU": 2.0}]}
+    with pytest.raises(UsageError, match="engine.tp_size = 2"):
+        placement_layout(num_engines=1, trainer_ranks=1, colocate=True, trainer_gpus=1, engine_gpus=2)
