@@ -118,7 +118,6 @@ class MegatronActor:
         self.dp_group = ps.get_data_parallel_group() if self.dp > 1 else None
         self.tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
         self.pp_group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
-        self.last_stage = self.info.is_last_stage
 
         gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True)
         cfg = transformer_config(arch, tp, pp, dtype)
@@ -216,7 +215,8 @@ class MegatronActor:
 
         from megatron.core import tensor_parallel
 
-        random.setstate(tuple(states["python"][:1]) + (tuple(states["python"][1]),) + tuple(states["python"][2:]))
+        version, internal, gauss = states["python"]  # (a list or tuple after the checkpoint round trip)
+        random.setstate((version, tuple(internal), gauss))
         torch.set_rng_state(states["torch"])
         if states.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(states["cuda"])
