@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -37,7 +38,7 @@ if mode == "floor":
         fd = os.open(dst + "/model.safetensors", os.O_RDONLY); os.fsync(fd); os.close(fd)  # durable, as convert is
 else:
     from slimectl.convert import convert_hf_to_megatron
-    import slimectl.megatron.checkpoint, slimectl.megatron.provider, megatron.core.models.gpt, megatron.core.dist_checkpointing  # noqa: import cost outside the timer
+    import slimectl.megatron.checkpoint, slimectl.megatron.copy_save, slimectl.megatron.provider, megatron.core.models.gpt, megatron.core.dist_checkpointing  # noqa: import cost outside the timer
     import megatron.core.models.gpt.gpt_layer_specs, megatron.core.dist_checkpointing.strategies.torch  # noqa
     def work():
         convert_hf_to_megatron(src, dst, progress="off")
@@ -54,6 +55,9 @@ else:
 def run_worker(mode: str, src: Path, dst: Path, watch: bool) -> dict:
     if mode == "floor":
         dst.mkdir(exist_ok=True)
+    # Flush what earlier runs left dirty (and the blocks their deleted outputs freed) so that
+    # neither measurement pays for the other's writeback in its own fsync.
+    os.sync()
     proc = subprocess.run([sys.executable, "-c", WORKER, mode, str(src), str(dst), str(HERE), "mem" if watch else "time"],
                           capture_output=True, text=True)
     if proc.returncode != 0:

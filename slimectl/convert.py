@@ -33,6 +33,7 @@ class ConvertResult:
     tp: int
     pp: int
     dtype: str
+    copied_tensors: int = 0  # this rank's tensors written by copying HF rows (never read into memory)
 
 
 def _under_torchrun() -> bool:
@@ -135,6 +136,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path | None = None, tp
 
     from slimectl.logs import progress as bar
     from slimectl.megatron.checkpoint import load_hf_into_model, save_megatron_checkpoint
+    from slimectl.megatron.copy_save import RowSource
     from slimectl.megatron.parallel import init_parallel, shutdown_parallel
     from slimectl.megatron.provider import build_gpt_model
 
@@ -148,17 +150,21 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path | None = None, tp
         padded = arch.padded_vocab_size(tp)
         model = build_gpt_model(arch, padded, tp=tp, pp=pp, dtype=dtype, init=False)
         n = sum(1 for _ in model.parameters())
+        # Tensors made of whole HF rows are not read here: the writer copies their bytes from the
+        # HF files into the checkpoint (slimectl/megatron/copy_save.py); hf stays open until then.
+        layers = getattr(getattr(model, "decoder", None), "layers", None) or []
+        key_map = layers[0].submodules_config.sharded_state_dict_keys_map if len(layers) else {}
+        source = RowSource(hf, tied_output=arch.tie_word_embeddings, layer_key_map=key_map)
         with bar(total=n, mode=progress if info.rank == 0 else "off", desc="convert", unit="tensor") as pbar:
-            load_hf_into_model(model, arch, hf, padded, info.tp_rank, info.tp, progress=pbar)
-        hf.close()
+            load_hf_into_model(model, arch, hf, padded, info.tp_rank, info.tp, progress=pbar, defer_to=source)
         num_params = sum(p.numel() for p in model.parameters())
         if run is not None:
-            result_dir = _save_into_run(run, model, arch, padded, dtype, tp, pp, hf_dir, force, info)
+            result_dir = _save_into_run(run, model, arch, padded, dtype, tp, pp, hf_dir, force, info, source)
         else:
             tmp = _broadcast(str(out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}") if info.rank == 0 else None)
             try:
                 save_megatron_checkpoint(model, tmp, "release", arch, padded, dtype, tp, pp, hf_source=hf_dir,
-                                         args=_megatron_args(arch, padded, tp, pp, dtype))
+                                         args=_megatron_args(arch, padded, tp, pp, dtype), source=source)
                 if info.rank == 0:
                     _swap_into_place(Path(tmp), out)
             except BaseException:
@@ -168,8 +174,9 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path | None = None, tp
             dist.barrier()
             result_dir = out
         total = _allreduce_sum(num_params) if pp > 1 or tp > 1 else num_params
-        return ConvertResult(Path(result_dir), 0, total, tp, pp, dtype)
+        return ConvertResult(Path(result_dir), 0, total, tp, pp, dtype, copied_tensors=len(source))
     finally:
+        hf.close()
         shutdown_parallel()
 
 
@@ -182,7 +189,7 @@ def _allreduce_sum(x: int) -> int:
     return int(t.item())
 
 
-def _save_into_run(run, model, arch, padded, dtype, tp, pp, hf_dir, force, info) -> Path:
+def _save_into_run(run, model, arch, padded, dtype, tp, pp, hf_dir, force, info, source=None) -> Path:
     import torch.distributed as dist
 
     from slimectl.megatron.checkpoint import save_megatron_checkpoint
@@ -192,11 +199,11 @@ def _save_into_run(run, model, arch, padded, dtype, tp, pp, hf_dir, force, info)
         with run.checkpoints.publish(0, meta=meta, stage="convert", overwrite=force) as staging:
             _broadcast(str(staging))
             save_megatron_checkpoint(model, staging, "release", arch, padded, dtype, tp, pp, hf_source=hf_dir,
-                                     args=_megatron_args(arch, padded, tp, pp, dtype))
+                                     args=_megatron_args(arch, padded, tp, pp, dtype), source=source)
     else:
         staging = _broadcast(None)
         save_megatron_checkpoint(model, staging, "release", arch, padded, dtype, tp, pp, hf_source=hf_dir,
-                                 args=_megatron_args(arch, padded, tp, pp, dtype))
+                                 args=_megatron_args(arch, padded, tp, pp, dtype), source=source)
     dist.barrier()
     return run.checkpoints.dir_for(0)
 

@@ -62,6 +62,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 FORKS: dict[str, int] = {}
+COPIED: dict[str, list[int]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,8 @@ def converted(models, tmp_path_factory) -> dict[tuple[str, int], Path]:
     ckpts = {(fam, 1): root / f"tp1-{fam}" for fam in FAMILIES}
     ckpts.update({(fam, 2): root / f"tp2-{fam}" for fam in FAMILIES})
     pairs = [str(x) for fam in FAMILIES for x in (models[fam], ckpts[(fam, 1)])]
-    FORKS["tp1"] = results(py(str(SCRIPTS / "convert_batch.py"), "1", "1", *pairs))[-1]["forks"]
+    res = results(py(str(SCRIPTS / "convert_batch.py"), "1", "1", *pairs))[-1]
+    FORKS["tp1"], COPIED["tp1"] = res["forks"], res["copied"]
     cli = slimectl("convert", "--hf", str(models["llama"]), "--out", str(ckpts[("llama", 2)]), "--tp", "2")
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert cli.stdout.strip() == str(ckpts[("llama", 2)])
@@ -104,6 +106,55 @@ def test_checkpoint_layout_is_megatron_lms(converted):
 def test_synchronous_save_writes_from_this_process(converted):
     # megatron's writer forks per file for async saves; convert saves synchronously and pays for no fork
     assert FORKS["tp1"] == 0
+
+
+def checkpoint_tensors(ckpt: Path, tmp_path: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint, read with torch's own DCP reader (as Megatron-LM reads)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{ckpt.name}-{len(list(tmp_path.iterdir()))}.pt"
+    dcp_to_torch_save(str(ckpt / "release"), str(out))
+    return torch.load(out, weights_only=True)
+
+
+def assert_same_tensors(a: dict, b: dict, what: str) -> None:
+    assert sorted(a) == sorted(b), what
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+def test_convert_copies_whole_row_tensors_from_the_hf_files(models, converted, tmp_path):
+    # At TP=1 in the model's dtype every tensor is whole HF rows: none is read into memory, all
+    # are copied file to file. Reading them all instead gives the very same checkpoint tensors.
+    from slimectl.models.arch import arch_from_dir
+    from slimectl.models.mapping import all_rules
+
+    expected = [len(all_rules(arch_from_dir(models[fam]))) for fam in FAMILIES]
+    assert COPIED["tp1"] == expected
+    pairs = [str(x) for fam in FAMILIES for x in (models[fam], tmp_path / f"read-{fam}")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLIMECTL_TEST_READ_ALL": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "convert_batch.py"), "1", "1", *pairs], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert results(proc)[-1]["copied"] == [0, 0, 0]
+    for fam in FAMILIES:
+        assert_same_tensors(checkpoint_tensors(converted[(fam, 1)], tmp_path),
+                            checkpoint_tensors(tmp_path / f"read-{fam}", tmp_path), f"{fam}: copied vs read")
+
+
+def test_tp2_and_pp2_conversions_hold_the_tp1_tensors(models, converted, tmp_path):
+    # A checkpoint's tensors are global: converting with TP=2 (column shards copied, row-parallel
+    # shards written from memory) or PP=2 (the tied output layer of the last stage read, not
+    # copied) must give exactly the TP=1 tensors.
+    pairs = [str(x) for fam in ("llama", "qwen2") for x in (models[fam], tmp_path / f"pp2-{fam}")]
+    torchrun(2, str(SCRIPTS / "convert_batch.py"), "1", "2", *pairs)
+    for fam in ("llama", "qwen2"):
+        ref = checkpoint_tensors(converted[(fam, 1)], tmp_path)
+        assert_same_tensors(ref, checkpoint_tensors(tmp_path / f"pp2-{fam}", tmp_path), f"{fam}: pp2 vs tp1")
+    for fam in ("qwen2", "qwen3"):  # same padded vocab at TP=1 and TP=2 (512)
+        assert_same_tensors(checkpoint_tensors(converted[(fam, 1)], tmp_path),
+                            checkpoint_tensors(converted[(fam, 2)], tmp_path), f"{fam}: tp2 vs tp1")
 
 
 def test_roundtrip_is_bit_exact_for_every_tensor(models, converted, tmp_path):

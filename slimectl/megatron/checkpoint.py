@@ -25,7 +25,7 @@ import torch
 from slimectl.errors import SlimectlError
 from slimectl.models.arch import CheckpointMismatch, ModelArch
 from slimectl.models.hf_io import HFCheckpoint
-from slimectl.models.mapping import rule_for, shard_row_blocks, to_hf, to_megatron, tp_gather, tp_shard
+from slimectl.models.mapping import full_row_blocks, rule_for, shard_row_blocks, to_hf, to_megatron, tp_gather, tp_shard
 
 log = logging.getLogger("slimectl.megatron")
 
@@ -54,13 +54,18 @@ def iter_dir_name(iteration: int | str) -> str:
 
 
 def load_hf_into_model(model, arch: ModelArch, hf: HFCheckpoint, padded_vocab: int, tp_rank: int, tp_size: int,
-                       progress=None) -> int:
+                       progress=None, defer_to=None) -> int:
     """Copy every parameter of this rank's model from the HF checkpoint, one tensor at a time.
 
     Returns the number of parameters filled. Shape mismatches name the tensor and both shapes.
     Where a parameter is made of whole HF rows in its own dtype (everything but row-parallel
     shards), the rows are read from the file straight into the parameter: no temporaries, and
     only one parameter's worth of the source is ever in memory.
+
+    With ``defer_to`` (a :class:`slimectl.megatron.copy_save.RowSource`) such parameters are not
+    read at all: they are recorded there and become meta tensors (no memory), and the checkpoint
+    writer copies their rows from the HF files into the checkpoint files (convert, which only
+    saves the model; the model cannot run afterwards).
     """
     from slimectl.megatron.provider import global_param_names
 
@@ -73,56 +78,72 @@ def load_hf_into_model(model, arch: ModelArch, hf: HFCheckpoint, padded_vocab: i
         except KeyError as exc:
             raise MegatronCheckpointError(str(exc)) from None
         p = params[local]
-        if _read_rows_into(p, arch, rule, hf, padded_vocab, tp_rank, tp_size):
-            filled += 1
-            if progress is not None:
-                progress.update(1)
-            continue
-        full = to_megatron(arch, rule, [hf.get(n) for n in rule.hf], padded_vocab)
-        shard = tp_shard(rule, full, tp_rank, tp_size)
-        if tuple(shard.shape) != tuple(p.shape):
-            raise CheckpointMismatch(
-                f"{global_name} (from {', '.join(rule.hf)}): converted shard has shape {list(shard.shape)}, "
-                f"the model expects {list(p.shape)}"
-            )
-        with torch.no_grad():
-            p.copy_(shard)
-        del full, shard
+        plan = _row_plan(p, arch, rule, hf, padded_vocab, tp_rank, tp_size)
+        if plan is not None and defer_to is not None and defer_to.accepts(global_name):
+            defer_to.add(global_name, full_row_blocks(arch, rule, plan[1]), plan[2], tuple(p.shape[1:]), p.dtype)
+            _to_meta(model, local, p)  # no memory: nothing reads it
+        elif plan is not None:
+            _read_blocks_into(p, rule, hf, plan[0])
+        else:
+            full = to_megatron(arch, rule, [hf.get(n) for n in rule.hf], padded_vocab)
+            shard = tp_shard(rule, full, tp_rank, tp_size)
+            if tuple(shard.shape) != tuple(p.shape):
+                raise CheckpointMismatch(
+                    f"{global_name} (from {', '.join(rule.hf)}): converted shard has shape {list(shard.shape)}, "
+                    f"the model expects {list(p.shape)}"
+                )
+            with torch.no_grad():
+                p.copy_(shard)
+            del full, shard
         filled += 1
         if progress is not None:
             progress.update(1)
     return filled
 
 
-def _read_rows_into(p, arch: ModelArch, rule, hf: HFCheckpoint, padded_vocab: int, tp_rank: int, tp_size: int) -> bool:
-    """Fill ``p`` by reading its rows from the files straight into its memory (no temporaries).
+def _to_meta(model, local_name: str, p) -> None:
+    """Swap parameter ``local_name`` for a meta one of the same shape, dtype and attributes."""
+    owner, _, attr = local_name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    meta = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    meta.__dict__.update(p.__dict__)  # megatron's tensor_model_parallel, partition_dim, ...
+    module._parameters[attr] = meta
+
+
+def _row_plan(p, arch: ModelArch, rule, hf: HFCheckpoint, padded_vocab: int, tp_rank: int, tp_size: int):
+    """How ``p`` is made of whole HF rows: (this shard's row blocks, HF row counts, full rows), or None.
 
     Possible when every source tensor has the parameter's dtype and the shard is made of whole
-    HF rows (everything but row-parallel shards under TP). Returns False when it is not, so the
-    caller builds the tensor the general way (which also produces the shape-mismatch errors).
+    HF rows (everything but row-parallel shards under TP). None when it is not, so the caller
+    builds the tensor the general way (which also produces the shape-mismatch errors).
     """
     if p.device.type != "cpu" or not p.is_contiguous() or any(n not in hf for n in rule.hf):
-        return False
+        return None
     shapes = [hf.shape(n) for n in rule.hf]
     if any(hf.dtype(n) != p.dtype for n in rule.hf) or any(not s or s[1:] != shapes[0][1:] for s in shapes):
-        return False
+        return None
     rows = [s[0] for s in shapes]
     g, d, n = arch.num_kv_heads, arch.head_dim, arch.q_per_group
     if rule.kind in ("qkv", "qkv_bias") and rows != [g * n * d, g * d, g * d]:
-        return False
+        return None
     if rule.kind == "fc1" and rows[0] != rows[1]:
-        return False
+        return None
     full_rows = padded_vocab if rule.kind == "vocab" else sum(rows)
     if rule.kind == "vocab" and rows[0] > padded_vocab:
-        return False
+        return None
     split = rule.tp_dim is not None and tp_size > 1
     if split and (rule.tp_dim != 0 or full_rows % tp_size):
-        return False
+        return None
     if tuple(p.shape) != (full_rows // tp_size if split else full_rows,) + tuple(shapes[0][1:]):
-        return False
+        return None
     blocks = shard_row_blocks(arch, rule, rows, full_rows, tp_rank, tp_size)
     if blocks is None:
-        return False
+        return None
+    return blocks, rows, full_rows
+
+
+def _read_blocks_into(p, rule, hf: HFCheckpoint, blocks) -> None:
+    """Fill ``p`` by reading its rows from the files straight into its memory (no temporaries)."""
     with torch.no_grad():
         covered = 0
         for b in blocks:
@@ -132,7 +153,6 @@ def _read_rows_into(p, arch: ModelArch, rule, hf: HFCheckpoint, padded_vocab: in
             if rule.kind != "vocab":
                 raise AssertionError(f"{rule.megatron}: row blocks cover {covered} of {p.shape[0]} rows")
             p.data[covered:].zero_()  # vocab padding: the only rows no HF tensor covers
-    return True
 
 
 # ----------------------------------------------------------------------------- model -> HF
@@ -238,7 +258,7 @@ def _use_in_process_results_queue() -> None:
         fa._results_queue = queue.Queue()
 
 
-def _write_in_this_process(request):
+def _write_in_this_process(request, source=None):
     """Have a synchronous torch_dist save write its files from this process, not forked writers.
 
     megatron-core's writer forks one process per file so that an *asynchronous* save can run
@@ -247,6 +267,9 @@ def _write_in_this_process(request):
     parallelism (bench/convert.py, 100M parameters, 2 cores, median of 3: forked 1.01 s, one
     thread 1.28 s, a thread per file 0.86 s). Same files, same write function (fsynced), same
     results. Any other writer is left as it is.
+
+    With ``source`` (a :class:`~slimectl.megatron.copy_save.RowSource` holding unfilled
+    parameters), those tensors' bytes are copied from the HF files (:mod:`copy_save`).
     """
     import functools
     import queue
@@ -258,6 +281,9 @@ def _write_in_this_process(request):
     target = getattr(multiproc, "__func__", multiproc)
     if not (isinstance(fn, functools.partial) and getattr(fn.func, "__wrapped__", fn.func) in
             (target, getattr(target, "__wrapped__", None)) and len(fn.args) == 2):
+        if source is not None and len(source):
+            raise MegatronCheckpointError("megatron-core's torch_dist writer is not the one slimectl knows; "
+                                          "convert cannot copy tensors from the HF files with it")
         return request
     transform_list, _use_msc = fn.args
 
@@ -274,10 +300,22 @@ def _write_in_this_process(request):
         from concurrent.futures import ThreadPoolExecutor
 
         local: queue.Queue = queue.Queue()
+        copying = source is not None and len(source) > 0
         with ThreadPoolExecutor(max_workers=max(len(write_buckets), 1)) as pool:
-            for f in [pool.submit(FileSystemWriterAsync.write_preloaded_data, transform_list, i, bucket, local,
-                                  _Done(), True) for i, bucket in enumerate(write_buckets)]:
+            if copying:
+                from slimectl.megatron.copy_save import write_bucket
+
+                done: list = []
+                futures = [pool.submit(write_bucket, transform_list, i, bucket, done, source)
+                           for i, bucket in enumerate(write_buckets)]
+            else:
+                futures = [pool.submit(FileSystemWriterAsync.write_preloaded_data, transform_list, i, bucket, local,
+                                       _Done(), True) for i, bucket in enumerate(write_buckets)]
+            for f in futures:
                 f.result()
+        if copying:
+            for entry in done:
+                local.put(entry)
         results: dict[int, Any] = {}
         while not local.empty():
             idx, out = local.get()
@@ -287,16 +325,30 @@ def _write_in_this_process(request):
             results[idx] = out
         results_queue.put(results)
 
+    if source is not None and len(source):
+        # megatron's staging copies every tensor to CPU; the copied ones are meta tensors (no data)
+        buckets = request.async_fn_args[1]
+
+        def stage():
+            return [(name, key, (bytes_data, [(item, t if t.is_meta else t.to("cpu")) for item, t in tensor_data]))
+                    for name, key, (bytes_data, tensor_data) in buckets]
+
+        return request._replace(async_fn=write, preload_fn=stage if request.preload_fn else None)
     return request._replace(async_fn=write)
 
 
-def save_torch_dist(state: dict[str, Any], it_dir: str | Path) -> None:
-    """``dist_checkpointing.save`` done synchronously, writing from this process (collective)."""
+def save_torch_dist(state: dict[str, Any], it_dir: str | Path, source=None) -> None:
+    """``dist_checkpointing.save`` done synchronously, writing from this process (collective).
+
+    ``source``: unfilled parameters whose bytes are copied from the HF files (convert).
+    """
     from megatron.core import dist_checkpointing
 
     _use_in_process_results_queue()
     request = dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA, async_sharded_save=True)
-    _write_in_this_process(request).execute_sync()
+    _write_in_this_process(request, source).execute_sync()
+    if source is not None:
+        source.check_all_copied()
 
 
 def _sharded_state_dict(model) -> dict[str, Any]:
@@ -305,7 +357,7 @@ def _sharded_state_dict(model) -> dict[str, Any]:
 
 def save_megatron_checkpoint(model, root: str | Path, iteration: int | str, arch: ModelArch, padded_vocab: int,
                              dtype: str, tp: int, pp: int, extra_state: dict[str, Any] | None = None,
-                             hf_source: str | Path | None = None, args: Any = None) -> Path:
+                             hf_source: str | Path | None = None, args: Any = None, source=None) -> Path:
     """Save the model as torch_dist under ``root/iter_NNNNNNN`` and point the tracker at it.
 
     Collective: every rank calls it. Rank 0 writes the tracker and metadata afterwards, so a
@@ -327,7 +379,7 @@ def save_megatron_checkpoint(model, root: str | Path, iteration: int | str, arch
         state["args"] = args
     if extra_state:
         state.update(extra_state)
-    save_torch_dist(state, it_dir)
+    save_torch_dist(state, it_dir, source)
     dist.barrier()
     if dist.get_rank() == 0:
         meta = {

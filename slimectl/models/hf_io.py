@@ -91,27 +91,35 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entries[name][1]
 
-    def read(self, name: str, out: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor ``name``, or its rows ``[start, start + n)`` along dim 0 with ``rows=(start, n)``.
-
-        With ``out`` (contiguous, same dtype, the shape read) the bytes land in ``out`` itself.
-        """
+    def byte_span(self, name: str, rows: tuple[int, int] | None = None) -> tuple[int, int, int]:
+        """(file descriptor, file offset, byte length) of tensor ``name``, or of its rows ``(start, n)``."""
         dtype, shape, begin, end = self.entries[name]
         if rows is not None:
             start, n = rows
             if not shape or start < 0 or n < 0 or start + n > shape[0]:
                 raise ValueError(f"{name}: rows [{start}, {start + n}) outside shape {list(shape)}")
             row_bytes = (end - begin) // shape[0] if shape[0] else 0
-            begin, end, shape = begin + start * row_bytes, begin + (start + n) * row_bytes, (n,) + shape[1:]
+            begin, end = begin + start * row_bytes, begin + (start + n) * row_bytes
+        return self._fd, self._base + begin, end - begin
+
+    def read(self, name: str, out: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor ``name``, or its rows ``[start, start + n)`` along dim 0 with ``rows=(start, n)``.
+
+        With ``out`` (contiguous, same dtype, the shape read) the bytes land in ``out`` itself.
+        """
+        dtype, shape = self.entries[name][:2]
+        _, pos, length = self.byte_span(name, rows)
+        if rows is not None:
+            shape = (rows[1],) + shape[1:]
         if out is None:
             out = torch.empty(shape, dtype=dtype)
         elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
             raise ValueError(f"{name}: cannot read {dtype} {list(shape)} into {out.dtype} {list(out.shape)}")
-        if end == begin:
+        if length == 0:
             return out
         view = memoryview(out.view(-1).view(torch.uint8).numpy())
-        got, pos = 0, self._base + begin
-        while got < end - begin:
+        got = 0
+        while got < length:
             k = os.preadv(self._fd, [view[got:]], pos + got)
             if k <= 0:
                 raise OSError(f"unexpected end of file reading {name}")
@@ -191,6 +199,15 @@ class HFCheckpoint:
             raise
         except Exception as exc:
             raise HFCheckpointError(f"{self.dir / self._where[name]}: cannot read {name} ({exc}); the file is damaged") from None
+
+    def byte_span(self, name: str, rows: tuple[int, int] | None = None) -> tuple[int, int, int]:
+        """(file descriptor, file offset, byte length) of tensor ``name`` (its rows ``(start, n)``).
+
+        The descriptor stays valid until :meth:`close`.
+        """
+        if name not in self._where:
+            raise CheckpointMismatch(f"{self.dir}: tensor {name} is missing from the checkpoint")
+        return self._handles[self._where[name]].byte_span(name, rows)
 
     def validate(self, arch: ModelArch) -> None:
         """Every expected tensor is present with the config's shape; nothing unexpected is there."""

@@ -1,6 +1,9 @@
 """Convert several HF models in one launch (saves the import cost per model in tests).
 
     [torchrun --nproc_per_node N] convert_batch.py TP PP HF_DIR OUT [HF_DIR OUT ...]
+
+With SLIMECTL_TEST_READ_ALL=1 every tensor is read into memory and written by torch_dist's
+writer (no tensor is copied from the HF files), to compare both paths.
 """
 
 import json
@@ -12,11 +15,15 @@ from slimectl.convert import convert_hf_to_megatron
 
 def main() -> None:
     tp, pp, pairs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    forks = []
+    if os.environ.get("SLIMECTL_TEST_READ_ALL") == "1":
+        from slimectl.megatron.copy_save import RowSource
+
+        RowSource.accepts = lambda self, name: False
+    forks, copied = [], []
     os.register_at_fork(before=lambda: forks.append(1))  # the save writes from this process
     for hf, out in zip(pairs[::2], pairs[1::2]):
-        convert_hf_to_megatron(hf, out, tp=tp, pp=pp, progress="off")
-    print("RESULT " + json.dumps({"forks": len(forks)}))
+        copied.append(convert_hf_to_megatron(hf, out, tp=tp, pp=pp, progress="off").copied_tensors)
+    print("RESULT " + json.dumps({"forks": len(forks), "copied": copied}))
 
 
 if __name__ == "__main__":
