@@ -160,10 +160,16 @@ class InProcessTrainer:
 
     def _source(self, version: int):
         from slimectl.sync import WeightSource
+        from slimectl.train.stage import _broadcast_object
 
         if not self.disk:
-            return WeightSource.from_tensors(version, self.trainer.iter_hf_tensors)
-        if not self.run.weights.exists(version):
+            def passes():  # several trainer ranks: each pass is announced to ranks > 0 (FollowerTrainer)
+                _broadcast_object("pass")
+                yield from self.trainer.iter_hf_tensors()
+
+            return WeightSource.from_tensors(version, passes)
+        # Publishing is collective over the trainer ranks (a Ray trainer with several): rank 0 decides.
+        if _broadcast_object(not self.run.weights.exists(version)):
             if version == 0:
                 return WeightSource.from_dir(0, self.cfg.model.path)
             self.trainer.publish(version - 1, version, checkpoint=False, weights=True)
@@ -172,15 +178,62 @@ class InProcessTrainer:
     def sync(self, version: int) -> tuple[dict[str, float], float]:
         """Load weight version ``version`` into every engine; its sync metrics and seconds."""
         from slimectl.sync import sync_engines
+        from slimectl.train.stage import _broadcast_object
 
         s = self.cfg.sync
-        res = self.loop.run_until_complete(sync_engines(self.clients, self.transport, self._source(version),
-                                                        s.pause_mode, s.verify))
+        try:
+            res = self.loop.run_until_complete(sync_engines(self.clients, self.transport, self._source(version),
+                                                            s.pause_mode, s.verify))
+        finally:
+            if not self.disk:
+                _broadcast_object("done")  # no-op with one trainer rank
         return res.metrics(), res.seconds
 
     def train(self, rid: int, art, last: bool) -> list[dict]:
         """Train on rollout ``rid`` (its READY artifact ``art``); the per-step train metrics."""
         return self.trainer.train_rollout(rid, art, self.metrics, publish_weights=self.disk, last=last)
+
+
+class FollowerTrainer:
+    """Trainer rank > 0 of a trainer with several ranks (``rl --launcher ray`` with
+    ``train.tp*pp*dp > 1``): it joins every collective of rank 0's :class:`InProcessTrainer` —
+    training, checkpoint and weight publishing, the TP/PP gathers of a distributed sync — and,
+    like the ranks > 0 of ``slimectl train`` under torchrun, holds no lock, writes nothing to the
+    run directory and talks to no engine."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack):
+        from slimectl.train.stage import FollowerLock, Trainer
+
+        self.run, self.cfg = run, cfg
+        self.disk = cfg.sync.transport == "disk"
+        self.trainer = Trainer(run, cfg, FollowerLock())
+
+    @property
+    def weight_version(self) -> int:
+        return self.trainer.weight_version
+
+    def connect(self, loop, clients: dict) -> None:
+        return None
+
+    def sync(self, version: int) -> tuple[dict[str, float], float]:
+        """Take part in rank 0's sync of weight version ``version``."""
+        from slimectl.train.stage import _broadcast_object
+
+        if self.disk:
+            if _broadcast_object(None) and version != 0:
+                self.trainer.publish(version - 1, version, checkpoint=False, weights=True)
+        else:
+            # Rank 0 announces each pass over its tensors (one per push, one more to verify) and
+            # the end of the sync; the TP/PP gathers of every pass need every rank.
+            while _broadcast_object(None) == "pass":
+                for _ in self.trainer.iter_hf_tensors():
+                    pass
+        return {}, 0.0
+
+    def train(self, rid: int, art, last: bool) -> list[dict]:
+        from slimectl.train.stage import _NullMetrics
+
+        return self.trainer.train_rollout(rid, art, _NullMetrics(), publish_weights=self.disk, last=last)
 
 
 class LocalLauncher:

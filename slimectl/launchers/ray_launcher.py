@@ -6,9 +6,13 @@ rollout stage (HTTP clients of the engines); only where engines and trainer live
 - one :class:`EngineActor` per engine, which starts that engine exactly as ``slimectl serve``
   does (:class:`~slimectl.serve.EngineGroup` for its one index: a child process of the actor,
   registered in ``RUN/engines/``, dying with the actor);
-- one :class:`TrainerActor`, which runs :class:`~slimectl.rl.InProcessTrainer` — the same train
-  stage (``train`` lock, cursor, checkpoints, ``weights/N``) and the same weight sync that a
-  local ``rl`` runs in its own process. One trainer rank: ``train.tp*pp*dp`` must be 1.
+- one :class:`TrainerActor` per trainer rank (``train.tp*pp*dp`` of them). Rank 0 runs
+  :class:`~slimectl.rl.InProcessTrainer` — the same train stage (``train`` lock, cursor,
+  checkpoints, ``weights/N``) and the same weight sync that a local ``rl`` runs in its own
+  process; ranks > 0 run :class:`~slimectl.rl.FollowerTrainer`, which joins its collectives, as
+  the ranks of ``slimectl train`` under torchrun do. The ranks form one torch.distributed job:
+  ``MASTER_ADDR``/``MASTER_PORT`` are rank 0's node and a free port there, ``RANK``/``WORLD_SIZE``
+  the actor's, ``LOCAL_RANK`` 0 (Ray gives each rank its own GPU).
 
 Placement follows slime: bundles ``{"CPU": 1}`` (plus ``"GPU"`` when the cluster has GPUs).
 Disaggregated (the default): a placement group of trainer bundles and one of engine bundles,
@@ -151,15 +155,31 @@ class TrainerActor:
         self.stack = ExitStack()
         self.trainer = None
 
-    def start(self, run_path: str, cfg_data: dict, log_level: int) -> dict:
-        """Take the train lock and load the actor from the run directory (as ``slimectl train`` does)."""
-        from slimectl.rl import InProcessTrainer
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port on it: the rendezvous of a trainer with several ranks."""
+        import socket
 
-        _actor_logging(log_level)
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    def start(self, run_path: str, cfg_data: dict, log_level: int, rank: int = 0, world: int = 1,
+              master: tuple[str, int] | None = None) -> dict:
+        """Join the trainer's ranks (when several), take the train lock (rank 0) and load the actor
+        from the run directory, as ``slimectl train`` does."""
+        from slimectl.rl import FollowerTrainer, InProcessTrainer
+
+        _actor_logging(log_level if rank == 0 else logging.WARNING)
+        if world > 1:
+            os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
+                               "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
         self.run = RunDir.open(run_path)
         self.cfg = build_config(cfg_data, origin="the rl driver's config")
-        self.trainer = InProcessTrainer(self.run, self.cfg, self.stack)
-        return {**_actor_context(), "weight_version": self.trainer.weight_version}
+        self.trainer = (InProcessTrainer if rank == 0 else FollowerTrainer)(self.run, self.cfg, self.stack)
+        return {**_actor_context(), "rank": rank, "weight_version": self.trainer.weight_version}
 
     def connect(self, urls: list[str]) -> None:
         from slimectl.rl import open_engine_clients
@@ -220,20 +240,22 @@ class EngineActor:
 
 # ------------------------------------------------------------------------------ driver side
 class RayTrainer:
-    """The driver's handle on the :class:`TrainerActor`: what :func:`slimectl.rl.run_rl` calls."""
+    """The driver's handle on the :class:`TrainerActor` ranks: what :func:`slimectl.rl.run_rl` calls.
 
-    def __init__(self, launcher: "RayLauncher", actor, info: dict):
-        self.launcher, self.actor = launcher, actor
+    Every call goes to every rank at once (they meet in collectives); rank 0's answer is the result."""
+
+    def __init__(self, launcher: "RayLauncher", actors: list, info: dict):
+        self.launcher, self.actors = launcher, actors
         self.weight_version: int = info["weight_version"]
 
     def connect(self, loop, clients: dict) -> None:
-        self.launcher.get(self.actor.connect.remote(list(clients)), "trainer")
+        self.launcher.get(self.actors[0].connect.remote(list(clients)), "trainer")  # only rank 0 sends weights
 
     def sync(self, version: int) -> tuple[dict[str, float], float]:
-        return self.launcher.get(self.actor.sync.remote(version), "trainer")
+        return self.launcher.get([a.sync.remote(version) for a in self.actors], "trainer")[0]
 
     def train(self, rid: int, art, last: bool) -> list[dict]:
-        steps = self.launcher.get(self.actor.train.remote(rid, last), "trainer")
+        steps = self.launcher.get([a.train.remote(rid, last) for a in self.actors], "trainer")[0]
         self.weight_version = rid + 1
         return steps
 
@@ -296,9 +318,6 @@ class RayLauncher:
     # ------------------------------------------------------------------ what run_rl calls
     def start_trainer(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack) -> RayTrainer:
         world = cfg.train.tp * cfg.train.pp * cfg.train.dp
-        if world != 1:
-            raise UsageError(f"train.tp*pp*dp = {world}: `slimectl rl --launcher ray` runs one trainer rank; set "
-                             f"train.tp, train.pp and train.dp to 1 (or train with `slimectl train`, which uses torchrun)")
         if cfg.engine.gpu_ids:
             raise UsageError("engine.gpu_ids is set, but under --launcher ray Ray assigns each engine its GPUs; "
                              "remove engine.gpu_ids")
@@ -311,13 +330,17 @@ class RayLauncher:
                                        engine_gpus=engine_gpus)
         log.info("ray: %s placement; bundles %s", "colocated" if self.colocate else "disaggregated",
                  {name: len(b) for name, b in self.layout.groups.items()})
-        actor = self.actor(TrainerActor, self.layout.trainer[0])
-        stack.callback(self.stop_actors, [actor], "trainer")
-        info = self.get(actor.start.remote(str(run.path), cfg.to_dict(), self.log_level), "trainer")
-        log.info("ray: trainer in actor %s (pid %d) on node %s, at weight version %d", info["ray_actor_id"][:12],
-                 info["actor_pid"], info["ray_node_id"][:12], info["weight_version"])
-        self.trainer_host = info["actor_host"]
-        return RayTrainer(self, actor, info)
+        actors = [self.actor(TrainerActor, slot) for slot in self.layout.trainer]
+        stack.callback(self.stop_actors, actors, "trainer")
+        master = self.get(actors[0].address.remote(), "trainer") if world > 1 else None
+        infos = self.get([a.start.remote(str(run.path), cfg.to_dict(), self.log_level, rank, world, master)
+                          for rank, a in enumerate(actors)], "trainer")
+        for info in infos:
+            log.info("ray: trainer rank %d/%d in actor %s (pid %d) on node %s, at weight version %d", info["rank"],
+                     world, info["ray_actor_id"][:12], info["actor_pid"], info["ray_node_id"][:12],
+                     info["weight_version"])
+        self.trainer_host = infos[0]["actor_host"]
+        return RayTrainer(self, actors, infos[0])
 
     def start_engines(self, run: RunDir, cfg: SlimectlConfig, engine_urls, stack: ExitStack):
         from slimectl.rl import Engines
