@@ -395,3 +395,46 @@ def test_gpu_summary_says_when_a_run_has_no_training_steps(tmp_path):
                          text=True, timeout=60)
     assert res.returncode == 1 and "no training steps" in res.stderr
     assert "rollout tokens/s        : n/a" in res.stdout  # NaN and the torn last line are skipped
+
+
+@pytest.mark.slow
+def test_the_serve_host_killed_mid_rollout_restarts_and_the_run_finishes(tmp_path):
+    """kill -9 the serve host (its engines die with it) while rollout 1 is being generated: the
+    rollout host stops with a one-line error naming the dead engine and publishes nothing; the
+    restarted serve host drops its dead records and serves the initial weights again; the sync
+    loop brings the engines back to the trained version; the run finishes, each rollout trained
+    once, no rollout generated across a weight change."""
+    run = init_run(tmp_path, 3, "rollout.max_response_len=48")
+    serve = Host(run, "serve", "serve-host", "serve_host.sh", SERVE_BIND=SERVE_ADDR)
+    rollout = Host(run, "rollout", "rollout-host", "rollout_host.sh")
+    train = Host(run, "train", "train-host", "train_host.sh")
+    sync = Host(run, "sync", "train-host", "sync_loop.sh")
+    hosts = [serve, rollout, train, sync]
+    try:
+        for h in hosts:
+            h.start()
+        lock_file = run.path / "locks" / "rollout.lock"
+        wait_until(lambda: run.rollouts.exists(0) and lock_file.exists(), 150, "rollout 1 to start", hosts)
+        dead = {r.id for r in run.engines.list()}
+        serve.kill()
+        mid_rollout = not run.rollouts.exists(1)
+        if mid_rollout:
+            rc = rollout.wait(120)
+            assert rc != 0
+            errors = [x for x in rollout.text().splitlines() if x.startswith("Error:")]
+            assert len(errors) == 1 and "engine" in errors[0], rollout.text()[-3000:]
+            assert not run.rollouts.exists(1) and run.rollouts.ids() == [0]  # nothing half-written published
+        serve.start()
+        wait_until(lambda: run.engines.list() and not dead & {r.id for r in run.engines.list()}, 120,
+                   "the restarted serve host to replace its dead engine records", [serve])
+        for h in (rollout, sync):  # a host whose stage failed on the dead engines is restarted
+            if h.proc.poll() is not None and h.proc.returncode != 0:
+                h.start()
+        for h in (rollout, train, sync):
+            assert h.wait(240) == 0, f"{h.name}:\n{h.text()[-3000:]}"
+        assert_engines_serve(run, 3)
+    finally:
+        for h in hosts:
+            h.ensure_gone()
+    assert_every_rollout_trained_once(run, 3)
+    assert [run.rollouts.get(i).meta["weight_version"] for i in range(3)] == ["0", "1", "2"]  # on-policy

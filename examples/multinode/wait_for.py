@@ -68,10 +68,15 @@ def sync_target(run, lag: int) -> int:
 
 
 def wait_sync_target(run, above: int, lag: int, timeout: float | None) -> int:
+    """The first version newer than the engines' that may be pushed. ``above`` is their version
+    when the wait began; the registry is read again on every poll, so engines that restarted on
+    the initial weights meanwhile (a serve host killed and restarted) are caught up at once
+    instead of waiting for a version that needs them to serve a newer one first."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         target = sync_target(run, lag)
-        if target > above:
+        have = min(engine_versions(run), default=above)
+        if target > min(have, above):
             return target
         if deadline is not None and time.monotonic() >= deadline:
             from slimectl.errors import WaitTimeout
