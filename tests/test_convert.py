@@ -143,6 +143,22 @@ def test_convert_copies_whole_row_tensors_from_the_hf_files(models, converted, t
                             checkpoint_tensors(tmp_path / f"read-{fam}", tmp_path), f"{fam}: copied vs read")
 
 
+def test_a_sharded_hf_checkpoint_converts_to_the_same_tensors(models, converted, tmp_path):
+    # Rows are copied from whichever shard holds each HF tensor (model-0000N-of-M.safetensors + index).
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(models["llama"]).save_pretrained(sharded, max_shard_size="100KB")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (models["llama"] / f).is_file():
+            (sharded / f).write_bytes((models["llama"] / f).read_bytes())
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
+    res = results(py(str(SCRIPTS / "convert_batch.py"), "1", "1", str(sharded), str(tmp_path / "out")))[-1]
+    assert res["copied"] == [COPIED["tp1"][FAMILIES.index("llama")]]
+    assert_same_tensors(checkpoint_tensors(converted[("llama", 1)], tmp_path),
+                        checkpoint_tensors(tmp_path / "out", tmp_path), "llama: sharded vs single file")
+
+
 def test_tp2_and_pp2_conversions_hold_the_tp1_tensors(models, converted, tmp_path):
     # A checkpoint's tensors are global: converting with TP=2 (column shards copied, row-parallel
     # shards written from memory) or PP=2 (the tied output layer of the last stage read, not
