@@ -202,12 +202,12 @@ def test_placement_layout_colocated_shares_bundles_disaggregated_separates_them(
         placement_layout(num_engines=1, trainer_ranks=1, colocate=True, trainer_gpus=1, engine_gpus=2)
 
 
-@pytest.mark.parametrize("split,transport", [("tp", "distributed"), ("dp", "disk")])
+@pytest.mark.parametrize("split,transport", [("tp", "distributed"), ("pp", "distributed"), ("dp", "disk")])
 def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, cluster, split, transport):
-    """train.tp=2 (or dp=2) under Ray: two trainer actors, one per node (the colocated group's two
-    bundles), form one torch.distributed job. Rank 0 holds the lock and writes the run directory;
-    rank 1 joins the training, the publishing of weights/N (disk) or the TP gathers of the
-    distributed weight sync. The numbers match a one-rank local run of the same config (same
+    """train.tp=2, pp=2 or dp=2 under Ray: two trainer actors, one per node (the colocated group's
+    two bundles), form one torch.distributed job. Rank 0 holds the lock and writes the run
+    directory; rank 1 joins the training, the publishing of weights/N (disk) or the TP gathers /
+    pipeline-stage streaming of the distributed weight sync. The numbers match a one-rank local run of the same config (same
     samples, losses within 1e-4)."""
     import re
 
