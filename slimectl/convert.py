@@ -152,8 +152,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path | None = None, tp
         n = sum(1 for _ in model.parameters())
         # Tensors made of whole HF rows are not read here: the writer copies their bytes from the
         # HF files into the checkpoint (slimectl/megatron/copy_save.py); hf stays open until then.
-        layers = getattr(getattr(model, "decoder", None), "layers", None) or []
-        key_map = layers[0].submodules_config.sharded_state_dict_keys_map if len(layers) else {}
+        key_map = model.decoder.layers[0].submodules_config.sharded_state_dict_keys_map  # every stage has layers
         source = RowSource(hf, tied_output=arch.tie_word_embeddings, layer_key_map=key_map)
         with bar(total=n, mode=progress if info.rank == 0 else "off", desc="convert", unit="tensor") as pbar:
             load_hf_into_model(model, arch, hf, padded, info.tp_rank, info.tp, progress=pbar, defer_to=source)

@@ -1,11 +1,13 @@
 """Plumbing shared by slimectl's aiohttp servers (embedded engine, agent harness, rollout buffer).
 
 Each server keeps its own routes, error shapes and auth; what is the same everywhere lives here:
-starting the site (port 0 picks a free port), the URL it answers on, and reading a JSON body.
+starting the site (port 0 picks a free port), the URL it answers on, reading a JSON body, and
+checking a bearer token.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 from typing import Any
 
@@ -42,3 +44,9 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
 
 def http_url(host: str, port: int) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def bearer_matches(request: web.Request, token: str) -> bool:
+    """Whether the request carries ``Authorization: Bearer TOKEN`` (compared in constant time)."""
+    auth = request.headers.get("Authorization", "")
+    return hmac.compare_digest(auth.encode(), f"Bearer {token}".encode())

@@ -160,16 +160,16 @@ class InProcessTrainer:
 
     def _source(self, version: int):
         from slimectl.sync import WeightSource
-        from slimectl.train.stage import _broadcast_object
+        from slimectl.train.stage import broadcast_from_rank0
 
         if not self.disk:
             def passes():  # several trainer ranks: each pass is announced to ranks > 0 (FollowerTrainer)
-                _broadcast_object("pass")
+                broadcast_from_rank0("pass")
                 yield from self.trainer.iter_hf_tensors()
 
             return WeightSource.from_tensors(version, passes)
         # Publishing is collective over the trainer ranks (a Ray trainer with several): rank 0 decides.
-        if _broadcast_object(not self.run.weights.exists(version)):
+        if broadcast_from_rank0(not self.run.weights.exists(version)):
             if version == 0:
                 return WeightSource.from_dir(0, self.cfg.model.path)
             self.trainer.publish(version - 1, version, checkpoint=False, weights=True)
@@ -178,7 +178,7 @@ class InProcessTrainer:
     def sync(self, version: int) -> tuple[dict[str, float], float]:
         """Load weight version ``version`` into every engine; its sync metrics and seconds."""
         from slimectl.sync import sync_engines
-        from slimectl.train.stage import _broadcast_object
+        from slimectl.train.stage import broadcast_from_rank0
 
         s = self.cfg.sync
         try:
@@ -186,7 +186,7 @@ class InProcessTrainer:
                                                             s.pause_mode, s.verify))
         finally:
             if not self.disk:
-                _broadcast_object("done")  # no-op with one trainer rank
+                broadcast_from_rank0("done")  # no-op with one trainer rank
         return res.metrics(), res.seconds
 
     def train(self, rid: int, art, last: bool) -> list[dict]:
@@ -217,23 +217,23 @@ class FollowerTrainer:
 
     def sync(self, version: int) -> tuple[dict[str, float], float]:
         """Take part in rank 0's sync of weight version ``version``."""
-        from slimectl.train.stage import _broadcast_object
+        from slimectl.train.stage import broadcast_from_rank0
 
         if self.disk:
-            if _broadcast_object(None) and version != 0:
+            if broadcast_from_rank0(None) and version != 0:
                 self.trainer.publish(version - 1, version, checkpoint=False, weights=True)
         else:
             # Rank 0 announces each pass over its tensors (one per push, one more to verify) and
             # the end of the sync; the TP/PP gathers of every pass need every rank.
-            while _broadcast_object(None) == "pass":
+            while broadcast_from_rank0(None) == "pass":
                 for _ in self.trainer.iter_hf_tensors():
                     pass
         return {}, 0.0
 
     def train(self, rid: int, art, last: bool) -> list[dict]:
-        from slimectl.train.stage import _NullMetrics
+        from slimectl.train.stage import NullMetrics
 
-        return self.trainer.train_rollout(rid, art, _NullMetrics(), publish_weights=self.disk, last=last)
+        return self.trainer.train_rollout(rid, art, NullMetrics(), publish_weights=self.disk, last=last)
 
 
 class LocalLauncher:

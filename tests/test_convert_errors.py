@@ -112,3 +112,28 @@ def test_export_bad_checkpoint(cli, tmp_path):
     res = cli("export", "--checkpoint", d, "--out", tmp_path / "o", "--max-shard-size", "lots")
     assert res.exit_code == 2 and "--max-shard-size 'lots'" in res.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(llama, tmp_path):
+    # torch_dist reports a writer's failure as CheckpointException, a BaseException with the
+    # cause pickled away; convert must still say "no space left" in one line and clean up.
+    import subprocess
+    import sys
+
+    script = (
+        "import errno, sys\n"
+        "import slimectl.megatron.copy_save as cs\n"
+        "def full(*args):\n"
+        "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+        "cs.copy_range = full\n"
+        "from slimectl.commands.cli import cli\n"
+        "cli(sys.argv[1:], prog_name='slimectl')\n"
+    )
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-c", script, "convert", "--hf", str(llama), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "no space left on the device holding" in errors[0], res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]

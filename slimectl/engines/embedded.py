@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from slimectl.httpserver import InvalidJSON, http_url, request_json, start_site
+from slimectl.httpserver import InvalidJSON, bearer_matches, http_url, request_json, start_site
 
 log = logging.getLogger("slimectl.engine")
 
@@ -117,8 +117,7 @@ class EmbeddedEngine:
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         if self.admin_token and request.path in ADMIN_PATHS:
-            auth = request.headers.get("Authorization", "")
-            if auth != f"Bearer {self.admin_token}":
+            if not bearer_matches(request, self.admin_token):
                 return _err(401, "Unauthorized: this endpoint needs the engine's admin token (Authorization: Bearer ...)")
         try:
             return await handler(request)

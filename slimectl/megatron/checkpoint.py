@@ -258,7 +258,7 @@ def _use_in_process_results_queue() -> None:
         fa._results_queue = queue.Queue()
 
 
-def _write_in_this_process(request, source=None):
+def _write_in_this_process(request, source=None, failures: list | None = None):
     """Have a synchronous torch_dist save write its files from this process, not forked writers.
 
     megatron-core's writer forks one process per file so that an *asynchronous* save can run
@@ -270,18 +270,21 @@ def _write_in_this_process(request, source=None):
 
     With ``source`` (a :class:`~slimectl.megatron.copy_save.RowSource` holding unfilled
     parameters), those tensors' bytes are copied from the HF files (:mod:`copy_save`).
+    A writer's exception is also appended to ``failures``: torch's CheckpointException carries
+    only a pickled copy of megatron's wrapper around it, without the exception itself.
     """
     import functools
     import queue
 
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
+    copying = source is not None and len(source) > 0
     fn = request.async_fn
     multiproc = FileSystemWriterAsync.__dict__.get("write_preloaded_data_multiproc")
     target = getattr(multiproc, "__func__", multiproc)
     if not (isinstance(fn, functools.partial) and getattr(fn.func, "__wrapped__", fn.func) in
             (target, getattr(target, "__wrapped__", None)) and len(fn.args) == 2):
-        if source is not None and len(source):
+        if copying:
             raise MegatronCheckpointError("megatron-core's torch_dist writer is not the one slimectl knows; "
                                           "convert cannot copy tensors from the HF files with it")
         return request
@@ -300,32 +303,29 @@ def _write_in_this_process(request, source=None):
         from concurrent.futures import ThreadPoolExecutor
 
         local: queue.Queue = queue.Queue()
-        copying = source is not None and len(source) > 0
         with ThreadPoolExecutor(max_workers=max(len(write_buckets), 1)) as pool:
             if copying:
                 from slimectl.megatron.copy_save import write_bucket
 
-                done: list = []
-                futures = [pool.submit(write_bucket, transform_list, i, bucket, done, source)
+                futures = [pool.submit(write_bucket, transform_list, i, bucket, local, source)
                            for i, bucket in enumerate(write_buckets)]
             else:
                 futures = [pool.submit(FileSystemWriterAsync.write_preloaded_data, transform_list, i, bucket, local,
                                        _Done(), True) for i, bucket in enumerate(write_buckets)]
             for f in futures:
                 f.result()
-        if copying:
-            for entry in done:
-                local.put(entry)
         results: dict[int, Any] = {}
         while not local.empty():
             idx, out = local.get()
             if isinstance(out, Exception):
+                if failures is not None:
+                    failures.append(out)
                 results_queue.put(out)
                 return
             results[idx] = out
         results_queue.put(results)
 
-    if source is not None and len(source):
+    if copying:
         # megatron's staging copies every tensor to CPU; the copied ones are meta tensors (no data)
         buckets = request.async_fn_args[1]
 
@@ -343,12 +343,39 @@ def save_torch_dist(state: dict[str, Any], it_dir: str | Path, source=None) -> N
     ``source``: unfilled parameters whose bytes are copied from the HF files (convert).
     """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     _use_in_process_results_queue()
-    request = dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA, async_sharded_save=True)
-    _write_in_this_process(request, source).execute_sync()
+    failures: list[BaseException] = []
+    try:
+        request = dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA,
+                                          async_sharded_save=True)
+        _write_in_this_process(request, source, failures).execute_sync()
+    except CheckpointException as exc:  # a BaseException: it would escape every `except Exception`
+        raise _save_failure(it_dir, exc, failures) from None
     if source is not None:
         source.check_all_copied()
+
+
+def _save_failure(it_dir: str | Path, exc, seen: list[BaseException]) -> SlimectlError:
+    """The one-line error for a failed torch_dist save: this rank's writer error if it had one,
+    else the first rank's reported cause (a full disk says so), not torch's traceback dump."""
+    from slimectl.rundir.atomic import _disk_error
+
+    causes: list[BaseException] = []
+    for err, _trace in [(e, None) for e in seen] + list(exc.failures.values()):
+        while err is not None and err not in causes:
+            causes.append(err)
+            err = err.__cause__ or err.__context__
+    for err in causes:
+        if isinstance(err, SlimectlError):
+            return err
+    for err in causes:
+        if isinstance(err, OSError):
+            return _disk_error(Path(it_dir), err)
+    first = causes[0] if causes else exc
+    return MegatronCheckpointError(f"saving the torch_dist checkpoint in {it_dir} failed: "
+                                   f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}")
 
 
 def _sharded_state_dict(model) -> dict[str, Any]:

@@ -242,10 +242,11 @@ def write_item_copied(stream, tensor: torch.Tensor, item, storage_key: str,
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(storage_key, offset, length))
 
 
-def write_bucket(transform_list: list, idx: int, bucket, results: list, source: RowSource) -> None:
+def write_bucket(transform_list: list, idx: int, bucket, results_queue, source: RowSource) -> None:
     """Write one torch_dist file as megatron's writer does, deferred tensors copied from the HF files.
 
-    Appends ``(idx, [WriteResult, ...])`` to ``results``, or ``(idx, exception)``.
+    Puts ``(idx, [WriteResult, ...])`` on ``results_queue``, or ``(idx, exception)``, as megatron's
+    ``write_preloaded_data`` does.
     """
     import inspect
 
@@ -278,6 +279,6 @@ def write_bucket(transform_list: list, idx: int, bucket, results: list, source: 
                 source.mark_copied(name)
             stream.flush()
             os.fsync(stream.fileno())
-        results.append((idx, out))
+        results_queue.put((idx, out))
     except Exception as exc:  # reported to the caller, which raises it
-        results.append((idx, exc))
+        results_queue.put((idx, exc))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import hmac
 import json
 import logging
 import os
@@ -39,7 +38,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from slimectl.errors import SlimectlError, UsageError
-from slimectl.httpserver import InvalidJSON, http_url, request_json, start_site
+from slimectl.httpserver import InvalidJSON, bearer_matches, http_url, request_json, start_site
 from slimectl.rollout.importer import check_sample, parse_sample
 from slimectl.rundir.atomic import atomic_write_bytes, atomic_write_json, read_json
 
@@ -557,8 +556,7 @@ class BufferServer:
     async def _middleware(self, request: web.Request, handler):
         try:
             if self.token and request.path not in OPEN_PATHS:
-                auth = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(auth.encode(), f"Bearer {self.token}".encode()):
+                if not bearer_matches(request, self.token):
                     raise Rejected(401, "unauthorized", "this endpoint needs the buffer's token (Authorization: Bearer ...)")
             return await handler(request)
         except Rejected as exc:

@@ -26,7 +26,6 @@ Session ids (first one given wins): the URL path ``/sessions/ID/v1/chat/completi
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -41,7 +40,7 @@ from aiohttp import web
 
 from slimectl.engines.client import EngineError
 from slimectl.errors import ArtifactExists, LockHeld, SlimectlError, UsageError
-from slimectl.httpserver import InvalidJSON, http_url, request_json
+from slimectl.httpserver import InvalidJSON, bearer_matches, http_url, request_json
 from slimectl.rundir.atomic import atomic_write_text
 from slimectl.samples import Sample
 
@@ -226,8 +225,7 @@ class Harness:
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         if self.api_key and request.path != "/health":
-            auth = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
+            if not bearer_matches(request, self.api_key):
                 return _error(401, "Incorrect or missing API key: send the harness's key as Authorization: Bearer KEY",
                               code="invalid_api_key")
         try:

@@ -40,7 +40,9 @@ class FollowerLock:
         pass
 
 
-class _NullMetrics:
+class NullMetrics:
+    """What ranks > 0 log to: nothing (rank 0 writes the metrics)."""
+
     def log(self, step, metrics):
         return metrics
 
@@ -51,7 +53,9 @@ class _NullMetrics:
         return None
 
 
-def _broadcast_object(obj):
+def broadcast_from_rank0(obj):
+    """Rank 0's ``obj`` on every rank (what rank 0 decides, the others follow); ``obj`` as is
+    when there is one rank."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -210,12 +214,12 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
         log.info("resuming at rollout %d, %d to go", next_id, len(todo))
         tb = run.tensorboard_dir("train") if cfg.logging.tensorboard else None
         trained: list[int] = []
-        with (MetricsWriter(run.metrics_path("train"), tb) if rank0 else _NullMetrics()) as metrics:
+        with (MetricsWriter(run.metrics_path("train"), tb) if rank0 else NullMetrics()) as metrics:
             for n, rid in enumerate(todo):
                 lock.check()
                 if follow:
                     art = run.rollouts.wait_for(rid, timeout=wait_timeout, should_stop=lambda: not lock.held)
-                elif _broadcast_object(run.rollouts.exists(rid) if rank0 else None):
+                elif broadcast_from_rank0(run.rollouts.exists(rid) if rank0 else None):
                     # Rank 0 decides: ranks on other nodes may see the shared filesystem a moment later.
                     art = run.rollouts.get(rid, verify="full") if rank0 else \
                         run.rollouts.wait_for(rid, timeout=60, verify="full")
@@ -275,7 +279,7 @@ def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConf
     with ExitStack() as stack:
         staging = stack.enter_context(run.checkpoints.publish(version, meta=meta, stage="train", overwrite=True)) \
             if rank0 else None
-        staging = Path(_broadcast_object(str(staging) if rank0 else None))
+        staging = Path(broadcast_from_rank0(str(staging) if rank0 else None))
         actor.save_state(staging / STATE_DIR, {"next_rollout": rid + 1})  # collective: every rank's shards
         _barrier()
         if rank0:
