@@ -37,8 +37,8 @@ if mode == "floor":
         save_file(sd, dst + "/model.safetensors", metadata={"format": "pt"})
         fd = os.open(dst + "/model.safetensors", os.O_RDONLY); os.fsync(fd); os.close(fd)  # durable, as convert is
 else:
-    from slimectl.convert import convert_hf_to_megatron
-    import slimectl.megatron.checkpoint, slimectl.megatron.copy_save, slimectl.megatron.provider, megatron.core.models.gpt, megatron.core.dist_checkpointing  # noqa: import cost outside the timer
+    from slimectl.stages.convert import convert_hf_to_megatron
+    import slimectl.backends.megatron.checkpoint, slimectl.backends.megatron.copy_save, slimectl.backends.megatron.provider, megatron.core.models.gpt, megatron.core.dist_checkpointing  # noqa: import cost outside the timer
     import megatron.core.models.gpt.gpt_layer_specs, megatron.core.dist_checkpointing.strategies.torch  # noqa
     def work():
         convert_hf_to_megatron(src, dst, progress="off")
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--family", default="llama")
     args = ap.parse_args()
     from slimectl.fixtures.tiny_models import build_tiny_model
-    from slimectl.models.arch import arch_from_dir
+    from slimectl.backends.hf.arch import arch_from_dir
 
     work = Path(tempfile.mkdtemp(prefix="slimectl-bench-convert-"))
     try:

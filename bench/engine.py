@@ -93,7 +93,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slimectl.fixtures.tiny_models import build_tiny_model
-    from slimectl.megatron.parallel import free_port
+    from slimectl.backends.megatron.parallel import free_port
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="slimectl-bench-engine-"))
@@ -105,7 +105,7 @@ def main() -> None:
     ids = prompts(tok, N_PROMPTS)
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    server = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded", "--model-path", str(model_dir),
+    server = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(model_dir),
                                "--port", str(port), "--max-running-requests", str(N_PROMPTS),
                                "--num-threads", str(args.threads)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)

@@ -52,7 +52,7 @@ def fmt(v: float | None, unit: str = "", digits: int = 3) -> str:
 
 def summarize(run: Path, warmup: int = 1) -> tuple[list[tuple[str, str]], int]:
     """(label, value) rows, and the number of train steps found."""
-    from slimectl.metrics import read_metrics
+    from slimectl.contract.metrics import read_metrics
 
     m = {name: read_metrics(run / "metrics" / f"{name}.jsonl") for name in ("rl", "rollout", "train", "sync")}
     rows: list[tuple[str, str]] = []

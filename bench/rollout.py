@@ -47,11 +47,11 @@ def main() -> None:
     args = ap.parse_args()
     from slimectl.engines.client import EngineClient
     from slimectl.fixtures.tiny_models import build_tiny_model
-    from slimectl.init_run import init_run
-    from slimectl.megatron.parallel import free_port
-    from slimectl.rollout.stage import run_rollout
-    from slimectl.rundir import EngineRecord
-    from slimectl.samples import SAMPLES_FILE, read_samples
+    from slimectl.stages.init import init_run
+    from slimectl.backends.megatron.parallel import free_port
+    from slimectl.stages.rollout.stage import run_rollout
+    from slimectl.contract.rundir import EngineRecord
+    from slimectl.contract.samples import SAMPLES_FILE, read_samples
 
     work = Path(tempfile.mkdtemp(prefix="slimectl-bench-rollout-"))
     model = build_tiny_model("qwen2", work / "m", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -60,7 +60,7 @@ def main() -> None:
     data.write_text("".join(json.dumps({"input": f"What is {i} + {2 * i}?", "label": str(3 * i)}) + "\n"
                             for i in range(args.prompts * (args.runs + 1))))
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded", "--model-path", str(model),
+    server = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(model),
                                "--port", str(port), "--weight-version", "0", "--max-running-requests", "256"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env={**os.environ, "OMP_NUM_THREADS": "2"})

@@ -71,15 +71,15 @@ def main() -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
 
-    from slimectl.config import SyncSection
+    from slimectl.contract.config import SyncSection
     from slimectl.engines.client import EngineClient
     from slimectl.engines.weight_group import init_custom_process_group
     from slimectl.fixtures.tiny_models import build_tiny_model
-    from slimectl.megatron.checkpoint import copy_hf_aux_files
-    from slimectl.models.hf_io import write_safetensors_sharded
-    from slimectl.sync import WeightSource, sync_engines
-    from slimectl.sync.disk import DiskTransport
-    from slimectl.sync.distributed import DistributedTransport
+    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
+    from slimectl.backends.hf.checkpoint import write_safetensors_sharded
+    from slimectl.stages.sync import WeightSource, sync_engines
+    from slimectl.stages.sync.disk import DiskTransport
+    from slimectl.stages.sync.distributed import DistributedTransport
 
     work = Path(tempfile.mkdtemp(prefix="slimectl-bench-sync-"))
     h = args.hidden
@@ -91,7 +91,7 @@ def main() -> None:
     print(f"model: {sum(t.numel() for t in tensors.values()) / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB fp32, "
           f"{len(tensors)} tensors", file=sys.stderr)
     port = free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded", "--model-path", str(model),
+    engine = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(model),
                                "--port", str(port), "--weight-version", "0"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

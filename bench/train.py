@@ -30,8 +30,8 @@ from pathlib import Path
 def make_samples(model_dir: Path, n_groups: int = 16, n: int = 4, new_tokens: int = 48):
     import random
 
-    from slimectl.engines.runner import BatchRunner, GenRequest, SamplingParams
-    from slimectl.samples import Sample, Status
+    from slimectl.engines.embedded.runner import BatchRunner, GenRequest, SamplingParams
+    from slimectl.contract.samples import Sample, Status
 
     runner = BatchRunner(str(model_dir))
     runner.start()
@@ -63,12 +63,12 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from slimectl.config import SlimectlConfig
+    from slimectl.contract.config import SlimectlConfig
     from slimectl.fixtures.tiny_models import build_tiny_model
-    from slimectl.models.arch import arch_from_dir
-    from slimectl.train.actor import MegatronActor
-    from slimectl.train.logprobs import compute_log_probs
-    from slimectl.train.packing import pack_samples
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.megatron.actor import MegatronActor
+    from slimectl.backends.megatron.logprobs import compute_log_probs
+    from slimectl.backends.megatron.packing import pack_samples
 
     work = Path(tempfile.mkdtemp(prefix="slimectl-bench-train-"))
     model_dir = build_tiny_model("qwen2", work / "m", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,

@@ -11,7 +11,7 @@ def open_stage(ctx: click.Context, stage: str, run_dir: str | None, overrides: t
                dry_run: bool):
     """Return (run, config) for ``stage`` with its --set overrides, having saved the effective config
     under RUN/configs/STAGE.yaml — or None after printing the config when ``dry_run``."""
-    from slimectl.rundir import RunDir
+    from slimectl.contract.rundir import RunDir
 
     run = RunDir.open(resolve_run_dir(ctx, run_dir))
     cfg = run.stage_config(stage, list(overrides))

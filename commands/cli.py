@@ -64,7 +64,7 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
     def invoke(self, ctx: click.Context) -> Any:
-        from slimectl.errors import SlimectlError
+        from slimectl.contract.errors import SlimectlError
 
         try:
             return super().invoke(ctx)
@@ -111,7 +111,7 @@ def cli(ctx: click.Context, run_dir: str | None, verbose: int, quiet: int) -> No
 
     Set SLIMECTL_DEBUG=1 for tracebacks on errors.
     """
-    from slimectl.logs import setup_logging
+    from slimectl.contract.logs import setup_logging
 
     ctx.obj = AppState(run_dir=run_dir, verbosity=verbose - quiet)
     setup_logging(verbose - quiet)

@@ -34,13 +34,13 @@ def convert_cmd(ctx: click.Context, hf_dir: str | None, out_dir: str | None, run
     """
     import os
 
-    from slimectl.convert import (
+    from slimectl.stages.convert import (
         _under_torchrun,
         check_convert_inputs,
         convert_hf_to_megatron,
         relaunch_under_torchrun,
     )
-    from slimectl.errors import UsageError
+    from slimectl.contract.errors import UsageError
 
     run = resolve_run_dir(ctx, run_dir)
     if out_dir is None and run is None:
@@ -50,7 +50,7 @@ def convert_cmd(ctx: click.Context, hf_dir: str | None, out_dir: str | None, run
     if hf_dir is None:
         if run is None:
             raise UsageError("pass --hf DIR (the HF model to convert)")
-        from slimectl.rundir import RunDir
+        from slimectl.contract.rundir import RunDir
 
         hf_dir = RunDir.open(run).config().model.path
     if tp * pp > 1 and not _under_torchrun():

@@ -42,13 +42,13 @@ def harness_cmd(ctx: click.Context, run_dir: str | None, engine_urls: tuple[str,
     """
     import os
 
-    from slimectl.errors import UsageError
-    from slimectl.rollout.harness import serve_harness
+    from slimectl.contract.errors import UsageError
+    from slimectl.agents.harness import serve_harness
 
     run = cfg = None
     run_path = resolve_run_dir(ctx, run_dir)
     if run_path:
-        from slimectl.rundir import RunDir
+        from slimectl.contract.rundir import RunDir
 
         run = RunDir.open(run_path)
         cfg = run.config()

@@ -36,8 +36,8 @@ def init_cmd(ctx: click.Context, run: str | None, config_path: str | None, overr
     """
     import logging
 
-    from slimectl.errors import UsageError
-    from slimectl.init_run import init_run
+    from slimectl.contract.errors import UsageError
+    from slimectl.stages.init import init_run
 
     run_path = run or resolve_run_dir(ctx, None)
     if not run_path and not dry_run:

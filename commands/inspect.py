@@ -20,8 +20,8 @@ def inspect_cmd() -> None:
 @click.pass_context
 def inspect_rollout_cmd(ctx: click.Context, run_dir: str | None, rollout_id: int, limit: int, as_json: bool) -> None:
     """Print the samples of rollouts/ROLLOUT_ID: prompt, response, reward, log-prob summary."""
-    from slimectl.rollout.inspect import format_samples, load_rollout_samples
-    from slimectl.rundir import RunDir
+    from slimectl.stages.rollout.inspect import format_samples, load_rollout_samples
+    from slimectl.contract.rundir import RunDir
 
     run = RunDir.open(resolve_run_dir(ctx, run_dir))
     art, samples = load_rollout_samples(run, rollout_id)

@@ -19,8 +19,8 @@ def plot_cmd(ctx: click.Context, run_dir: str | None, out: str | None) -> None:
     Example:
       slimectl plot -r runs/demo
     """
-    from slimectl.plot import first_last_gain, plot_run, reward_table
-    from slimectl.rundir import RunDir
+    from slimectl.stages.plot import first_last_gain, plot_run, reward_table
+    from slimectl.contract.rundir import RunDir
 
     run = RunDir.open(resolve_run_dir(ctx, run_dir))
     path, curves = plot_run(run, out)

@@ -46,14 +46,14 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     """
     from pathlib import Path
 
-    from slimectl.errors import UsageError
+    from slimectl.contract.errors import UsageError
 
     placer = _make_launcher(launcher, address, colocate)
     path = resolve_run_dir(ctx, run_dir)
     if config_path is None and path is None:
         raise UsageError("pass --config CFG (and -r RUN), or -r RUN of an initialized run")
     if config_path is not None:
-        from slimectl.init_run import init_run, resolve_init_config
+        from slimectl.stages.init import init_run, resolve_init_config
 
         if path is None:
             cfg = resolve_init_config(config_path, overrides)
@@ -67,7 +67,7 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
         overrides = ()  # frozen into the run's config by init
     elif tiny_model is not None:
         raise UsageError("--tiny-model needs --config (it builds the model of a new run)")
-    from slimectl.rundir import RunDir
+    from slimectl.contract.rundir import RunDir
 
     run = RunDir.open(path)
     cfg = run.stage_config("rl", list(overrides))
@@ -77,7 +77,7 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     run.save_stage_config("rl", cfg)
     import threading
 
-    from slimectl.rl import StopSignals, run_rl
+    from slimectl.orchestration.loop import StopSignals, run_rl
 
     signals = StopSignals(threading.Event()).install()
     interrupted = click.ClickException(f"interrupted; rerun `slimectl rl -r {run.path}` to resume")
@@ -98,14 +98,14 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
 
 def _make_launcher(launcher: str, address: str | None, colocate: bool | None):
     """The launcher object for run_rl (None: the default local one); Ray is imported only for ``ray``."""
-    from slimectl.errors import UsageError
+    from slimectl.contract.errors import UsageError
 
     if launcher == "local":
         for flag, value in (("--address", address), ("--colocate/--no-colocate", colocate)):
             if value is not None:
                 raise UsageError(f"{flag} places actors on Ray; add --launcher ray")
         return None
-    from slimectl.launchers.ray_launcher import RayLauncher
+    from slimectl.orchestration.ray_launcher import RayLauncher
 
     return RayLauncher(address=address, colocate=bool(colocate))
 
@@ -114,7 +114,7 @@ def _frozen_tiny_model(path: str) -> str | None:
     """The tiny-model family of an initialized run whose model.path is its own models/tiny-FAMILY."""
     from pathlib import Path
 
-    from slimectl.rundir import RunDir
+    from slimectl.contract.rundir import RunDir
 
     run = RunDir(path)
     if not run.initialized:

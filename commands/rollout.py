@@ -58,7 +58,7 @@ def rollout_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, .
       slimectl rollout -r runs/a --source buffer http://127.0.0.1:8889
     """
     from slimectl.commands._stage import open_stage
-    from slimectl.errors import UsageError
+    from slimectl.contract.errors import UsageError
 
     explicit = {name for name in ("source", "buffer_url", "wait_timeout")
                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
@@ -81,12 +81,12 @@ def rollout_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, .
         return
     run, cfg = opened
     if source == "buffer":
-        from slimectl.rollout.buffer_collect import collect_rollout
+        from slimectl.stages.rollout.buffer_source import collect_rollout
 
         result = collect_rollout(run, cfg, buffer_url, buffer_token or None, rollout_id, force, wait_timeout)
         click.echo(str(result.path))
         return
-    from slimectl.rollout.stage import run_rollout
+    from slimectl.stages.rollout.stage import run_rollout
 
     result = run_rollout(run, cfg, rollout_id, engine_urls, force=force, skip_bad_rows=skip_bad_rows)
     click.echo(str(result.path))
@@ -113,7 +113,7 @@ def import_cmd(ctx: click.Context, file: str, run_dir: str | None, overrides: tu
     if opened is None:
         return
     run, cfg = opened
-    from slimectl.rollout.importer import import_rollout
+    from slimectl.stages.rollout.importer import import_rollout
 
     result = import_rollout(run, cfg, file, rollout_id, force)
     click.echo(str(result.path))
@@ -159,13 +159,13 @@ def buffer_serve_cmd(ctx: click.Context, directory: str, host: str, port: int, t
       slimectl rollout buffer serve --dir runs/a/buffer -r runs/a
       SLIMECTL_BUFFER_TOKEN=s3cret slimectl rollout buffer serve --dir buf --n-samples-per-prompt 8 --port 0
     """
-    from slimectl.errors import UsageError
-    from slimectl.rollout.buffer import serve_buffer
+    from slimectl.contract.errors import UsageError
+    from slimectl.services.rollout_buffer import serve_buffer
 
     path = resolve_run_dir(ctx, run_dir or ctx.parent.parent.params.get("run_dir"))
     if path is not None:
-        from slimectl.rollout.importer import model_vocab_size
-        from slimectl.rundir import RunDir
+        from slimectl.stages.rollout.importer import model_vocab_size
+        from slimectl.contract.rundir import RunDir
 
         cfg = RunDir.open(path).config()
         n_samples_per_prompt = n_samples_per_prompt or cfg.rollout.n_samples_per_prompt

@@ -39,7 +39,7 @@ def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     Any --sglang-FLAG [VALUE] is passed to sglang.launch_server as --FLAG [VALUE].
     """
     from slimectl.commands._stage import open_stage
-    from slimectl.serve import serve
+    from slimectl.stages.serve import serve
 
     sets = list(overrides)
     passthrough = parse_sglang_passthrough(ctx.args)
@@ -66,7 +66,7 @@ def parse_sglang_passthrough(args: list[str]) -> dict:
     """``--sglang-context-length 4096 --sglang-enable-dp-attention`` -> {"context_length": 4096, "enable_dp_attention": True}."""
     import yaml
 
-    from slimectl.errors import UsageError
+    from slimectl.contract.errors import UsageError
 
     out: dict = {}
     i = 0

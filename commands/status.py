@@ -16,8 +16,8 @@ from slimectl.commands._options import resolve_run_dir, run_dir_option
 def status_cmd(ctx: click.Context, run_dir: str | None, as_json: bool, no_probe: bool, timeout: float) -> None:
     """Print the run at a glance: config summary, latest checkpoint, weight versions,
     rollouts produced and consumed, engines with their health, running stages, last metrics."""
-    from slimectl.rundir import RunDir
-    from slimectl.status import collect_status, format_status, status_json
+    from slimectl.contract.rundir import RunDir
+    from slimectl.stages.status import collect_status, format_status, status_json
 
     run = RunDir.open(resolve_run_dir(ctx, run_dir))
     st = collect_status(run, probe=not no_probe, timeout=timeout)

@@ -32,7 +32,7 @@ def sync_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...]
     if opened is None:
         return
     run, cfg = opened
-    from slimectl.sync import run_sync
+    from slimectl.stages.sync import run_sync
 
     result = run_sync(run, cfg, version, transport, verify, engine_urls)
     click.echo(f"weight version {result.version} -> {', '.join(result.engines)} ({result.transport}, "

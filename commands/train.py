@@ -50,7 +50,7 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     if nnodes > 1 and world % nnodes:
         raise click.UsageError(f"--nnodes {nnodes} must divide train.tp*pp*dp = {world} (ranks per node)")
     if world > 1 and "LOCAL_RANK" not in os.environ:
-        from slimectl.convert import relaunch_under_torchrun
+        from slimectl.stages.convert import relaunch_under_torchrun
 
         argv = ["train", "-r", str(run.path)]
         for o in overrides:
@@ -66,7 +66,7 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
         if code:
             ctx.exit(code)
         return
-    from slimectl.train.stage import launch_rank, run_train
+    from slimectl.stages.train import launch_rank, run_train
 
     result = run_train(run, cfg, rollout_id, follow=follow, max_rollouts=max_rollouts, allow_empty=allow_empty,
                        wait_timeout=wait_timeout)

@@ -35,10 +35,10 @@ def publish_sft_rollouts(run_path: str, seed: int) -> None:
     """One SFT batch per rollout id: prompt tokens + "\\boxed{label}<eos>", every response token trained."""
     from transformers import AutoTokenizer
 
-    from slimectl.logs import quiet_hf_progress
-    from slimectl.rollout.data import load_prompts, tokenize_prompts
-    from slimectl.rundir import RunDir
-    from slimectl.samples import SAMPLES_FILE, Sample, Status, write_samples
+    from slimectl.contract.logs import quiet_hf_progress
+    from slimectl.stages.rollout.data import load_prompts, tokenize_prompts
+    from slimectl.contract.rundir import RunDir
+    from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, write_samples
 
     run = RunDir.open(run_path)
     cfg = run.config()
@@ -72,7 +72,7 @@ def main() -> None:
              "--set", f"train.seed={1234 + a.seed}")
     publish_sft_rollouts(warm, a.seed)
     slimectl("train", "-r", warm, "--allow-empty")
-    from slimectl.rundir import RunDir
+    from slimectl.contract.rundir import RunDir
 
     start = RunDir.open(warm).weights.latest()
     slimectl("rl", "--config", str(HERE / "cpu_demo.yaml"), "-r", a.run, "--set", f"model.path={start.path}",

@@ -57,7 +57,7 @@ def make_student_and_teacher(sft: str, seed: int, student_steps: int, teacher_st
     and after the last; (student dir, teacher dir) = its weights at ``student_steps`` and ``teacher_steps``."""
     from cpu_demo import publish_sft_rollouts
 
-    from slimectl.rundir import RunDir
+    from slimectl.contract.rundir import RunDir
 
     slimectl("init", sft, "--config", str(HERE / "sft_warmstart.yaml"), "--tiny-model", "qwen2",
              "--set", "name=opd-demo-sft", "--set", f"rollout.num_rollout={teacher_steps}",
@@ -80,8 +80,8 @@ def exact_reverse_kl(student_dir: str, teacher_dir: str, num_samples: int, max_n
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slimectl.logs import quiet_hf_progress
-    from slimectl.rollout.data import load_prompts, tokenize_prompts
+    from slimectl.contract.logs import quiet_hf_progress
+    from slimectl.stages.rollout.data import load_prompts, tokenize_prompts
 
     quiet_hf_progress()
     tok = AutoTokenizer.from_pretrained(teacher_dir)
@@ -142,8 +142,8 @@ def main() -> None:
     t0 = time.monotonic()
     student, teacher = make_student_and_teacher(f"{a.run}-sft", a.seed, a.student_steps, a.teacher_steps)
 
-    from slimectl.rundir import RunDir
-    from slimectl.rundir.atomic import atomic_write_json
+    from slimectl.contract.rundir import RunDir
+    from slimectl.contract.rundir.atomic import atomic_write_json
 
     slimectl("init", f"{a.run}", "--config", str(HERE / "opd_demo.yaml"), "--set", f"model.path={student}",
              "--set", f"rollout.seed={42 + a.seed}", "--set", f"data.seed={42 + a.seed}",

@@ -39,7 +39,7 @@ def fake_model(tmp_path: Path) -> Path:
 @pytest.fixture
 def run_dir(tmp_path: Path, fake_model: Path):
     """An initialized run directory (library handle)."""
-    from slimectl.init_run import init_run
+    from slimectl.stages.init import init_run
 
     return init_run(tmp_path / "run", overrides=[f"model.path={fake_model}"]).run
 

@@ -99,7 +99,7 @@ def test_runtime_error_is_one_line_without_traceback_and_debug_shows_it(tmp_path
 
 
 def test_unexpected_exception_is_wrapped(cli, monkeypatch, run_dir):
-    import slimectl.status as status_mod
+    import slimectl.stages.status as status_mod
 
     def boom(*a, **k):
         raise ZeroDivisionError("kaboom")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slimectl.config import (
+from slimectl.contract.config import (
     SECTIONS,
     STAGE_SECTIONS,
     SlimectlConfig,
@@ -16,7 +16,7 @@ from slimectl.config import (
     load_config,
     parse_override,
 )
-from slimectl.errors import ConfigError, UsageError
+from slimectl.contract.errors import ConfigError, UsageError
 
 
 def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:

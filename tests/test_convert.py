@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT
-from slimectl.megatron.parallel import free_port
+from slimectl.backends.megatron.parallel import free_port
 
 SCRIPTS = ROOT / "tests" / "scripts"
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -127,8 +127,8 @@ def assert_same_tensors(a: dict, b: dict, what: str) -> None:
 def test_convert_copies_whole_row_tensors_from_the_hf_files(models, converted, tmp_path):
     # At TP=1 in the model's dtype every tensor is whole HF rows: none is read into memory, all
     # are copied file to file. Reading them all instead gives the very same checkpoint tensors.
-    from slimectl.models.arch import arch_from_dir
-    from slimectl.models.mapping import all_rules
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.hf.mapping import all_rules
 
     expected = [len(all_rules(arch_from_dir(models[fam]))) for fam in FAMILIES]
     assert COPIED["tp1"] == expected
@@ -244,7 +244,7 @@ def test_convert_and_export_through_the_run_directory(models, tmp_path):
     assert init.returncode == 0, init.stderr
     res = slimectl("convert", "-r", str(run))
     assert res.returncode == 0, res.stderr[-2000:]
-    from slimectl.rundir import RunDir
+    from slimectl.contract.rundir import RunDir
 
     r = RunDir.open(run)
     art = r.checkpoints.get(0, verify="full")

@@ -122,7 +122,7 @@ def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(llama, tmp_pat
 
     script = (
         "import errno, sys\n"
-        "import slimectl.megatron.copy_save as cs\n"
+        "import slimectl.backends.megatron.copy_save as cs\n"
         "def full(*args):\n"
         "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
         "cs.copy_range = full\n"

@@ -13,9 +13,9 @@ from torch.distributed.checkpoint.filesystem import SerializationFormat, _Storag
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from slimectl.megatron.copy_save import CopySaveError, RowSource, copy_range, write_item_copied
-from slimectl.models.hf_io import HFCheckpoint
-from slimectl.models.mapping import RowBlock
+from slimectl.backends.megatron.copy_save import CopySaveError, RowSource, copy_range, write_item_copied
+from slimectl.backends.hf.checkpoint import HFCheckpoint
+from slimectl.backends.hf.mapping import RowBlock
 
 FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
 

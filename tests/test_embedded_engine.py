@@ -47,7 +47,7 @@ def engine(models, tmp_path_factory):
     log = tmp_path_factory.mktemp("engine-log") / "engine.log"
     env = {**os.environ, "SLIMECTL_TEST_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "slimectl.engines.embedded", "--model-path", str(models["a"]), "--port", str(port),
+        [sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(models["a"]), "--port", str(port),
          "--admin-api-key-env", "SLIMECTL_TEST_TOKEN", "--weight-version", "v0"],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
     )

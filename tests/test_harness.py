@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from slimectl.rundir import RunDir
-from slimectl.samples import Sample
+from slimectl.contract.rundir import RunDir
+from slimectl.contract.samples import Sample
 
 KEY = "harness-test-key"
 Q1, Q2, Q3 = "What is 2 + 3?", "And 4 + 4?", "Thanks. What is 7 * 6?"
@@ -85,7 +85,7 @@ def world(tmp_path_factory, cli_module):
     make_eos_reachable(model, tok, Q1)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded", "--model-path", str(model),
+    engine = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(model),
                                "--port", str(port), "--weight-version", "0"],
                               stdout=open(root / "engine.log", "w"), stderr=subprocess.STDOUT, env=env)
     engine_url = f"http://127.0.0.1:{port}"
@@ -371,7 +371,7 @@ def test_finished_sessions_export_to_a_file_that_rollout_import_accepts(world, c
     assert res.exit_code == 0, res.output
     rid = run.rollouts.ids()[-1]
     assert rid not in before
-    from slimectl.samples import SAMPLES_FILE, read_samples
+    from slimectl.contract.samples import SAMPLES_FILE, read_samples
 
     imported = read_samples(run.rollouts.get(rid).file(SAMPLES_FILE))
     assert [s.tokens for s in imported] == [x["tokens"] for x in lines]

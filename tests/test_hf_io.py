@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slimectl.models.hf_io import HFCheckpoint, HFCheckpointError, SafetensorsFile, write_safetensors_sharded
+from slimectl.backends.hf.checkpoint import HFCheckpoint, HFCheckpointError, SafetensorsFile, write_safetensors_sharded
 
 
 @pytest.fixture()

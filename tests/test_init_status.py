@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slimectl.rundir import EngineRecord, RunDir
+from slimectl.contract.rundir import EngineRecord, RunDir
 
 
 def test_init_freezes_resolved_config_with_absolute_paths(cli, tmp_path, fake_model, monkeypatch):
@@ -111,7 +111,7 @@ class _Health(BaseHTTPRequestHandler):
 
 
 def test_status_shows_artifacts_cursor_engines_locks_metrics(cli, run_dir):
-    from slimectl.metrics import MetricsWriter
+    from slimectl.contract.metrics import MetricsWriter
 
     for i in range(3):
         with run_dir.rollouts.publish(i, meta={"weight_version": i}) as d:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimectl.models.arch import ModelArch, UnsupportedModel, arch_from_config, expected_hf_shapes
-from slimectl.models.mapping import all_rules, rule_for, shard_row_blocks, to_hf, to_megatron, tp_gather, tp_shard
+from slimectl.backends.hf.arch import ModelArch, UnsupportedModel, arch_from_config, expected_hf_shapes
+from slimectl.backends.hf.mapping import all_rules, rule_for, shard_row_blocks, to_hf, to_megatron, tp_gather, tp_shard
 
 
 def arch(**kw) -> ModelArch:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from slimectl.metrics import MetricsWriter, last_metrics, read_metrics
+from slimectl.contract.metrics import MetricsWriter, last_metrics, read_metrics
 
 
 def test_metrics_jsonl_and_torn_last_line(tmp_path):

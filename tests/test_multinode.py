@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slimectl.rundir import RunDir
+from slimectl.contract.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "multinode"
@@ -267,9 +267,9 @@ def dead_pid() -> int:
 
 
 def test_lock_of_a_dead_pid_is_stale_only_on_its_own_host(tmp_path, monkeypatch):
-    from slimectl.errors import LockHeld
-    from slimectl.rundir.atomic import hostname
-    from slimectl.rundir.locks import StageLock
+    from slimectl.contract.errors import LockHeld
+    from slimectl.contract.rundir.atomic import hostname
+    from slimectl.contract.rundir.locks import StageLock
 
     # Same hostname (containers often share one) but another host id: the pid means nothing here.
     write_lock(tmp_path, host=hostname(), host_id="node-b", pid=dead_pid())
@@ -289,8 +289,8 @@ def test_lock_of_a_dead_pid_is_stale_only_on_its_own_host(tmp_path, monkeypatch)
 
 def test_lock_records_without_host_id_are_judged_by_hostname(tmp_path):
     """Locks written before host_id existed keep their old meaning."""
-    from slimectl.rundir.atomic import hostname
-    from slimectl.rundir.locks import StageLock
+    from slimectl.contract.rundir.atomic import hostname
+    from slimectl.contract.rundir.locks import StageLock
 
     write_lock(tmp_path, host=hostname(), pid=dead_pid())
     assert StageLock(tmp_path, "train").holder()["stale"] is True
@@ -299,21 +299,21 @@ def test_lock_records_without_host_id_are_judged_by_hostname(tmp_path):
 
 
 def test_default_host_id_tells_the_process_table_apart():
-    from slimectl.rundir.atomic import host_id, hostname
+    from slimectl.contract.rundir.atomic import host_id, hostname
 
     ident = host_id()
     assert ident.startswith(hostname())
     if Path("/proc/self/ns/pid").exists():
         assert ident.endswith("/" + str(os.stat("/proc/self/ns/pid").st_ino))
     env = {**os.environ, "SLIMECTL_HOST_ID": "rack7-node3"}
-    out = subprocess.run([sys.executable, "-c", "from slimectl.rundir.atomic import host_id; print(host_id())"],
+    out = subprocess.run([sys.executable, "-c", "from slimectl.contract.rundir.atomic import host_id; print(host_id())"],
                          capture_output=True, text=True, env=env, timeout=60).stdout.strip()
     assert out == "rack7-node3"
 
 
 def test_engine_and_writer_records_of_another_host_are_never_judged_dead(tmp_path, monkeypatch):
-    from slimectl.rundir import EngineRecord, EngineRegistry
-    from slimectl.rundir.artifacts import writer_alive
+    from slimectl.contract.rundir import EngineRecord, EngineRegistry
+    from slimectl.contract.rundir.artifacts import writer_alive
 
     monkeypatch.setenv("SLIMECTL_HOST_ID", "serve-host")
     reg = EngineRegistry(tmp_path / "engines")
@@ -340,7 +340,7 @@ def test_engine_and_writer_records_of_another_host_are_never_judged_dead(tmp_pat
 # ---------------------------------------------------------------------------------------------
 
 def test_engines_bound_to_a_wildcard_are_recorded_with_a_reachable_address():
-    from slimectl.serve import advertised_host
+    from slimectl.stages.serve import advertised_host
 
     assert advertised_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"  # engine.advertise_host wins
     assert advertised_host("127.0.0.2") == "127.0.0.2"  # a specific address is itself
@@ -362,8 +362,8 @@ def test_serve_dry_run_takes_the_advertised_address(tmp_path, cli):
 
 
 def test_weight_update_rendezvous_refuses_addresses_the_engines_cannot_reach():
-    from slimectl.errors import UsageError
-    from slimectl.sync.distributed import check_master_addr
+    from slimectl.contract.errors import UsageError
+    from slimectl.stages.sync.distributed import check_master_addr
 
     with pytest.raises(UsageError, match="wildcard"):
         check_master_addr("0.0.0.0", 0, ["http://127.0.0.1:30000"])

@@ -19,16 +19,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from slimectl.rollout.multiturn import (
+from slimectl.agents.multiturn import (
     ChatTurnFormat,
     Observation,
     final_text,
     make_generate,
     python_tool_env,
 )
-from slimectl.rollout.tools import ToolEnvironment, make_tool_env_factory, parse_tool_calls
-from slimectl.rollout.tools.python_tool import PythonTool
-from slimectl.samples import Sample, Status, read_samples, write_samples
+from slimectl.agents.tools import ToolEnvironment, make_tool_env_factory, parse_tool_calls
+from slimectl.agents.tools.python_tool import PythonTool
+from slimectl.contract.samples import Sample, Status, read_samples, write_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tool_math"
@@ -306,7 +306,7 @@ def engine(tmp_path_factory):
     model_dir = build_tiny_model("qwen2", root / "model", seed=3)  # max_position_embeddings 512
     tok, model = memorise_transcripts(model_dir)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded", "--model-path", str(model_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(model_dir),
                              "--port", str(port), "--weight-version", "0"],
                             stdout=open(root / "engine.log", "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -345,8 +345,8 @@ def prompt_sample(tok, question: str, index: int = 0, **metadata) -> Sample:
 def episode(engine, question: str, env_factory=python_tool_env, params=GREEDY, sample: Sample | None = None,
             mask_offpolicy: bool = False, **options):
     """Run one multi-turn episode against the real engine; returns (sample, recorded engine calls)."""
-    from slimectl.config import build_config
-    from slimectl.rollout.generate import EnginePool
+    from slimectl.contract.config import build_config
+    from slimectl.stages.rollout.generate import EnginePool
 
     async def go():
         pool = RecordingPool(EnginePool([engine.url]))
@@ -505,7 +505,7 @@ def test_environment_error_fails_only_that_sample(engine):
 @pytest.mark.parametrize("mask_offpolicy", [False, True])
 def test_aborted_turn_continues_to_the_same_tokens(engine, mask_offpolicy):
     """Partial rollout: a sample aborted mid-turn continues that turn; the result equals an uninterrupted run."""
-    from slimectl.rollout.generate import EnginePool
+    from slimectl.stages.rollout.generate import EnginePool
 
     tok = engine.tok
     full, _ = episode(engine, "What is 1234 * 5678?")
@@ -553,11 +553,11 @@ def test_multiturn_samples_survive_the_parquet_round_trip(engine, tmp_path):
 
 def test_rollout_cli_with_the_example_config_keys(engine, tmp_path, cli, monkeypatch):
     """``slimectl rollout`` with rollout.custom_generate = the multi-turn generate and the example's reward."""
-    from slimectl.config import load_config
-    from slimectl.rundir import EngineRecord, RunDir
+    from slimectl.contract.config import load_config
+    from slimectl.contract.rundir import EngineRecord, RunDir
 
     cfg = load_config(EXAMPLE / "config.yaml")  # the example's keys are all known
-    assert cfg.rollout.custom_generate == "slimectl.rollout.multiturn:generate" and cfg.rollout.reward == "tool_math:reward"
+    assert cfg.rollout.custom_generate == "slimectl.agents.multiturn:generate" and cfg.rollout.reward == "tool_math:reward"
     monkeypatch.syspath_prepend(str(EXAMPLE))
     data = tmp_path / "q.jsonl"
     data.write_text(json.dumps({"input": "What is 1234 * 5678?", "label": "7006652"}) + "\n")
@@ -570,7 +570,7 @@ def test_rollout_cli_with_the_example_config_keys(engine, tmp_path, cli, monkeyp
     run_dir.engines.register(EngineRecord(url=engine.url, backend="embedded", pid=os.getpid(), id="e0", weight_version="0"))
     res = cli("rollout", "-r", run_dir.path)
     assert res.exit_code == 0, res.output
-    from slimectl.samples import SAMPLES_FILE
+    from slimectl.contract.samples import SAMPLES_FILE
 
     samples = read_samples(run_dir.rollouts.get(0).file(SAMPLES_FILE))
     assert len(samples) == 2
@@ -580,8 +580,8 @@ def test_rollout_cli_with_the_example_config_keys(engine, tmp_path, cli, monkeyp
         assert 0 in s.loss_mask and s.loss_mask[0] == 1 and s.loss_mask[-1] == 1
         assert len(s.weight_versions) == 2  # one per engine call
     # eval runs the same generate function as the rollouts (multi-turn here, with the tool)
-    from slimectl.config import apply_overrides, build_config
-    from slimectl.rollout.eval import run_eval
+    from slimectl.contract.config import apply_overrides, build_config
+    from slimectl.stages.rollout.eval import run_eval
 
     ecfg = build_config(apply_overrides(run_dir.config().model_dump(mode="json"), [f"data.eval_data={{\"q\": \"{data}\"}}", "rollout.eval_n_samples=1",
                                               "rollout.eval_temperature=0.01", "rollout.eval_max_response_len=200"]))

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slimectl.rundir import RunDir
-from slimectl.samples import SAMPLES_FILE, read_samples
+from slimectl.contract.rundir import RunDir
+from slimectl.contract.samples import SAMPLES_FILE, read_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 

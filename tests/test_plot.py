@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from slimectl.plot import first_last_gain, load_curves, reward_table
+from slimectl.stages.plot import first_last_gain, load_curves, reward_table
 
 
 def write(path, recs):

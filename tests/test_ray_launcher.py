@@ -16,9 +16,9 @@ import time
 import psutil
 import pytest
 
-from slimectl.errors import UsageError
-from slimectl.launchers.ray_launcher import Slot, placement_layout
-from slimectl.rundir import RunDir
+from slimectl.contract.errors import UsageError
+from slimectl.orchestration.ray_launcher import Slot, placement_layout
+from slimectl.contract.rundir import RunDir
 from tests.test_rl import ENV, assert_trained_once, read_jsonl, slimectl, write_config
 
 

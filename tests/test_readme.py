@@ -44,7 +44,7 @@ def test_the_demo_runs_rl_end_to_end_and_reward_rises(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "cpu_demo.py"), str(tmp_path / "demo")],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from slimectl.rundir import RunDir
+    from slimectl.contract.rundir import RunDir
 
     run = RunDir.open(tmp_path / "demo")
     assert run.cursor("train").read().consumed == list(range(400))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
-from slimectl.rollout.rewards import (RemoteRewardError, RemoteRewardModel, RewardConfigError, RewardError,
+from slimectl.rewards import (RemoteRewardError, RemoteRewardModel, RewardConfigError, RewardError,
                                       RewardInput, close_shared_remotes, compute_reward, compute_rewards,
                                       extract_choice, f1_components, grade, grade_dapo, grade_deepscaler, grade_f1,
                                       grade_gpqa, grade_math, grade_random, last_boxed, load_reward_function,

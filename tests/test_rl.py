@@ -15,8 +15,8 @@ import psutil
 import pytest
 import yaml
 
-from slimectl.rollout.eval import pass_at_k
-from slimectl.rundir import RunDir
+from slimectl.stages.rollout.eval import pass_at_k
+from slimectl.contract.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 ARITH = ROOT / "examples" / "data" / "arith.jsonl"
@@ -46,7 +46,7 @@ def read_jsonl(path):
 
 def engine_pids(run: RunDir) -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and "slimectl.engines.embedded" in p.info["cmdline"]
+            if p.info["cmdline"] and "slimectl.engines.embedded.server" in p.info["cmdline"]
             and str(run.path) in " ".join(p.info["cmdline"])]
 
 
@@ -85,7 +85,7 @@ def test_rl_one_step_off_async_with_distributed_sync(tmp_path):
     assert_trained_once(run, 4)
     assert [r["rl/staleness"] for r in read_jsonl(run.metrics_path("rl"))] == [0, 1, 1, 1]
     assert [run.rollouts.get(i).meta["weight_version"] for i in range(4)] == ["0", "0", "1", "2"]
-    from slimectl.samples import SAMPLES_FILE, read_samples
+    from slimectl.contract.samples import SAMPLES_FILE, read_samples
 
     samples = read_samples(run.rollouts.get(3).file(SAMPLES_FILE))
     assert {v for s in samples for v in s.weight_versions} == {"2"}  # each sample records its weight version
@@ -234,7 +234,7 @@ def test_on_policy_distillation_takes_teacher_log_probs_and_shapes_advantages(tm
         res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
         assert res.returncode == 0, res.stderr[-3000:]
         run = RunDir.open(tmp_path / "run")
-        from slimectl.samples import SAMPLES_FILE, read_samples
+        from slimectl.contract.samples import SAMPLES_FILE, read_samples
 
         s = read_samples(run.rollouts.get(0).file(SAMPLES_FILE))[0]
         direct = post(teacher_url, "/generate", {"input_ids": s.tokens, "return_logprob": True, "logprob_start_len": 0,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from slimectl.rundir import EngineRecord, RunDir
-from slimectl.samples import SAMPLES_FILE, Status, read_samples
+from slimectl.contract.rundir import EngineRecord, RunDir
+from slimectl.contract.samples import SAMPLES_FILE, Status, read_samples
 
 
 def free_port() -> int:
@@ -26,7 +26,7 @@ def free_port() -> int:
 
 def start_engine(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded", "--model-path", str(model),
+    proc = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(model),
                              "--port", str(port), "--weight-version", "0"],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return proc, f"http://127.0.0.1:{port}"
@@ -96,7 +96,7 @@ def test_rollout_end_to_end_publishes_samples_metrics_and_state(tmp_path, setup,
     assert json.loads(art.file("data_state.json").read_text())["offset"] == 3
     spans = [json.loads(line) for line in art.file("trace.jsonl").read_text().splitlines()]
     assert {sp["span"] for sp in spans} == {"generate", "reward"} and len([sp for sp in spans if sp["span"] == "generate"]) == 12
-    from slimectl.metrics import read_metrics
+    from slimectl.contract.metrics import read_metrics
 
     assert read_metrics(run.metrics_path("rollout"))[-1]["step"] == 0
     # the next rollout continues the prompt order; an existing one is not regenerated without --force
@@ -220,7 +220,7 @@ def test_partial_rollout_continues_aborted_samples_aligned(tmp_path, setup, cli,
     resumed = [s for s in continued if partial_before[s.index].response_length > 0]
     assert resumed and all(s.metadata.get("partial_continued") for s in resumed)
     assert not any(s.metadata.get("partial_continued") for s in continued if s not in resumed)
-    from slimectl.metrics import read_metrics
+    from slimectl.contract.metrics import read_metrics
 
     counted = sum(r.get("rollout/partial_samples_continued", 0) for r in read_metrics(run.metrics_path("rollout")))
     marked = sum(bool(s.metadata.get("partial_continued")) for rid in (1, 2, 3)

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from slimectl.samples import SAMPLES_FILE, read_samples
+from slimectl.contract.samples import SAMPLES_FILE, read_samples
 
 N = 4  # the run_dir fixture's rollout.n_samples_per_prompt
 
@@ -111,7 +111,7 @@ def traj(i: int, reward: float, group: int | None = None, **kw) -> dict:
 
 
 def test_concurrent_producers_then_collect_publishes_their_tokens_and_rewards(serve, run_dir):
-    from slimectl.rollout.buffer_collect import collect_rollout
+    from slimectl.stages.rollout.buffer_source import collect_rollout
 
     buf = serve()
     written = {}
@@ -277,8 +277,8 @@ def test_token_is_required_everywhere_but_health_and_stats(serve, run_dir, cli):
 
 
 def test_cli_collects_each_group_exactly_once_even_when_the_ack_was_lost(serve, run_dir, cli):
-    from slimectl.rollout.buffer_collect import BufferClient
-    from slimectl.rollout.importer import parse_sample, publish_samples
+    from slimectl.stages.rollout.buffer_source import BufferClient
+    from slimectl.stages.rollout.importer import parse_sample, publish_samples
 
     buf = serve("--lease-timeout", "2")
     groups = [buf.task([traj(10 * k + i, float(i % 2)) for i in range(N)])[1] for k in range(4)]

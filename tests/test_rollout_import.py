@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from slimectl.rundir import RunDir
+from slimectl.contract.rundir import RunDir
 
 
 def slimectl(*args, timeout=300):

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from conftest import run_py
-from slimectl.errors import ArtifactExists, ArtifactNotFound, CorruptArtifact, WaitTimeout
-from slimectl.rundir import READY
-from slimectl.rundir.artifacts import format_id
+from slimectl.contract.errors import ArtifactExists, ArtifactNotFound, CorruptArtifact, WaitTimeout
+from slimectl.contract.rundir import READY
+from slimectl.contract.rundir.artifacts import format_id
 
 
 def publish_files(store, i, files, **kw):
@@ -95,8 +95,8 @@ def test_manifest_copied_to_another_id_is_rejected(run_dir):
 
 KILLED_WRITER = r"""
 import os, sys, time
-from slimectl.rundir import RunDir
-import slimectl.rundir.artifacts as A
+from slimectl.contract.rundir import RunDir
+import slimectl.contract.rundir.artifacts as A
 run = RunDir.open(sys.argv[1]); phase = sys.argv[2]
 if phase == "after-rename":
     real = A.atomic_write_json
@@ -152,8 +152,8 @@ def test_live_writers_staging_dir_is_not_cleaned(run_dir):
 
 CONCURRENT = r"""
 import sys, time
-from slimectl.rundir import RunDir
-from slimectl.errors import ArtifactExists
+from slimectl.contract.rundir import RunDir
+from slimectl.contract.errors import ArtifactExists
 run = RunDir.open(sys.argv[1]); tag = sys.argv[2]; start = float(sys.argv[3])
 ok = exists = 0
 for i in range(40):
@@ -221,8 +221,8 @@ def test_ids_are_zero_padded_and_numeric(run_dir):
 def test_full_disk_is_a_clear_error(run_dir, monkeypatch):
     import errno
 
-    import slimectl.rundir.artifacts as A
-    from slimectl.errors import RunDirError
+    import slimectl.contract.rundir.artifacts as A
+    from slimectl.contract.errors import RunDirError
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from slimectl.errors import CursorError
-from slimectl.rundir import RunDir
+from slimectl.contract.errors import CursorError
+from slimectl.contract.rundir import RunDir
 
 
 def test_commit_must_be_exactly_the_next_id(run_dir):
@@ -48,7 +48,7 @@ def test_rewind_to_checkpoint(run_dir):
 # Items are rollouts 0..N-1 whose payload is the value to add.
 CONSUMER = r"""
 import os, random, sys, time
-from slimectl.rundir import RunDir
+from slimectl.contract.rundir import RunDir
 run = RunDir.open(sys.argv[1]); n = int(sys.argv[2])
 random.seed(os.getpid())
 with run.lock("train", stale_after=30, heartbeat_interval=0.5) as lock:

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from slimectl.errors import LockHeld, LockLost
-from slimectl.rundir.locks import StageLock
+from slimectl.contract.errors import LockHeld, LockLost
+from slimectl.contract.rundir.locks import StageLock
 
 HOLDER = r"""
 import sys, time
-from slimectl.rundir.locks import StageLock
+from slimectl.contract.rundir.locks import StageLock
 lock = StageLock(sys.argv[1], "train", stale_after=5, heartbeat_interval=0.2).acquire()
 print("LOCKED", flush=True)
 time.sleep(600)

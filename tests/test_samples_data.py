@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from slimectl.rollout.data import DatasetError, PromptSource, load_prompts, parse_spec, tokenize_prompts
-from slimectl.samples import Sample, Status, read_samples, write_samples
+from slimectl.stages.rollout.data import DatasetError, PromptSource, load_prompts, parse_spec, tokenize_prompts
+from slimectl.contract.samples import Sample, Status, read_samples, write_samples
 
 
 def make_sample(i: int) -> Sample:
@@ -91,7 +91,7 @@ def test_chat_template_and_length_filter(tmp_path):
 
 
 def test_prompt_source_is_seeded_and_resumable():
-    from slimectl.rollout.data import PromptRow
+    from slimectl.stages.rollout.data import PromptRow
 
     rows = [PromptRow(row=i, prompt=str(i)) for i in range(5)]
     a = PromptSource(rows, seed=3)

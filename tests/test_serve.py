@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from slimectl.rundir import RunDir
+from slimectl.contract.rundir import RunDir
 
 
 def start_serve(run: RunDir, *args: str) -> tuple[subprocess.Popen, list[str]]:
@@ -119,8 +119,8 @@ def test_sglang_passthrough_flags_reach_the_config(cli, run_dir):
 
 
 def test_sglang_backend_argv_from_the_run_config(run_dir):
-    from slimectl.config import build_config
-    from slimectl.serve import EngineGroup
+    from slimectl.contract.config import build_config
+    from slimectl.stages.serve import EngineGroup
 
     data = run_dir.config().to_dict()
     data["engine"].update(backend="sglang", tp_size=2, gpu_ids=[0, 1, 2, 3], sglang_args={"context_length": 4096})

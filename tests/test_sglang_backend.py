@@ -1,4 +1,4 @@
-"""slimectl.engines.sglang: argv/env construction, and supervision of stand-in SGLang servers.
+"""slimectl.engines.sglang.launcher: argv/env construction, and supervision of stand-in SGLang servers.
 
 No sglang here: the process tests run a small stdlib HTTP server that behaves like
 ``python -m sglang.launch_server`` (parses --host/--port, answers /health_generate, spawns a
@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from slimectl.engines import sglang as sg
-from slimectl.engines.sglang import (
+from slimectl.engines.sglang.launcher import (
     SGLANG_NOT_IMPORTABLE,
     EngineExited,
     EngineHealthTimeout,

@@ -13,9 +13,9 @@ import urllib.request
 import pytest
 import torch
 
-from slimectl.rundir import RunDir
-from slimectl.sync.distributed import buckets
-from slimectl.sync.verify import compare, pick_names
+from slimectl.contract.rundir import RunDir
+from slimectl.stages.sync.distributed import buckets
+from slimectl.stages.sync.verify import compare, pick_names
 
 
 def slimectl(*args, timeout=300):
@@ -41,8 +41,8 @@ def publish_weights(run: RunDir, version: int, seed: int) -> dict[str, torch.Ten
     """weights/VERSION: the initial model with noise added to every tensor."""
     from safetensors.torch import load_file
 
-    from slimectl.megatron.checkpoint import copy_hf_aux_files
-    from slimectl.models.hf_io import write_safetensors_sharded
+    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
+    from slimectl.backends.hf.checkpoint import write_safetensors_sharded
 
     model = run.config().model.path
     base = load_file(os.path.join(model, "model.safetensors"))
@@ -84,7 +84,7 @@ def test_disk_sync_changes_outputs_and_verifies(served):
     assert {v for _, v in after} == {"1"}
     assert after[0][0] == after[1][0] != before[0][0]  # the engines' outputs changed, identically
     assert {r.weight_version for r in run.engines.list()} == {"1"}
-    from slimectl.metrics import read_metrics
+    from slimectl.contract.metrics import read_metrics
 
     rec = read_metrics(run.metrics_path("sync"))[-1]
     assert rec["step"] == 1 and rec["sync/time"] > 0 and rec["sync/bytes"] > 0
@@ -107,8 +107,8 @@ def test_distributed_sync_matches_disk_sync(served):
 
 def test_verify_detects_engines_holding_other_weights(served):
     from slimectl.engines.client import EngineClient
-    from slimectl.sync import WeightSource
-    from slimectl.sync.verify import verify_engines
+    from slimectl.stages.sync import WeightSource
+    from slimectl.stages.sync.verify import verify_engines
 
     run, urls, _ = served
     assert slimectl("sync", "-r", run.path, "--version", "1").returncode == 0

@@ -1,4 +1,4 @@
-"""slimectl.train.actor: MegatronActor on rollouts from the embedded engine (TP=1, CPU).
+"""slimectl.backends.megatron.actor: MegatronActor on rollouts from the embedded engine (TP=1, CPU).
 
 Megatron runs in one subprocess (tests/scripts/train_actor_check.py: its CPU shim patches
 torch.cuda process-wide); several tests share its RESULT.
@@ -17,7 +17,7 @@ import warnings
 import pytest
 from conftest import ROOT
 
-from slimectl.train.actor import group_normalized_rewards, lr_at
+from slimectl.backends.megatron.actor import group_normalized_rewards, lr_at
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_actor_check.py"
 PROMPTS = ["one two three", "the cat sat on", "2 + 2 =", "why is the sky"]
@@ -40,7 +40,7 @@ def test_lr_schedule():
 
 
 def test_group_normalized_rewards_uneven_groups():
-    from slimectl.samples import Sample
+    from slimectl.contract.samples import Sample
 
     s = [Sample(group_index=g, reward=r) for g, r in [(0, 1.0), (0, 0.0), (1, 2.0), (1, 2.0), (1, 5.0), (2, 3.0)]]
     r = group_normalized_rewards(s, "group_mean_std").tolist()
@@ -54,7 +54,7 @@ def test_group_normalized_rewards_uneven_groups():
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from slimectl.engines.runner import BatchRunner, GenRequest, SamplingParams
+    from slimectl.engines.embedded.runner import BatchRunner, GenRequest, SamplingParams
     from slimectl.fixtures.tiny_models import build_tiny_model
 
     d = tmp_path_factory.mktemp("train_actor")
@@ -83,7 +83,7 @@ def result(tmp_path_factory):
 
 
 def run_check(model_dir, samples_json, tp: int, dp: int = 1, pp: int = 1) -> dict:
-    from slimectl.megatron.parallel import free_port
+    from slimectl.backends.megatron.parallel import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [str(SCRIPT), str(model_dir), str(samples_json), str(tp), str(pp)]

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from slimectl.samples import Sample
-from slimectl.train.packing import pack_samples
+from slimectl.contract.samples import Sample
+from slimectl.backends.megatron.packing import pack_samples
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_logprobs.py"
 
@@ -85,7 +85,7 @@ N_SAMPLES, NEW_TOKENS, BUDGET = 8, 16, 80
 @pytest.fixture(scope="module")
 def rollout(tmp_path_factory):
     """Tiny qwen2 (vocab 300: Megatron pads to 384 / 512) and 8 samples from the rollout engine."""
-    from slimectl.engines.runner import BatchRunner, GenRequest, SamplingParams
+    from slimectl.engines.embedded.runner import BatchRunner, GenRequest, SamplingParams
     from slimectl.fixtures.tiny_models import build_tiny_model
 
     d = tmp_path_factory.mktemp("train_logprobs")
@@ -117,7 +117,7 @@ def rollout(tmp_path_factory):
 
 
 def run_script(n_proc: int, tp: int, model_dir: Path, samples_json: Path, out: Path) -> dict:
-    from slimectl.megatron.parallel import free_port
+    from slimectl.backends.megatron.parallel import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [str(SCRIPT), str(tp), str(model_dir), str(samples_json), str(BUDGET), str(out)]

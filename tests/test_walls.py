@@ -52,26 +52,85 @@ def test_library_imports_without_click():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
-# Walls that later stages must respect; each rule applies to whatever modules exist.
+# The walls of docs/architecture.md. Each rule: (folder or module under slimectl/, banned import prefixes).
+LIBRARY_PARTS = ("slimectl.stages", "slimectl.orchestration", "slimectl.backends", "slimectl.engines",
+                 "slimectl.agents", "slimectl.rewards", "slimectl.services", "slimectl.algorithms")
 FORBIDDEN = [
-    ("slimectl/rollout", ("slimectl.train",)),
-    ("slimectl/train", ("slimectl.rollout",)),
-    ("slimectl/rundir", ("slimectl.rollout", "slimectl.train", "slimectl.engines", "torch")),
+    # the contract (config, samples, run directory, metrics, logs) is below everything else
+    ("contract", LIBRARY_PARTS),
+    ("contract/rundir", ("torch",)),
+    # engines serve tokens: no training, no rollout, no orchestration code
+    ("engines", ("slimectl.stages", "slimectl.orchestration", "slimectl.backends.megatron", "slimectl.agents",
+                 "slimectl.rewards", "slimectl.services", "slimectl.algorithms", "megatron")),
+    # backends know nothing of stages or of the loop
+    ("backends", ("slimectl.stages", "slimectl.orchestration", "slimectl.agents", "slimectl.services",
+                  "slimectl.engines")),
+    ("backends/hf", ("slimectl.backends.megatron", "megatron")),
+    ("rewards", ("slimectl.stages", "slimectl.orchestration", "slimectl.backends", "slimectl.agents",
+                 "slimectl.services", "megatron", "torch")),
+    ("web", LIBRARY_PARTS),
 ]
 
 
-@pytest.mark.parametrize("where, banned", FORBIDDEN)
-def test_stage_walls(where, banned):
-    base = ROOT / where
-    files = list(base.rglob("*.py")) if base.is_dir() else ([base.with_suffix(".py")] if base.with_suffix(".py").exists() else [])
+def part_files(where: str) -> list[Path]:
+    base = LIB / where
+    if base.is_dir():
+        return sorted(base.rglob("*.py"))
+    return [base.with_suffix(".py")] if base.with_suffix(".py").exists() else []
+
+
+@pytest.mark.parametrize("where, banned", FORBIDDEN, ids=[w for w, _ in FORBIDDEN])
+def test_walls_between_parts(where, banned):
+    files = part_files(where)
+    assert files, f"slimectl/{where} is gone: update the walls"
+    offenders = {}
     for p in files:
-        bad = {m for m in imports_of(p) if m.startswith(banned)}
-        assert not bad, f"{p.relative_to(ROOT)} imports {sorted(bad)}"
+        bad = sorted(m for m in imports_of(p) if m.startswith(banned))
+        if bad:
+            offenders[str(p.relative_to(ROOT))] = bad
+    assert offenders == {}
+
+
+def test_only_the_megatron_backend_imports_megatron():
+    offenders = {}
+    for p in library_files():
+        if (LIB / "backends" / "megatron") in p.parents:
+            continue
+        bad = sorted(m for m in imports_of(p) if m == "megatron" or m.startswith("megatron."))
+        if bad:
+            offenders[str(p.relative_to(ROOT))] = bad
+    assert offenders == {}
+
+
+def stage_names() -> list[str]:
+    return sorted(p.stem if p.is_file() else p.name for p in (LIB / "stages").iterdir()
+                  if p.name != "__init__.py" and not p.name.startswith("__") and (p.suffix == ".py" or p.is_dir()))
+
+
+@pytest.mark.parametrize("stage", stage_names())
+def test_stages_never_import_each_other(stage):
+    """Stages meet only in the run directory and the engine protocol (rollout never imports train...)."""
+    others = tuple(f"slimectl.stages.{s}" for s in stage_names() if s != stage)
+    offenders = {}
+    for p in part_files(f"stages/{stage}"):
+        bad = sorted(m for m in imports_of(p) if m.startswith(others) and m.split(".")[2] != stage)
+        if bad:
+            offenders[str(p.relative_to(ROOT))] = bad
+    assert offenders == {}
+
+
+def test_the_walls_test_sees_a_breach(tmp_path):
+    """The checker itself: an import that breaks a wall is found."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from slimectl.stages.train import run_train\nimport megatron.core\n")
+    assert {"slimectl.stages.train", "megatron.core"} <= imports_of(bad)
 
 
 def test_algorithm_math_imports_only_torch():
-    algo = ROOT / "slimectl" / "algorithms"
-    for p in algo.rglob("*.py") if algo.is_dir() else []:
+    algo = LIB / "algorithms"
+    files = sorted(algo.rglob("*.py"))
+    assert files
+    for p in files:
         allowed = {"torch", "__future__", "typing", "math", "dataclasses"}
         bad = {m for m in imports_of(p) if m.split(".")[0] not in allowed and not m.startswith("slimectl.algorithms")}
         assert not bad, f"{p.relative_to(ROOT)} imports {sorted(bad)}"
@@ -87,7 +146,7 @@ def test_wheel_installs_commands_inside_the_slimectl_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"slimectl"}, tops
-    assert "slimectl/commands/cli.py" in names and "slimectl/rundir/artifacts.py" in names
+    assert "slimectl/commands/cli.py" in names and "slimectl/contract/rundir/artifacts.py" in names
     assert "slimectl/fixtures/tiny_models.py" in names
     # every library package folder is listed in setup.cfg
     for pkg in [p.parent for p in LIB.rglob("__init__.py")]:

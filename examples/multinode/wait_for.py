@@ -41,7 +41,7 @@ def wait_engines(run, version: int, timeout: float | None) -> None:
         if versions and min(versions) >= version:
             return
         if deadline is not None and time.monotonic() >= deadline:
-            from slimectl.errors import WaitTimeout
+            from slimectl.contract.errors import WaitTimeout
 
             have = ", ".join(map(str, versions)) or "no live engines"
             raise WaitTimeout(f"the engines did not reach weight version {version} within {timeout:g} s "
@@ -79,7 +79,7 @@ def wait_sync_target(run, above: int, lag: int, timeout: float | None) -> int:
         if target > min(have, above):
             return target
         if deadline is not None and time.monotonic() >= deadline:
-            from slimectl.errors import WaitTimeout
+            from slimectl.contract.errors import WaitTimeout
 
             raise WaitTimeout(f"no weight version newer than {above} could be pushed within {timeout:g} s "
                               f"(newest allowed: {target}); is `slimectl train` running?")
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run_dir:
         ap.error("no run directory: pass -r RUN or set SLIMECTL_RUN_DIR")
 
-    from slimectl.errors import SlimectlError, WaitTimeout
-    from slimectl.rundir import RunDir
+    from slimectl.contract.errors import SlimectlError, WaitTimeout
+    from slimectl.contract.rundir import RunDir
 
     try:
         run = RunDir.open(args.run_dir)

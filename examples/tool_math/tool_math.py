@@ -3,7 +3,7 @@ r"""Tool-use RL example: 4-digit multiplications, answered with the help of the 
 A tiny model cannot multiply 4821 * 7396 in its head, but it can learn to write
 ``<tool_call>{"name": "python", "arguments": {"code": "print(4821 * 7396)"}}</tool_call>``,
 read the ``<tool_response>`` and answer ``\boxed{35656116}``. The rollout runs
-``slimectl.rollout.multiturn:generate`` (model turn -> sandboxed python -> model turn ...) and
+``slimectl.agents.multiturn:generate`` (model turn -> sandboxed python -> model turn ...) and
 this module's :func:`reward` grades the model's *final* turn only, so a number that merely
 appears in the tool output earns nothing.
 
@@ -21,8 +21,8 @@ import random
 import re
 from pathlib import Path
 
-from slimectl.rollout.multiturn import final_text
-from slimectl.rollout.rewards.boxed import last_boxed
+from slimectl.agents.multiturn import final_text
+from slimectl.rewards.boxed import last_boxed
 
 SYSTEM_PROMPT = (
     "You can run Python. To run code, write exactly "

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from slimectl.errors import SlimectlError
+from slimectl.contract.errors import SlimectlError
 
 log = logging.getLogger("slimectl.client")
 

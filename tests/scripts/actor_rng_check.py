@@ -21,9 +21,9 @@ def draws() -> list[float]:
 
 def main() -> None:
     hf_dir, out = sys.argv[1], sys.argv[2]
-    from slimectl.config import AlgorithmSection, TrainSection
-    from slimectl.models.arch import arch_from_dir
-    from slimectl.train.actor import MegatronActor
+    from slimectl.contract.config import AlgorithmSection, TrainSection
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.megatron.actor import MegatronActor
 
     arch = arch_from_dir(hf_dir)
     a = MegatronActor(arch, arch.padded_vocab_size(1), TrainSection(), AlgorithmSection())

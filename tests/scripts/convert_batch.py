@@ -10,13 +10,13 @@ import json
 import os
 import sys
 
-from slimectl.convert import convert_hf_to_megatron
+from slimectl.stages.convert import convert_hf_to_megatron
 
 
 def main() -> None:
     tp, pp, pairs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     if os.environ.get("SLIMECTL_TEST_READ_ALL") == "1":
-        from slimectl.megatron.copy_save import RowSource
+        from slimectl.backends.megatron.copy_save import RowSource
 
         RowSource.accepts = lambda self, name: False
     forks, copied = [], []

@@ -13,7 +13,7 @@ import torch
 
 def main() -> None:
     tp, pp, pairs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    from slimectl.megatron.parallel import init_parallel, shutdown_parallel
+    from slimectl.backends.megatron.parallel import init_parallel, shutdown_parallel
 
     info = init_parallel(tp=tp, pp=pp)
     for ckpt, hf_dir in zip(pairs[::2], pairs[1::2]):
@@ -22,8 +22,8 @@ def main() -> None:
 
 
 def compare(info, ckpt, hf_dir, tp, pp) -> None:
-    from slimectl.megatron.checkpoint import arch_from_meta, load_megatron_checkpoint, read_checkpoint_meta
-    from slimectl.megatron.provider import build_gpt_model
+    from slimectl.backends.megatron.checkpoint import arch_from_meta, load_megatron_checkpoint, read_checkpoint_meta
+    from slimectl.backends.megatron.provider import build_gpt_model
 
     meta, it_dir, _ = read_checkpoint_meta(ckpt)
     arch = arch_from_meta(meta)

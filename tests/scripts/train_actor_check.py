@@ -23,11 +23,11 @@ def main() -> None:
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     pp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     t0 = time.perf_counter()
-    from slimectl.config import AlgorithmSection, TrainSection
-    from slimectl.models.arch import arch_from_dir
-    from slimectl.samples import Sample
-    from slimectl.train.actor import MegatronActor, group_normalized_rewards
-    from slimectl.train.packing import pack_samples
+    from slimectl.contract.config import AlgorithmSection, TrainSection
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.contract.samples import Sample
+    from slimectl.backends.megatron.actor import MegatronActor, group_normalized_rewards
+    from slimectl.backends.megatron.packing import pack_samples
 
     arch = arch_from_dir(hf_dir)
     padded = arch.padded_vocab_size(tp)
@@ -106,7 +106,7 @@ def main() -> None:
 
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(out), flush=True)
-    from slimectl.megatron.parallel import shutdown_parallel
+    from slimectl.backends.megatron.parallel import shutdown_parallel
 
     shutdown_parallel(destroy_process_group=True)
 

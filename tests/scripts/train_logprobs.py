@@ -17,14 +17,14 @@ import torch
 def main() -> None:
     tp, hf_dir, samples_json, budget, out_pt = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     t0 = time.perf_counter()
-    from slimectl.megatron.checkpoint import load_hf_into_model
-    from slimectl.megatron.parallel import init_parallel, shutdown_parallel
-    from slimectl.megatron.provider import build_gpt_model
-    from slimectl.models.arch import arch_from_dir
-    from slimectl.models.hf_io import HFCheckpoint
-    from slimectl.samples import Sample
-    from slimectl.train.logprobs import compute_log_probs, compute_log_probs_for_batches
-    from slimectl.train.packing import pack_samples
+    from slimectl.backends.megatron.checkpoint import load_hf_into_model
+    from slimectl.backends.megatron.parallel import init_parallel, shutdown_parallel
+    from slimectl.backends.megatron.provider import build_gpt_model
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.hf.checkpoint import HFCheckpoint
+    from slimectl.contract.samples import Sample
+    from slimectl.backends.megatron.logprobs import compute_log_probs, compute_log_probs_for_batches
+    from slimectl.backends.megatron.packing import pack_samples
 
     info = init_parallel(tp=tp, pp=1)
     arch = arch_from_dir(hf_dir)

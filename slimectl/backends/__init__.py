@@ -1,0 +1,1 @@
+"""Backends behind small interfaces: Megatron (training, torch_dist checkpoints) and HF (architectures, safetensors, name mapping)."""

@@ -1,0 +1,1 @@
+"""HF checkpoints: supported architectures, safetensors reading, and the HF <-> Megatron name mapping."""

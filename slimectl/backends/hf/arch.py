@@ -1,0 +1,211 @@
+"""Read an HF ``config.json`` into a validated architecture description.
+
+This module is the only place that decides whether an HF checkpoint can be converted. It
+handles the Llama family as Megatron's GPT model implements it: Llama 2/3, Qwen2/2.5 (QKV
+bias) and Qwen3 (q/k RMSNorm). Anything else — another rope scaling, sliding-window
+attention, MoE, biases where the family has none, another activation — is refused by name,
+because converting it silently would give a model that loads but computes something else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from slimectl.contract.errors import SlimectlError
+
+
+class UnsupportedModel(SlimectlError):
+    """The HF config describes an architecture slimectl does not convert."""
+
+
+class CheckpointMismatch(SlimectlError):
+    """A checkpoint's tensors do not match its config."""
+
+
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+VOCAB_PAD_MULTIPLE = 128
+"""Megatron-LM's default ``make_vocab_size_divisible_by``; the padded vocab is a multiple of
+this times the tensor-parallel size."""
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    dtype: str
+
+    @property
+    def q_per_group(self) -> int:
+        return self.num_attention_heads // self.num_kv_heads
+
+    def padded_vocab_size(self, tp: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+        m = multiple * tp
+        return int(math.ceil(self.vocab_size / m) * m)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def num_params(self) -> int:
+        h, f, L, V = self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h
+        per_layer += (q + 2 * kv) if self.qkv_bias else 0
+        per_layer += 2 * self.head_dim if self.qk_norm else 0
+        return L * per_layer + V * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def _rope(cfg: dict[str, Any], where: str) -> float:
+    """rope_theta, refusing any rope scaling (transformers 5 ``rope_parameters`` or 4.x ``rope_scaling``)."""
+    rope_type = "default"
+    for key in ("rope_parameters", "rope_scaling"):
+        src = cfg.get(key)
+        if isinstance(src, dict) and (src.get("rope_type") or src.get("type")):
+            rope_type = src.get("rope_type") or src.get("type")
+            if rope_type != "default":
+                break
+    if rope_type != "default":
+        raise UnsupportedModel(
+            f"{where}: rope scaling type {rope_type!r} is not supported (only plain RoPE); use a model without rope scaling"
+        )
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _require(cfg: dict[str, Any], key: str, where: str, kind: type = int) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise UnsupportedModel(f"{where}: config.json lacks {key!r}")
+    value = cfg[key]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise UnsupportedModel(f"{where}: {key} = {value!r} must be a positive integer")
+    return value
+
+
+def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelArch:
+    """Validate an HF config dict and describe it; refuse what cannot be converted faithfully."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise UnsupportedModel(
+            f"{where}: model_type {model_type!r} is not supported; slimectl converts {', '.join(FAMILIES)}"
+        )
+    archs = cfg.get("architectures") or [FAMILIES[model_type]]
+    if archs != [FAMILIES[model_type]]:
+        raise UnsupportedModel(f"{where}: architectures {archs} is not supported (expected [{FAMILIES[model_type]!r}])")
+    for moe_key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"):
+        if cfg.get(moe_key):
+            raise UnsupportedModel(f"{where}: MoE models ({moe_key} = {cfg[moe_key]}) are not supported")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModel(f"{where}: hidden_act {act!r} is not supported (the Llama family uses silu)")
+    if cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or []):
+        raise UnsupportedModel(f"{where}: sliding-window attention is not supported; only full attention")
+    if model_type == "llama":
+        if cfg.get("attention_bias"):
+            raise UnsupportedModel(f"{where}: attention_bias = true is not supported for llama")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModel(f"{where}: mlp_bias = true is not supported for llama")
+        if cfg.get("pretraining_tp", 1) != 1:
+            raise UnsupportedModel(f"{where}: pretraining_tp = {cfg.get('pretraining_tp')} is not supported (must be 1)")
+    if model_type == "qwen3" and cfg.get("attention_bias"):
+        raise UnsupportedModel(f"{where}: attention_bias = true is not supported for qwen3")
+    hidden = _require(cfg, "hidden_size", where)
+    heads = _require(cfg, "num_attention_heads", where)
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise UnsupportedModel(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if model_type != "qwen3" and cfg.get("head_dim") is None and hidden % heads:
+        raise UnsupportedModel(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    for key in ("attention_dropout", "hidden_dropout"):
+        if cfg.get(key):
+            raise UnsupportedModel(f"{where}: {key} = {cfg[key]} is not supported for RL training (must be 0)")
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return ModelArch(
+        family=model_type,
+        hidden_size=hidden,
+        intermediate_size=_require(cfg, "intermediate_size", where),
+        num_layers=_require(cfg, "num_hidden_layers", where),
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=_require(cfg, "vocab_size", where),
+        max_position_embeddings=_require(cfg, "max_position_embeddings", where),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope(cfg, where),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        dtype=str(dtype),
+    )
+
+
+def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise SlimectlError(f"HF model directory {d} does not exist")
+    p = d / "config.json"
+    if not p.is_file():
+        raise SlimectlError(f"{d} has no config.json; pass an HF model directory (save_pretrained output)")
+    try:
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SlimectlError(f"{p} is not valid JSON ({exc}); the model directory is damaged") from None
+    if not isinstance(cfg, dict):
+        raise SlimectlError(f"{p} does not hold a JSON object")
+    return cfg
+
+
+def arch_from_dir(model_dir: str | Path) -> ModelArch:
+    return arch_from_config(load_hf_config(model_dir), where=str(Path(model_dir) / "config.json"))
+
+
+def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of ``arch`` must hold, with its shape."""
+    h, f, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
+    out: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (arch.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not arch.tie_word_embeddings:
+        out["lm_head.weight"] = (arch.vocab_size, h)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "self_attn.q_proj.weight"] = (q, h)
+        out[p + "self_attn.k_proj.weight"] = (kv, h)
+        out[p + "self_attn.v_proj.weight"] = (kv, h)
+        out[p + "self_attn.o_proj.weight"] = (h, q)
+        if arch.qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (q,)
+            out[p + "self_attn.k_proj.bias"] = (kv,)
+            out[p + "self_attn.v_proj.bias"] = (kv,)
+        if arch.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (d,)
+            out[p + "self_attn.k_norm.weight"] = (d,)
+        out[p + "mlp.gate_proj.weight"] = (f, h)
+        out[p + "mlp.up_proj.weight"] = (f, h)
+        out[p + "mlp.down_proj.weight"] = (h, f)
+    return out

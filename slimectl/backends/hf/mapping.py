@@ -1,0 +1,261 @@
+"""One bidirectional HF <-> Megatron weight table for the Llama family (Llama, Qwen2, Qwen3).
+
+``convert`` uses it from HF to Megatron, and ``export`` and ``sync`` use it from Megatron to
+HF. Each :class:`Rule` links one Megatron parameter to the HF tensors it is made of. Each rule
+also knows how the parameter is split across tensor-parallel ranks.
+
+Layouts (Megatron's local/TE GPT layer spec):
+
+- ``linear_qkv`` is interleaved *per query group*: ``[q_0 .. q_{n/g-1}, k, v]`` for each of the
+  ``g`` groups. Splitting it into contiguous blocks along dim 0 therefore hands each TP rank
+  whole groups. The Qwen2 QKV bias follows the same layout.
+- ``linear_fc1`` is ``[gate; up]``. On TP rank ``r`` it is ``[gate_r; up_r]`` (not a contiguous
+  block of the fused tensor).
+- The embedding and the output layer are padded with zero rows to the padded vocab size, and
+  split by rows (vocab-parallel). ``linear_proj`` and ``linear_fc2`` are row-parallel (split
+  along dim 1). Norms are replicated.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from slimectl.backends.hf.arch import ModelArch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    """Megatron parameter name (``{i}`` = global layer index)."""
+    hf: tuple[str, ...]
+    """HF tensor names it is made of, in order."""
+    kind: str
+    """copy | qkv | qkv_bias | fc1 | vocab."""
+    tp_dim: int | None
+    """Dimension split across TP ranks (None: replicated)."""
+
+    def layer(self, i: int) -> "Rule":
+        return Rule(self.megatron.format(i=i), tuple(n.format(i=i) for n in self.hf), self.kind, self.tp_dim)
+
+
+def layer_rules(arch: ModelArch) -> list[Rule]:
+    p, m = "model.layers.{i}.", "decoder.layers.{i}."
+    rules = [
+        Rule(m + "input_layernorm.weight", (p + "input_layernorm.weight",), "copy", None),
+        Rule(
+            m + "self_attention.linear_qkv.weight",
+            (p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+            "qkv",
+            0,
+        ),
+        Rule(m + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), "copy", 1),
+        Rule(m + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",), "copy", None),
+        Rule(m + "mlp.linear_fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1", 0),
+        Rule(m + "mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), "copy", 1),
+    ]
+    if arch.qkv_bias:
+        rules.append(
+            Rule(
+                m + "self_attention.linear_qkv.bias",
+                (p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"),
+                "qkv_bias",
+                0,
+            )
+        )
+    if arch.qk_norm:
+        rules.append(Rule(m + "self_attention.q_layernorm.weight", (p + "self_attn.q_norm.weight",), "copy", None))
+        rules.append(Rule(m + "self_attention.k_layernorm.weight", (p + "self_attn.k_norm.weight",), "copy", None))
+    return rules
+
+
+def global_rules(arch: ModelArch) -> list[Rule]:
+    rules = [
+        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0),
+        Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None),
+    ]
+    if not arch.tie_word_embeddings:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", 0))
+    return rules
+
+
+def tied_output_rule() -> Rule:
+    """With tied embeddings and pipeline parallelism, the last stage holds ``output_layer.weight``
+    as a copy of the embedding (HF stores no lm_head); it is filled from, but never exported to, HF."""
+    return Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", 0)
+
+
+def all_rules(arch: ModelArch) -> list[Rule]:
+    out = global_rules(arch)
+    for i in range(arch.num_layers):
+        out.extend(r.layer(i) for r in layer_rules(arch))
+    return out
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def rule_for(arch: ModelArch, megatron_name: str) -> Rule:
+    """The rule of a *global* Megatron parameter name."""
+    m = _LAYER_RE.match(megatron_name)
+    if m:
+        i = int(m.group(1))
+        if i >= arch.num_layers:
+            raise KeyError(f"{megatron_name}: layer {i} out of range (model has {arch.num_layers})")
+        for r in layer_rules(arch):
+            if r.megatron == "decoder.layers.{i}." + m.group(2):
+                return r.layer(i)
+    else:
+        for r in global_rules(arch):
+            if r.megatron == megatron_name:
+                return r
+        if arch.tie_word_embeddings and megatron_name == "output_layer.weight":
+            return tied_output_rule()
+    raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
+
+
+# ----------------------------------------------------------------------------- HF -> Megatron
+
+
+def to_megatron(arch: ModelArch, rule: Rule, hf: Sequence[Tensor], padded_vocab: int) -> Tensor:
+    """The full (unsharded) Megatron tensor of ``rule`` from its HF tensors."""
+    if rule.kind == "copy":
+        return hf[0]
+    if rule.kind == "vocab":
+        w = hf[0]
+        if padded_vocab == w.shape[0]:
+            return w
+        out = w.new_zeros((padded_vocab,) + tuple(w.shape[1:]))
+        out[: w.shape[0]] = w
+        return out
+    if rule.kind == "fc1":
+        return torch.cat([hf[0], hf[1]], dim=0)
+    if rule.kind in ("qkv", "qkv_bias"):
+        g, d, n = arch.num_kv_heads, arch.head_dim, arch.q_per_group
+        q, k, v = hf
+        tail = tuple(q.shape[1:])  # (hidden,) for weights, () for biases
+        q = q.reshape((g, n * d) + tail)
+        k = k.reshape((g, d) + tail)
+        v = v.reshape((g, d) + tail)
+        return torch.cat([q, k, v], dim=1).reshape((g * (n + 2) * d,) + tail)
+    raise ValueError(f"unknown rule kind {rule.kind}")
+
+
+def to_hf(arch: ModelArch, rule: Rule, full: Tensor) -> list[tuple[str, Tensor]]:
+    """The HF tensors of ``rule`` from the full (unsharded, padded) Megatron tensor."""
+    if rule.kind == "copy":
+        return [(rule.hf[0], full)]
+    if rule.kind == "vocab":
+        return [(rule.hf[0], full[: arch.vocab_size])]
+    if rule.kind == "fc1":
+        gate, up = full.chunk(2, dim=0)
+        return [(rule.hf[0], gate), (rule.hf[1], up)]
+    if rule.kind in ("qkv", "qkv_bias"):
+        g, d, n = arch.num_kv_heads, arch.head_dim, arch.q_per_group
+        tail = tuple(full.shape[1:])
+        grouped = full.reshape((g, (n + 2) * d) + tail)
+        q, k, v = grouped.split([n * d, d, d], dim=1)
+        return [
+            (rule.hf[0], q.reshape((g * n * d,) + tail)),
+            (rule.hf[1], k.reshape((g * d,) + tail)),
+            (rule.hf[2], v.reshape((g * d,) + tail)),
+        ]
+    raise ValueError(f"unknown rule kind {rule.kind}")
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+def tp_shard(rule: Rule, full: Tensor, rank: int, size: int) -> Tensor:
+    """Rank ``rank``'s slice of a full Megatron tensor."""
+    if rule.tp_dim is None or size == 1:
+        return full
+    if full.shape[rule.tp_dim] % size:
+        raise ValueError(f"{rule.megatron}: dim {rule.tp_dim} of {tuple(full.shape)} does not split over TP={size}")
+    if rule.kind == "fc1":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    return full.chunk(size, dim=rule.tp_dim)[rank]
+
+
+def tp_gather(rule: Rule, shards: Sequence[Tensor]) -> Tensor:
+    """The full Megatron tensor from every TP rank's slice (inverse of :func:`tp_shard`)."""
+    if rule.tp_dim is None or len(shards) == 1:
+        return shards[0]
+    if rule.kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)], 0)
+    return torch.cat(list(shards), dim=rule.tp_dim)
+
+
+# ----------------------------------------------------------------------------- row placement
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """Rows ``[src, src + rows)`` of HF tensor ``hf`` land at rows ``[dst, dst + rows)`` of a shard."""
+
+    hf: str
+    src: int
+    dst: int
+    rows: int
+
+
+def full_row_blocks(arch: ModelArch, rule: Rule, hf_rows: Sequence[int]) -> list[RowBlock]:
+    """The full Megatron tensor of ``rule`` as blocks of whole HF rows (dim 0), in order.
+
+    ``hf_rows`` are the first-dim sizes of ``rule.hf``. Rows not covered (vocab padding) are
+    zeros. This is :func:`to_megatron` written as placements, so a converter can read every
+    block from disk straight into the parameter instead of building the tensor first.
+    """
+    if rule.kind in ("copy", "vocab"):
+        return [RowBlock(rule.hf[0], 0, 0, hf_rows[0])]
+    if rule.kind == "fc1":
+        return [RowBlock(rule.hf[0], 0, 0, hf_rows[0]), RowBlock(rule.hf[1], 0, hf_rows[0], hf_rows[1])]
+    if rule.kind in ("qkv", "qkv_bias"):
+        g, d, n = arch.num_kv_heads, arch.head_dim, arch.q_per_group
+        out, at = [], 0
+        for j in range(g):
+            out.append(RowBlock(rule.hf[0], j * n * d, at, n * d))
+            out.append(RowBlock(rule.hf[1], j * d, at + n * d, d))
+            out.append(RowBlock(rule.hf[2], j * d, at + (n + 1) * d, d))
+            at += (n + 2) * d
+        return out
+    raise ValueError(f"unknown rule kind {rule.kind}")
+
+
+def shard_row_blocks(arch: ModelArch, rule: Rule, hf_rows: Sequence[int], full_rows: int, rank: int,
+                     size: int) -> list[RowBlock] | None:
+    """The row blocks of TP rank ``rank``'s shard (as :func:`tp_shard` cuts it), or None when
+    the shard is not made of whole rows (row-parallel tensors split along dim 1)."""
+    blocks = full_row_blocks(arch, rule, hf_rows)
+    if rule.tp_dim is None or size == 1:
+        return blocks
+    if rule.tp_dim != 0:
+        return None
+    if rule.kind == "fc1":  # [gate_r; up_r]
+        half = full_rows // 2
+        windows = [(rank * half // size, half // size), (half + rank * half // size, half // size)]
+    else:
+        windows = [(rank * (full_rows // size), full_rows // size)]
+    out, local = [], 0
+    for start, length in windows:
+        for b in blocks:
+            lo, hi = max(b.dst, start), min(b.dst + b.rows, start + length)
+            if lo < hi:
+                out.append(RowBlock(b.hf, b.src + lo - b.dst, local + lo - start, hi - lo))
+        local += length
+    return out
+
+
+def hf_to_megatron_tensors(arch: ModelArch, get_hf: Callable[[str], Tensor], padded_vocab: int,
+                           names: Sequence[str] | None = None) -> Iterator[tuple[str, Tensor]]:
+    """Yield (Megatron name, full tensor) for ``names`` (default: every parameter), one at a time."""
+    for megatron in names if names is not None else [r.megatron for r in all_rules(arch)]:
+        rule = rule_for(arch, megatron)
+        yield megatron, to_megatron(arch, rule, [get_hf(n) for n in rule.hf], padded_vocab)

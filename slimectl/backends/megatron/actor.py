@@ -1,0 +1,581 @@
+"""The Megatron actor: GPTModel + Megatron DDP + Megatron optimizer, trained on rollout samples.
+
+slime's GRPO path (``actor.train_actor`` + ``loss.py``), in one process per rank:
+
+1. rewards -> per-group normalization (``algorithm.reward_normalization``; a group is every
+   sample sharing a ``group_index``; samples without one form one group);
+2. old log-probs: recomputed with the current weights (no grad), or the rollout's
+   (``train.use_rollout_logprobs``); ref log-probs from a frozen copy when ``use_kl_loss``;
+3. per-token advantages over the response tokens (:func:`slimectl.algorithms.compute_advantages`);
+4. ``train.num_steps_per_rollout`` optimizer steps, each over one global batch packed into
+   micro-batches (``train.max_tokens_per_micro_batch``) with gradient accumulation.
+
+Loss reduction across micro-batches is exact: each micro-batch's reduced loss is weighted by its
+share of the global batch (samples for the per-sample mean, loss tokens for the per-token mean),
+so a step over several micro-batches equals the step over one (up to float rounding).
+
+Old / ref log-probs are computed with the same micro-batch layout the step uses, so on the first
+step the ratio is exactly 1 and the KL to the reference exactly 0.
+
+Parallelism: TP (vocab-parallel log-probs), DP (each rank packs every dp-th sample of a global
+batch) and PP (Megatron's 1F1B schedule over the packed micro-batches; only the last stage has
+logits, so its log-probs and metrics are shared with the other stages). Imports megatron lazily;
+never imports :mod:`slimectl.stages.rollout`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from slimectl.algorithms import (
+    compute_advantages,
+    compute_tis_weights,
+    gspo_policy_loss,
+    kl_loss,
+    normalize_group_rewards,
+    ppo_policy_loss,
+    reduce_masked,
+    reduction_mode,
+    sft_loss,
+)
+import slimectl.backends.megatron  # noqa: F401  (quiets megatron's import-time notices about missing TE/Apex)
+from slimectl.algorithms.tis import apply_tis
+from slimectl.backends.megatron.logprobs import compute_log_probs
+from slimectl.backends.megatron.packing import MicroBatch, pack_samples
+
+
+def lr_at(step: int, lr: float, min_lr: float = 0.0, warmup_steps: int = 0, decay_style: str = "constant",
+          total_steps: int | None = None) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup from 0 over
+    ``warmup_steps``, then constant / linear / cosine decay from ``lr`` to ``min_lr`` at
+    ``total_steps`` (Megatron's OptimizerParamScheduler shapes)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if decay_style == "constant":
+        return lr
+    if decay_style not in ("linear", "cosine"):
+        raise ValueError(f"unknown lr_decay_style {decay_style!r}")
+    if not total_steps:
+        raise ValueError(f"lr_decay_style {decay_style!r} needs total_steps (the decay horizon)")
+    span = max(total_steps - warmup_steps, 1)
+    frac = min(max(step - warmup_steps, 0) / span, 1.0)
+    coeff = 1.0 - frac if decay_style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1.0)
+    return min_lr + coeff * (lr - min_lr)
+
+
+def group_normalized_rewards(samples: Sequence[Any], mode: str, reward_key: str | None = None) -> torch.Tensor:
+    """``[N]`` rewards normalized within each ``group_index`` group (uneven groups allowed)."""
+    raw = torch.tensor([s.reward_value(reward_key) for s in samples], dtype=torch.float32)
+    groups: dict[Any, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.group_index, []).append(i)
+    out = torch.empty_like(raw)
+    for idx in groups.values():
+        t = torch.tensor(idx)
+        out[t] = normalize_group_rewards(raw[t], None, mode)
+    return out
+
+
+def _loss_mask(sample) -> torch.Tensor:
+    if getattr(sample, "remove_sample", False):
+        return torch.zeros(sample.response_length)
+    if sample.loss_mask is not None:
+        return torch.tensor(sample.loss_mask, dtype=torch.float32)
+    return torch.ones(sample.response_length)
+
+
+def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
+    return pad_sequence([r.reshape(-1) for r in rows], batch_first=True)
+
+
+class MegatronActor:
+    """Policy (+ optional frozen reference) on Megatron-core; see the module docstring."""
+
+    def __init__(self, arch, padded_vocab: int, train, algo, tp: int = 1, pp: int = 1, dtype: str = "fp32",
+                 total_steps: int | None = None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from slimectl.backends.megatron.parallel import init_parallel
+        from slimectl.backends.megatron.provider import build_gpt_model, transformer_config
+
+        self.arch, self.padded_vocab, self.train_cfg, self.algo = arch, padded_vocab, train, algo
+        self.tp, self.pp, self.dtype = tp, pp, dtype
+        self.total_steps = total_steps
+        self.info = init_parallel(tp=tp, pp=pp, seed=train.seed)
+        self.dp, self.dp_rank = self.info.dp, self.info.dp_rank
+        self.dp_group = ps.get_data_parallel_group() if self.dp > 1 else None
+        self.tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+        self.pp_group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+
+        gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True)
+        cfg = transformer_config(arch, tp, pp, dtype)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=train.use_distributed_optimizer)
+        self.model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt)
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
+            adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
+            clip_grad=train.clip_grad, bf16=dtype == "bf16", fp16=dtype == "fp16",
+            params_dtype=cfg.params_dtype, use_distributed_optimizer=train.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+        self.ref_model = None
+        if algo.use_kl_loss:
+            self.ref_model = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=False).eval()
+            self.ref_model.requires_grad_(False)
+            self._sync_ref()
+        self.step = 0  # optimizer steps taken
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def module(self):
+        """The bare GPTModel (inside DDP)."""
+        return self.model.module
+
+    def _after_load(self) -> None:
+        self.optimizer.reload_model_params()  # fp32 main params of a bf16/fp16 optimizer
+        self._sync_ref()
+
+    def _sync_ref(self) -> None:
+        if self.ref_model is not None:
+            with torch.no_grad():
+                src = dict(self.module.named_parameters())
+                for name, p in self.ref_model.named_parameters():
+                    p.copy_(src[name])
+
+    def load_hf(self, hf_dir) -> int:
+        """Fill the actor (and the reference) from an HF checkpoint directory."""
+        from slimectl.backends.megatron.checkpoint import load_hf_into_model
+        from slimectl.backends.hf.checkpoint import HFCheckpoint
+
+        n = load_hf_into_model(self.module, self.arch, HFCheckpoint(str(hf_dir)), self.padded_vocab,
+                               self.info.tp_rank, self.tp)
+        self._after_load()
+        return n
+
+    def load_checkpoint(self, it_dir) -> dict[str, Any]:
+        """Fill the actor (and the reference) from a torch_dist ``iter_XXXXXXX`` directory."""
+        from slimectl.backends.megatron.checkpoint import load_megatron_checkpoint
+
+        extra = load_megatron_checkpoint(self.module, it_dir)
+        self._after_load()
+        return extra
+
+    def _fill_empty_adam_state(self) -> None:
+        """A never-stepped torch Adam has no state to load a checkpoint into: give it zeros first."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    st = inner.state[p]
+                    if not st:
+                        st["step"] = torch.tensor(0.0)
+                        st["exp_avg"] = torch.zeros_like(p.data)
+                        st["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    # ------------------------------------------------------------------ RNG
+    @property
+    def _layout(self) -> list[int]:
+        return [self.pp, self.tp, self.dp]
+
+    def _rng_object(self, data=None):
+        """This rank's RNG states as a torch_dist sharded object (one per (pp, tp, dp) rank)."""
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        return ShardedObject("rng_state", data, tuple(self._layout),
+                             (self.info.pp_rank, self.info.tp_rank, self.dp_rank), replica_id=0)
+
+    @staticmethod
+    def rng_states() -> dict[str, Any]:
+        """Every random generator a step may draw from: Python's, torch's CPU (and CUDA) generator,
+        and Megatron's tensor-parallel tracker (dropout inside / outside TP regions)."""
+        import random
+
+        from megatron.core import tensor_parallel
+
+        return {"python": random.getstate(), "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+    @staticmethod
+    def set_rng_states(states: dict[str, Any]) -> None:
+        import random
+
+        from megatron.core import tensor_parallel
+
+        version, internal, gauss = states["python"]  # (a list or tuple after the checkpoint round trip)
+        random.setstate((version, tuple(internal), gauss))
+        torch.set_rng_state(states["torch"])
+        if states.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(states["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+
+    # ------------------------------------------------------------------ state
+    def save_state(self, it_dir, extra: dict[str, Any] | None = None) -> None:
+        """Save model + optimizer (torch_dist, resharding-capable), every rank's RNG states and the
+        actor's step counter (collective)."""
+        from slimectl.backends.megatron.checkpoint import CHECKPOINT_VERSION, save_torch_dist
+
+        self._fill_empty_adam_state()
+        Path(it_dir).mkdir(parents=True, exist_ok=True)
+        msd = self.module.sharded_state_dict(prefix="")
+        state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
+                 "rng_state": self._rng_object(self.rng_states()), "parallel_layout": self._layout,
+                 "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.step, "actor_step": self.step,
+                 **(extra or {})}
+        save_torch_dist(state, it_dir)
+
+    def load_state(self, it_dir) -> dict[str, Any]:
+        """Load what :meth:`save_state` wrote (model, optimizer, step); returns the other saved keys.
+
+        RNG states come back when the checkpoint was saved with this very (pp, tp, dp) layout; a
+        resharded resume starts the generators from the seed instead (as Megatron-LM does), and
+        says so. Load the initial policy first (it fills the reference model), then this."""
+        import logging
+
+        from megatron.core import dist_checkpointing
+
+        self._fill_empty_adam_state()
+        common = dist_checkpointing.load_common_state_dict(str(it_dir))
+        same_layout = list(common.get("parallel_layout") or []) == self._layout
+        msd = self.module.sharded_state_dict(prefix="")
+        request = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True)}
+        if same_layout:
+            request["rng_state"] = self._rng_object()
+        loaded = dist_checkpointing.load(request, str(it_dir))
+        self.module.load_state_dict(loaded["model"], strict=False)
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        if same_layout:
+            self.set_rng_states(loaded["rng_state"])
+        elif self.info.rank == 0:
+            logging.getLogger("slimectl.train").info(
+                "%s was saved with (pp, tp, dp) = %s, this job is %s: random generators restart from the seed",
+                it_dir, common.get("parallel_layout"), self._layout)
+        self.step = int(common.get("actor_step", 0))
+        # The reference model is deliberately untouched: it stays the *initial* policy, which the
+        # caller loads first (load_hf / load_checkpoint) before resuming from here.
+        return {k: v for k, v in common.items() if k not in ("model", "optimizer", "rng_state", "parallel_layout")}
+
+    def iter_hf_tensors(self):
+        """Stream (HF name, full tensor) without holding a second copy of the model (for sync).
+
+        Collective under TP/PP: every rank iterates; global rank 0 gets the whole model (TP shards
+        gathered, later pipeline stages sent to it one tensor at a time), other ranks get nothing."""
+        from slimectl.backends.megatron.checkpoint import model_to_hf_tensors, pipeline_stages_to_rank0
+
+        own = model_to_hf_tensors(self.module, self.arch, self.tp_group)
+        if self.pp == 1:
+            return own
+        device = next(self.module.parameters()).device
+        return pipeline_stages_to_rank0(own, self.pp_group, send=self.info.tp_rank == 0 and self.dp_rank == 0,
+                                        device=device)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named full tensors (see :meth:`iter_hf_tensors`: the whole model on rank 0)."""
+        return {k: v.detach().clone() for k, v in self.iter_hf_tensors()}
+
+    # ------------------------------------------------------------------ pipeline
+    def _run_schedule(self, model, layout, loss_fn, forward_only: bool) -> list:
+        """Run ``layout``'s micro-batches through Megatron's pipeline schedule (1F1B, p2p between
+        stages; lengths differ, so stages exchange shapes first). ``loss_fn(mb, gidx, output)``
+        runs on the last stage and returns ``(loss, data)``; returns the ``data`` of every
+        micro-batch, in order, on the last stage (empty elsewhere). Megatron divides each loss by
+        the number of micro-batches before its backward: ``loss_fn`` scales by it to undo that."""
+        import functools
+
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from slimectl.backends.megatron.logprobs import forward_micro_batch
+
+        def step(data_iterator, chunk):
+            mb, gidx = next(data_iterator)
+            return forward_micro_batch(chunk, mb), functools.partial(loss_fn, mb, gidx)
+
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(layout), model=[model], num_microbatches=len(layout),
+            seq_length=max(mb.length for mb, _ in layout), micro_batch_size=1, forward_only=forward_only)
+
+    def _pp_share(self, obj):
+        """The last pipeline stage's ``obj`` on every stage (only it has logits)."""
+        if self.pp == 1:
+            return obj
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+        return box[0]
+
+    def _layout_log_probs(self, model, layout, temperature: float) -> dict[int, torch.Tensor]:
+        """{sample index: response log-probs} for one layout's micro-batches (no grad), on the last
+        stage (under PP the caller shares them)."""
+        out: dict[int, torch.Tensor] = {}
+        if self.pp == 1:
+            for mb, gidx in layout:
+                for r, g in zip(compute_log_probs(model, mb, self.arch.vocab_size, temperature, False, self.tp_group), gidx):
+                    out[g] = r.log_probs.detach()
+            return out
+        from slimectl.backends.megatron.logprobs import log_probs_from_output
+
+        def collect(mb, gidx, output):
+            res = log_probs_from_output(output, mb, self.arch.vocab_size, temperature, False, self.tp_group)
+            return output.new_zeros(()), {g: r.log_probs.detach() for g, r in zip(gidx, res)}
+
+        for part in self._run_schedule(model, layout, collect, forward_only=True):
+            out.update(part)
+        return out
+
+    # ------------------------------------------------------------------ log-probs
+    @torch.no_grad()
+    def compute_log_probs(self, samples: Sequence[Any], temperature: float = 1.0,
+                          ref: bool = False) -> list[torch.Tensor]:
+        """Per-sample response log-probs under the current (or reference) weights (on every rank)."""
+        model = self.ref_model if ref else self.module
+        mbs = pack_samples(samples, self.train_cfg.max_tokens_per_micro_batch)
+        res = self._pp_share(self._layout_log_probs(model, [(mb, [s.sample_index for s in mb.seqs]) for mb in mbs],
+                                                    temperature))
+        return [res[i] for i in range(len(samples))]
+
+    # ------------------------------------------------------------------ training
+    def _step_batches(self, n: int) -> list[list[int]]:
+        steps = self.train_cfg.num_steps_per_rollout
+        gbs = self.train_cfg.global_batch_size
+        if gbs is None:
+            if n < steps:
+                raise ValueError(f"{n} samples cannot make {steps} optimizer steps")
+            return [c.tolist() for c in torch.arange(n).tensor_split(steps)]
+        if gbs * steps > n:
+            raise ValueError(f"{steps} steps x global_batch_size {gbs} needs {gbs * steps} samples, got {n}")
+        return [list(range(k * gbs, (k + 1) * gbs)) for k in range(steps)]
+
+    def _set_lr(self) -> float:
+        t = self.train_cfg
+        lr = lr_at(self.step, t.lr, t.min_lr, t.lr_warmup_steps, t.lr_decay_style, self.total_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def train_on_samples(self, samples: Sequence[Any], rollout_temperature: float = 1.0,
+                         reward_key: str | None = None) -> list[dict[str, float]]:
+        """Train on one rollout's samples; one metrics dict per optimizer step."""
+        if not samples:
+            raise ValueError("no samples to train on")
+        algo, tcfg = self.algo, self.train_cfg
+        sft = algo.loss_type == "sft_loss"
+        mode = reduction_mode(algo.calculate_per_token_loss)
+        n = len(samples)
+        masks = [_loss_mask(s) for s in samples]
+        for s, m in zip(samples, masks):
+            if m.numel() != s.response_length:
+                raise ValueError(f"sample {s.index}: loss_mask has {m.numel()} entries for {s.response_length} tokens")
+        has_rollout_lp = all(s.rollout_log_probs is not None for s in samples)
+        rollout_lp = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples] if has_rollout_lp else None
+        if (tcfg.use_rollout_logprobs or algo.use_tis) and not has_rollout_lp and not sft:
+            raise ValueError("use_rollout_logprobs / use_tis need every sample's rollout_log_probs")
+        teacher_lp = None
+        if algo.use_opd and not sft:
+            missing = [s.index for s in samples if s.teacher_log_probs is None
+                       or len(s.teacher_log_probs) != s.response_length]
+            if missing:
+                raise ValueError(f"algorithm.use_opd needs teacher log-probs for every response token; sample {missing[0]} "
+                                 f"has none (or the wrong count): set rollout.teacher_urls to a served teacher")
+            teacher_lp = [torch.tensor(s.teacher_log_probs, dtype=torch.float32) for s in samples]
+
+        # Global batches and their micro-batches (fixed for the whole call).
+        # With data parallelism each rank packs its share (every dp-th sample) of each global batch.
+        batches = self._step_batches(n)
+        layouts: list[list[tuple[MicroBatch, list[int]]]] = []
+        for idx in batches:
+            mine = idx[self.dp_rank::self.dp]
+            if not mine:
+                raise ValueError(f"a global batch of {len(idx)} samples cannot feed {self.dp} data-parallel ranks")
+            sub = [samples[i] for i in mine]
+            mbs = pack_samples(sub, tcfg.max_tokens_per_micro_batch)
+            layouts.append([(mb, [mine[s.sample_index] for s in mb.seqs]) for mb in mbs])
+
+        # Old / ref log-probs with the training layout (so the first step's ratio is exactly 1).
+        # With use_rollout_logprobs the engine's are the old ones: recompute only when TIS needs both.
+        need_old = not sft and (not tcfg.use_rollout_logprobs or algo.use_tis)
+        old_lp: list[torch.Tensor | None] = [None] * n
+        ref_lp: list[torch.Tensor | None] = [None] * n
+        self.module.eval()
+        with torch.no_grad():
+            for layout in layouts:
+                if need_old:
+                    for g, t in self._layout_log_probs(self.module, layout, rollout_temperature).items():
+                        old_lp[g] = t
+                if self.ref_model is not None:
+                    for g, t in self._layout_log_probs(self.ref_model, layout, rollout_temperature).items():
+                        ref_lp[g] = t
+        # Every rank sees every sample's: merged over data-parallel ranks, then from the last stage.
+        old_lp, ref_lp = self._pp_share((self._dp_merge(old_lp), self._dp_merge(ref_lp)))
+        self.module.train()
+        train_old = old_lp
+        if not sft and tcfg.use_rollout_logprobs:
+            train_old = list(rollout_lp)
+
+        # Advantages over the whole rollout.
+        adv_rows: list[torch.Tensor | None] = [None] * n
+        if not sft:
+            rewards = group_normalized_rewards(samples, algo.reward_normalization, reward_key)
+            mask_all = _pad(masks)
+            res = compute_advantages(
+                algo.advantage_estimator, rewards, mask_all,
+                log_probs=_pad(train_old),
+                ref_log_probs=_pad(ref_lp) if self.ref_model is not None else None,
+                kl_coef=algo.kl_coef, kl_type=algo.kl_loss_type, gamma=algo.gamma,
+                # on-policy distillation: A_t -= coef * (log pi_student - log pi_teacher), after the
+                # estimator and before REINFORCE++'s whitening (slime's order)
+                teacher_log_probs=_pad(teacher_lp) if teacher_lp is not None else None, opd_kl_coef=algo.opd_kl_coef,
+            )
+            advantages = res.advantages
+            if res.opd_reverse_kl is not None:
+                self._opd_rkl = [res.opd_reverse_kl[i, : samples[i].response_length] for i in range(n)]
+            adv_rows = [advantages[i, : samples[i].response_length] for i in range(n)]
+
+        metrics_out = []
+        for layout, idx in zip(layouts, batches):
+            metrics_out.append(self._train_step(samples, layout, idx, masks, train_old, old_lp, ref_lp, rollout_lp,
+                                                adv_rows, rollout_temperature, mode, sft))
+        return metrics_out
+
+    def _dp_merge(self, per_sample: list) -> list:
+        """Fill the entries other data-parallel ranks computed (each rank computed its own share)."""
+        if self.dp == 1:
+            return per_sample
+        import torch.distributed as dist
+
+        mine = {i: t for i, t in enumerate(per_sample) if t is not None}
+        parts: list = [None] * self.dp
+        dist.all_gather_object(parts, mine, group=self.dp_group)
+        out = list(per_sample)
+        for part in parts:
+            for i, t in part.items():
+                out[i] = t
+        return out
+
+    def _dp_sum(self, acc: dict[str, float], n_tokens: int) -> tuple[dict[str, float], int]:
+        """Sum the per-rank partial metrics (already weighted relative to the global batch)."""
+        import torch.distributed as dist
+
+        parts: list = [None] * self.dp
+        dist.all_gather_object(parts, (acc, n_tokens), group=self.dp_group)
+        total: dict[str, float] = {}
+        for a, _ in parts:
+            for k, v in a.items():
+                total[k] = total.get(k, 0.0) + v
+        return total, sum(t for _, t in parts)
+
+    def _micro_batch_loss(self, res, gidx, n_step, tokens_step, masks, train_old, old_lp, ref_lp, rollout_lp,
+                          adv_rows, mode, sft) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss to backpropagate for one micro-batch (already weighted by its share of the
+        global batch and scaled for DDP's averaging) and its weighted metric contributions."""
+        algo = self.algo
+        acc: dict[str, float] = {}
+
+        def add(key, value, w):
+            acc[key] = acc.get(key, 0.0) + float(value) * w
+
+        lp = _pad([r.log_probs for r in res])
+        ent = _pad([r.entropy for r in res])
+        mask = _pad([masks[g] for g in gidx])
+        w = len(gidx) / n_step if mode == "sample_mean" else float(mask.sum()) / tokens_step
+        entropy = reduce_masked(ent, mask, mode)
+        if sft:
+            loss = sft_loss(lp, mask, mode)
+            add("train/pg_loss", 0.0, w)
+        else:
+            old = _pad([train_old[g] for g in gidx])
+            adv = _pad([adv_rows[g] for g in gidx])
+            fn = gspo_policy_loss if algo.advantage_estimator == "gspo" else ppo_policy_loss
+            out = fn(lp, old, adv, mask, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c)
+            pg_tok = out.pg_loss
+            if algo.use_tis:
+                tis = compute_tis_weights(_pad([old_lp[g] for g in gidx]), _pad([rollout_lp[g] for g in gidx]),
+                                          mask, algo.tis_clip, algo.tis_clip_low)
+                pg_tok = apply_tis(pg_tok, tis)
+                for k, v in tis.metrics(mode).items():
+                    add(f"train/{k}", v, w)
+            pg_loss = reduce_masked(pg_tok, mask, mode)
+            loss = pg_loss
+            add("train/pg_loss", pg_loss.detach(), w)
+            add("train/pg_clipfrac", reduce_masked(out.clipfrac, mask, mode), w)
+            add("train/ppo_kl", reduce_masked(out.ppo_kl.detach(), mask, mode), w)
+        if algo.entropy_coef:
+            loss = loss - algo.entropy_coef * entropy
+        if self.ref_model is not None:
+            kl = kl_loss(lp, _pad([ref_lp[g] for g in gidx]), mask, algo.kl_loss_type, reduction=mode)
+            loss = loss + algo.kl_loss_coef * kl
+            add("train/kl_loss", kl.detach(), w)
+        if algo.use_opd and not sft:
+            add("train/opd_reverse_kl", reduce_masked(_pad([self._opd_rkl[g] for g in gidx]), mask, mode), w)
+        if rollout_lp is not None and old_lp[gidx[0]] is not None:
+            diff = (_pad([old_lp[g] for g in gidx]) - _pad([rollout_lp[g] for g in gidx])).abs()
+            add("train/train_rollout_logprob_abs_diff", reduce_masked(diff, mask, mode), w)
+        add("train/entropy", entropy.detach(), w)
+        add("train/loss", loss.detach(), w)
+        # DDP averages gradients over data-parallel ranks; w is relative to the global batch.
+        return loss * (w * self.dp), acc
+
+    def _train_step(self, samples, layout, idx, masks, train_old, old_lp, ref_lp, rollout_lp, adv_rows,
+                    temperature, mode, sft) -> dict[str, float]:
+        t0 = time.perf_counter()
+        lr = self._set_lr()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        n_step = len(idx)
+        tokens_step = max(float(sum(masks[i].sum() for i in idx)), 1.0)
+        acc: dict[str, float] = {}
+        n_tokens = sum(mb.num_tokens for mb, _ in layout)
+        args = (n_step, tokens_step, masks, train_old, old_lp, ref_lp, rollout_lp, adv_rows, mode, sft)
+
+        def merge(part: dict[str, float]) -> None:
+            for k, v in part.items():
+                acc[k] = acc.get(k, 0.0) + v
+
+        if self.pp == 1:
+            for mb, gidx in layout:
+                res = compute_log_probs(self.model, mb, self.arch.vocab_size, temperature, True, self.tp_group)
+                loss, part = self._micro_batch_loss(res, gidx, *args)
+                merge(part)
+                loss.backward()
+            self.model.finish_grad_sync()
+        else:
+            from megatron.core.distributed import finalize_model_grads
+
+            from slimectl.backends.megatron.logprobs import log_probs_from_output
+
+            def loss_fn(mb, gidx, output):
+                res = log_probs_from_output(output, mb, self.arch.vocab_size, temperature, True, self.tp_group)
+                loss, part = self._micro_batch_loss(res, gidx, *args)
+                return loss * len(layout), part  # the schedule divides by the number of micro-batches
+
+            for part in self._run_schedule(self.model, layout, loss_fn, forward_only=False):
+                merge(part)
+            finalize_model_grads([self.model])  # DP reduction + tied embedding grads across first/last stage
+        if self.dp > 1:
+            acc, n_tokens = self._dp_sum(acc, n_tokens)
+        acc = self._pp_share(acc)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        m = {"train/loss": 0.0, "train/pg_loss": 0.0, "train/pg_clipfrac": 0.0, "train/ppo_kl": 0.0,
+             "train/kl_loss": 0.0, "train/entropy": 0.0}
+        m.update(acc)
+        m.update({"train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                  "train/lr": lr, "train/update_successful": float(bool(ok)),
+                  "train/num_micro_batches": float(len(layout)), "train/step": float(self.step),
+                  "perf/train_time": dt, "perf/tokens_per_s": n_tokens / dt if dt > 0 else 0.0})
+        return m

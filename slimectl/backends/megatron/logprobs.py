@@ -1,0 +1,177 @@
+"""Per-token log-probs (and entropy) of packed response tokens from a Megatron GPTModel.
+
+Layout: with ``labels=None`` Megatron's GPTModel returns logits ``[B, S, V_pad / TP]`` (it
+transposes its internal ``[S, B, V]`` back before returning). A micro-batch row is ``B = 1``.
+
+Alignment with ``Sample.rollout_log_probs``: response token ``i`` (0-based) sits at row position
+``start + prompt_length + i`` and is predicted by the logits at ``start + prompt_length + i - 1``.
+
+Vocab handling: the output layer is padded to ``V_pad`` (a multiple of 128 * TP); entries with a
+global index ``>= vocab_size`` are set to -inf before the softmax. Logits are divided by the
+temperature in fp32. Under TP > 1 the log-softmax and entropy are computed vocab-parallel
+(no logits gather): max via a detached all-reduce, sums via Megatron's
+``reduce_from_tensor_model_parallel_region`` (forward all-reduce, backward identity), so the
+result is differentiable and every TP rank gets the same values and correct local gradients.
+
+Only the last pipeline stage has logits: under pipeline parallelism the actor runs
+:func:`forward_micro_batch` inside Megatron's schedule and :func:`log_probs_from_output` on the
+last stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from slimectl.backends.megatron.packing import MicroBatch
+
+
+@dataclass
+class SeqLogProbs:
+    sample_index: int
+    log_probs: torch.Tensor
+    """``[response_length]`` fp32."""
+    entropy: torch.Tensor | None = None
+    """``[response_length]`` fp32 (of the temperature-scaled distribution), if requested."""
+
+
+def _tp_group(tp_group):
+    if tp_group is not None:
+        return tp_group
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError:  # pragma: no cover - megatron is a dependency
+        return None
+    if ps.model_parallel_is_initialized():
+        return ps.get_tensor_model_parallel_group()
+    return None
+
+
+def logits_bsv(output: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Megatron's output as ``[B, S, V]`` (accepts ``[S, B, V]`` too, told apart by ``seq_len``)."""
+    if output.dim() != 3:
+        raise ValueError(f"expected 3-D logits, got shape {list(output.shape)}")
+    if output.shape[1] == seq_len:
+        return output
+    if output.shape[0] == seq_len:
+        return output.transpose(0, 1)
+    raise ValueError(f"logits shape {list(output.shape)} has no dimension of the sequence length {seq_len}")
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                             temperature: float = 1.0, with_entropy: bool = False, tp_group=None):
+    """Log-prob of ``targets`` (global ids) under ``softmax(logits / T)`` over the first
+    ``vocab_size`` entries, for logits ``[N, V_local]`` holding this rank's vocab shard.
+
+    Returns ``(log_probs [N], entropy [N] or None)`` in fp32.
+    """
+    group = _tp_group(tp_group)
+    tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    rank = dist.get_rank(group) if tp > 1 else 0
+    v_local = logits.shape[-1]
+    v_start = rank * v_local
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    global_ids = torch.arange(v_start, v_start + v_local, device=z.device)
+    pad = global_ids >= vocab_size
+    if bool(pad.any()):
+        z = z.masked_fill(pad, float("-inf"))
+
+    if tp > 1:
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        def allsum(t):
+            return reduce_from_tensor_model_parallel_region(t.contiguous(), group=group)
+
+        m = z.detach().max(dim=-1).values.contiguous()
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    else:
+        def allsum(t):
+            return t
+
+        m = z.detach().max(dim=-1).values
+    shifted = z - m.unsqueeze(-1)  # <= 0, -inf on padded entries
+    e = shifted.exp()
+    sum_e = allsum(e.sum(dim=-1))
+    log_z = sum_e.log()  # logsumexp(z) - m
+
+    local = targets - v_start
+    in_shard = (local >= 0) & (local < v_local)
+    idx = local.clamp(0, v_local - 1).unsqueeze(-1)
+    tgt = shifted.gather(-1, idx).squeeze(-1)
+    tgt = torch.where(in_shard, tgt, torch.zeros_like(tgt))
+    log_probs = allsum(tgt) - log_z
+
+    entropy = None
+    if with_entropy:
+        # H = log Z - sum_v p_v * shifted_v ; padded entries have p = 0 (avoid 0 * -inf).
+        finite = shifted.masked_fill(pad, 0.0) if bool(pad.any()) else shifted
+        entropy = log_z - allsum((e * finite).sum(dim=-1)) / sum_e
+    return log_probs, entropy
+
+
+def response_positions(micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(logit rows, target ids, response lengths) for every response token of the micro-batch."""
+    rows, counts = [], []
+    for s in micro_batch.seqs:
+        p, r = s.prompt_length, s.response_length
+        rows.append(torch.arange(s.start + p - 1, s.start + p + r - 1))
+        counts.append(r)
+    rows_t = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+    ids = micro_batch.input_ids[0]
+    targets = ids[rows_t + 1]
+    return rows_t, targets, counts
+
+
+def compute_log_probs(model, micro_batch: MicroBatch, vocab_size: int, temperature: float = 1.0,
+                      with_entropy: bool = False, tp_group=None) -> list[SeqLogProbs]:
+    """Forward ``micro_batch`` through ``model`` and return, per packed sequence (in
+    ``micro_batch.seqs`` order), fp32 log-probs of its response tokens (and their entropy).
+
+    Works under ``torch.no_grad()`` and with grad (the results are differentiable).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    out = forward_micro_batch(model, micro_batch)
+    return log_probs_from_output(out, micro_batch, vocab_size, temperature, with_entropy, tp_group)
+
+
+def forward_micro_batch(model, micro_batch: MicroBatch) -> torch.Tensor:
+    """The model's output for one packed micro-batch (logits on the last pipeline stage, hidden
+    states on the others — a pipeline schedule passes those on)."""
+    device = next(model.parameters()).device
+    mask = micro_batch.attention_mask
+    return model(micro_batch.input_ids.to(device), micro_batch.position_ids.to(device),
+                 mask.to(device) if mask is not None else None)
+
+
+def log_probs_from_output(out: torch.Tensor, micro_batch: MicroBatch, vocab_size: int, temperature: float = 1.0,
+                          with_entropy: bool = False, tp_group=None) -> list[SeqLogProbs]:
+    """Per-sequence log-probs (and entropy) from the last stage's logits for ``micro_batch``."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    device = out.device
+    logits = logits_bsv(out, micro_batch.length)[0]  # [L, V_local]
+    rows, targets, counts = response_positions(micro_batch)
+    rows, targets = rows.to(device), targets.to(device)
+    lp, ent = vocab_parallel_log_probs(logits.index_select(0, rows), targets, vocab_size, temperature,
+                                       with_entropy, tp_group)
+    result = []
+    for s, lp_i, ent_i in zip(micro_batch.seqs, lp.split(counts), (ent.split(counts) if ent is not None
+                                                                  else [None] * len(counts))):
+        result.append(SeqLogProbs(s.sample_index, lp_i, ent_i))
+    return result
+
+
+def compute_log_probs_for_batches(model, micro_batches: list[MicroBatch], vocab_size: int,
+                                  temperature: float = 1.0, with_entropy: bool = False,
+                                  tp_group=None) -> dict[int, SeqLogProbs]:
+    """:func:`compute_log_probs` over several micro-batches, keyed by sample index."""
+    out: dict[int, SeqLogProbs] = {}
+    for mb in micro_batches:
+        for r in compute_log_probs(model, mb, vocab_size, temperature, with_entropy, tp_group):
+            out[r.sample_index] = r
+    return out

@@ -1,0 +1,99 @@
+"""torch.distributed + Megatron model-parallel setup: NCCL on GPUs, gloo (with the CPU shim) on CPUs.
+
+Works the same under ``torchrun`` (env:// rendezvous) and in a single plain process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from slimectl.contract.errors import SlimectlError
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    backend: str
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(tp: int = 1, pp: int = 1, backend: str = "auto", seed: int = 1234,
+                  timeout_minutes: int = 10) -> ParallelInfo:
+    """Join (or create) the process group and set up Megatron's TP/PP/DP groups."""
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise SlimectlError("backend nccl needs CUDA; on CPU use gloo (backend auto picks it)")
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:  # a plain single process
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            os.environ.setdefault("LOCAL_RANK", "0")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    if not cuda:
+        from slimectl.backends.megatron import cpu_compat
+
+        cpu_compat.apply()
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise SlimectlError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; launch tp*pp*dp processes")
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
+            ps.destroy_model_parallel()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ParallelInfo(
+        rank=dist.get_rank(), world_size=world, tp=tp, pp=pp, dp=world // (tp * pp),
+        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(), backend=backend,
+    )
+
+
+def shutdown_parallel(destroy_process_group: bool = False) -> None:
+    """Tear down Megatron's model-parallel groups.
+
+    The default process group is kept: re-creating one under the same torchrun rendezvous hangs,
+    and a later :func:`init_parallel` in this process reuses it. Pass ``destroy_process_group``
+    only when the process is about to exit.
+    """
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if destroy_process_group and dist.is_initialized():
+        dist.destroy_process_group()

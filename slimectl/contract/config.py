@@ -1,0 +1,461 @@
+"""The one typed config schema of slimectl, its YAML loader and ``--set a.b=c`` overrides.
+
+A config has eight sections — model, data, rollout, engine, train, algorithm, sync, logging —
+plus a few run-wide keys. Every section forbids unknown keys, so a typo fails loudly with
+the key, the file and a suggestion. ``slimectl init`` freezes the resolved config into the
+run directory (``config.yaml``); every stage reads it back and may override the keys of its
+own sections (``STAGE_SECTIONS``).
+
+pydantic is used for the schema: it is already a dependency of transformers' hub client,
+and gives typed coercion, range checks and Literal choices for free. Its multi-line errors
+are rewritten here into one line per problem.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from slimectl.contract.errors import ConfigError
+
+CONFIG_VERSION = 1
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys fail, assignments are re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelSection(Section):
+    """The policy model the run starts from."""
+
+    path: Optional[str] = None
+    """HF model directory (config.json + safetensors + tokenizer) of the initial policy."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory, when it is not inside ``path``."""
+    ref_path: Optional[str] = None
+    """Reference model for the KL loss (default: ``path``)."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Parameter dtype for training and engines (fp32 on CPU for exact logprob parity)."""
+
+
+class DataSection(Section):
+    """The prompt data source (jsonl or parquet)."""
+
+    prompt_data: Optional[str] = None
+    """Prompt dataset: ``file.jsonl``, ``file.parquet``, optionally sliced as ``path@[a:b]``."""
+    input_key: str = "input"
+    label_key: Optional[str] = "label"
+    metadata_key: str = "metadata"
+    tools_key: str = "tools"
+    apply_chat_template: bool = True
+    max_prompt_len: Optional[int] = Field(default=None, gt=0)
+    """Prompts longer than this many tokens are filtered out."""
+    shuffle: bool = True
+    seed: int = 42
+    skip_bad_rows: bool = False
+    """Skip (and count) malformed rows instead of failing on the first one."""
+    eval_data: dict[str, str] = Field(default_factory=dict)
+    """Evaluation datasets, ``{name: file.jsonl|file.parquet}`` (same keys as prompt_data)."""
+
+
+class RolloutSection(Section):
+    """How rollouts are generated and scored."""
+
+    num_rollout: int = Field(default=10, gt=0)
+    """How many rollouts (RL iterations) the run makes."""
+    batch_size: int = Field(default=8, gt=0)
+    """Prompts per rollout."""
+    n_samples_per_prompt: int = Field(default=4, gt=0)
+    over_sampling_batch_size: Optional[int] = Field(default=None, gt=0)
+    """Prompts in flight per generation round (default: ``batch_size``)."""
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1)
+    max_response_len: int = Field(default=16, gt=0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    reward: str = "math"
+    """A reward-hub name (math, deepscaler, dapo, f1, gpqa, remote, random) or ``module:function``."""
+    reward_key: Optional[str] = None
+    """Key to read when the reward function returns a dict."""
+    group_reward: bool = False
+    """Call the custom reward once per group instead of once per sample."""
+    remote_reward_url: Optional[str] = None
+    custom_generate: Optional[str] = None
+    """``module:function`` of an async custom generate function."""
+    dynamic_filter: Optional[str] = None
+    """``nonzero_std`` or ``module:function`` deciding whether to keep a group."""
+    partial_rollout: bool = False
+    mask_offpolicy_in_partial_rollout: bool = False
+    concurrency_per_engine: int = Field(default=64, gt=0)
+    seed: int = 42
+    teacher_urls: list[str] = Field(default_factory=list)
+    """On-policy distillation: engines serving the teacher (e.g. another ``slimectl serve``); each
+    sample gets the teacher's log-probs of its response tokens (``/generate``, max_new_tokens 0)."""
+    async_mode: Literal["off", "one_step_off"] = "off"
+    """``slimectl rl``: ``one_step_off`` generates rollout N+1 (on weights N) while rollout N trains."""
+    eval_interval: Optional[int] = Field(default=None, gt=0)
+    """``slimectl rl``: evaluate on data.eval_data every this many weight versions (and at the end)."""
+    eval_n_samples: int = Field(default=4, gt=0)
+    """Samples per eval prompt (pass@k needs k <= this)."""
+    eval_pass_k: list[int] = Field(default_factory=lambda: [1])
+    eval_temperature: float = Field(default=1.0, gt=0)
+    eval_max_response_len: Optional[int] = Field(default=None, gt=0)
+    """Default: max_response_len."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutSection":
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.batch_size:
+            raise ValueError(
+                f"rollout.over_sampling_batch_size ({self.over_sampling_batch_size}) must be >= "
+                f"rollout.batch_size ({self.batch_size})"
+            )
+        if any(not 1 <= k <= self.eval_n_samples for k in self.eval_pass_k):
+            raise ValueError(f"rollout.eval_pass_k = {self.eval_pass_k}: each k must be in 1..rollout.eval_n_samples "
+                             f"({self.eval_n_samples})")
+        return self
+
+
+class EngineSection(Section):
+    """Inference engines that speak SGLang's HTTP protocol."""
+
+    backend: Literal["embedded", "sglang", "external"] = "embedded"
+    """embedded: our CPU engine (default); sglang: real SGLang servers; external: ``urls``."""
+    num_engines: int = Field(default=1, gt=0)
+    host: str = "127.0.0.1"
+    """Interface the engines bind to; keep loopback unless other hosts must reach them."""
+    advertise_host: Optional[str] = None
+    """Address other hosts use to reach the engines, recorded in ``RUN/engines/`` (default: ``host``;
+    when that is a wildcard such as 0.0.0.0, this machine's address on its default route)."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """First port (0 = pick free ports)."""
+    urls: list[str] = Field(default_factory=list)
+    """Engines started elsewhere (backend ``external``)."""
+    token_env: str = "SLIMECTL_ENGINE_TOKEN"
+    """Environment variable holding the admin/weight-update token (never stored in the run dir)."""
+    tp_size: int = Field(default=1, gt=0)
+    gpu_ids: list[int] = Field(default_factory=list)
+    mem_fraction_static: Optional[float] = Field(default=None, gt=0, le=1)
+    offload_during_train: bool = False
+    """``slimectl rl`` (synchronous loop, colocated): engines release their memory while the
+    actor trains (``/release_memory_occupation``) and take it back for the sync — SGLang frees
+    GPU memory; the embedded engine accepts the calls and keeps its (CPU) memory."""
+    sglang_python: Optional[str] = None
+    """Interpreter that has sglang installed (sglang pins its own torch)."""
+    sglang_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra ``--flag value`` pairs passed to ``sglang.launch_server`` verbatim."""
+    max_batch_size: int = Field(default=64, gt=0)
+    """Embedded engine: most sequences decoded together."""
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+
+
+class TrainSection(Section):
+    """The Megatron actor."""
+
+    tp: int = Field(default=1, gt=0)
+    pp: int = Field(default=1, gt=0)
+    dp: int = Field(default=1, gt=0)
+    """Data-parallel ranks: ``slimectl train`` runs tp*pp*dp processes under torchrun."""
+    lr: float = Field(default=1e-6, ge=0)
+    min_lr: float = Field(default=0.0, ge=0)
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = Field(default=0.0, ge=0)
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    adam_beta2: float = Field(default=0.98, ge=0, lt=1)
+    adam_eps: float = Field(default=1e-8, gt=0)
+    clip_grad: float = Field(default=1.0, ge=0)
+    global_batch_size: Optional[int] = Field(default=None, gt=0)
+    """Samples per optimizer step (default: all samples of a rollout / num_steps_per_rollout)."""
+    num_steps_per_rollout: int = Field(default=1, gt=0)
+    max_tokens_per_micro_batch: int = Field(default=4096, gt=0)
+    """Token budget of one packed micro-batch."""
+    use_distributed_optimizer: bool = False
+    use_rollout_logprobs: bool = False
+    """Take old log-probs from the rollout instead of recomputing them."""
+    save_interval: int = Field(default=1, gt=0)
+    keep_checkpoints: Optional[int] = Field(default=2, gt=0)
+    seed: int = 1234
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainSection":
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr ({self.min_lr}) must be <= train.lr ({self.lr})")
+        return self
+
+
+class AlgorithmSection(Section):
+    """Advantages, policy loss and regularisers."""
+
+    advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    loss_type: Literal["policy_loss", "sft_loss"] = "policy_loss"
+    reward_normalization: Literal["group_mean_std", "group_mean", "none"] = "group_mean_std"
+    eps_clip: float = Field(default=0.2, gt=0)
+    eps_clip_high: Optional[float] = Field(default=None, gt=0)
+    """Upper clip (clip-higher); default ``eps_clip``."""
+    eps_clip_c: Optional[float] = Field(default=None, gt=1)
+    """Dual-clip constant (> 1); off when unset."""
+    entropy_coef: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(default=0.0, ge=0)
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_coef: float = Field(default=0.0, ge=0)
+    """KL penalty folded into the reward (reinforce++)."""
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    use_tis: bool = False
+    tis_clip: float = Field(default=2.0, gt=0)
+    tis_clip_low: float = Field(default=0.0, ge=0)
+    use_opd: bool = False
+    opd_kl_coef: float = Field(default=1.0, ge=0)
+    calculate_per_token_loss: bool = False
+    """Reduce the loss per token over the batch instead of per-sample mean."""
+
+
+class SyncSection(Section):
+    """Weight handoff from the trainer to the engines."""
+
+    transport: Literal["disk", "distributed"] = "disk"
+    bucket_size_mb: int = Field(default=512, gt=0)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend for the distributed transport (auto: NCCL on GPU, gloo on CPU)."""
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(default=0, ge=0, le=65535)
+    verify: bool = False
+    """After each sync read sampled tensors back from every engine and compare them with the trainer's."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How engines pause for the update (SGLang's /pause_generation modes)."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    keep_weights: Optional[int] = Field(default=2, gt=0)
+
+
+class LoggingSection(Section):
+    """Console, TensorBoard and metrics.jsonl."""
+
+    log_interval: int = Field(default=1, gt=0)
+    tensorboard: bool = True
+    progress: Literal["auto", "on", "off"] = "auto"
+
+
+class SlimectlConfig(Section):
+    """The whole resolved configuration of a run."""
+
+    config_version: int = CONFIG_VERSION
+    name: Optional[str] = None
+    """Free-form run name shown by ``slimectl status``."""
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    sync: SyncSection = Field(default_factory=SyncSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SlimectlConfig":
+        if self.config_version != CONFIG_VERSION:
+            raise ValueError(
+                f"config_version {self.config_version} is not supported by this slimectl "
+                f"(supports {CONFIG_VERSION})"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def fingerprint(self) -> str:
+        """sha256 of the canonical JSON form; equal configs have equal fingerprints."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+SECTIONS: tuple[str, ...] = ("model", "data", "rollout", "engine", "train", "algorithm", "sync", "logging")
+
+#: Which sections each stage may override with ``--set`` (everything else comes frozen from
+#: the run directory, so stages started separately agree on it).
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "init": ("name",) + SECTIONS,
+    "rl": ("name",) + SECTIONS,
+    "serve": ("engine", "logging"),
+    "rollout": ("data", "rollout", "engine", "logging"),
+    "train": ("train", "algorithm", "logging"),
+    "sync": ("sync", "engine", "logging"),
+    "convert": ("model", "train", "logging"),
+    "export": ("model", "logging"),
+}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_yaml_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, with errors that name the file (and line, for syntax errors)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass an existing YAML file to --config")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {p}{where}: invalid YAML ({problem}); fix the syntax") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {p} is not UTF-8 text; save it as UTF-8 YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {p} must hold a mapping of sections (model:, rollout:, ...), "
+            f"not a {type(data).__name__}"
+        )
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``a.b=c`` into (["a", "b"], value); the value is read as YAML (``[1,2]``, ``true``, ``1e-3``)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set train.lr=1e-5")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {text!r}: the key must be a dotted path like train.lr")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw  # not YAML: keep the raw string and let the schema judge it
+    return key.split("."), value
+
+
+def _known_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model_cls.model_fields.items():
+        full = f"{prefix}{name}"
+        keys.append(full)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_known_keys(ann, full + "."))
+    return keys
+
+
+def _suggest(key: str) -> str:
+    match = difflib.get_close_matches(key, _known_keys(SlimectlConfig), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _check_path_exists(parts: list[str], origin: str) -> None:
+    cls: type[BaseModel] = SlimectlConfig
+    for i, part in enumerate(parts):
+        dotted = ".".join(parts[: i + 1])
+        if part not in cls.model_fields:
+            raise ConfigError(f"{origin}: unknown config key {dotted!r}{_suggest(dotted)}")
+        ann = cls.model_fields[part].annotation
+        is_section = isinstance(ann, type) and issubclass(ann, BaseModel)
+        last = i == len(parts) - 1
+        if not last and not is_section:
+            raise ConfigError(f"{origin}: {dotted!r} is a value, not a section; cannot set {'.'.join(parts)!r}")
+        if last and is_section:
+            raise ConfigError(f"{origin}: {dotted!r} is a section; set one of its keys, e.g. {dotted}.KEY=VALUE")
+        if is_section:
+            cls = ann
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], allowed_sections: tuple[str, ...] | None = None,
+                    stage: str | None = None) -> dict[str, Any]:
+    """Return a copy of ``data`` with every ``a.b=c`` override applied (later ones win)."""
+    out = json.loads(json.dumps(data))  # deep copy of plain data
+    for text in overrides:
+        parts, value = parse_override(text)
+        origin = f"--set {text}"
+        _check_path_exists(parts, origin)
+        if allowed_sections is not None and parts[0] not in allowed_sections:
+            who = f"slimectl {stage}" if stage else "this command"
+            raise ConfigError(
+                f"{origin}: {who} may only override {', '.join(s + '.*' if s in SECTIONS else s for s in allowed_sections)}; "
+                f"change {parts[0]}.* with the stage that owns it or in the run's config"
+            )
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _format_validation_error(err: ValidationError, origin: str) -> str:
+    problems = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            problems.append(f"unknown config key {loc!r}{_suggest(loc)}")
+            continue
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if kind == "literal_error":
+            expected = e.get("ctx", {}).get("expected", "")
+            msg = f"must be one of {expected}"
+        elif msg.startswith("Input should be"):
+            msg = "must be" + msg[len("Input should be"):]
+        if loc:
+            value = e.get("input")
+            shown = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None), list)) else repr(value)
+            if len(shown) > 60:
+                shown = shown[:57] + "..."
+            problems.append(f"{loc} = {shown}: {msg}")
+        else:
+            problems.append(msg)
+    return f"{origin}: " + "; ".join(problems)
+
+
+def build_config(data: dict[str, Any], origin: str = "config") -> SlimectlConfig:
+    """Validate plain data into a :class:`SlimectlConfig`; errors name key, value and what is allowed."""
+    try:
+        return SlimectlConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, origin)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                allowed_sections: tuple[str, ...] | None = None, stage: str | None = None) -> SlimectlConfig:
+    """Load a YAML config (or the defaults when ``path`` is None) and apply ``--set`` overrides."""
+    data = load_yaml_file(path) if path is not None else {}
+    origin = f"config file {path}" if path is not None else "config"
+    if overrides:
+        # Validate the file alone first, so its own mistakes are reported against the file.
+        build_config(data, origin)
+        data = apply_overrides(data, list(overrides), allowed_sections, stage)
+        origin = f"{origin} with --set overrides"
+    return build_config(data, origin)
+
+
+def config_diff(a: SlimectlConfig, b: SlimectlConfig) -> list[str]:
+    """Dotted keys whose values differ between two configs."""
+
+    def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and k in SECTIONS:
+                out.update(flatten(v, f"{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
+    return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))

@@ -1,0 +1,216 @@
+"""The run directory: layout, versioning, the frozen config, and handles on every part.
+
+See docs/run-directory.md for the contract this implements.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from slimectl import __version__
+from slimectl.contract.config import STAGE_SECTIONS, SlimectlConfig, apply_overrides, build_config, config_diff
+from slimectl.contract.errors import RunDirError, UsageError
+from slimectl.contract.rundir.artifacts import (
+    CONTRACT,
+    CONTRACT_VERSION,
+    KINDS,
+    ArtifactStore,
+    cleanup_staging,
+    utcnow,
+)
+from slimectl.contract.rundir.atomic import atomic_write_json, atomic_write_text, hostname, read_json
+from slimectl.contract.rundir.cursor import ConsumptionCursor
+from slimectl.contract.rundir.locks import StageLock
+from slimectl.contract.rundir.registry import EngineRegistry
+
+RUN_FILE = "run.json"
+CONFIG_FILE = "config.yaml"
+STAGING = ".staging"
+# Every top-level entry a run directory may hold; anything else is the user's own business.
+LAYOUT_DIRS = KINDS + ("configs", "engines", "cursors", "locks", "logs", "metrics", "tensorboard", "models", STAGING)
+LAYOUT_FILES = (RUN_FILE, CONFIG_FILE)
+
+
+class RunDir:
+    """Handle on one run directory. Cheap to construct; :meth:`open` validates it."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).absolute()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def initialized(self) -> bool:
+        return (self.path / RUN_FILE).is_file()
+
+    @classmethod
+    def open(cls, path: str | Path | None) -> "RunDir":
+        """Open an initialized run directory, refusing unknown or newer contract versions."""
+        if path is None or str(path) == "":
+            raise UsageError("no run directory given; pass -r/--run-dir RUN or set SLIMECTL_RUN_DIR")
+        run = cls(path)
+        if not run.path.is_dir():
+            raise RunDirError(f"run directory {run.path} does not exist; create it with `slimectl init {path} --config CFG`")
+        if not run.initialized:
+            raise RunDirError(f"{run.path} is not a slimectl run directory (no {RUN_FILE}); create it with `slimectl init`")
+        info = run.info()
+        if info.get("contract") != CONTRACT:
+            raise RunDirError(f"{run.path / RUN_FILE} is not a {CONTRACT} file")
+        version = info.get("contract_version")
+        if not isinstance(version, int) or version > CONTRACT_VERSION:
+            raise RunDirError(
+                f"{run.path} uses run-directory contract v{version}; this slimectl {__version__} reads up to "
+                f"v{CONTRACT_VERSION}: upgrade slimectl"
+            )
+        return run
+
+    @classmethod
+    def create(cls, path: str | Path, config: SlimectlConfig, force: bool = False) -> tuple["RunDir", str]:
+        """Create (or idempotently re-create) a run directory holding ``config``.
+
+        Returns the handle and what happened: ``created``, ``unchanged`` or ``config-replaced``.
+        """
+        run = cls(path)
+        if run.initialized:
+            run = cls.open(path)
+            old = run.config()
+            if old.fingerprint() == config.fingerprint():
+                return run, "unchanged"
+            changed = config_diff(old, config)
+            if not force:
+                shown = ", ".join(changed[:6]) + (" ..." if len(changed) > 6 else "")
+                raise RunDirError(
+                    f"{run.path} already holds a different config (changed: {shown}); use a new run directory, "
+                    f"override per stage with --set, or pass --force to replace the config"
+                )
+            produced = {k: run.artifacts(k).ids() for k in KINDS}
+            if any(produced.values()):
+                raise RunDirError(
+                    f"{run.path} already has artifacts ({', '.join(f'{len(v)} {k}' for k, v in produced.items() if v)}); "
+                    f"its config cannot be replaced, even with --force: start a new run directory"
+                )
+            run._write_config(config)
+            return run, "config-replaced"
+        cls.create_check(run.path)
+        run.path.mkdir(parents=True, exist_ok=True)
+        for d in LAYOUT_DIRS:
+            (run.path / d).mkdir(exist_ok=True)
+        run._write_config(config)
+        return run, "created"
+
+    @staticmethod
+    def create_check(path: Path) -> None:
+        """Refuse to turn a non-empty foreign directory into a run directory."""
+        if not path.exists():
+            return
+        if not path.is_dir():
+            raise RunDirError(f"{path} exists and is not a directory; choose another run directory")
+        foreign = sorted(e for e in os.listdir(path) if e not in LAYOUT_DIRS + LAYOUT_FILES)
+        if foreign:
+            raise RunDirError(
+                f"{path} is not empty and not a slimectl run directory (it holds {', '.join(foreign[:3])}); "
+                f"choose a new or empty directory"
+            )
+
+    def _write_config(self, config: SlimectlConfig) -> None:
+        header = (
+            "# slimectl resolved config, frozen by `slimectl init`. Stages read it; override per stage\n"
+            "# with --set SECTION.KEY=VALUE (the effective config is saved under configs/STAGE.yaml).\n"
+        )
+        atomic_write_text(self.path / CONFIG_FILE, header + config.to_yaml())
+        # run.json is written last: its presence is what makes the directory a run directory.
+        atomic_write_json(
+            self.path / RUN_FILE,
+            {
+                "contract": CONTRACT,
+                "contract_version": CONTRACT_VERSION,
+                "created": utcnow(),
+                "created_on": hostname(),
+                "slimectl_version": __version__,
+                "config_fingerprint": config.fingerprint(),
+            },
+        )
+
+    def info(self) -> dict[str, Any]:
+        data = read_json(self.path / RUN_FILE)
+        if not isinstance(data, dict):
+            raise RunDirError(f"{self.path / RUN_FILE} is corrupted (not an object)")
+        return data
+
+    # ------------------------------------------------------------------ config
+    def config(self) -> SlimectlConfig:
+        """The frozen config of the run (checked against run.json's fingerprint)."""
+        from slimectl.contract.config import load_yaml_file
+
+        data = load_yaml_file(self.path / CONFIG_FILE)
+        cfg = build_config(data, origin=f"run config {self.path / CONFIG_FILE}")
+        expected = self.info().get("config_fingerprint")
+        if expected and cfg.fingerprint() != expected:
+            raise RunDirError(
+                f"{self.path / CONFIG_FILE} was edited by hand after init (fingerprint mismatch); "
+                f"restore it, or use --set overrides per stage"
+            )
+        return cfg
+
+    def stage_config(self, stage: str, overrides: list[str] | tuple[str, ...] = ()) -> SlimectlConfig:
+        """The frozen config with ``stage``'s own ``--set`` overrides applied."""
+        base = self.config()
+        if not overrides:
+            return base
+        data = apply_overrides(base.to_dict(), list(overrides), STAGE_SECTIONS.get(stage), stage)
+        return build_config(data, origin=f"run config with --set overrides for {stage}")
+
+    def save_stage_config(self, stage: str, config: SlimectlConfig) -> Path:
+        p = self.path / "configs" / f"{stage}.yaml"
+        p.parent.mkdir(exist_ok=True)
+        atomic_write_text(p, f"# effective config of the last `slimectl {stage}` run ({utcnow()})\n" + config.to_yaml())
+        return p
+
+    # ------------------------------------------------------------------ parts
+    def artifacts(self, kind: str) -> ArtifactStore:
+        return ArtifactStore(self.path, kind, self.path / STAGING)
+
+    @property
+    def rollouts(self) -> ArtifactStore:
+        return self.artifacts("rollouts")
+
+    @property
+    def checkpoints(self) -> ArtifactStore:
+        return self.artifacts("checkpoints")
+
+    @property
+    def weights(self) -> ArtifactStore:
+        return self.artifacts("weights")
+
+    @property
+    def evals(self) -> ArtifactStore:
+        return self.artifacts("evals")
+
+    def lock(self, stage: str, **kwargs: Any) -> StageLock:
+        return StageLock(self.path / "locks", stage, **kwargs)
+
+    def cursor(self, consumer: str, source: str = "rollouts") -> ConsumptionCursor:
+        return ConsumptionCursor(self.path / "cursors", consumer, source)
+
+    @property
+    def engines(self) -> EngineRegistry:
+        return EngineRegistry(self.path / "engines")
+
+    def log_path(self, stage: str) -> Path:
+        return self.path / "logs" / f"{stage}.log"
+
+    def metrics_path(self, stage: str) -> Path:
+        return self.path / "metrics" / f"{stage}.jsonl"
+
+    def tensorboard_dir(self, stage: str) -> Path:
+        return self.path / "tensorboard" / stage
+
+    def cleanup(self) -> dict[str, list]:
+        """Remove leftovers of dead writers: staging dirs and renamed-but-unmarked artifacts."""
+        out: dict[str, list] = {"staging": cleanup_staging(self.path / STAGING)}
+        for kind in KINDS:
+            removed = self.artifacts(kind).cleanup_incomplete()
+            if removed:
+                out[kind] = removed
+        return out

@@ -1,0 +1,202 @@
+"""The Sample schema (slime's fields) and the on-disk rollout format (Parquet).
+
+Rollout writes ``rollouts/N/samples.parquet``; train reads it. Both import this module and
+nothing of each other. One Parquet row per sample; list fields are Arrow lists (tokens,
+loss mask, logprobs), free-form fields (reward dicts, metadata, chat prompts) are JSON strings.
+Parquet is columnar and compressed (zstd), so a rollout of 100k samples stays small and train
+reads only the columns it needs.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+from slimectl.contract.errors import SlimectlError
+
+SAMPLES_FILE = "samples.parquet"
+FORMAT_VERSION = 1
+
+
+class Status(str, enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+@dataclass
+class Sample:
+    """One prompt + response, with everything training needs (field names follow slime)."""
+
+    group_index: int | None = None
+    index: int | None = None
+    prompt: str | list[dict[str, Any]] = ""
+    tokens: list[int] = field(default_factory=list)
+    """Prompt + response token ids."""
+    response: str = ""
+    response_length: int = 0
+    label: str | None = None
+    reward: float | dict[str, Any] | None = None
+    loss_mask: list[int] | None = None
+    """One entry per response token; 1 = train on it (tool/observation tokens are 0)."""
+    rollout_log_probs: list[float] | None = None
+    """Per response token, from the engine (0.0 for tokens the model did not generate)."""
+    weight_versions: list[str] = field(default_factory=list)
+    """``meta_info.weight_version`` of every generation call that produced this sample."""
+    status: Status = Status.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+    teacher_log_probs: list[float] | None = None
+    rollout_id: int | None = None
+    remove_sample: bool = False
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.tokens[: self.prompt_length]
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_length:]
+
+    @property
+    def effective_response_length(self) -> int:
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    def reward_value(self, reward_key: str | None = None) -> float:
+        """The scalar reward (``reward[reward_key]`` for dict rewards)."""
+        r = self.reward
+        if isinstance(r, dict):
+            if reward_key is None:
+                raise SlimectlError(f"sample {self.index}: reward is a dict {sorted(r)}; set rollout.reward_key")
+            r = r[reward_key]
+        if r is None:
+            raise SlimectlError(f"sample {self.index} has no reward")
+        return float(r)
+
+    def append_response_tokens(self, tokens: list[int], log_probs: list[float] | None, trainable: bool,
+                               meta_info: dict[str, Any] | None = None, text: str = "") -> None:
+        """Append a generation (trainable) or an observation (not trained on) to the response.
+
+        Generated tokens need their log-probs; observation tokens get log-prob 0 and mask 0.
+        ``meta_info`` of a /generate response sets the weight version and the status.
+        """
+        if trainable and log_probs is None:
+            raise ValueError("trainable tokens need their log-probs")
+        if log_probs is not None and len(log_probs) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens but {len(log_probs)} log-probs")
+        self.tokens = list(self.tokens) + list(tokens)
+        self.response_length += len(tokens)
+        self.response += text
+        self.loss_mask = (self.loss_mask or []) + [1 if trainable else 0] * len(tokens)
+        lp = list(log_probs) if trainable and log_probs is not None else [0.0] * len(tokens)
+        self.rollout_log_probs = (self.rollout_log_probs or []) + lp
+        if meta_info:
+            if meta_info.get("weight_version") is not None:
+                self.weight_versions = list(self.weight_versions) + [str(meta_info["weight_version"])]
+            reason = (meta_info.get("finish_reason") or {}).get("type")
+            if reason in FINISH_TO_STATUS:
+                self.status = FINISH_TO_STATUS[reason]
+
+    def validate(self) -> None:
+        """Raise ValueError when the fields are inconsistent (what train relies on)."""
+        if self.response_length < 0 or self.response_length > len(self.tokens):
+            raise ValueError(f"response_length {self.response_length} does not fit {len(self.tokens)} tokens")
+        for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs"):
+            v = getattr(self, name)
+            if v is not None and len(v) != self.response_length:
+                raise ValueError(f"{name} has {len(v)} entries for {self.response_length} response tokens")
+        if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("loss_mask entries must be 0 or 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Sample":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown Sample fields: {sorted(unknown)}")
+        d = dict(d)
+        if "status" in d:
+            d["status"] = Status(d["status"])
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------- Parquet I/O
+
+_JSON_FIELDS = ("prompt", "reward", "metadata")
+
+
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("group_index", pa.int64()), ("index", pa.int64()), ("rollout_id", pa.int64()),
+        ("prompt", pa.string()), ("tokens", pa.list_(pa.int32())), ("response", pa.string()),
+        ("response_length", pa.int32()), ("label", pa.string()), ("reward", pa.string()),
+        ("loss_mask", pa.list_(pa.int8())), ("rollout_log_probs", pa.list_(pa.float32())),
+        ("weight_versions", pa.list_(pa.string())), ("status", pa.string()), ("metadata", pa.string()),
+        ("teacher_log_probs", pa.list_(pa.float32())), ("remove_sample", pa.bool_()),
+    ], metadata={b"slimectl_samples_format": str(FORMAT_VERSION).encode()})
+
+
+def write_samples(samples: Iterable[Sample], path: str | Path) -> int:
+    """Write samples to a Parquet file; returns how many. Float log-probs are stored as float32."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows: dict[str, list] = {f.name: [] for f in _schema()}
+    n = 0
+    for s in samples:
+        s.validate()
+        d = s.to_dict()
+        for k in rows:
+            v = d[k]
+            if k in _JSON_FIELDS:
+                v = json.dumps(v, ensure_ascii=False)
+            elif k == "label" and v is not None and not isinstance(v, str):
+                v = json.dumps(v)
+            rows[k].append(v)
+        n += 1
+    table = pa.Table.from_pydict(rows, schema=_schema())
+    pq.write_table(table, str(path), compression="zstd")
+    return n
+
+
+def read_samples(path: str | Path) -> list[Sample]:
+    """Read a samples Parquet file (errors name the file)."""
+    import pyarrow.parquet as pq
+
+    p = Path(path)
+    try:
+        table = pq.read_table(str(p))
+    except Exception as exc:
+        raise SlimectlError(f"{p} is not a readable samples file ({exc}); republish the rollout") from None
+    meta = table.schema.metadata or {}
+    version = int(meta.get(b"slimectl_samples_format", b"0"))
+    if version > FORMAT_VERSION:
+        raise SlimectlError(f"{p} uses samples format v{version}, newer than this slimectl (v{FORMAT_VERSION}); upgrade")
+    out = []
+    for row in table.to_pylist():
+        for k in _JSON_FIELDS:
+            row[k] = json.loads(row[k]) if row[k] is not None else None
+        if row["metadata"] is None:
+            row["metadata"] = {}
+        row["status"] = Status(row["status"])
+        out.append(Sample(**row))
+    return out

@@ -1,0 +1,1 @@
+"""The embedded engine: our own SGLang-protocol HTTP server over a transformers model (the CPU default)."""

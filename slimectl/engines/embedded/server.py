@@ -1,0 +1,542 @@
+"""The embedded engine: a real HTTP server that speaks the subset of SGLang's protocol slimectl uses.
+
+It serves a transformers model through :class:`slimectl.engines.embedded.runner.BatchRunner` (continuous
+batching with a KV cache). Request and response bodies follow SGLang 0.5.x as captured in
+shared/reference/sglang-protocol/, so rollout and sync have one code path for both engines.
+
+Run it like SGLang's launcher (``slimectl serve`` does this for you):
+
+    python -m slimectl.engines.embedded.server --model-path DIR --host 127.0.0.1 --port 30000
+
+Weight-update and admin endpoints require ``Authorization: Bearer TOKEN`` when a token is set
+(``--admin-api-key-env``: the name of an environment variable holding it, so the token never
+shows up in a process listing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, start_site
+
+log = logging.getLogger("slimectl.engine")
+
+VERSION = "0.5.23-slimectl-embedded"
+FLUSH_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+    "the operation will not be performed.)\n"
+)
+ADMIN_PATHS = {
+    "/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
+    "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update", "/update_weight_version",
+    "/pause_generation", "/continue_generation", "/abort_request", "/flush_cache",
+    "/release_memory_occupation", "/resume_memory_occupation",
+}
+
+
+# SGLang 0.5.23 reports its embedding-mode capabilities in /model_info; a generation-only engine
+# reports them all off, with the same field names and types.
+EMBEDDING_INFO = {
+    "family": "none", "task": "none", "execution": "none", "attention": "none", "pooling": "model_defined",
+    "normalize": False, "postprocessor": "none", "tokenizer_special_tokens": "model_default",
+    "supports_dimensions": False, "supports_token_embeddings": False, "supports_multimodal": False,
+    "requires_embedding_flag": False, "auto_enable_embedding": False, "bcg_eligibility": "disabled",
+    "safe_disable_kv_cache": False, "safe_disable_radix_cache": False, "safe_disable_chunked_prefill": False,
+    "enabled": False, "matryoshka_dimensions": [],
+    "bcg": {"prefill_backend": "disabled", "enabled": False, "capture_token_budget": 0, "capture_batch_sizes": []},
+    "cache": {"kv_cache_disabled": False, "radix_cache_disabled": True, "chunked_prefill_disabled": True},
+}
+
+
+class BadRequest(Exception):
+    pass
+
+
+def _err(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _fail(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=status)
+
+
+class EmbeddedEngine:
+    """The aiohttp application around a BatchRunner."""
+
+    def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "fp32",
+                 max_batch_size: int = 64, weight_version: str = "default", admin_token: str | None = None,
+                 num_threads: int | None = None):
+        from slimectl.engines.embedded.runner import BatchRunner
+
+        self.model_path = model_path
+        self.host, self.port = host, port
+        self.admin_token = admin_token
+        self.runner = BatchRunner(model_path, dtype=dtype, max_batch_size=max_batch_size,
+                                  weight_version=weight_version, num_threads=num_threads)
+        self.tokenizer = self.runner.tokenizer
+        self.groups: dict[str, Any] = {}
+        self.in_weight_update = False
+        self.started = time.time()
+        self.dtype = dtype
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=64 * 2**20)
+        r = self.app.router
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        for p in ("/model_info", "/get_model_info"):
+            r.add_get(p, self.model_info)
+        for p in ("/server_info", "/get_server_info"):
+            r.add_get(p, self.server_info)
+        r.add_get("/v1/loads", self.loads)
+        r.add_post("/generate", self.generate)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/release_memory_occupation", self.memory_noop)
+        r.add_post("/resume_memory_occupation", self.memory_noop)
+
+    # ------------------------------------------------------------------ plumbing
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        if self.admin_token and request.path in ADMIN_PATHS:
+            if not bearer_matches(request, self.admin_token):
+                return _err(401, "Unauthorized: this endpoint needs the engine's admin token (Authorization: Bearer ...)")
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        except web.HTTPMethodNotAllowed:
+            return web.json_response({"detail": "Method Not Allowed"}, status=405)
+        except BadRequest as exc:
+            return _err(400, str(exc))
+        except Exception as exc:  # keep serving; report the failure to this one client
+            log.exception("request %s failed", request.path)
+            return _err(500, f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    async def _json(request: web.Request, allow_empty: bool = True) -> dict[str, Any]:
+        try:
+            body = await request_json(request)
+        except InvalidJSON as exc:
+            raise BadRequest(str(exc)) from None
+        if body is None:
+            if allow_empty:
+                return {}
+            raise BadRequest("request body is empty; send a JSON object")
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        return body
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    # ------------------------------------------------------------------ info
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        from slimectl.engines.embedded.runner import GenRequest, SamplingParams
+
+        bos = [self.tokenizer.eos_token_id or 0]
+        req = GenRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=bos,
+                         params=SamplingParams(max_new_tokens=1, temperature=0))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.runner.submit(req)), timeout=60)
+        except Exception as exc:
+            return _err(503, f"health generate failed: {exc}")
+        return web.Response(status=200)
+
+    def _model_info(self) -> dict[str, Any]:
+        info = dict(self.runner.model_info)
+        return {
+            "model_path": self.model_path,
+            "served_model_name": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.runner.weight_version,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": info.get("model_type"),
+            "architectures": info.get("architectures"),
+            "embedding": EMBEDDING_INFO,
+        }
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self._model_info())
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path, "tokenizer_path": self.model_path, "host": self.host, "port": self.port,
+            "tp_size": 1, "dp_size": 1, "dtype": self.dtype, "served_model_name": self.model_path,
+            "device": "cpu", "backend": "embedded", "version": VERSION,
+            "max_running_requests": self.runner.max_batch_size if hasattr(self.runner, "max_batch_size") else None,
+            "weight_version": self.runner.weight_version,
+            "admin_api_key": None, "api_key": None,  # never echoed
+        })
+
+    async def loads(self, request: web.Request) -> web.Response:
+        stats = self.runner.load_stats()
+        return web.json_response({
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+            "version": VERSION,
+            "accelerator": None,
+            "num_accelerators": 1,
+            "loads": [{
+                "timestamp": time.time(), "dp_rank": 0,
+                "num_running_reqs": stats.get("num_running_reqs", 0),
+                "num_waiting_reqs": stats.get("num_waiting_reqs", 0),
+                "num_used_tokens": stats.get("num_used_tokens", 0),
+                "max_running_requests": stats.get("max_running_requests"),
+                "token_usage": stats.get("token_usage", 0.0),
+                "gen_throughput": stats.get("gen_throughput", 0.0),
+                "cache_hit_rate": 0.0,
+            }],
+        })
+
+    # ------------------------------------------------------------------ generate
+    def _to_requests(self, body: dict[str, Any]) -> tuple[list, bool]:
+        from slimectl.engines.embedded.runner import GenRequest, SamplingParams
+
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the embedded engine; send stream=false")
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise BadRequest("send exactly one of 'text' or 'input_ids'")
+        batched = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
+        items = text if text is not None else ids
+        if not batched:
+            items = [items]
+        if not items:
+            raise BadRequest("empty batch")
+        sp = body.get("sampling_params") or {}
+        sps = sp if isinstance(sp, list) else [sp] * len(items)
+        if len(sps) != len(items):
+            raise BadRequest(f"{len(sps)} sampling_params for {len(items)} inputs")
+        rids = body.get("rid")
+        if rids is None:
+            rids = [uuid.uuid4().hex for _ in items]
+        elif not isinstance(rids, list):
+            rids = [rids] if not batched else [f"{rids}-{i}" for i in range(len(items))]
+        return_logprob = body.get("return_logprob", False)
+        logprob_start_len = body.get("logprob_start_len", -1)
+        top_n = body.get("top_logprobs_num", 0)
+        reqs = []
+        for item, p, rid in zip(items, sps, rids):
+            if text is not None:
+                if not isinstance(item, str):
+                    raise BadRequest("'text' must be a string or a list of strings")
+                input_ids = self.tokenizer.encode(item, add_special_tokens=False)
+            else:
+                if not isinstance(item, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                    raise BadRequest("'input_ids' must be a list of integers (or a list of such lists)")
+                input_ids = item
+            if not isinstance(p, dict):
+                raise BadRequest("'sampling_params' must be an object")
+            try:
+                params = SamplingParams.from_dict(p)
+            except (ValueError, TypeError) as exc:
+                raise BadRequest(f"sampling_params: {exc}") from None
+            if not isinstance(logprob_start_len, int) or not isinstance(top_n, int):
+                raise BadRequest("logprob_start_len and top_logprobs_num must be integers")
+            reqs.append(GenRequest(rid=str(rid), input_ids=list(input_ids), params=params,
+                                   return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
+                                   top_logprobs_num=top_n))
+        return reqs, batched
+
+    def _response(self, res, req, body: dict[str, Any], t0: float) -> dict[str, Any]:
+        text_in_lp = body.get("return_text_in_logprobs", False)
+
+        def triple(lp, tok):
+            return [lp, tok, self.tokenizer.decode([tok]) if text_in_lp else None]
+
+        meta: dict[str, Any] = {
+            "id": res.rid,
+            "finish_reason": res.finish_reason,
+            "prompt_tokens": res.prompt_tokens,
+            "weight_version": res.weight_version,
+            "num_retractions": 0,
+        }
+        if req.return_logprob:
+            ilp = res.input_token_logprobs
+            start = max(req.logprob_start_len, 0)
+            meta["input_token_logprobs"] = (
+                [triple(lp, tok) for lp, tok in zip(ilp, req.input_ids[start:])] if ilp is not None else []
+            )
+            meta["output_token_logprobs"] = [triple(lp, tok) for lp, tok in zip(res.output_token_logprobs or [], res.output_ids)]
+            meta["output_token_logprobs_length"] = len(res.output_ids)
+        meta.update({
+            "reasoning_tokens": 0,
+            "completion_tokens": len(res.output_ids),
+            "cached_tokens": 0,
+            "weight_versions": res.weight_versions,
+            "cached_tokens_details": None,
+            "dp_rank": None,
+            "e2e_latency": time.perf_counter() - t0,
+            "response_sent_to_client_ts": time.time(),
+        })
+        return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
+
+    async def generate(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        body = await self._json(request, allow_empty=False)
+        reqs, batched = self._to_requests(body)
+        futures = []
+        try:
+            for r in reqs:
+                futures.append(self.runner.submit(r))
+        except ValueError as exc:
+            for f in futures:
+                f.cancel()
+            for r in reqs[: len(futures)]:
+                self.runner.abort(rid=r.rid)
+            raise BadRequest(str(exc)) from None
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        out = [self._response(res, req, body, t0) for res, req in zip(results, reqs)]
+        return web.json_response(out if batched else out[0])
+
+    # ------------------------------------------------------------------ control
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = self.runner.flush_cache()
+        return web.Response(text=FLUSH_TEXT, status=200 if ok else 400,
+                            content_type="text/plain")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if body.get("abort_all"):
+            self.runner.abort(abort_all=True)
+        elif body.get("rid") is not None:
+            self.runner.abort(rid=str(body["rid"]))
+        else:
+            raise BadRequest("send {'rid': ...} or {'abort_all': true}")
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode {mode!r}: expected abort, retract or in_place")
+        await self._in_thread(self.runner.pause, mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self._json(request)
+        self.runner.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def memory_noop(self, request: web.Request) -> web.Response:
+        await self._json(request)
+        return web.json_response(None)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        new = body.get("new_version")
+        if not isinstance(new, str) or not new:
+            raise BadRequest("new_version must be a non-empty string")
+        if body.get("abort_all_requests", True):
+            self.runner.abort(abort_all=True)
+        self.runner.set_weight_version(new)
+        return web.json_response({"success": True, "message": f"Weight version updated to {new}", "new_version": new})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        name = body.get("name")
+        try:
+            truncate = int(body.get("truncate_size", 100))
+        except (TypeError, ValueError):
+            raise BadRequest("truncate_size must be an integer") from None
+        if not isinstance(name, str):
+            raise BadRequest("name must be a string")
+        try:
+            values = await self._in_thread(self.runner.get_weights_by_name, name, truncate)
+        except KeyError:
+            return _fail("Get parameter by name failed")
+        return web.json_response(values)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            return _fail("model_path must be a non-empty string")
+        version = body.get("weight_version")
+        paused = 0
+        if body.get("abort_all_requests"):
+            paused = self.runner.abort(abort_all=True)
+        try:
+            await self._in_thread(self.runner.update_weights_from_disk, path, version)
+        except (ValueError, OSError) as exc:
+            return _fail(f"Failed to update weights: {exc}")
+        self.model_path = path
+        v = self.runner.weight_version
+        return web.json_response({"success": True, "message": f"Succeeded to update model weights. Weight version updated to {v}.",
+                                  "num_paused_requests": paused})
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        from slimectl.engines.weight_group import init_custom_process_group
+
+        body = await self._json(request)
+        try:
+            addr, port = str(body["master_address"]), int(body["master_port"])
+            rank, world = int(body["rank_offset"]), int(body["world_size"])
+            name, backend = str(body["group_name"]), str(body.get("backend", "gloo"))
+        except (KeyError, TypeError, ValueError) as exc:
+            return _fail(f"Failed to init group: missing or bad field {exc}")
+        if name in self.groups:
+            return _fail(f"Failed to init group: group {name} already exists")
+        try:
+            pg = await self._in_thread(lambda: init_custom_process_group(addr, port, rank, world, name, backend,
+                                                                         timeout_s=float(body.get("timeout", 600))))
+        except Exception as exc:
+            return _fail(f"Failed to init group: {exc}")
+        self.groups[name] = pg
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await self._json(request)
+        self.in_weight_update = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await self._json(request)
+        self.in_weight_update = False
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        import torch.distributed as dist
+
+        from slimectl.engines.weight_group import DTYPES
+
+        body = await self._json(request)
+        if not self.in_weight_update:
+            return _fail("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            return _fail(f"Failed to receive weights: Group {name} not in {sorted(self.groups)}. "
+                         f"Please call `init_weights_update_group` first.")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            return _fail("names, dtypes and shapes must be lists of the same length")
+        if any(d not in DTYPES for d in dtypes):
+            return _fail(f"unsupported dtype in {sorted(set(dtypes) - set(DTYPES))}")
+        pg = self.groups[name]
+        try:
+            specs = [(str(n), DTYPES[d], tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
+        except (TypeError, ValueError):
+            return _fail("every shape must be a list of integers")
+
+        def recv(t):
+            dist.broadcast(t, src=0, group=pg)
+
+        try:
+            await self._in_thread(self.runner.receive_weights, specs, recv, body.get("weight_version"))
+        except ValueError as exc:
+            return _fail(f"Failed to update parameter online: {exc}")
+        except Exception as exc:
+            return _fail(f"Failed to receive weights: {exc}")
+        v = self.runner.weight_version
+        return web.json_response({"success": True, "message": f"Succeeded to update parameter online. Weight version updated to {v}."})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        from slimectl.engines.weight_group import destroy_group
+
+        body = await self._json(request)
+        name = body.get("group_name", "weight_update_group")
+        pg = self.groups.pop(name, None)
+        if pg is None:
+            return _fail("The group to be destroyed does not exist.")
+        await self._in_thread(destroy_group, pg)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> web.AppRunner:
+        self.runner.start()
+        app_runner, self.port = await start_site(self.app, self.host, self.port)
+        return app_runner
+
+    @property
+    def url(self) -> str:
+        return http_url(self.host, self.port)
+
+    def shutdown(self) -> None:
+        self.runner.stop()
+
+
+async def _watch_parent(pid: int, stop: asyncio.Event, interval: float = 0.5) -> None:
+    """Set ``stop`` once ``pid`` is no longer this process's parent (it died; we were re-parented)."""
+    while not stop.is_set():
+        if os.getppid() != pid:
+            log.warning("supervising process %d is gone; shutting down", pid)
+            stop.set()
+            return
+        await asyncio.sleep(interval)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m slimectl.engines.embedded.server",
+                                 description="slimectl's embedded engine (SGLang-compatible HTTP API).")
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "float32", "bfloat16", "float16", "auto"])
+    ap.add_argument("--weight-version", default="default")
+    ap.add_argument("--max-running-requests", type=int, default=64)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--admin-api-key-env", default=None,
+                    help="name of an environment variable holding the admin token")
+    ap.add_argument("--ready-file", default=None, help="write 'host port' here once serving (for supervisors)")
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="shut down when this process (the supervising slimectl) is gone, even after kill -9")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s embedded: %(message)s", stream=sys.stderr)
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"}.get(args.dtype, args.dtype)
+    token = os.environ.get(args.admin_api_key_env) if args.admin_api_key_env else None
+    engine = EmbeddedEngine(args.model_path, args.host, args.port, dtype=dtype, max_batch_size=args.max_running_requests,
+                            weight_version=args.weight_version, admin_token=token or None, num_threads=args.num_threads)
+
+    async def serve() -> None:
+        app_runner = await engine.start()
+        log.info("serving %s at %s (weight_version %s)", args.model_path, engine.url, engine.runner.weight_version)
+        if args.ready_file:
+            with open(args.ready_file, "w") as f:
+                f.write(f"{engine.host} {engine.port}\n")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if args.parent_pid:
+            loop.create_task(_watch_parent(args.parent_pid, stop))
+        await stop.wait()
+        log.info("shutting down")
+        await app_runner.cleanup()
+
+    try:
+        asyncio.run(serve())
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

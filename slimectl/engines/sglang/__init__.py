@@ -1,0 +1,1 @@
+"""Real SGLang servers: launching, supervising and routing them (GPU clusters)."""

@@ -1,1 +1,0 @@
-"""Model architectures and HF <-> Megatron weight mapping (torch only; no Megatron import)."""

@@ -1,0 +1,1 @@
+"""Running the stages together: the RL loop and its launchers (local processes, Ray)."""

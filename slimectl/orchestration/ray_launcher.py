@@ -1,0 +1,426 @@
+"""``slimectl rl --launcher ray``: the engines and the trainer as Ray actors in placement groups.
+
+The driver (``slimectl rl``, this process) still runs :func:`slimectl.orchestration.loop.run_rl`'s loop and the
+rollout stage (HTTP clients of the engines); only where engines and trainer live changes:
+
+- one :class:`EngineActor` per engine, which starts that engine exactly as ``slimectl serve``
+  does (:class:`~slimectl.stages.serve.EngineGroup` for its one index: a child process of the actor,
+  registered in ``RUN/engines/``, dying with the actor);
+- one :class:`TrainerActor` per trainer rank (``train.tp*pp*dp`` of them). Rank 0 runs
+  :class:`~slimectl.orchestration.loop.InProcessTrainer` — the same train stage (``train`` lock, cursor,
+  checkpoints, ``weights/N``) and the same weight sync that a local ``rl`` runs in its own
+  process; ranks > 0 run :class:`~slimectl.orchestration.loop.FollowerTrainer`, which joins its collectives, as
+  the ranks of ``slimectl train`` under torchrun do. The ranks form one torch.distributed job:
+  ``MASTER_ADDR``/``MASTER_PORT`` are rank 0's node and a free port there, ``RANK``/``WORLD_SIZE``
+  the actor's, ``LOCAL_RANK`` 0 (Ray gives each rank its own GPU).
+
+Placement follows slime: bundles ``{"CPU": 1}`` (plus ``"GPU"`` when the cluster has GPUs).
+Disaggregated (the default): a placement group of trainer bundles and one of engine bundles,
+so each actor has a bundle of its own. Colocated (``--colocate``): one group of
+``max(engines, trainer ranks)`` bundles, engine *i* and trainer rank *i* sharing bundle *i*
+with half of it each. The run directory stays the source of truth: a rerun resumes from it
+whatever the launcher, and every path in it must be reachable from every Ray node (a shared
+filesystem on a multi-node cluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+from slimectl.contract.config import SlimectlConfig, build_config
+from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.rundir import RunDir
+
+log = logging.getLogger("slimectl.launchers.ray")
+
+INSTALL_HINT = "pip install 'slimectl[ray]'"
+PLACEMENT_TIMEOUT_S = 120.0
+"""How long the cluster may take to reserve a placement group's bundles (an autoscaler adds nodes)."""
+STOP_TIMEOUT_S = 60.0
+
+
+def import_ray():
+    """The ``ray`` module, or a one-line error saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError(f"--launcher ray needs Ray, which is not installed; {INSTALL_HINT}") from None
+    return ray
+
+
+# ---------------------------------------------------------------------------------- placement
+@dataclass(frozen=True)
+class Slot:
+    """Where one actor goes: bundle ``bundle`` of placement group ``group``, and its share of it."""
+
+    group: str
+    bundle: int
+    num_cpus: float
+    num_gpus: float
+
+
+@dataclass(frozen=True)
+class Layout:
+    groups: dict[str, list[dict[str, float]]]
+    """Placement group name -> its bundles."""
+    trainer: list[Slot]
+    engines: list[Slot]
+    colocate: bool
+
+
+def placement_layout(num_engines: int, trainer_ranks: int, colocate: bool, trainer_gpus: int = 0,
+                     engine_gpus: int = 0) -> Layout:
+    """Bundles and slots for ``num_engines`` engines and ``trainer_ranks`` trainer ranks.
+
+    ``trainer_gpus``/``engine_gpus``: GPUs each rank/engine uses (0 on a CPU cluster). Colocated
+    actors share a bundle half and half, so a shared bundle holds one GPU and the engines that
+    share it must fit on that one GPU (``engine.tp_size`` 1)."""
+    if colocate:
+        if engine_gpus > 1:
+            raise UsageError(f"--colocate puts each engine on one shared GPU, but engine.tp_size = {engine_gpus}; "
+                             f"use --no-colocate for engines that span several GPUs")
+        gpu = 1.0 if trainer_gpus or engine_gpus else 0.0
+        bundles = [{"CPU": 1.0, **({"GPU": gpu} if gpu else {})} for _ in range(max(num_engines, trainer_ranks))]
+        return Layout({"shared": bundles},
+                      [Slot("shared", r, 0.5, gpu / 2 if trainer_gpus else 0.0) for r in range(trainer_ranks)],
+                      [Slot("shared", i, 0.5, gpu / 2 if engine_gpus else 0.0) for i in range(num_engines)],
+                      colocate=True)
+
+    def bundle(gpus: int) -> dict[str, float]:
+        return {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}
+
+    return Layout({"trainer": [bundle(trainer_gpus) for _ in range(trainer_ranks)],
+                   "engines": [bundle(engine_gpus) for _ in range(num_engines)]},
+                  [Slot("trainer", r, 1.0, float(trainer_gpus)) for r in range(trainer_ranks)],
+                  [Slot("engines", i, 1.0, float(engine_gpus)) for i in range(num_engines)],
+                  colocate=False)
+
+
+def _url_host(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    return urlsplit(url).hostname or ""
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def _actor_context() -> dict:
+    """Where the calling actor runs: recorded in the engine registry and logged by the driver."""
+    import ray
+
+    from slimectl.contract.rundir.atomic import hostname
+
+    ctx = ray.get_runtime_context()
+    return {"ray_actor_id": ctx.get_actor_id(), "ray_node_id": ctx.get_node_id(), "actor_pid": os.getpid(),
+            "actor_host": hostname()}
+
+
+def _actor_logging(level: int) -> None:
+    """slimectl's log lines on the actor's stderr (Ray forwards them to the driver), at the driver's level."""
+    from slimectl.contract.logs import setup_logging
+
+    setup_logging(0)
+    logging.getLogger("slimectl").setLevel(level)
+
+
+@contextmanager
+def _keep_signal_handlers():
+    """Put back this process's SIGINT/SIGTERM handlers after ``ray.init`` replaced them (Ray's own
+    exit at once, or abort): ``rl``'s handlers must still stop the loop cleanly and tear down."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+# ------------------------------------------------------------------------------------- actors
+class TrainerActor:
+    """One trainer rank in its own Ray worker process: the train stage and the weight sync of a
+    local ``rl`` (:class:`~slimectl.orchestration.loop.InProcessTrainer`), driven by :class:`RayTrainer`."""
+
+    def __init__(self) -> None:
+        self.stack = ExitStack()
+        self.trainer = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port on it: the rendezvous of a trainer with several ranks."""
+        import socket
+
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    def start(self, run_path: str, cfg_data: dict, log_level: int, rank: int = 0, world: int = 1,
+              master: tuple[str, int] | None = None) -> dict:
+        """Join the trainer's ranks (when several), take the train lock (rank 0) and load the actor
+        from the run directory, as ``slimectl train`` does."""
+        from slimectl.orchestration.loop import FollowerTrainer, InProcessTrainer
+
+        _actor_logging(log_level if rank == 0 else logging.WARNING)
+        if world > 1:
+            os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
+                               "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+        self.run = RunDir.open(run_path)
+        self.cfg = build_config(cfg_data, origin="the rl driver's config")
+        self.trainer = (InProcessTrainer if rank == 0 else FollowerTrainer)(self.run, self.cfg, self.stack)
+        return {**_actor_context(), "rank": rank, "weight_version": self.trainer.weight_version}
+
+    def connect(self, urls: list[str]) -> None:
+        from slimectl.orchestration.loop import open_engine_clients
+
+        sync = self.cfg.sync
+        if sync.transport == "distributed" and _is_loopback(sync.master_addr) and \
+                not all(_is_loopback(_url_host(u)) for u in urls):
+            # Engines elsewhere join the weight-update group at this actor, wherever Ray placed it.
+            import ray
+
+            addr = ray.util.get_node_ip_address()
+            log.info("sync.master_addr %s is loopback but engines are remote: using this node's %s",
+                     sync.master_addr, addr)
+            self.trainer.cfg = self.cfg.model_copy(update={"sync": sync.model_copy(update={"master_addr": addr})})
+        loop = asyncio.new_event_loop()
+        self.stack.callback(loop.close)
+        self.trainer.connect(loop, open_engine_clients(self.cfg, urls, loop, self.stack))
+
+    def sync(self, version: int) -> tuple[dict[str, float], float]:
+        return self.trainer.sync(version)
+
+    def train(self, rid: int, last: bool) -> list[dict]:
+        return self.trainer.train(rid, self.run.rollouts.get(rid, verify="full"), last)
+
+    def stop(self) -> None:
+        """Close the transport and metrics and release the train lock."""
+        self.stack.close()
+
+
+class EngineActor:
+    """One engine: started in its Ray worker process exactly as ``slimectl serve`` starts it."""
+
+    def __init__(self) -> None:
+        self.group = None
+
+    def start(self, run_path: str, cfg_data: dict, index: int, log_level: int) -> dict:
+        """Launch engine ``index``, wait until healthy, register it (the record names this actor)."""
+        from slimectl.stages.serve import EngineGroup
+
+        _actor_logging(log_level)
+        run = RunDir.open(run_path)
+        cfg = build_config(cfg_data, origin="the rl driver's config")
+        self.group = EngineGroup(run, cfg, engine_indices=[index]).start()
+        engine = self.group.engines[0]
+        where = _actor_context()
+        run.engines.update(engine.id, extra={"launcher": "ray", **where})
+        return {"id": engine.id, "url": engine.url, "backend": engine.backend, "pid": engine.pid, **where}
+
+    def check_alive(self) -> None:
+        self.group.check_alive()
+
+    def stop(self) -> None:
+        """Unregister and stop the engine (also what happens when the actor's process dies)."""
+        if self.group is not None:
+            self.group.stop()
+            self.group = None
+
+
+# ------------------------------------------------------------------------------ driver side
+class RayTrainer:
+    """The driver's handle on the :class:`TrainerActor` ranks: what :func:`slimectl.orchestration.loop.run_rl` calls.
+
+    Every call goes to every rank at once (they meet in collectives); rank 0's answer is the result."""
+
+    def __init__(self, launcher: "RayLauncher", actors: list, info: dict):
+        self.launcher, self.actors = launcher, actors
+        self.weight_version: int = info["weight_version"]
+
+    def connect(self, loop, clients: dict) -> None:
+        self.launcher.get(self.actors[0].connect.remote(list(clients)), "trainer")  # only rank 0 sends weights
+
+    def sync(self, version: int) -> tuple[dict[str, float], float]:
+        return self.launcher.get([a.sync.remote(version) for a in self.actors], "trainer")[0]
+
+    def train(self, rid: int, art, last: bool) -> list[dict]:
+        steps = self.launcher.get([a.train.remote(rid, last) for a in self.actors], "trainer")[0]
+        self.weight_version = rid + 1
+        return steps
+
+
+class RayEngineGroup:
+    """What :class:`slimectl.orchestration.loop.Engines` starts under Ray: one :class:`EngineActor` per engine,
+    with :class:`~slimectl.stages.serve.EngineGroup`'s ``start``/``stop``/``engines``/``check_alive``."""
+
+    def __init__(self, launcher: "RayLauncher", run: RunDir, cfg: SlimectlConfig):
+        self.launcher, self.run, self.cfg = launcher, run, cfg
+        self.actors: list = []
+        self.engines: list = []
+
+    def start(self) -> "RayEngineGroup":
+        from slimectl.contract.rundir.atomic import hostname
+        from slimectl.stages.serve import ServedEngine
+
+        launcher = self.launcher
+        self.actors = [launcher.actor(EngineActor, slot) for slot in launcher.layout.engines]
+        infos = launcher.get([a.start.remote(str(self.run.path), self.cfg.to_dict(), i, launcher.log_level)
+                              for i, a in enumerate(self.actors)], "engine")
+        for info in infos:
+            self.engines.append(ServedEngine(info["id"], info["url"], info["backend"], info["pid"]))
+            log.info("ray: engine %s at %s in actor %s (pid %d) on node %s", info["id"], info["url"],
+                     info["ray_actor_id"][:12], info["actor_pid"], info["ray_node_id"][:12])
+        here = {hostname(), launcher.trainer_host}
+        for info in infos:
+            if _is_loopback(_url_host(info["url"])) and here != {info["actor_host"]}:
+                raise UsageError(f"engine {info['id']} runs on host {info['actor_host']} but listens on "
+                                 f"{info['url']}, which the driver and trainer ({', '.join(sorted(here))}) cannot reach; "
+                                 f"set engine.host=0.0.0.0 (and engine.advertise_host if needed)")
+        return self
+
+    def check_alive(self) -> None:
+        self.launcher.get([a.check_alive.remote() for a in self.actors], "engine")
+
+    def stop(self) -> None:
+        actors, self.actors, self.engines = self.actors, [], []
+        self.launcher.stop_actors(actors, "engine")
+
+
+class RayLauncher:
+    """Places ``rl``'s trainer and engines as Ray actors (see the module docstring).
+
+    ``address``: a running cluster (``auto``, ``HOST:PORT``, ``ray://...``); None starts a
+    single-node Ray instance inside this process for the run's duration."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, colocate: bool = False):
+        self.ray = import_ray()
+        self.address = address
+        self.colocate = colocate
+        self.layout: Layout | None = None
+        self.log_level = logging.INFO
+        self.trainer_host: str | None = None
+        self._groups: dict = {}
+        self._group_stack: ExitStack | None = None  # removes the placement groups after the actors stopped
+
+    # ------------------------------------------------------------------ what run_rl calls
+    def start_trainer(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack) -> RayTrainer:
+        world = cfg.train.tp * cfg.train.pp * cfg.train.dp
+        if cfg.engine.gpu_ids:
+            raise UsageError("engine.gpu_ids is set, but under --launcher ray Ray assigns each engine its GPUs; "
+                             "remove engine.gpu_ids")
+        self.log_level = logging.getLogger("slimectl").getEffectiveLevel()
+        self._connect(cfg, stack)
+        self._group_stack = stack.enter_context(ExitStack())
+        gpus = self.ray.cluster_resources().get("GPU", 0) >= 1
+        engine_gpus = cfg.engine.tp_size if gpus and cfg.engine.backend == "sglang" else 0
+        self.layout = placement_layout(cfg.engine.num_engines, world, self.colocate, trainer_gpus=1 if gpus else 0,
+                                       engine_gpus=engine_gpus)
+        log.info("ray: %s placement; bundles %s", "colocated" if self.colocate else "disaggregated",
+                 {name: len(b) for name, b in self.layout.groups.items()})
+        actors = [self.actor(TrainerActor, slot) for slot in self.layout.trainer]
+        stack.callback(self.stop_actors, actors, "trainer")
+        master = self.get(actors[0].address.remote(), "trainer") if world > 1 else None
+        infos = self.get([a.start.remote(str(run.path), cfg.to_dict(), self.log_level, rank, world, master)
+                          for rank, a in enumerate(actors)], "trainer")
+        for info in infos:
+            log.info("ray: trainer rank %d/%d in actor %s (pid %d) on node %s, at weight version %d", info["rank"],
+                     world, info["ray_actor_id"][:12], info["actor_pid"], info["ray_node_id"][:12],
+                     info["weight_version"])
+        self.trainer_host = infos[0]["actor_host"]
+        return RayTrainer(self, actors, infos[0])
+
+    def start_engines(self, run: RunDir, cfg: SlimectlConfig, engine_urls, stack: ExitStack):
+        from slimectl.orchestration.loop import Engines
+
+        return Engines(run, cfg, engine_urls, stack, make_group=lambda r, c: RayEngineGroup(self, r, c))
+
+    # ------------------------------------------------------------------ Ray plumbing
+    def _connect(self, cfg: SlimectlConfig, stack: ExitStack) -> None:
+        ray = self.ray
+        if ray.is_initialized():
+            return  # a library caller already connected this process (its cluster, its lifetime)
+        # address "local" always starts a private single-node instance (None would join whatever
+        # cluster RAY_ADDRESS or the last `ray start` on this machine names).
+        kwargs: dict = {"address": self.address or "local", "log_to_driver": True}
+        if self.address is None:
+            need = max(cfg.engine.num_engines, 1) + 1  # enough logical CPUs for every bundle, even on a small box
+            kwargs.update(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False)
+        if not sys.stderr.isatty():
+            os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no color codes in the actors' forwarded lines
+        token = os.environ.get(cfg.engine.token_env)
+        if token:
+            # The actors (possibly on other nodes) must see the engine admin token; anyone who can
+            # reach the Ray cluster can run code on it, so this exposes nothing new.
+            kwargs["runtime_env"] = {"env_vars": {cfg.engine.token_env: token}}
+        try:
+            with _keep_signal_handlers():
+                ray.init(**kwargs)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            where = self.address or "a new local instance"
+            raise SlimectlError(f"cannot start Ray at {where}: {str(exc).splitlines()[0] if str(exc) else exc!r}; "
+                                f"check --address (start a cluster with `ray start --head`)") from None
+        stack.callback(ray.shutdown)
+
+    def _placement_group(self, name: str):
+        if name in self._groups:
+            return self._groups[name]
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundles = self.layout.groups[name]
+        pg = placement_group(bundles, strategy="PACK")
+        self._group_stack.callback(remove_placement_group, pg)
+        if not pg.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
+            raise SlimectlError(f"the Ray cluster could not place the {name} bundles {bundles} within "
+                                f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {self.ray.available_resources()}); add nodes or "
+                                f"lower engine.num_engines")
+        self._groups[name] = pg
+        return pg
+
+    def actor(self, cls: type, slot: Slot):
+        """An actor of ``cls`` in its slot (placement groups are reserved on first use)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self._placement_group(slot.group),
+                                                    placement_group_bundle_index=slot.bundle)
+        return self.ray.remote(cls).options(num_cpus=slot.num_cpus, num_gpus=slot.num_gpus, max_restarts=0,
+                                            scheduling_strategy=strategy).remote()
+
+    def get(self, refs, what: str):
+        """``ray.get`` with remote failures turned into slimectl's one-line errors."""
+        ray = self.ray
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, SlimectlError):
+                raise cause from None
+            raise SlimectlError(f"the {what} actor failed: {type(cause).__name__}: {cause}") from None
+        except ray.exceptions.RayActorError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise SlimectlError(f"the {what} actor died ({first}); see its log under the Ray session's logs/ "
+                                f"on its node") from None
+
+    def stop_actors(self, actors: list, what: str) -> None:
+        """Ask each actor to stop cleanly (unregister, release locks), then kill it."""
+        if not actors:
+            return
+        ray = self.ray
+        try:
+            ray.get([a.stop.remote() for a in actors], timeout=STOP_TIMEOUT_S)
+        except Exception as exc:  # dead already, or stuck: killing it below is what is left
+            log.warning("ray: stopping the %s actor(s) failed (%s); killing them", what, str(exc).splitlines()[0])
+        for a in actors:
+            ray.kill(a)

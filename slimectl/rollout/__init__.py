@@ -1,1 +1,0 @@
-"""Rollout stage: generation and reward computation (never imports slimectl.train)."""

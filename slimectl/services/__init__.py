@@ -1,0 +1,1 @@
+"""Long-running services beside the stages: the rollout buffer."""

@@ -1,0 +1,182 @@
+"""Prompt datasets (jsonl / parquet) and the resumable prompt data source.
+
+A dataset spec is ``path`` or ``path@[a:b]`` (a Python-style row slice). Each row gives the
+prompt (``input_key``: a string, or OpenAI-style messages), the label (``label_key``), metadata
+(``metadata_key``) and tools (``tools_key``). Malformed rows raise an error naming the file and
+line, or are skipped and counted with ``skip_bad_rows``.
+
+:class:`PromptSource` hands out prompts in a seeded shuffled order per epoch. Its state
+(epoch, offset, seed) is a small JSON dict that the rollout stage stores with every rollout,
+so a resumed run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slimectl.contract.errors import SlimectlError
+
+_SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<a>-?\d*):(?P<b>-?\d*)\]$")
+
+
+class DatasetError(SlimectlError):
+    """A prompt dataset is missing or malformed."""
+
+
+@dataclass
+class PromptRow:
+    row: int
+    """Row number in the (sliced) dataset, stable across epochs."""
+    prompt: str | list[dict[str, Any]]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tools: Any = None
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_text: str = ""
+
+
+def parse_spec(spec: str) -> tuple[Path, slice]:
+    m = _SLICE_RE.match(spec)
+    if not m:
+        return Path(spec), slice(None)
+    a = int(m["a"]) if m["a"] else None
+    b = int(m["b"]) if m["b"] else None
+    return Path(m["path"]), slice(a, b)
+
+
+def _read_rows(path: Path) -> list[tuple[int, Any]]:
+    """(line or row number, raw record) pairs; JSON syntax errors carry their line number."""
+    if not path.is_file():
+        raise DatasetError(f"prompt dataset {path} does not exist; check data.prompt_data")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        out = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    out.append((lineno, json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    out.append((lineno, DatasetError(f"{path} line {lineno}: invalid JSON ({exc.msg})")))
+        return out
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(str(path)).to_pylist()
+        except Exception as exc:
+            raise DatasetError(f"{path} is not a readable parquet file ({exc})") from None
+        return [(i + 1, r) for i, r in enumerate(rows)]
+    raise DatasetError(f"prompt dataset {path}: unsupported format {suffix!r}; use .jsonl or .parquet")
+
+
+def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "label", metadata_key: str = "metadata",
+                 tools_key: str = "tools", skip_bad_rows: bool = False) -> tuple[list[PromptRow], int]:
+    """Load a dataset spec; returns (rows, number of skipped bad rows)."""
+    path, sl = parse_spec(spec)
+    raw = _read_rows(path)[sl]
+    rows: list[PromptRow] = []
+    skipped = 0
+    unit = "line" if path.suffix.lower() != ".parquet" else "row"
+    for lineno, rec in raw:
+        try:
+            if isinstance(rec, Exception):
+                raise rec
+            if not isinstance(rec, dict):
+                raise DatasetError(f"{path} {unit} {lineno}: expected a JSON object, got {type(rec).__name__}")
+            if input_key not in rec:
+                raise DatasetError(f"{path} {unit} {lineno}: missing key {input_key!r} (data.input_key)")
+            prompt = rec[input_key]
+            if isinstance(prompt, list):
+                if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+                    raise DatasetError(f"{path} {unit} {lineno}: {input_key!r} messages need 'role' and 'content'")
+            elif not isinstance(prompt, str) or not prompt:
+                raise DatasetError(f"{path} {unit} {lineno}: {input_key!r} must be a non-empty string or a message list")
+            label = rec.get(label_key) if label_key else None
+            meta = rec.get(metadata_key) or {}
+            if isinstance(meta, str):
+                meta = json.loads(meta)
+            if not isinstance(meta, dict):
+                raise DatasetError(f"{path} {unit} {lineno}: {metadata_key!r} must be an object")
+            rows.append(PromptRow(row=len(rows), prompt=prompt, label=label, metadata=meta, tools=rec.get(tools_key)))
+        except (DatasetError, json.JSONDecodeError) as exc:
+            if not skip_bad_rows:
+                msg = str(exc) if isinstance(exc, DatasetError) else f"{path} {unit} {lineno}: {exc}"
+                raise DatasetError(f"{msg} (or pass --skip-bad-rows to skip and count such rows)") from None
+            skipped += 1
+    if not rows:
+        raise DatasetError(f"prompt dataset {spec} has no usable rows")
+    return rows, skipped
+
+
+def tokenize_prompts(rows: list[PromptRow], tokenizer, apply_chat_template: bool = True,
+                     max_prompt_len: int | None = None) -> tuple[list[PromptRow], int]:
+    """Render (chat template) and tokenize prompts; drop those longer than ``max_prompt_len``."""
+    kept, dropped = [], 0
+    for r in rows:
+        if apply_chat_template:
+            msgs = r.prompt if isinstance(r.prompt, list) else [{"role": "user", "content": r.prompt}]
+            kwargs = {"tools": r.tools} if r.tools else {}
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
+        else:
+            if isinstance(r.prompt, list):
+                raise DatasetError(f"row {r.row}: message-list prompts need data.apply_chat_template = true")
+            text = r.prompt
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if max_prompt_len is not None and len(ids) > max_prompt_len:
+            dropped += 1
+            continue
+        r.prompt_text, r.prompt_ids = text, ids
+        kept.append(r)
+    if not kept:
+        raise DatasetError(f"every prompt is longer than data.max_prompt_len = {max_prompt_len}")
+    return kept, dropped
+
+
+class PromptSource:
+    """Seeded per-epoch shuffled order over the rows; resumable from :meth:`state`."""
+
+    def __init__(self, rows: list[PromptRow], seed: int = 42, shuffle: bool = True, state: dict[str, Any] | None = None):
+        self.rows = rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.offset = 0
+        self.next_group = 0
+        if state:
+            if state.get("num_rows") != len(rows) or state.get("seed") != seed:
+                raise SlimectlError(
+                    f"saved prompt-source state (rows {state.get('num_rows')}, seed {state.get('seed')}) does not match "
+                    f"the dataset (rows {len(rows)}, seed {seed}); the dataset or data.seed changed mid-run"
+                )
+            self.epoch, self.offset, self.next_group = state["epoch"], state["offset"], state["next_group"]
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[tuple[int, PromptRow]]:
+        """The next ``n`` prompts as (group index, row), crossing epochs as needed."""
+        out = []
+        while len(out) < n:
+            order = self._order(self.epoch)
+            while self.offset < len(order) and len(out) < n:
+                out.append((self.next_group, self.rows[order[self.offset]]))
+                self.offset += 1
+                self.next_group += 1
+            if self.offset >= len(order):
+                self.epoch += 1
+                self.offset = 0
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "offset": self.offset, "next_group": self.next_group,
+                "seed": self.seed, "num_rows": len(self.rows)}

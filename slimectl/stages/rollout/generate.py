@@ -1,0 +1,246 @@
+"""Generation over the registered engines: balanced, bounded concurrency, retries, over-sampling.
+
+:class:`EnginePool` sends each request to the live engine with the fewest requests in flight
+(at most ``concurrency_per_engine`` per engine). A connection failure marks that engine dead
+and the request is retried on another one; only when every engine is dead does the rollout
+fail — and then nothing is published.
+
+Custom generate functions keep slime's signature::
+
+    async def generate(args, sample, sampling_params) -> Sample | list[Sample]
+
+``args`` carries ``args.pool`` (call ``await args.pool.generate(input_ids=..., sampling_params=...,
+return_logprob=True)``), ``args.config`` (the run's config), ``args.tokenizer`` and
+``args.engine_urls``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Awaitable, Callable
+
+from slimectl.engines.client import EngineClient, EngineError
+from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.samples import Sample, Status
+
+log = logging.getLogger("slimectl.rollout")
+
+
+class EnginePool:
+    def __init__(self, urls: list[str], token: str | None = None, concurrency_per_engine: int = 64,
+                 timeout: float = 600.0):
+        if not urls:
+            raise SlimectlError("no engines registered; start them with `slimectl serve -r RUN` or pass --engine-url")
+        self.clients = {u: EngineClient(u, token=token, timeout=timeout, retries=1, backoff=0.2) for u in urls}
+        self.inflight = {u: 0 for u in urls}
+        self.sems = {u: asyncio.Semaphore(concurrency_per_engine) for u in urls}
+        self.dead: set[str] = set()
+        self.requests = {u: 0 for u in urls}
+
+    def alive(self) -> list[str]:
+        return [u for u in self.clients if u not in self.dead]
+
+    def _pick(self) -> str:
+        alive = self.alive()
+        if not alive:
+            raise EngineError(f"every engine failed ({', '.join(self.clients)}); check `slimectl status` and the engine logs")
+        return min(alive, key=lambda u: (self.inflight[u], self.requests[u]))
+
+    async def generate(self, **body: Any) -> dict[str, Any]:
+        """POST /generate on the least-loaded live engine; fail over on connection errors."""
+        while True:
+            url = self._pick()
+            self.inflight[url] += 1
+            self.requests[url] += 1
+            try:
+                async with self.sems[url]:
+                    out = await self.clients[url].generate(**body)
+                out.setdefault("meta_info", {})["engine_url"] = url
+                return out
+            except EngineError as exc:
+                if exc.status is not None:  # the engine answered: a bad request, not a dead engine
+                    raise
+                log.warning("engine %s failed (%s); marking it dead and retrying elsewhere", url, exc)
+                self.dead.add(url)
+            finally:
+                self.inflight[url] -= 1
+
+    async def abort_all(self) -> None:
+        await asyncio.gather(*(self.clients[u].abort_request(abort_all=True) for u in self.alive()),
+                             return_exceptions=True)
+
+    async def weight_versions(self) -> dict[str, str]:
+        out = {}
+        for u in self.alive():
+            try:
+                out[u] = await self.clients[u].weight_version()
+            except EngineError as exc:
+                log.warning("engine %s: cannot read weight version (%s)", u, exc)
+                self.dead.add(u)
+        return out
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients.values()))
+
+
+def load_function(path: str, what: str) -> Callable:
+    """Import ``module:function`` or ``module.function``."""
+    mod_name, sep, attr = path.partition(":")
+    if not sep:
+        mod_name, _, attr = path.rpartition(".")
+    if not mod_name or not attr:
+        raise UsageError(f"{what} {path!r}: expected module:function")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise UsageError(f"{what} {path!r}: cannot import {mod_name!r} ({exc})") from None
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise UsageError(f"{what} {path!r}: {mod_name} has no function {attr!r}")
+    return fn
+
+
+async def default_generate(args: SimpleNamespace, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """Single turn: the prompt tokens in, one generation out, with per-token log-probs.
+
+    A sample aborted in an earlier rollout (partial rollout) continues from its tokens so far with
+    the remaining token budget; with ``mask_offpolicy`` its older tokens are masked out of the loss.
+    """
+    params = dict(sampling_params)
+    if sample.response_length:
+        budget = int(params.get("max_new_tokens", 0)) - sample.response_length
+        if budget <= 0:
+            sample.status = Status.TRUNCATED
+            return sample
+        params["max_new_tokens"] = budget
+        if getattr(args, "mask_offpolicy", False):
+            sample.loss_mask = [0] * sample.response_length
+    out = await args.pool.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True)
+    meta = out["meta_info"]
+    lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
+    sample.append_response_tokens(out["output_ids"], lps, True, meta, out.get("text", ""))
+    sample.metadata["engine_url"] = meta.get("engine_url")
+    return sample
+
+
+@dataclass
+class GroupResult:
+    group_index: int
+    samples: list[Sample]
+    kept: bool = True
+    spans: list[dict[str, Any]] = field(default_factory=list)
+    partial: bool = False
+    """Some sample was aborted before finishing (partial rollout keeps the group for later)."""
+
+
+RewardFn = Callable[[list[Sample]], Awaitable[None]]
+
+
+async def run_group(args: SimpleNamespace, samples: list[Sample], sampling_params: dict[str, Any],
+                    generate_fn: Callable, reward_fn: RewardFn) -> GroupResult:
+    """Generate every unfinished sample of one prompt group concurrently, then score the group.
+
+    A group with an aborted sample is returned unscored with ``partial=True``.
+    """
+    spans: list[dict[str, Any]] = []
+
+    async def one(s: Sample) -> list[Sample]:
+        if s.status in (Status.COMPLETED, Status.TRUNCATED):
+            return [s]  # finished in an earlier rollout (partial rollout)
+        params = dict(sampling_params)
+        params.setdefault("sampling_seed", s.metadata.get("sampling_seed"))
+        t0 = time.time()
+        res = await generate_fn(args, s, params)
+        spans.append({"sample": s.index, "span": "generate", "start": t0, "end": time.time()})
+        res = res if isinstance(res, list) else [res]
+        for r in res:
+            if r.status == Status.PENDING:
+                r.status = Status.COMPLETED
+        return res
+
+    parts = await asyncio.gather(*(one(s) for s in samples))
+    flat = [s for p in parts for s in p]
+    if any(s.status == Status.ABORTED for s in flat):
+        return GroupResult(samples[0].group_index, flat, False, spans, partial=True)
+    t0 = time.time()
+    await reward_fn(flat)
+    spans.append({"group": samples[0].group_index, "span": "reward", "start": t0, "end": time.time()})
+    return GroupResult(samples[0].group_index, flat, True, spans)
+
+
+def nonzero_std(samples: list[Sample], reward_key: str | None) -> bool:
+    """slime's default dynamic filter: keep a group only if its rewards are not all equal."""
+    values = [s.reward_value(reward_key) for s in samples]
+    return max(values) - min(values) > 0
+
+
+async def generate_batch(args: SimpleNamespace, supply: Callable[[], list[list[Sample]]], batch_size: int,
+                         sampling_params: dict[str, Any], generate_fn: Callable, reward_fn: RewardFn,
+                         group_filter: Callable[[list[Sample]], bool] | None, max_rounds: int = 16,
+                         on_group_done: Callable[[GroupResult], None] | None = None,
+                         keep_partial: bool = False) -> tuple[list[GroupResult], dict[str, int], list[list[Sample]]]:
+    """Run prompt groups concurrently until ``batch_size`` groups pass the filter; abort the rest.
+
+    ``supply()`` returns the next round of groups (over-sampling: a round is usually larger than
+    ``batch_size``); a new round is drawn only when every group in flight has finished and too
+    few were kept. Once the batch is full the engines abort what is still running. With
+    ``keep_partial`` (partial rollout) those unfinished groups are collected — tokens and
+    log-probs so far — and returned so a later rollout continues them; otherwise they are dropped.
+    Returns (kept groups in group order, counters, unfinished groups).
+    """
+    kept: list[GroupResult] = []
+    partial: list[list[Sample]] = []
+    counts = {"kept": 0, "dropped": 0, "aborted": 0, "rounds": 0, "surplus": 0}
+    pending: set[asyncio.Future] = set()
+
+    def take(res: GroupResult) -> None:
+        if res.partial:
+            partial.append(res.samples)
+        elif group_filter is not None and not group_filter(res.samples):
+            res.kept = False
+            counts["dropped"] += 1
+        elif len(kept) < batch_size:
+            kept.append(res)
+            counts["kept"] += 1
+        else:
+            counts["surplus"] += 1
+            if keep_partial:  # finished in the same instant the batch filled: keep it for the next rollout
+                partial.append(res.samples)
+        if on_group_done is not None:
+            on_group_done(res)
+
+    try:
+        while len(kept) < batch_size:
+            if not pending:
+                if counts["rounds"] >= max_rounds:
+                    raise SlimectlError(
+                        f"only {len(kept)} of {batch_size} prompt groups passed the dynamic filter after "
+                        f"{max_rounds} rounds ({counts['dropped']} dropped); relax rollout.dynamic_filter"
+                    )
+                counts["rounds"] += 1
+                pending = {asyncio.ensure_future(run_group(args, g, sampling_params, generate_fn, reward_fn))
+                           for g in supply()}
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                take(t.result())  # the failure of every engine propagates from here
+    finally:
+        if pending:
+            counts["aborted"] = len(pending)
+            await args.pool.abort_all()
+            if keep_partial:
+                done, still = await asyncio.wait(pending, timeout=60)
+                for t in done:
+                    if not t.cancelled() and t.exception() is None:
+                        partial.append(t.result().samples)  # unfinished or just finished: continue later
+                pending = still
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    kept.sort(key=lambda r: r.group_index)
+    partial.sort(key=lambda g: g[0].group_index)
+    return kept, counts, partial

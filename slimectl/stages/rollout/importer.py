@@ -1,0 +1,194 @@
+"""``slimectl rollout import FILE``: publish samples made outside slimectl as ``rollouts/N``.
+
+FILE is JSON Lines (one Sample per line, the field names of :class:`slimectl.contract.samples.Sample`)
+or a samples Parquet file. Every sample is validated before anything is written — token ids
+within the model's vocabulary, ``response_length`` inside ``tokens``, per-token lists as long
+as the response, a numeric reward, a group — and the first problem is reported with its line.
+The rollout is published with the run-dir protocol like a generated one, so ``train`` consumes
+it exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
+from slimectl.contract.rundir import RunDir
+from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, read_samples, write_samples
+
+DATA_STATE = "data_state.json"
+
+
+@dataclass
+class ImportResult:
+    rollout_id: int
+    num_samples: int
+    path: Path
+
+
+def _load(path: Path) -> list[tuple[str, Sample]]:
+    """(where, sample) pairs; ``where`` is ``FILE:LINE`` for JSON Lines."""
+    if not path.is_file():
+        raise UsageError(f"{path}: no such file; pass a .jsonl or .parquet file of samples")
+    if path.suffix == ".parquet":
+        return [(f"{path}: sample {i}", s) for i, s in enumerate(read_samples(path))]
+    if path.suffix not in (".jsonl", ".json"):
+        raise UsageError(f"{path}: expected a .jsonl (one sample per line) or .parquet file")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SlimectlError(f"{where}: not valid JSON ({exc.msg})") from None
+            out.append((where, parse_sample(where, d)))
+    if not out:
+        raise SlimectlError(f"{path} holds no samples")
+    return out
+
+
+def parse_sample(where: str, d: object) -> Sample:
+    """A decoded JSON value -> Sample; errors name ``where`` (a file line, a request's trajectory)."""
+    if not isinstance(d, dict):
+        raise SlimectlError(f"{where}: expected a JSON object with Sample fields")
+    try:
+        return Sample.from_dict(d)
+    except (ValueError, TypeError) as exc:
+        raise SlimectlError(f"{where}: {exc}") from None
+
+
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _wrongly_typed_field(s: Sample) -> str | None:
+    """What is wrong with the first field whose JSON type the samples file cannot store, or None."""
+    for name in ("group_index", "index", "rollout_id"):
+        v = getattr(s, name)
+        if v is not None and not (_is_int(v) and -2**63 <= v < 2**63):
+            return f"{name} must be an integer (64-bit)"
+    if not _is_int(s.response_length):
+        return "response_length must be an integer"
+    if not isinstance(s.response, str):
+        return "response must be a string"
+    if not isinstance(s.prompt, (str, list)):
+        return "prompt must be a string or a list of chat messages"
+    if not isinstance(s.metadata, dict):
+        return "metadata must be a JSON object"
+    if not isinstance(s.weight_versions, list) or not all(isinstance(v, str) for v in s.weight_versions):
+        return "weight_versions must be a list of strings"
+    if not isinstance(s.remove_sample, bool):
+        return "remove_sample must be true or false"
+    if s.loss_mask is not None and (not isinstance(s.loss_mask, list) or not all(_is_int(m) for m in s.loss_mask)):
+        return "loss_mask must be a list of 0/1 integers"
+    for name in ("rollout_log_probs", "teacher_log_probs"):
+        v = getattr(s, name)
+        if v is not None and (not isinstance(v, list) or not all(_is_int(x) or isinstance(x, float) for x in v)
+                              or not all(math.isfinite(x) for x in v)):
+            return f"{name} must be a list of finite numbers"
+    return None
+
+
+def check_sample(where: str, s: Sample, vocab_size: int | None, reward_key: str | None) -> None:
+    """Refuse a sample train could not use (the rules in the module docstring), naming ``where``."""
+
+    def bad(msg: str) -> SlimectlError:
+        return SlimectlError(f"{where}: {msg}")
+
+    if not isinstance(s.tokens, list) or not s.tokens or not all(_is_int(t) and t >= 0 for t in s.tokens):
+        raise bad("tokens must be a non-empty list of non-negative token ids")
+    if vocab_size is not None and max(s.tokens) >= vocab_size:
+        raise bad(f"token id {max(s.tokens)} is outside the model's vocabulary ({vocab_size} ids)")
+    if max(s.tokens) > _MAX_TOKEN_ID:
+        raise bad(f"token id {max(s.tokens)} does not fit the samples file's int32 token column")
+    wrong = _wrongly_typed_field(s)
+    if wrong:
+        raise bad(wrong)
+    if s.response_length <= 0:
+        raise bad("response_length must be > 0 (the tokens to train on are the last response_length)")
+    try:
+        s.validate()
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if s.group_index is None:
+        raise bad("group_index is missing (samples of one prompt share a group_index)")
+    try:
+        value = s.reward_value(reward_key)
+    except (SlimectlError, KeyError, TypeError, ValueError) as exc:
+        raise bad(f"no usable reward ({exc})") from None
+    if not math.isfinite(value):
+        raise bad(f"reward is {value} (it must be a finite number)")
+    if s.rollout_log_probs is not None and any(x > 1e-6 for x in s.rollout_log_probs):
+        raise bad("rollout_log_probs must be <= 0 (they are log-probabilities)")
+
+
+def model_vocab_size(cfg: SlimectlConfig) -> int | None:
+    """The vocabulary size of ``model.path`` when it holds an HF config (token ids are checked against it)."""
+    from slimectl.backends.hf.arch import arch_from_dir
+
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        return arch_from_dir(cfg.model.path).vocab_size
+    return None
+
+
+def resolve_rollout_id(run: RunDir, rollout_id: int | None, force: bool) -> int:
+    """``rollout_id``, or the next free id; refuses a published one unless ``force`` (hold the rollout lock)."""
+    ids = run.rollouts.ids()
+    rid = (ids[-1] + 1 if ids else 0) if rollout_id is None else rollout_id
+    if run.rollouts.exists(rid) and not force:
+        raise ArtifactExists(f"rollouts/{rid:06d} is already published; pass --force to replace it")
+    return rid
+
+
+def publish_samples(run: RunDir, cfg: SlimectlConfig, samples: list[Sample], rid: int, source_meta: dict,
+                    stage: str, force: bool = False) -> ImportResult:
+    """Publish checked samples made outside the rollout stage as ``rollouts/rid``.
+
+    The caller holds the ``rollout`` lock. ``source_meta`` (``source`` and where the samples came
+    from) goes into the manifest. The prompt-data state of rollout ``rid - 1`` is carried
+    forward, so generated rollouts after this one continue the prompt data where it stopped.
+    """
+    for i, s in enumerate(samples):
+        s.rollout_id = rid
+        if s.index is None:
+            s.index = i
+        if s.status == Status.PENDING:
+            s.status = Status.COMPLETED
+    versions = {v for s in samples for v in s.weight_versions}
+    rewards = [s.reward_value(cfg.rollout.reward_key) for s in samples]
+    meta = {"rollout_id": rid, **source_meta,
+            "weight_version": max(versions) if len(versions) == 1 else None,
+            "num_samples": len(samples), "num_groups": len({s.group_index for s in samples}),
+            "reward_mean": statistics.fmean(rewards)}
+    state = run.rollouts.get(rid - 1).file(DATA_STATE).read_text() if rid > 0 and run.rollouts.exists(rid - 1) \
+        and DATA_STATE in run.rollouts.get(rid - 1).files else "null"
+    with run.rollouts.publish(rid, meta=meta, stage=stage, overwrite=force) as staging:
+        write_samples(samples, staging / SAMPLES_FILE)
+        (staging / DATA_STATE).write_text(state)
+        (staging / "metrics.json").write_text(json.dumps({"rollout/reward_mean": meta["reward_mean"],
+                                                          "rollout/num_samples": len(samples)}, indent=2))
+    return ImportResult(rid, len(samples), run.rollouts.dir_for(rid))
+
+
+def import_rollout(run: RunDir, cfg: SlimectlConfig, path: str | Path, rollout_id: int | None = None,
+                   force: bool = False) -> ImportResult:
+    path = Path(path)
+    pairs = _load(path)
+    vocab = model_vocab_size(cfg)
+    for where, s in pairs:
+        check_sample(where, s, vocab, cfg.rollout.reward_key)
+    with run.lock("rollout"):
+        rid = resolve_rollout_id(run, rollout_id, force)
+        return publish_samples(run, cfg, [s for _, s in pairs], rid,
+                               {"source": "import", "imported_from": str(path.resolve())}, "rollout-import", force)

@@ -1,0 +1,317 @@
+"""``slimectl rollout``: generate and score one rollout and publish it as ``rollouts/N``.
+
+The artifact holds ``samples.parquet`` (see :mod:`slimectl.contract.samples`), ``data_state.json`` (the
+prompt source's position after this rollout — rollout N+1 starts from it), ``metrics.json``
+and ``trace.jsonl`` (per-sample generate/reward spans). Nothing is published unless the whole
+rollout succeeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
+from slimectl.stages.rollout.data import PromptSource, load_prompts, tokenize_prompts
+from slimectl.stages.rollout.generate import EnginePool, default_generate, generate_batch, load_function, nonzero_std
+from slimectl.contract.rundir import RunDir
+from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, write_samples
+
+log = logging.getLogger("slimectl.rollout")
+
+DATA_STATE = "data_state.json"
+BUFFER_FILE = "buffer.parquet"
+"""Partial rollout: groups aborted when this rollout's batch filled; the next rollout continues them first."""
+
+
+@dataclass
+class RolloutResult:
+    rollout_id: int
+    num_samples: int
+    metrics: dict[str, Any]
+    path: Path
+
+
+def next_rollout_id(run: RunDir) -> int:
+    ids = run.rollouts.ids()
+    return ids[-1] + 1 if ids else 0
+
+
+def _engine_urls(run: RunDir, given: list[str] | tuple[str, ...]) -> list[str]:
+    if given:
+        return [u.rstrip("/") for u in given]
+    return [r.url for r in run.engines.require_live()]
+
+
+def _data_state(run: RunDir, rollout_id: int) -> dict[str, Any] | None:
+    if rollout_id == 0:
+        return None
+    if not run.rollouts.exists(rollout_id - 1):
+        raise SlimectlError(
+            f"rollouts/{rollout_id - 1:06d} is not published, so rollout {rollout_id} cannot know where the prompt data "
+            f"continues; produce rollouts in order (--next)"
+        )
+    art = run.rollouts.get(rollout_id - 1)
+    return json.loads(art.file(DATA_STATE).read_text())
+
+
+def _buffer(run: RunDir, rollout_id: int) -> list[list[Sample]]:
+    """Unfinished groups left by the previous rollout (partial rollout), in group order."""
+    from slimectl.contract.samples import read_samples
+
+    if rollout_id == 0 or not run.rollouts.exists(rollout_id - 1):
+        return []
+    art = run.rollouts.get(rollout_id - 1)
+    if BUFFER_FILE not in art.files:
+        return []
+    groups: dict[int, list[Sample]] = {}
+    for s in read_samples(art.file(BUFFER_FILE)):
+        groups.setdefault(s.group_index, []).append(s)
+    return [groups[g] for g in sorted(groups)]
+
+
+def _sampling_params(cfg: SlimectlConfig) -> dict[str, Any]:
+    r = cfg.rollout
+    p: dict[str, Any] = {"max_new_tokens": r.max_response_len, "temperature": r.temperature, "top_p": r.top_p,
+                         "top_k": r.top_k}
+    if r.stop:
+        p["stop"] = list(r.stop)
+    if r.stop_token_ids:
+        p["stop_token_ids"] = list(r.stop_token_ids)
+    return p
+
+
+def make_reward_fn(cfg: SlimectlConfig, args: SimpleNamespace):
+    """An async ``fn(samples)`` that sets ``sample.reward`` with the configured reward.
+
+    ``rollout.reward`` is a reward-hub type (math, deepscaler, dapo, f1, gpqa, remote, random, and
+    ``boxed_`` variants) or the import path of a custom reward (``module:function`` or
+    ``module.function``, slime's ``async def rm(args, sample)``; with ``rollout.group_reward`` the
+    group form ``async def rm(args, samples) -> list``).
+    """
+    from slimectl.rewards import compute_rewards
+
+    r = cfg.rollout
+    custom = r.reward if (":" in r.reward or "." in r.reward) else None
+    rm_type = None if custom else r.reward
+
+    async def fn(samples: list[Sample]) -> None:
+        rewards = await compute_rewards(samples, rm_type, args=args, custom_rm_path=custom, group_rm=r.group_reward,
+                                        rm_url=r.remote_reward_url)
+        for s, v in zip(samples, rewards):
+            s.reward = v
+
+    return fn
+
+
+def _metrics(samples: list[Sample], counts: dict[str, int], seconds: float, reward_key: str | None,
+             groups: list[list[Sample]], weight_version: str | None) -> dict[str, Any]:
+    rewards = [s.reward_value(reward_key) for s in samples]
+    lengths = [s.response_length for s in samples]
+    zero_std = sum(1 for g in groups if len({s.reward_value(reward_key) for s in g}) == 1)
+    tokens = sum(lengths)
+    return {
+        "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "rollout/response_len_mean": statistics.fmean(lengths),
+        "rollout/response_len_max": max(lengths),
+        "rollout/response_len_min": min(lengths),
+        "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
+        "rollout/zero_std_groups": zero_std,
+        "rollout/filter_dropped_groups": counts.get("dropped", 0),
+        "rollout/aborted_groups": counts.get("aborted", 0),
+        "rollout/num_samples": len(samples),
+        "rollout/weight_version": weight_version,
+        "perf/rollout_time": seconds,
+        "perf/rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+    }
+
+
+def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, engine_urls: list[str] | tuple[str, ...] = (),
+                force: bool = False, skip_bad_rows: bool | None = None) -> RolloutResult:
+    """Produce rollout ``rollout_id`` (default: the next one) and publish it."""
+    if cfg.data.prompt_data is None:
+        raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
+    with run.lock("rollout") as lock:
+        rid = next_rollout_id(run) if rollout_id is None else rollout_id
+        if run.rollouts.exists(rid) and not force:
+            raise ArtifactExists(f"rollouts/{rid:06d} is already published; pass --force to regenerate it")
+        state = _data_state(run, rid)
+        buffered = _buffer(run, rid) if cfg.rollout.partial_rollout else []
+        from transformers import AutoTokenizer
+
+        from slimectl.contract.logs import quiet_hf_progress
+
+        quiet_hf_progress()
+        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        d = cfg.data
+        rows, bad = load_prompts(d.prompt_data, d.input_key, d.label_key, d.metadata_key, d.tools_key,
+                                 d.skip_bad_rows if skip_bad_rows is None else skip_bad_rows)
+        rows, too_long = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
+        source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=state)
+        urls = _engine_urls(run, engine_urls)
+        result = asyncio.run(_rollout_async(run, cfg, rid, source, urls, tok, lock, buffered))
+        samples, metrics, trace, leftover = result
+        metrics.update({"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
+        meta = {
+            "rollout_id": rid,
+            "weight_version": metrics["rollout/weight_version"],
+            "num_samples": len(samples),
+            "num_groups": len({s.group_index for s in samples}),
+            "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
+            "reward_mean": metrics["rollout/reward_mean"],
+            "reward_std": metrics["rollout/reward_std"],
+            "seconds": metrics["perf/rollout_time"],
+            "counts": {k: metrics[k] for k in ("rollout/filter_dropped_groups", "rollout/aborted_groups",
+                                               "rollout/zero_std_groups")},
+        }
+        lock.check()
+        with run.rollouts.publish(rid, meta=meta, stage="rollout", overwrite=force) as staging:
+            write_samples(samples, staging / SAMPLES_FILE)
+            (staging / DATA_STATE).write_text(json.dumps(source.state()))
+            if leftover:
+                write_samples([x for g in leftover for x in g], staging / BUFFER_FILE)
+            (staging / "metrics.json").write_text(json.dumps(metrics, indent=2))
+            with open(staging / "trace.jsonl", "w") as f:
+                for span in trace:
+                    f.write(json.dumps(span) + "\n")
+        _log_metrics(run, cfg, rid, metrics)
+        return RolloutResult(rid, len(samples), metrics, run.rollouts.dir_for(rid))
+
+
+def _log_metrics(run: RunDir, cfg: SlimectlConfig, rid: int, metrics: dict[str, Any]) -> None:
+    from slimectl.contract.metrics import MetricsWriter
+
+    tb = run.tensorboard_dir("rollout") if cfg.logging.tensorboard else None
+    with MetricsWriter(run.metrics_path("rollout"), tb) as m:
+        m.log(rid, metrics)
+    log.info(
+        "rollout %d: reward %.3f, len %.1f, truncated %.2f, zero-std groups %d, dropped %d, %.1f s, %.0f tok/s",
+        rid, metrics["rollout/reward_mean"], metrics["rollout/response_len_mean"], metrics["rollout/truncated_ratio"],
+        metrics["rollout/zero_std_groups"], metrics["rollout/filter_dropped_groups"], metrics["perf/rollout_time"],
+        metrics["perf/rollout_tokens_per_s"],
+    )
+
+
+async def teacher_log_probs(samples: list[Sample], urls: list[str], temperature: float, token: str | None,
+                            cfg: SlimectlConfig) -> float:
+    """Fill ``sample.teacher_log_probs`` (one per response token) from the teacher engines; return
+    the mean per-token reverse-KL estimate ``student_lp - teacher_lp`` over trained tokens."""
+    pool = EnginePool([u.rstrip("/") for u in urls], token=token, concurrency_per_engine=cfg.rollout.concurrency_per_engine,
+                      timeout=cfg.engine.request_timeout_s)
+
+    async def one(s: Sample) -> None:
+        if s.response_length == 0:
+            s.teacher_log_probs = []
+            return
+        out = await pool.generate(input_ids=s.tokens, return_logprob=True, logprob_start_len=0,
+                                  sampling_params={"max_new_tokens": 0, "temperature": temperature})
+        lps = [float(x[0]) for x in out["meta_info"]["input_token_logprobs"][1:]]
+        if len(lps) < s.response_length:
+            raise SlimectlError(f"teacher at {out['meta_info'].get('engine_url', urls[0])} returned {len(lps)} log-probs "
+                                f"for a {len(s.tokens)}-token sample; is it serving the same tokenizer?")
+        s.teacher_log_probs = lps[-s.response_length:]
+
+    try:
+        await asyncio.gather(*(one(s) for s in samples))
+    finally:
+        await pool.close()
+    num = den = 0.0
+    for s in samples:
+        mask = s.loss_mask or [1] * s.response_length
+        for m, st, te in zip(mask, s.rollout_log_probs or [], s.teacher_log_probs or []):
+            if m:
+                num += st - te
+                den += 1
+    return num / den if den else 0.0
+
+
+async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: PromptSource, urls: list[str], tok,
+                         lock, buffered: list[list[Sample]]) -> tuple[list[Sample], dict[str, Any], list[dict[str, Any]], list[list[Sample]]]:
+    r = cfg.rollout
+    token = os.environ.get(cfg.engine.token_env) or None
+    pool = EnginePool(urls, token=token, concurrency_per_engine=r.concurrency_per_engine,
+                      timeout=cfg.engine.request_timeout_s)
+    args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=rid,
+                           rollout_max_response_len=r.max_response_len, n_samples_per_prompt=r.n_samples_per_prompt,
+                           reward_key=r.reward_key, mask_offpolicy=r.mask_offpolicy_in_partial_rollout)
+    try:
+        versions = await pool.weight_versions()
+        if not versions:
+            raise SlimectlError(f"none of the engines answered ({', '.join(urls)}); is `slimectl serve` running?")
+        if len(set(versions.values())) > 1:
+            raise SlimectlError(f"engines serve different weight versions {versions}; run `slimectl sync` first")
+        weight_version = next(iter(versions.values()))
+        generate_fn = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else default_generate
+        reward_fn = make_reward_fn(cfg, args)
+        if r.dynamic_filter is None:
+            group_filter = None
+        elif r.dynamic_filter == "nonzero_std":
+            group_filter = lambda samples: nonzero_std(samples, r.reward_key)  # noqa: E731
+        else:
+            user = load_function(r.dynamic_filter, "rollout.dynamic_filter")
+            group_filter = lambda samples: bool(user(args, samples))  # noqa: E731
+        round_size = r.over_sampling_batch_size or r.batch_size
+
+        def supply() -> list[list[Sample]]:
+            groups = []
+            while buffered and len(groups) < round_size:
+                group = buffered.pop(0)
+                for s in group:
+                    s.rollout_id = rid
+                    if s.response_length:  # an aborted sample picks up where it stopped
+                        s.metadata["partial_continued"] = True
+                groups.append(group)
+            for g, row in source.take(round_size - len(groups)):
+                group = []
+                for j in range(r.n_samples_per_prompt):
+                    idx = g * r.n_samples_per_prompt + j
+                    group.append(Sample(
+                        group_index=g, index=idx, rollout_id=rid, prompt=row.prompt_text, tokens=list(row.prompt_ids),
+                        label=None if row.label is None else (row.label if isinstance(row.label, str) else json.dumps(row.label)),
+                        metadata={**row.metadata, "row": row.row, "sampling_seed": (r.seed * 1_000_003 + rid) * 65_537 + idx},
+                    ))
+                groups.append(group)
+            return groups
+
+        from slimectl.contract.logs import progress
+
+        bar = progress(total=r.batch_size, mode=cfg.logging.progress, desc=f"rollout {rid}", unit="group")
+
+        def on_group_done(res) -> None:
+            lock.check()
+            if res.kept:
+                bar.update(1)
+
+        t0 = time.time()
+        try:
+            kept, counts, leftover = await generate_batch(args, supply, r.batch_size, _sampling_params(cfg),
+                                                          generate_fn, reward_fn, group_filter,
+                                                          on_group_done=on_group_done, keep_partial=r.partial_rollout)
+        finally:
+            bar.close()
+        leftover += buffered  # buffered groups this rollout never reached stay buffered
+        samples = [s for g in kept for s in g.samples]
+        opd_rkl = await teacher_log_probs(samples, r.teacher_urls, r.temperature, token, cfg) if r.teacher_urls else None
+        seconds = time.time() - t0
+        trace = [span for g in kept for span in g.spans]
+        metrics = _metrics(samples, counts, seconds, r.reward_key, [g.samples for g in kept], weight_version)
+        if opd_rkl is not None:
+            metrics["rollout/opd_reverse_kl"] = opd_rkl
+        metrics["rollout/partial_groups_buffered"] = len(leftover)
+        metrics["rollout/partial_samples_continued"] = sum(bool(s.metadata.get("partial_continued")) for s in samples)
+        return samples, metrics, trace, leftover
+    finally:
+        from slimectl.rewards import close_shared_remotes
+
+        await close_shared_remotes()
+        await pool.close()

@@ -1,0 +1,224 @@
+"""``slimectl serve``: start (or attach to) inference engines and record them in the run directory.
+
+Three backends share one shape: each engine is an HTTP server speaking SGLang's protocol,
+supervised as a child process (its own session, its log in ``RUN/logs/engine-N.log``),
+registered in ``RUN/engines/`` once ``/health_generate`` answers, and unregistered and stopped
+(no orphans) when ``serve`` exits.
+
+- ``embedded``: ``python -m slimectl.engines.embedded.server`` (our CPU engine; the default).
+- ``sglang``: ``python -m sglang.launch_server`` (real SGLang; GPUs).
+- ``external``: servers started elsewhere (``--engine-url``); only health-checked and registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.rundir import EngineRecord, RunDir
+
+log = logging.getLogger("slimectl.serve")
+
+INITIAL_WEIGHT_VERSION = "0"
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host if host not in ("0.0.0.0", "::") else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _url(host: str, port: int) -> str:
+    h = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
+
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def advertised_host(bind: str, advertise: str | None = None) -> str:
+    """The address recorded for engines bound to ``bind``: what rollout and sync on *other*
+    hosts connect to. ``engine.advertise_host`` wins; a specific bind address is itself; for a
+    wildcard bind it is this machine's address on its default route (a bind to 0.0.0.0 recorded
+    as 127.0.0.1 would send every other host to its own loopback)."""
+    if advertise:
+        return advertise
+    if bind not in _WILDCARDS:
+        return bind
+    addr = _default_route_address()
+    if addr is None:
+        log.warning("engines bind %s but this machine's address could not be found; recording 127.0.0.1, "
+                    "which only this host can reach: set engine.advertise_host", bind or "all interfaces")
+        return "127.0.0.1"
+    return addr
+
+
+def _default_route_address() -> str | None:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # a UDP connect sends nothing: it only picks the route
+            addr = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
+
+
+@dataclass
+class ServedEngine:
+    id: str
+    url: str
+    backend: str
+    pid: int | None
+
+
+class EngineGroup:
+    """``with EngineGroup(run, cfg) as g: g.urls`` — engines up, healthy and registered."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
+                 model_path: str | None = None, python: str | None = None, engine_indices: list[int] | None = None):
+        """``engine_indices``: which of the ``engine.num_engines`` engines this group launches (all by
+        default; a launcher that places each engine in its own process passes one index each)."""
+        from slimectl.engines.sglang.launcher import ProcessSupervisor
+
+        self.run = run
+        self.cfg = cfg
+        self.engine_urls = list(engine_urls) or list(cfg.engine.urls)
+        self.backend = "external" if self.engine_urls else cfg.engine.backend
+        self.model_path = model_path or cfg.model.path
+        self.python = python or sys.executable
+        self.engine_indices = list(range(cfg.engine.num_engines)) if engine_indices is None else list(engine_indices)
+        self.supervisor = ProcessSupervisor()
+        self.engines: list[ServedEngine] = []
+        self.token = os.environ.get(cfg.engine.token_env) or None
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> "EngineGroup":
+        ec = self.cfg.engine
+        if self.backend == "external" and not self.engine_urls:
+            raise UsageError("engine.backend is external but no engine URLs were given; pass --engine-url URL")
+        if self.backend != "external" and (not self.model_path or not Path(self.model_path).is_dir()):
+            raise UsageError(f"model.path = {self.model_path}: no such model directory for the engines")
+        try:
+            if self.backend == "external":
+                self._attach_external()
+            else:
+                launched = []
+                reach = advertised_host(ec.host, ec.advertise_host)
+                for i in self.engine_indices:
+                    port = ec.port + i if ec.port else _free_port(ec.host)
+                    url = _url(reach, port)
+                    argv, env, secrets = self._launch_argv(i, port)
+                    proc = self.supervisor.start(f"engine-{i}", argv, env=env, url=url, secrets=secrets,
+                                                 log_path=self.run.path / "logs" / f"engine-{i}.log")
+                    launched.append((i, url, proc.pid))
+                self.supervisor.wait_all_healthy([u for _, u, _ in launched], timeout=ec.startup_timeout_s,
+                                                 interval=0.25)
+                for i, url, pid in launched:
+                    self._register(f"engine-{i}", url, pid)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _launch_argv(self, i: int, port: int) -> tuple[list[str], dict[str, str], list[str]]:
+        ec = self.cfg.engine
+        env = dict(os.environ)
+        if self.backend == "embedded":
+            argv = [self.python, "-m", "slimectl.engines.embedded.server", "--model-path", str(self.model_path),
+                    "--host", ec.host, "--port", str(port), "--dtype", self.cfg.model.dtype,
+                    "--weight-version", INITIAL_WEIGHT_VERSION, "--max-running-requests", str(ec.max_batch_size),
+                    "--parent-pid", str(os.getpid())]
+            if self.token:
+                argv += ["--admin-api-key-env", ec.token_env]  # the child reads the token from its environment
+            return argv, env, [self.token] if self.token else []
+        from slimectl.engines.sglang.launcher import SGLangLaunchSpec, build_env, build_sglang_argv
+
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.cfg.model.dtype]
+        per = ec.tp_size
+        gpus = ec.gpu_ids[i * per:(i + 1) * per] if ec.gpu_ids else []
+        spec = SGLangLaunchSpec(model_path=str(self.model_path), port=port, host=ec.host, tp_size=ec.tp_size,
+                                mem_fraction_static=ec.mem_fraction_static, dtype=dtype, gpu_ids=gpus,
+                                weight_version=INITIAL_WEIGHT_VERSION, admin_api_key=self.token,
+                                extra_args=dict(ec.sglang_args), python=ec.sglang_python or self.python)
+        return build_sglang_argv(spec), build_env(spec, env), spec.secrets()
+
+    def _attach_external(self) -> None:
+        import asyncio
+
+        from slimectl.engines.client import EngineClient
+
+        async def check(url: str) -> str:
+            async with EngineClient(url, token=self.token, retries=2) as c:
+                await c.wait_healthy(timeout=self.cfg.engine.startup_timeout_s)
+                return await c.weight_version()
+
+        for i, url in enumerate(self.engine_urls):
+            version = asyncio.run(check(url))
+            self._register(f"external-{i}", url.rstrip("/"), None, version)
+
+    def _register(self, name: str, url: str, pid: int | None, version: str = INITIAL_WEIGHT_VERSION) -> None:
+        rec = self.run.engines.register(EngineRecord(url=url, backend=self.backend, pid=pid, weight_version=version,
+                                                     id=f"{name}-{os.getpid()}"))
+        self.engines.append(ServedEngine(rec.id, url, self.backend, pid))
+        log.info("engine %s ready at %s (%s)", rec.id, url, self.backend)
+
+    # ------------------------------------------------------------------ stop
+    def stop(self) -> None:
+        for e in self.engines:
+            self.run.engines.unregister(e.id)
+        self.engines = []
+        self.supervisor.stop()
+
+    def check_alive(self) -> None:
+        """Raise naming the first engine process that has exited (and its log)."""
+        for p in self.supervisor.processes:
+            if p.popen.poll() is not None:
+                raise SlimectlError(f"{p.name} at {p.url} exited with code {p.popen.returncode}; see {p.log_path}")
+
+    def __enter__(self) -> "EngineGroup":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
+          ready: threading.Event | None = None, stop: threading.Event | None = None, announce=print) -> None:
+    """Start the engines, print their URLs, and keep them up until SIGINT/SIGTERM (or ``stop``)."""
+    stop = stop or threading.Event()
+    with run.lock("serve"):
+        dead = run.engines.prune_dead()  # records of this host's earlier serve, killed before it unregistered
+        if dead:
+            log.info("removed the records of dead engines %s", ", ".join(dead))
+        group = EngineGroup(run, cfg, engine_urls)
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, lambda *_: stop.set())
+        try:
+            with group:
+                for url in group.urls:
+                    announce(url)
+                if ready is not None:
+                    ready.set()
+                while not stop.wait(1.0):
+                    group.check_alive()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        log.info("engines stopped")

@@ -1,0 +1,151 @@
+"""``slimectl status``: the run at a glance, for people (text) and scripts (JSON)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from slimectl.contract.errors import SlimectlError
+from slimectl.contract.metrics import last_metrics
+from slimectl.contract.rundir.artifacts import KINDS
+from slimectl.contract.rundir.run import RunDir
+
+STAGES = ("serve", "rollout", "train", "sync", "rl", "convert", "export")
+
+
+def probe_health(url: str, timeout: float = 1.0) -> str:
+    """``ok``, or a short reason the engine's ``/health`` did not answer 200."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
+            return "ok" if resp.status == 200 else f"http {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"http {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return f"unreachable ({reason})"
+
+
+def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dict[str, Any]:
+    info = run.info()
+    out: dict[str, Any] = {
+        "run_dir": str(run.path),
+        "contract_version": info.get("contract_version"),
+        "created": info.get("created"),
+        "slimectl_version": info.get("slimectl_version"),
+    }
+    try:
+        cfg = run.config()
+        out["name"] = cfg.name
+        out["config"] = {
+            "model": cfg.model.path,
+            "dtype": cfg.model.dtype,
+            "prompt_data": cfg.data.prompt_data,
+            "advantage_estimator": cfg.algorithm.advantage_estimator,
+            "loss_type": cfg.algorithm.loss_type,
+            "num_rollout": cfg.rollout.num_rollout,
+            "rollout_batch_size": cfg.rollout.batch_size,
+            "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
+            "engine_backend": cfg.engine.backend,
+            "num_engines": cfg.engine.num_engines,
+            "train_parallel": {"tp": cfg.train.tp, "pp": cfg.train.pp},
+            "lr": cfg.train.lr,
+            "sync_transport": cfg.sync.transport,
+        }
+    except SlimectlError as exc:
+        out["name"] = None
+        out["config_error"] = str(exc)
+    arts: dict[str, Any] = {}
+    for kind in KINDS:
+        ids = run.artifacts(kind).ids()
+        arts[kind] = {"count": len(ids), "latest": ids[-1] if ids else None}
+    out["artifacts"] = arts
+    cursor = run.cursor("train").read()
+    out["consumed"] = {"train": {"next": cursor.next, "count": len(cursor.consumed), "updated": cursor.updated}}
+    produced = arts["rollouts"]["count"]
+    out["rollouts_pending"] = len([i for i in run.rollouts.ids() if i >= cursor.next])
+    out["rollouts_produced"] = produced
+    engines = []
+    for rec in run.engines.list():
+        alive = rec.alive()
+        entry = {
+            "id": rec.id,
+            "url": rec.url,
+            "backend": rec.backend,
+            "host": rec.host,
+            "pid": rec.pid,
+            "weight_version": rec.weight_version,
+            "started": rec.started,
+            "process": {True: "alive", False: "dead", None: "remote"}[alive],
+        }
+        if probe:
+            entry["health"] = probe_health(rec.url, timeout) if alive is not False else "dead"
+        engines.append(entry)
+    out["engines"] = engines
+    locks = {}
+    for stage in STAGES:
+        holder = run.lock(stage).holder()
+        if holder is not None:
+            locks[stage] = {k: holder.get(k) for k in ("host", "pid", "acquired", "heartbeat_age_s", "stale")}
+    out["running"] = locks
+    metrics = {}
+    for p in sorted((run.path / "metrics").glob("*.jsonl")):
+        rec = last_metrics(p)
+        if rec is not None:
+            metrics[p.stem] = rec
+    out["last_metrics"] = metrics
+    return out
+
+
+def _fmt_metric(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def format_status(st: dict[str, Any]) -> str:
+    lines = [f"run        {st['run_dir']}" + (f"  ({st['name']})" if st.get("name") else "")]
+    lines.append(f"contract   v{st['contract_version']}, created {st['created']} by slimectl {st['slimectl_version']}")
+    c = st.get("config")
+    if c:
+        lines.append(f"model      {c['model']} ({c['dtype']})")
+        lines.append(
+            f"algorithm  {c['advantage_estimator']}/{c['loss_type']}, lr {c['lr']:g}, "
+            f"{c['num_rollout']} rollouts x {c['rollout_batch_size']} prompts x {c['n_samples_per_prompt']} samples"
+        )
+        lines.append(
+            f"engines    {c['engine_backend']} x{c['num_engines']}; train tp={c['train_parallel']['tp']} "
+            f"pp={c['train_parallel']['pp']}; sync {c['sync_transport']}"
+        )
+    else:
+        lines.append(f"config     ERROR: {st.get('config_error')}")
+    a = st["artifacts"]
+
+    def latest(kind: str) -> str:
+        return f"{a[kind]['count']} (latest {a[kind]['latest']})" if a[kind]["count"] else "none"
+
+    lines.append(f"rollouts   {latest('rollouts')}; consumed by train: {st['consumed']['train']['count']} "
+                 f"(next {st['consumed']['train']['next']}), pending {st['rollouts_pending']}")
+    lines.append(f"checkpoint {latest('checkpoints')}")
+    lines.append(f"weights    {latest('weights')}")
+    lines.append(f"evals      {latest('evals')}")
+    if st["engines"]:
+        for e in st["engines"]:
+            lines.append(
+                f"engine     {e['id']} {e['url']} [{e['backend']}] pid {e['pid']}@{e['host']} "
+                f"v={e['weight_version']} {e.get('health', e['process'])}"
+            )
+    else:
+        lines.append("engines    none registered")
+    for stage, h in st["running"].items():
+        state = "STALE" if h["stale"] else "running"
+        lines.append(f"{stage:<10} {state}: pid {h['pid']}@{h['host']} since {h['acquired']} (heartbeat {h['heartbeat_age_s']} s ago)")
+    for stage, m in st["last_metrics"].items():
+        shown = ", ".join(f"{k}={_fmt_metric(v)}" for k, v in m.items() if k not in ("time",))
+        lines.append(f"metrics    {stage}: {shown}")
+    return "\n".join(lines)
+
+
+def status_json(st: dict[str, Any]) -> str:
+    return json.dumps(st, indent=2, sort_keys=False, default=str)

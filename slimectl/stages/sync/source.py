@@ -1,0 +1,66 @@
+"""What a sync sends: one weight version, as an HF directory on disk and/or HF-named tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class WeightSource:
+    """Weight version ``version``.
+
+    ``hf_dir`` is an HF model directory holding exactly these weights (what the disk transport
+    hands to engines); ``iter_tensors()`` yields ``(hf_name, tensor)`` for the distributed
+    transport and for verification — read lazily from ``hf_dir``, or streamed from a live
+    trainer (``from_tensors``).
+    """
+
+    version: int
+    hf_dir: Path | None = None
+    _iter: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None
+    _get: Callable[[str], torch.Tensor] | None = None
+
+    @classmethod
+    def from_dir(cls, version: int, hf_dir: str | Path) -> "WeightSource":
+        return cls(version, Path(hf_dir))
+
+    @classmethod
+    def from_tensors(cls, version: int, iter_fn: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+                     hf_dir: str | Path | None = None) -> "WeightSource":
+        return cls(version, Path(hf_dir) if hf_dir is not None else None, iter_fn)
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._iter is not None:
+            yield from self._iter()
+            return
+        ckpt = self._checkpoint()
+        try:
+            for name in ckpt.names():
+                yield name, ckpt.get(name)
+        finally:
+            ckpt.close()
+
+    def heads(self, pick: Callable[[list[str]], list[str]], rows: int) -> dict[str, torch.Tensor]:
+        """The first ``rows`` rows of the tensors ``pick(all names)`` chooses, for verification.
+
+        From a directory only the picked tensors are read; from a tensor stream one pass keeps
+        every tensor's head (small) and then picks, so a live trainer is streamed once."""
+        if self._iter is None:
+            ckpt = self._checkpoint()
+            try:
+                return {n: ckpt.get(n)[:rows] for n in pick(ckpt.names())}
+            finally:
+                ckpt.close()
+        every = {n: t.detach()[:rows].clone() for n, t in self._iter()}
+        return {n: every[n] for n in pick(list(every))}
+
+    def _checkpoint(self):
+        from slimectl.backends.hf.checkpoint import HFCheckpoint
+
+        if self.hf_dir is None:
+            raise ValueError(f"weight version {self.version} has neither a directory nor a tensor stream")
+        return HFCheckpoint(str(self.hf_dir))

@@ -1,0 +1,290 @@
+"""``slimectl train``: consume READY rollouts exactly once, train the Megatron actor, checkpoint, publish.
+
+Version numbering: training on rollout N produces weight version N+1. After rollout N the stage
+commits the consumption cursor (``cursors/train.json``); every ``train.save_interval`` rollouts
+(and after the last one) it publishes ``checkpoints/N+1`` (model + optimizer + step, torch_dist)
+and ``weights/N+1`` (HF safetensors for disk sync). ``checkpoints/000000`` is the initial policy
+written by ``slimectl convert -r``.
+
+Resume: a rerun loads the latest checkpoint the trainer wrote, rewinds the cursor to it when
+training after it was lost in a crash (recorded in the cursor's ``rewinds``), and goes on — a
+rollout's effect is in the model exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.rundir import RunDir
+from slimectl.contract.samples import SAMPLES_FILE, read_samples
+
+log = logging.getLogger("slimectl.train")
+
+
+def launch_rank() -> int:
+    """This process's rank in a torchrun job (0 when not under torchrun); valid before dist init."""
+    return int(os.environ.get("RANK", "0"))
+
+
+class FollowerLock:
+    """What ranks > 0 hold instead of the stage lock: rank 0 owns the lock and every run-dir write."""
+
+    held = True
+
+    def check(self) -> None:
+        pass
+
+
+class NullMetrics:
+    """What ranks > 0 log to: nothing (rank 0 writes the metrics)."""
+
+    def log(self, step, metrics):
+        return metrics
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def broadcast_from_rank0(obj):
+    """Rank 0's ``obj`` on every rank (what rank 0 decides, the others follow); ``obj`` as is
+    when there is one rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+STATE_DIR = "state"
+
+
+@dataclass
+class TrainResult:
+    trained: list[int]
+    next_rollout: int
+    weight_version: int
+
+
+def _initial_arch(run: RunDir, cfg: SlimectlConfig):
+    from slimectl.backends.hf.arch import arch_from_dir
+
+    if run.checkpoints.exists(0):
+        from slimectl.backends.megatron.checkpoint import arch_from_meta, read_checkpoint_meta
+
+        meta, it_dir, _ = read_checkpoint_meta(run.checkpoints.get(0).path)
+        return arch_from_meta(meta), meta["padded_vocab_size"], it_dir
+    arch = arch_from_dir(cfg.model.path)
+    return arch, arch.padded_vocab_size(cfg.train.tp), None
+
+
+def _latest_train_checkpoint(run: RunDir):
+    for i in reversed(run.checkpoints.ids()):
+        art = run.checkpoints.get(i)
+        if art.meta.get("source") == "train":
+            return art
+    return None
+
+
+class Trainer:
+    """The train stage as an object: the actor resumed from the run directory, trained one rollout
+    at a time. ``run_train`` drives it alone; ``slimectl rl`` drives it between rollouts and syncs.
+
+    Must be used inside ``run.lock("train")`` (pass the held lock).
+    """
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, lock):
+        from slimectl.backends.megatron.actor import MegatronActor
+
+        self.run, self.cfg, self.lock = run, cfg, lock
+        self.rank0 = launch_rank() == 0
+        t = cfg.train
+        self.cursor = run.cursor("train")
+        self.arch, self.padded, init_dir = _initial_arch(run, cfg)
+        total_steps = cfg.rollout.num_rollout * t.num_steps_per_rollout
+        self.actor = MegatronActor(self.arch, self.padded, t, cfg.algorithm, tp=t.tp, pp=t.pp, dtype=cfg.model.dtype,
+                                   total_steps=total_steps)
+        if init_dir is not None:
+            self.actor.load_checkpoint(init_dir)
+        else:
+            self.actor.load_hf(cfg.model.path)
+        next_id = 0
+        last = _latest_train_checkpoint(run)
+        if last is not None:
+            self.actor.load_state(last.path / STATE_DIR)
+            next_id = int(last.meta["next_rollout"])
+        state = self.cursor.read()
+        if not self.rank0:
+            pass  # rank 0 reconciles the cursor; every rank derived next_id from the same checkpoint
+        elif state.next < next_id:
+            # Killed between publishing the checkpoint and committing the cursor: the checkpoint
+            # holds those rollouts' effect, so they are consumed.
+            for rid in range(state.next, next_id):
+                self.cursor.commit(rid, {"weight_version": rid + 1}, lock=lock)
+        elif state.next > next_id:
+            self.cursor.rewind(next_id, {"checkpoint": last.id if last else None},
+                               reason=f"training after checkpoint {last.id if last else 'initial'} was lost", lock=lock)
+        self.next_rollout = next_id
+        self.last_published = last.id if last is not None else 0
+
+    @property
+    def weight_version(self) -> int:
+        """The version the actor's weights are: trained on rollouts 0 .. version-1."""
+        return self.next_rollout
+
+    def iter_hf_tensors(self):
+        return self.actor.iter_hf_tensors()
+
+    def train_rollout(self, rid: int, art, metrics, publish_weights: bool = True, last: bool = False) -> list[dict]:
+        """Train on rollout ``rid`` (its READY artifact), publish at the save interval, commit the cursor."""
+        if rid != self.next_rollout:
+            raise UsageError(f"rollout {rid}: the next rollout to train is {self.next_rollout} (each is trained exactly "
+                             f"once, in order)")
+        self.lock.check()
+        samples = read_samples(art.file(SAMPLES_FILE))
+        steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key)
+        for m in steps if self.rank0 else ():
+            rec = {k: v for k, v in m.items() if k != "train/step"}
+            rec["train/rollout_id"] = rid
+            metrics.log(self.actor.step, rec)
+            log.info("step %d (rollout %d): loss %.4f, pg_clipfrac %.3f, ppo_kl %.2e, grad_norm %.3f, lr %.2e, "
+                     "%.0f ms", self.actor.step, rid, m.get("train/loss", float("nan")), m.get("train/pg_clipfrac", 0.0),
+                     m.get("train/ppo_kl", 0.0), m.get("train/grad_norm", 0.0), m.get("train/lr", 0.0),
+                     1e3 * m.get("perf/train_time", 0.0))
+        version = rid + 1
+        save = version % self.cfg.train.save_interval == 0 or last
+        if save or publish_weights:
+            self.publish(rid, version, checkpoint=save, weights=True)
+        if self.rank0:
+            self.cursor.commit(rid, {"weight_version": version}, lock=self.lock)
+        _barrier()
+        self.next_rollout = version
+        return steps
+
+    def publish(self, rid: int, version: int, checkpoint: bool = True, weights: bool = True) -> None:
+        _publish(self.run, self.actor, self.arch, self.padded, self.cfg, rid, version, checkpoint, weights)
+        if checkpoint:
+            self.last_published = version
+
+
+def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, follow: bool = False,
+              max_rollouts: int | None = None, allow_empty: bool = False, wait_timeout: float | None = None) -> TrainResult:
+    """Train on rollouts from the cursor onward (all of ``rollout.num_rollout``, or just ``rollout_id``)."""
+    from contextlib import ExitStack
+
+    from slimectl.contract.metrics import MetricsWriter
+
+    rank0 = launch_rank() == 0
+    world = cfg.train.tp * cfg.train.pp * cfg.train.dp
+    if int(os.environ.get("WORLD_SIZE", "1")) != world:
+        raise UsageError(f"train.tp*pp*dp = {world} processes are needed, this job has {os.environ.get('WORLD_SIZE', '1')}; "
+                         f"run `slimectl train` (it launches torchrun itself; on several nodes with --nnodes, "
+                         f"--node-rank and --master-addr/--master-port on each)")
+    if not rank0:
+        logging.getLogger("slimectl").setLevel(logging.WARNING)
+    with ExitStack() as stack:
+        lock = stack.enter_context(run.lock("train")) if rank0 else FollowerLock()
+        trainer = Trainer(run, cfg, lock)
+        next_id = trainer.next_rollout
+        if rollout_id is not None and rollout_id != next_id:
+            raise UsageError(f"--id {rollout_id}: the next rollout to train is {next_id} (each is trained exactly once, in order)")
+        todo = list(range(next_id, cfg.rollout.num_rollout)) if rollout_id is None else [rollout_id]
+        if max_rollouts is not None:
+            todo = todo[:max_rollouts]
+        if not todo:
+            if allow_empty:
+                return TrainResult([], next_id, next_id)
+            raise UsageError(f"nothing to train: all {cfg.rollout.num_rollout} rollouts (rollout.num_rollout) are trained; "
+                             f"raise rollout.num_rollout or pass --allow-empty")
+        log.info("resuming at rollout %d, %d to go", next_id, len(todo))
+        tb = run.tensorboard_dir("train") if cfg.logging.tensorboard else None
+        trained: list[int] = []
+        with (MetricsWriter(run.metrics_path("train"), tb) if rank0 else NullMetrics()) as metrics:
+            for n, rid in enumerate(todo):
+                lock.check()
+                if follow:
+                    art = run.rollouts.wait_for(rid, timeout=wait_timeout, should_stop=lambda: not lock.held)
+                elif broadcast_from_rank0(run.rollouts.exists(rid) if rank0 else None):
+                    # Rank 0 decides: ranks on other nodes may see the shared filesystem a moment later.
+                    art = run.rollouts.get(rid, verify="full") if rank0 else \
+                        run.rollouts.wait_for(rid, timeout=60, verify="full")
+                else:
+                    if trained:
+                        if trainer.last_published != rid:  # stopping early: what was trained is checkpointed
+                            trainer.publish(rid - 1, rid)
+                        break
+                    raise SlimectlError(f"rollouts/{rid:06d} is not published yet; run `slimectl rollout -r {run.path}` "
+                                        f"or use --follow to wait for it")
+                trainer.train_rollout(rid, art, metrics, publish_weights=False, last=n == len(todo) - 1)
+                trained.append(rid)
+        return TrainResult(trained, trainer.next_rollout, trainer.next_rollout)
+
+
+def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: int, version: int,
+             checkpoint: bool = True, weights: bool = True) -> None:
+    """checkpoints/VERSION (model + optimizer) and/or weights/VERSION (HF safetensors).
+
+    Collective under torchrun: every rank saves its shards into the staging directory rank 0
+    opened (and joins the TP gather of the HF tensors); rank 0 alone seals and publishes.
+    """
+    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
+    from slimectl.backends.hf.checkpoint import write_safetensors_sharded
+
+    rank0 = launch_rank() == 0
+    hf_src = Path(cfg.model.path)
+    meta = {"source": "train", "next_rollout": rid + 1, "weight_version": version, "actor_step": actor.step}
+    if checkpoint:
+        _publish_checkpoint(run, actor, arch, padded, cfg, meta, version, hf_src, rank0)
+    if weights:
+        tensors = actor.hf_state_dict()  # collective under TP
+        if rank0:
+            with run.weights.publish(version, meta={"source": "train", "rollout_id": rid, "weight_version": version},
+                                     stage="train", overwrite=True) as staging:
+                write_safetensors_sharded(tensors.items(), staging)
+                copy_hf_aux_files(hf_src, staging)
+        del tensors
+    if rank0:
+        if cfg.train.keep_checkpoints:
+            run.checkpoints.prune(cfg.train.keep_checkpoints, protect={0})
+        if cfg.sync.keep_weights:
+            run.weights.prune(cfg.sync.keep_weights)
+        log.info("published %s", " and ".join(f"{k}/{version:06d}" for k, on in (("checkpoints", checkpoint),
+                                                                                   ("weights", weights)) if on))
+    _barrier()
+
+
+def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, meta: dict, version: int,
+                        hf_src: Path, rank0: bool = True) -> None:
+    import json
+    from contextlib import ExitStack
+
+    from slimectl.backends.megatron.checkpoint import HF_DIR, META, copy_hf_aux_files
+
+    rid = meta["next_rollout"] - 1
+    with ExitStack() as stack:
+        staging = stack.enter_context(run.checkpoints.publish(version, meta=meta, stage="train", overwrite=True)) \
+            if rank0 else None
+        staging = Path(broadcast_from_rank0(str(staging) if rank0 else None))
+        actor.save_state(staging / STATE_DIR, {"next_rollout": rid + 1})  # collective: every rank's shards
+        _barrier()
+        if rank0:
+            (staging / META).write_text(json.dumps({
+                "format": "torch_dist", "arch": arch.to_dict(), "padded_vocab_size": padded, "dtype": cfg.model.dtype,
+                "saved_with": {"tp": cfg.train.tp, "pp": cfg.train.pp, "dp": cfg.train.dp}, "iteration": actor.step},
+                indent=2))
+            copy_hf_aux_files(hf_src, staging / HF_DIR)

@@ -1,1 +1,0 @@
-"""Training side (Megatron): packing rollout samples into micro-batches and computing log-probs."""

@@ -1,0 +1,1 @@
+"""HTTP plumbing shared by the servers (engine, harness, rollout buffer)."""
