@@ -1,4 +1,4 @@
-"""The rollout buffer's state and rules, independent of HTTP: tasks, groups, leases, and the journal that makes them durable.
+"""The rollout buffer's state and rules, independent of HTTP: tasks, groups, leases, and their durable journal.
 
 Every change is a record appended to ``DIR/journal.jsonl`` and fsynced before the request is
 answered, so a restarted service (even after ``kill -9``) has the same tasks, groups and leases.

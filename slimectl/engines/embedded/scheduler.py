@@ -8,11 +8,12 @@ update methods; the scheduler thread is the only one that runs the model.
 
 How a scheduler iteration works
 -------------------------------
-The *running batch* is a list of sequences that share one KV cache (:class:`~slimectl.engines.embedded.kv_cache.BatchKVCache`): per
-layer one key and one value buffer of shape ``[batch, kv_heads, capacity, head_dim]``. All rows
-are **right-aligned**: they end at the same column ``end``, and a row with ``n`` cached tokens
-occupies columns ``end - n .. end - 1``; columns to the left of that are left padding, masked out
-by the 4D attention mask that the runner builds itself (it is handed to the model as-is, so
+The *running batch* is a list of sequences that share one KV cache
+(:class:`~slimectl.engines.embedded.kv_cache.BatchKVCache`): per layer one key and one value
+buffer of shape ``[batch, kv_heads, capacity, head_dim]``. All rows are **right-aligned**: they
+end at the same column ``end``, and a row with ``n`` cached tokens occupies columns
+``end - n .. end - 1``; columns to the left of that are left padding, masked out by the 4D
+attention mask that the runner builds itself (it is handed to the model as-is, so
 transformers does no mask work of its own). Each row carries its own ``position_ids``, so
 rotary embeddings do not see the padding.
 
@@ -32,6 +33,8 @@ Each iteration of the scheduler:
 5. retires finished rows. A finished row stays in the batch as an *inert* row (it attends only
    to itself and its output is ignored) until a quarter of the batch is inert or new rows are
    merged; then the buffers are rebuilt with the live rows only, and the left columns that only
+   held padding of departed rows are cut off. (Rebuilding copies the whole cache, so doing it
+   every time one request ends would cost about as much as the decode itself.)
 
 Sampling is in :mod:`~slimectl.engines.embedded.sampling`, weight updates in
 :mod:`~slimectl.engines.embedded.weights`, model loading in :mod:`~slimectl.engines.embedded.model`.

@@ -1,4 +1,4 @@
-"""Weights of the embedded engine's model: read by name, replaced from tensors, from a checkpoint on disk, or from a distributed group.
+"""Weight updates of the embedded engine: by name, from tensors, from a checkpoint on disk, from a distributed group.
 
 Every update is checked in full first (names, shapes, dtypes, and for a checkpoint the
 architecture and completeness): a bad one raises ValueError and changes nothing. The copy itself
