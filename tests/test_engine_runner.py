@@ -1,4 +1,4 @@
-"""slimectl.engines.embedded.runner: continuous batching with a KV cache over tiny offline models.
+"""slimectl.engines.embedded.scheduler: continuous batching with a KV cache over tiny offline models.
 
 Reference values come from plain transformers forwards over prompt + output, so the runner's
 batching (left padding, KV merging, explicit positions) is checked against the unbatched model.
@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from slimectl.engines.embedded.runner import BatchRunner, GenRequest, SamplingParams  # noqa: E402
+from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams  # noqa: E402
 from slimectl.fixtures.tiny_models import build_tiny_model  # noqa: E402
 
 # A larger init than the default 0.02 gives peaked next-token distributions, so greedy picks and

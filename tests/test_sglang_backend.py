@@ -1,4 +1,4 @@
-"""slimectl.engines.sglang.launcher: argv/env construction, and supervision of stand-in SGLang servers.
+"""slimectl.engines.sglang and slimectl.engines.supervisor: argv/env construction, and supervision of stand-in SGLang servers.
 
 No sglang here: the process tests run a small stdlib HTTP server that behaves like
 ``python -m sglang.launch_server`` (parses --host/--port, answers /health_generate, spawns a
@@ -19,20 +19,26 @@ from pathlib import Path
 import psutil
 import pytest
 
-from slimectl.engines import sglang as sg
-from slimectl.engines.sglang.launcher import (
-    SGLANG_NOT_IMPORTABLE,
-    EngineExited,
-    EngineHealthTimeout,
-    ProcessSupervisor,
+from slimectl.contract.errors import UsageError
+from slimectl.engines.sglang.argv_check import SGLANG_NOT_IMPORTABLE, check_argv_with_sglang
+from slimectl.engines.sglang.launch_spec import (
     SGLangLaunchSpec,
     build_env,
     build_router_argv,
     build_sglang_argv,
-    check_argv_with_sglang,
-    launch_router,
-    launch_sglang_engines,
+    control_token,
 )
+from slimectl.engines.sglang.launcher import launch_router, launch_sglang_engines
+from slimectl.engines.supervisor import (
+    ExitedBeforeHealthy,
+    HealthTimeout,
+    LaunchError,
+    ProcessSupervisor,
+    _alive,
+    redact_argv,
+    secrets_in_argv,
+)
+from slimectl.web.client import http_status
 
 PY = sys.executable
 TOKEN = "sk-test-4f9c2d1e0b"
@@ -103,7 +109,7 @@ def test_bad_spec_refused_with_one_line(kwargs, word):
     with pytest.raises(ValueError, match=word) as ei:
         build_sglang_argv(spec)
     assert "\n" not in str(ei.value)
-    assert isinstance(ei.value, sg.UsageError)
+    assert isinstance(ei.value, UsageError)
 
 
 def test_env_cuda_visible_devices():
@@ -137,13 +143,13 @@ def test_router_argv_exact():
 def test_redaction_and_control_token():
     spec = SGLangLaunchSpec(model_path="m", port=1, api_key=TOKEN)
     argv = build_sglang_argv(spec)
-    shown = sg.redact_argv(argv)
+    shown = redact_argv(argv)
     assert TOKEN not in " ".join(shown) and shown[shown.index("--api-key") + 1] == "***"
-    assert sg.redact_argv(["x", f"--api-key={TOKEN}"]) == ["x", "--api-key=***"]
-    assert sg.secrets_in_argv(argv) == [TOKEN]
-    assert sg.control_token(spec) == TOKEN
-    assert sg.control_token(SGLangLaunchSpec(model_path="m", port=1, api_key=TOKEN, admin_api_key=ADMIN)) == ADMIN
-    assert sg.control_token(SGLangLaunchSpec(model_path="m", port=1)) is None
+    assert redact_argv(["x", f"--api-key={TOKEN}"]) == ["x", "--api-key=***"]
+    assert secrets_in_argv(argv) == [TOKEN]
+    assert control_token(spec) == TOKEN
+    assert control_token(SGLangLaunchSpec(model_path="m", port=1, api_key=TOKEN, admin_api_key=ADMIN)) == ADMIN
+    assert control_token(SGLangLaunchSpec(model_path="m", port=1)) is None
 
 
 # ------------------------------------------------------------------------------------------
@@ -232,7 +238,7 @@ def _wait_for_grandchild(pid: int, timeout: float = 5.0) -> list[psutil.Process]
 
 
 def _gone(procs: list[psutil.Process]) -> bool:
-    return not any(sg._alive(p) for p in procs)
+    return not any(_alive(p) for p in procs)
 
 
 def test_two_engines_healthy_logs_router_and_no_orphans(tmp_path, standin, caplog):
@@ -249,7 +255,7 @@ def test_two_engines_healthy_logs_router_and_no_orphans(tmp_path, standin, caplo
         assert [h.url for h in handles] == [f"http://127.0.0.1:{p}" for p in ports]
         assert [h.log_path for h in handles] == [log_dir / "engine-0.log", log_dir / "engine-1.log"]
         for h in handles:
-            assert sg.http_status(h.url + "/health_generate", 2) == 200
+            assert http_status(h.url + "/health_generate", 2) == 200
             assert psutil.Process(h.pid).status() != psutil.STATUS_ZOMBIE
             assert os.getpgid(h.pid) == h.pid != os.getpgid(0)  # own process group/session
             _wait_for_grandchild(h.pid)
@@ -263,7 +269,7 @@ def test_two_engines_healthy_logs_router_and_no_orphans(tmp_path, standin, caplo
         tree = _tree([h.pid for h in handles] + [router.pid])
         assert len(tree) >= 6  # 3 stand-ins + 3 grandchildren
         sup.stop(timeout=5)
-        assert _gone(tree), [p.pid for p in tree if sg._alive(p)]
+        assert _gone(tree), [p.pid for p in tree if _alive(p)]
         assert sup.processes == []
 
     log0 = (log_dir / "engine-0.log").read_text()
@@ -285,7 +291,7 @@ def test_engine_exits_before_healthy_fails_fast_with_log_tail(tmp_path, standin)
     port = free_port()
     spec = SGLangLaunchSpec(model_path="m", port=port, launcher=standin, api_key=TOKEN, extra_args={"mode": "crash"})
     t0 = time.monotonic()
-    with pytest.raises(EngineExited) as ei:
+    with pytest.raises(ExitedBeforeHealthy) as ei:
         launch_sglang_engines([spec], tmp_path / "logs", health_timeout=30, interval=0.1)
     assert time.monotonic() - t0 < 8
     msg = str(ei.value)
@@ -301,7 +307,7 @@ def test_engine_never_healthy_times_out_naming_url(tmp_path, standin):
     spec = SGLangLaunchSpec(model_path="m", port=port, launcher=standin, extra_args={"mode": "never"})
     sup = ProcessSupervisor()
     t0 = time.monotonic()
-    with pytest.raises(EngineHealthTimeout) as ei:
+    with pytest.raises(HealthTimeout) as ei:
         launch_sglang_engines([spec], tmp_path / "logs", health_timeout=1.5, interval=0.1, supervisor=sup)
     assert 1.4 < time.monotonic() - t0 < 8
     msg = str(ei.value)
@@ -360,7 +366,7 @@ def test_signal_handlers_tear_down_and_restore(tmp_path, standin):
 
 def test_start_missing_executable_is_one_line(tmp_path):
     with ProcessSupervisor() as sup:
-        with pytest.raises(sg.EngineLaunchError, match="cannot start") as ei:
+        with pytest.raises(LaunchError, match="cannot start") as ei:
             sup.start("engine-0", [str(tmp_path / "nope")], log_path=tmp_path / "e.log")
         assert "\n" not in str(ei.value)
 

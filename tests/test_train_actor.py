@@ -54,7 +54,7 @@ def test_group_normalized_rewards_uneven_groups():
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from slimectl.engines.embedded.runner import BatchRunner, GenRequest, SamplingParams
+    from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams
     from slimectl.fixtures.tiny_models import build_tiny_model
 
     d = tmp_path_factory.mktemp("train_actor")

@@ -85,7 +85,7 @@ N_SAMPLES, NEW_TOKENS, BUDGET = 8, 16, 80
 @pytest.fixture(scope="module")
 def rollout(tmp_path_factory):
     """Tiny qwen2 (vocab 300: Megatron pads to 384 / 512) and 8 samples from the rollout engine."""
-    from slimectl.engines.embedded.runner import BatchRunner, GenRequest, SamplingParams
+    from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams
     from slimectl.fixtures.tiny_models import build_tiny_model
 
     d = tmp_path_factory.mktemp("train_logprobs")

@@ -32,7 +32,6 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,6 +42,8 @@ from slimectl.contract.errors import ArtifactExists, LockHeld, SlimectlError, Us
 from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json
 from slimectl.contract.rundir.atomic import atomic_write_text
 from slimectl.contract.samples import Sample
+from slimectl.agents.harness_sessions import Reply, Segment, Session, export_jsonl, samples_from_sessions
+from slimectl.orchestration.signals import set_on_signals
 
 log = logging.getLogger("slimectl.harness")
 
@@ -68,105 +69,6 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
     kind = "invalid_request_error" if status < 500 else "server_error"
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status)
-
-
-# ----------------------------------------------------------------------------- trajectories
-
-
-@dataclass
-class Segment:
-    """One token-exact trajectory: a first prompt, then model turns and the text between them."""
-
-    sample: Sample
-    """tokens / loss_mask / rollout_log_probs so far; the response is everything after the first prompt."""
-    text: str
-    """The text ``sample.tokens`` stand for; the next request must start with it to continue here."""
-    start: dict[str, Any]
-    """Why this segment started (the first request, or how the history diverged)."""
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    turns: list[dict[str, Any]] = field(default_factory=list)
-    tail_tokens: int = 0
-    """Generated tokens after the reply's content (a matched stop string or stop token)..."""
-    tail_start: int = 0
-    """...and where they begin in ``text``: dropped if the next request continues without them."""
-
-    def drop_tail(self) -> None:
-        """Forget the last reply's stop sequence: the agent's history goes on without it.
-
-        The kept tokens are a prefix of what the model generated, so their log-probs stay valid.
-        """
-        n, s = self.tail_tokens, self.sample
-        s.tokens, s.response_length = s.tokens[:-n], s.response_length - n
-        s.loss_mask, s.rollout_log_probs = s.loss_mask[:-n], s.rollout_log_probs[:-n]
-        self.text = self.text[: self.tail_start]
-        self.turns[-1]["trimmed_tokens"] = n
-        self.tail_tokens = 0
-
-
-@dataclass
-class Session:
-    id: str
-    segments: list[Segment] = field(default_factory=list)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last: Segment | None = None
-    finished: bool = False
-    reward: float | dict[str, Any] | None = None
-    label: str | None = None
-    group: str | int | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    published: bool = False
-
-
-@dataclass
-class Reply:
-    """One generation, split into what the agent sees and what the trajectory keeps."""
-
-    content: str
-    finish_reason: str  # OpenAI's: "stop" | "length"
-    full_text: str  # the text of every generated token
-    tail_tokens: int  # generated tokens after ``content`` (stop token / stop string)
-    tail_start: int  # len(content) when the tail can be dropped cleanly
-
-
-def samples_from_sessions(sessions: list[Session], tokenizer, first_index: int = 0,
-                          groups: dict[Any, int] | None = None) -> list[Sample]:
-    """One Sample per segment of each finished session, numbered for ``rollout import``.
-
-    Sessions finished with the same ``group`` share a ``group_index`` (GRPO-style groups of
-    attempts at one task); every other session is a group of its own. ``groups`` (group key ->
-    index) carries the numbering across calls.
-    """
-    groups = {} if groups is None else groups
-    out = []
-    for sess in sessions:
-        key = ("group", sess.group) if sess.group is not None else ("session", sess.id)
-        gi = groups.setdefault(key, len(groups))
-        for k, seg in enumerate(sess.segments):
-            src = seg.sample
-            s = Sample(group_index=gi, index=first_index + len(out), prompt=src.prompt, tokens=list(src.tokens),
-                       response_length=src.response_length, label=sess.label, reward=sess.reward,
-                       loss_mask=list(src.loss_mask or []), rollout_log_probs=list(src.rollout_log_probs or []),
-                       weight_versions=list(src.weight_versions), status=src.status)
-            s.response = tokenizer.decode(s.response_tokens, skip_special_tokens=False,
-                                          clean_up_tokenization_spaces=False)
-            s.metadata = {**sess.metadata, "session_id": sess.id, "segment": k, "num_segments": len(sess.segments),
-                          "segment_start": seg.start, "turns": seg.turns, "messages": seg.messages,
-                          "group": sess.group}
-            out.append(s)
-    return out
-
-
-def export_jsonl(samples: list[Sample], path: str | Path) -> Path:
-    """Write samples as JSON Lines (the format ``slimectl rollout import FILE`` reads), atomically."""
-    path = Path(path)
-    if path.suffix != ".jsonl":
-        raise UsageError(f"{path}: the export file must end in .jsonl (`slimectl rollout import` reads it)")
-    if not path.parent.is_dir():
-        raise UsageError(f"{path.parent}: no such directory; create it or choose another --out")
-    for s in samples:
-        s.validate()
-    atomic_write_text(path, "".join(json.dumps(s.to_dict(), ensure_ascii=False) + "\n" for s in samples))
-    return path
 
 
 # ----------------------------------------------------------------------------- the server
@@ -626,8 +528,6 @@ def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path,
                   served_model_name: str | None = None, default_max_tokens: int | None = None,
                   overwrite: bool = False, announce: Callable[[str], None] = print) -> None:
     """Run the harness until SIGINT/SIGTERM; ``announce`` gets the OpenAI base URL once it listens."""
-    import signal
-
     from transformers import AutoTokenizer
 
     from slimectl.contract.logs import quiet_hf_progress
@@ -659,10 +559,8 @@ def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path,
             log.info("harness for %s on %d engine(s), recording into %s", name, len(engine_urls), out_path)
             announce(http_url(host, bound) + "/v1")
             stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-            await stop.wait()
+            with set_on_signals(stop):
+                await stop.wait()
             open_sessions = [s.id for s in harness.sessions.values() if not s.finished]
             if open_sessions:
                 log.warning("%d unfinished session(s) were not recorded: %s", len(open_sessions),

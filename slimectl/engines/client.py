@@ -1,30 +1,27 @@
 """Async client for the subset of SGLang's HTTP API that slimectl uses (real SGLang or embedded).
 
-Every failure raises :class:`EngineError` naming the engine URL, the endpoint and the reason.
-Connection failures are retried with exponential backoff; HTTP errors are not (the request
-reached the engine and it said no).
+Every failure raises :class:`EngineError` (the shared :class:`~slimectl.web.errors.HttpError`)
+naming the engine URL, the endpoint and the reason. Connection failures are retried with
+exponential backoff; HTTP errors are not (the request reached the engine and it said no).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
 import aiohttp
 
-from slimectl.contract.errors import SlimectlError
+from slimectl.web.errors import HttpError, refusal_message
+from slimectl.web.retry import exponential_backoff, retry_call_async
 
 log = logging.getLogger("slimectl.client")
 
 
-class EngineError(SlimectlError):
-    """An engine could not be reached or refused a request."""
-
-    def __init__(self, message: str, status: int | None = None, url: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.url = url
+class EngineError(HttpError):
+    """An engine could not be reached (``status`` None) or refused a request (``status`` set)."""
 
 
 class EngineClient:
@@ -59,44 +56,44 @@ class EngineClient:
     async def request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
                       expect_json: bool = True) -> Any:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        attempt = 0
-        while True:
-            try:
-                async with self._sess().request(
-                    method, self.url + path, json=body if body is not None or method == "POST" else None,
-                    headers=headers, timeout=aiohttp.ClientTimeout(total=timeout or self.timeout),
-                ) as resp:
-                    raw = await resp.read()
-                    if resp.status >= 400:
-                        raise EngineError(
-                            f"engine {self.url}: {method} {path} failed with HTTP {resp.status}: {_reason(raw)}",
-                            status=resp.status, url=self.url,
-                        )
-                    if not expect_json:
-                        return raw.decode("utf-8", errors="replace")
-                    if not raw.strip():
-                        return None
-                    try:
-                        import json
+        total = timeout or self.timeout
 
-                        return json.loads(raw)
-                    except ValueError:
-                        raise EngineError(f"engine {self.url}: {method} {path} returned non-JSON: {raw[:200]!r}",
-                                          status=resp.status, url=self.url) from None
-            except (aiohttp.ClientConnectionError, ConnectionError) as exc:
-                attempt += 1
-                if attempt > self.retries:
-                    raise EngineError(
-                        f"engine {self.url} is unreachable ({type(exc).__name__}: {exc}) after {attempt} attempts; "
-                        f"is it running? (`slimectl status` lists engines and their health)",
-                        url=self.url,
-                    ) from None
-                delay = self.backoff * 2 ** (attempt - 1)
-                log.warning("engine %s: %s on %s %s; retrying in %.1f s", self.url, type(exc).__name__, method, path, delay)
-                await asyncio.sleep(delay)
-            except asyncio.TimeoutError:
-                raise EngineError(f"engine {self.url}: {method} {path} timed out after {timeout or self.timeout:g} s",
-                                  url=self.url) from None
+        async def attempt() -> Any:
+            async with self._sess().request(
+                method, self.url + path, json=body if body is not None or method == "POST" else None,
+                headers=headers, timeout=aiohttp.ClientTimeout(total=total),
+            ) as resp:
+                raw = await resp.read()
+                if resp.status >= 400:
+                    raise EngineError(refusal_message("engine", self.url, method, path, resp.status, raw),
+                                      status=resp.status, url=self.url)
+                if not expect_json:
+                    return raw.decode("utf-8", errors="replace")
+                if not raw.strip():
+                    return None
+                try:
+                    return json.loads(raw)
+                except ValueError:
+                    raise EngineError(f"engine {self.url}: {method} {path} returned non-JSON: {raw[:200]!r}",
+                                      status=resp.status, url=self.url) from None
+
+        def on_retry(n: int, exc: BaseException, delay: float) -> None:
+            log.warning("engine %s: %s on %s %s; retrying in %.1f s", self.url, type(exc).__name__, method, path, delay)
+
+        attempts = self.retries + 1
+        try:
+            return await retry_call_async(attempt, attempts=attempts,
+                                          retry_on=(aiohttp.ClientConnectionError, ConnectionError),
+                                          backoff=exponential_backoff(self.backoff), on_retry=on_retry)
+        except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+            raise EngineError(
+                f"engine {self.url} is unreachable ({type(exc).__name__}: {exc}) after {attempts} attempts; "
+                f"is it running? (`slimectl status` lists engines and their health)",
+                url=self.url,
+            ) from None
+        except asyncio.TimeoutError:
+            raise EngineError(f"engine {self.url}: {method} {path} timed out after {total:g} s",
+                              url=self.url) from None
 
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: list[int] | None = None, text: str | None = None,
@@ -208,19 +205,3 @@ class EngineClient:
 
     async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
         return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
-
-
-def _reason(raw: bytes) -> str:
-    import json
-
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return raw.decode("utf-8", errors="replace")[:300] or "(empty body)"
-    if isinstance(body, dict):
-        if isinstance(body.get("error"), dict) and "message" in body["error"]:
-            return str(body["error"]["message"])
-        for key in ("message", "detail", "error"):
-            if key in body:
-                return str(body[key])
-    return json.dumps(body)[:300]

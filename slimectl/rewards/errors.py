@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.web.errors import HttpError
 
 
 def one_line(text: object, limit: int = 300) -> str:
@@ -19,8 +20,8 @@ class RewardError(SlimectlError):
     """A reward function ran but produced something unusable (wrong type, wrong list length, missing key)."""
 
 
-class RemoteRewardError(RewardError):
-    """The remote reward model could not be reached or answered with an error."""
+class RemoteRewardError(RewardError, HttpError):
+    """The remote reward model could not be reached or answered with an error (the shared HTTP error type)."""
 
     def __init__(self, message: str, url: str | None = None, status: int | None = None):
         super().__init__(message)

@@ -24,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 from typing import Any
 
 import aiohttp
+
+from slimectl.web.retry import exponential_backoff, retry_call_async
 
 from .errors import RemoteRewardError, RewardConfigError, one_line
 
@@ -94,8 +95,7 @@ class RemoteRewardModel:
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
-        delay = min(self.backoff_base * 2 ** (attempt - 1), self.backoff_max)
-        return delay + random.uniform(0, 0.1 * delay)
+        return exponential_backoff(self.backoff_base, self.backoff_max, jitter=0.1)(attempt)
 
     async def _attempt(self, session: aiohttp.ClientSession, payload: dict) -> Any:
         try:
@@ -129,24 +129,23 @@ class RemoteRewardModel:
         """POST one ``{"prompt", "response", "label"}`` and return the server's number or object."""
         payload = {"prompt": prompt, "response": response, "label": label}
         session, slots = self._ensure()
-        last: _Retryable | None = None
-        for attempt in range(1, self.max_retries + 1):
-            try:
-                async with slots:
-                    return await self._attempt(session, payload)
-            except _Retryable as e:
-                last = e
-            except TypeError as e:  # json= could not serialise the payload
-                raise RemoteRewardError(f"remote reward model {self.url}: request body is not JSON-serialisable: "
-                                        f"{one_line(e)}", url=self.url) from None
-            if attempt < self.max_retries:
-                delay = self.backoff(attempt)
-                log.info("remote reward model %s: %s; retry %d/%d in %.2fs", self.url, last, attempt,
-                         self.max_retries - 1, delay)
-                await asyncio.sleep(delay)
-        raise RemoteRewardError(
-            f"remote reward model {self.url} failed after {self.max_retries} attempts: {last}",
-            url=self.url, status=last.status if last else None)
+
+        async def attempt() -> Any:
+            async with slots:
+                return await self._attempt(session, payload)
+
+        def on_retry(n: int, exc: BaseException, delay: float) -> None:
+            log.info("remote reward model %s: %s; retry %d/%d in %.2fs", self.url, exc, n, self.max_retries - 1, delay)
+
+        try:
+            return await retry_call_async(attempt, attempts=self.max_retries, retry_on=(_Retryable,),
+                                          backoff=self.backoff, on_retry=on_retry)
+        except _Retryable as last:
+            raise RemoteRewardError(f"remote reward model {self.url} failed after {self.max_retries} attempts: {last}",
+                                    url=self.url, status=last.status) from None
+        except TypeError as e:  # json= could not serialise the payload
+            raise RemoteRewardError(f"remote reward model {self.url}: request body is not JSON-serialisable: "
+                                    f"{one_line(e)}", url=self.url) from None
 
     async def score_sample(self, sample: Any) -> float | dict:
         """:meth:`score` with a sample's ``prompt``, ``response`` and ``label`` attributes."""

@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from typing import Any
 
 from slimectl.contract.errors import SlimectlError
 from slimectl.contract.metrics import last_metrics
 from slimectl.contract.rundir.artifacts import KINDS
 from slimectl.contract.rundir.run import RunDir
+from slimectl.web.client import probe_url
 
 STAGES = ("serve", "rollout", "train", "sync", "rl", "convert", "export")
 
 
 def probe_health(url: str, timeout: float = 1.0) -> str:
     """``ok``, or a short reason the engine's ``/health`` did not answer 200."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
-            return "ok" if resp.status == 200 else f"http {resp.status}"
-    except urllib.error.HTTPError as exc:
-        return f"http {exc.code}"
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return f"unreachable ({reason})"
+    return probe_url(url.rstrip("/") + "/health", timeout)
 
 
 def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dict[str, Any]:

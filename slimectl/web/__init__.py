@@ -1,1 +1,1 @@
-"""HTTP plumbing shared by the servers (engine, harness, rollout buffer)."""
+"""HTTP plumbing shared by the library: aiohttp server helpers, the sync JSON client, the one HTTP error type, retries."""

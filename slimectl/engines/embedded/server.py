@@ -1,6 +1,6 @@
 """The embedded engine: a real HTTP server that speaks the subset of SGLang's protocol slimectl uses.
 
-It serves a transformers model through :class:`slimectl.engines.embedded.runner.BatchRunner` (continuous
+It serves a transformers model through :class:`slimectl.engines.embedded.scheduler.BatchRunner` (continuous
 batching with a KV cache). Request and response bodies follow SGLang 0.5.x as captured in
 shared/reference/sglang-protocol/, so rollout and sync have one code path for both engines.
 
@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 import time
 import uuid
@@ -27,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from slimectl.orchestration.signals import set_on_signals
 from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, start_site
 
 log = logging.getLogger("slimectl.engine")
@@ -76,7 +76,7 @@ class EmbeddedEngine:
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "fp32",
                  max_batch_size: int = 64, weight_version: str = "default", admin_token: str | None = None,
                  num_threads: int | None = None):
-        from slimectl.engines.embedded.runner import BatchRunner
+        from slimectl.engines.embedded.scheduler import BatchRunner
 
         self.model_path = model_path
         self.host, self.port = host, port
@@ -153,7 +153,8 @@ class EmbeddedEngine:
         return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        from slimectl.engines.embedded.runner import GenRequest, SamplingParams
+        from slimectl.engines.embedded.requests import GenRequest
+        from slimectl.engines.embedded.sampling import SamplingParams
 
         bos = [self.tokenizer.eos_token_id or 0]
         req = GenRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=bos,
@@ -218,7 +219,8 @@ class EmbeddedEngine:
 
     # ------------------------------------------------------------------ generate
     def _to_requests(self, body: dict[str, Any]) -> tuple[list, bool]:
-        from slimectl.engines.embedded.runner import GenRequest, SamplingParams
+        from slimectl.engines.embedded.requests import GenRequest
+        from slimectl.engines.embedded.sampling import SamplingParams
 
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by the embedded engine; send stream=false")
@@ -523,12 +525,10 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.ready_file, "w") as f:
                 f.write(f"{engine.host} {engine.port}\n")
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        if args.parent_pid:
-            loop.create_task(_watch_parent(args.parent_pid, stop))
-        await stop.wait()
+        with set_on_signals(stop):
+            if args.parent_pid:
+                asyncio.get_running_loop().create_task(_watch_parent(args.parent_pid, stop))
+            await stop.wait()
         log.info("shutting down")
         await app_runner.cleanup()
 

@@ -1,1 +1,1 @@
-"""Real SGLang servers: launching, supervising and routing them (GPU clusters)."""
+"""Real SGLang servers: their launch specs and argv check, and launching them and the router (GPU clusters)."""

@@ -17,11 +17,8 @@ out again. A death between 3 and 4 is repaired by step 1 of the next collection.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from slimectl.contract.config import SlimectlConfig
@@ -30,58 +27,31 @@ from slimectl.stages.rollout.importer import (ImportResult, check_sample, model_
                                        resolve_rollout_id)
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample
+from slimectl.web.client import request_json
+from slimectl.web.errors import HttpError
 
 log = logging.getLogger("slimectl.rollout")
 
 
-class BufferError(SlimectlError):
+class RolloutBufferError(HttpError):
     """The rollout buffer could not be reached (``status`` None) or refused a request."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
 
 
 class BufferClient:
-    """Blocking JSON requests to a rollout buffer; failures raise :class:`BufferError` naming the URL."""
+    """Blocking JSON requests to a rollout buffer; failures raise :class:`RolloutBufferError` naming the URL."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 120.0):
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
-        # Like the engine client, ignore http_proxy & co: the buffer is on our own network.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
-        headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        data = json.dumps(body).encode("utf-8") if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
-        try:
-            with self._opener.open(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            raise BufferError(f"rollout buffer {self.url}: {method} {path} failed with HTTP {exc.code}: "
-                              f"{_message(exc.read())}", exc.code) from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise BufferError(f"cannot reach the rollout buffer at {self.url} ({reason}); "
-                              f"is `slimectl rollout buffer serve` running there?") from None
-        try:
-            out = json.loads(raw)
-        except ValueError:
-            out = None
+        out = request_json(method, self.url, body, path=path, token=self.token, timeout=self.timeout,
+                           what="rollout buffer", error=RolloutBufferError,
+                           hint="is `slimectl rollout buffer serve` running there?")
         if not isinstance(out, dict):
-            raise BufferError(f"{self.url}{path} did not answer with a JSON object; is {self.url} a rollout buffer?")
+            raise RolloutBufferError(f"{self.url}{path} did not answer with a JSON object; is {self.url} a rollout buffer?")
         return out
-
-
-def _message(raw: bytes) -> str:
-    try:
-        return str(json.loads(raw)["message"])
-    except (ValueError, KeyError, TypeError):
-        return raw.decode("utf-8", errors="replace").strip()[:300] or "(no message)"
 
 
 def collect_rollout(run: RunDir, cfg: SlimectlConfig, url: str, token: str | None = None, rollout_id: int | None = None,
@@ -92,7 +62,7 @@ def collect_rollout(run: RunDir, cfg: SlimectlConfig, url: str, token: str | Non
     health = client.request("GET", "/health")
     buffer_id = health.get("buffer_id")
     if not isinstance(buffer_id, str):
-        raise BufferError(f"{client.url}/health has no buffer_id; is {client.url} a slimectl rollout buffer?")
+        raise RolloutBufferError(f"{client.url}/health has no buffer_id; is {client.url} a slimectl rollout buffer?")
     if health.get("n_samples_per_prompt") != cfg.rollout.n_samples_per_prompt:
         raise UsageError(f"the rollout buffer at {client.url} completes groups at {health.get('n_samples_per_prompt')} "
                          f"samples but rollout.n_samples_per_prompt is {cfg.rollout.n_samples_per_prompt}; serve the "
@@ -114,9 +84,9 @@ def collect_rollout(run: RunDir, cfg: SlimectlConfig, url: str, token: str | Non
             raise
         try:
             client.request("POST", "/ack", {"lease": lease})
-        except BufferError as exc:
+        except RolloutBufferError as exc:
             if exc.status is not None:
-                raise BufferError(f"rollouts/{rid:06d} is published, but the buffer refused to acknowledge its lease: "
+                raise RolloutBufferError(f"rollouts/{rid:06d} is published, but the buffer refused to acknowledge its lease: "
                                   f"{exc}") from None
             log.warning("rollouts/%06d is published but the buffer did not answer the acknowledgement (%s); the next "
                         "`slimectl rollout --source buffer` acknowledges it", rid, exc)
@@ -135,7 +105,7 @@ def _ack_previous(run: RunDir, client: BufferClient, buffer_id: str) -> None:
             return
         try:
             client.request("POST", "/ack", {"lease": recorded.get("lease")})
-        except BufferError as exc:
+        except RolloutBufferError as exc:
             if exc.status is None:
                 raise
             log.warning("rollouts/%06d: the buffer refused the late acknowledgement of its lease (%s); its groups may "
@@ -153,7 +123,7 @@ def _wait_for_groups(client: BufferClient, size: int, wait_timeout: float | None
             return out
         available = out.get("data", {}).get("meta_info", {}).get("available_groups", 0)
         if deadline is not None and time.monotonic() >= deadline:
-            raise BufferError(f"the rollout buffer at {client.url} had {available} of the {size} complete groups a rollout "
+            raise RolloutBufferError(f"the rollout buffer at {client.url} had {available} of the {size} complete groups a rollout "
                               f"needs (rollout.batch_size) after {wait_timeout:g} s; are its producers writing?")
         if not announced:
             log.info("waiting for %d complete groups in the rollout buffer at %s (%d now)", size, client.url, available)
@@ -178,5 +148,5 @@ def _checked(items: list[Any], vocab_size: int | None, reward_key: str | None) -
 def _release(client: BufferClient, lease: str) -> None:
     try:
         client.request("POST", "/release", {"lease": lease})
-    except BufferError as exc:
+    except RolloutBufferError as exc:
         log.warning("could not release lease %s (%s); its groups come back when it expires", lease, exc)

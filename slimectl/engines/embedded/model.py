@@ -1,0 +1,87 @@
+"""Loading the embedded engine's model: a transformers causal LM, its tokenizers and the facts the scheduler needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+
+def model_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``--dtype`` name (ValueError naming the choices otherwise)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for the scheduler: its decoder stack and output projection are called
+    separately, so that logits are only computed at the positions that need them."""
+
+    model_path: str
+    dtype: torch.dtype
+    config: Any
+    model: Any
+    decoder: Any
+    lm_head: Any
+    tokenizer: Any  # the server's
+    detok: Any  # a private one for the scheduler thread's decoding
+    num_layers: int
+    vocab_size: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+    pad_token_id: int
+    params: dict[str, torch.nn.Parameter]  # by HF name (tied weights appear under both names)
+
+
+def load_model(model_path: str, dtype: torch.dtype, max_context: int | None = None) -> LoadedModel:
+    """Load ``model_path`` (a transformers model directory) in ``dtype`` for inference (full attention only)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not (Path(model_path) / "config.json").is_file():
+        raise ValueError(f"model_path {model_path!r} is not a model directory (no config.json)")
+    config = AutoConfig.from_pretrained(model_path)
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"model {model_path!r} uses {sorted(set(layer_types))} attention layers; "
+                         f"the embedded engine supports full attention only")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    model.requires_grad_(False)
+    vocab_size = int(config.vocab_size)
+    ctx = getattr(config, "max_position_embeddings", None) or 2048
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad = config.pad_token_id if getattr(config, "pad_token_id", None) is not None else None
+    if pad is None:
+        pad = tokenizer.pad_token_id
+    return LoadedModel(
+        model_path=str(model_path), dtype=dtype, config=config, model=model,
+        decoder=model.get_decoder(), lm_head=model.get_output_embeddings(), tokenizer=tokenizer,
+        detok=AutoTokenizer.from_pretrained(model_path), num_layers=int(config.num_hidden_layers),
+        vocab_size=vocab_size, max_context=int(max_context) if max_context else int(ctx),
+        eos_token_ids=_eos_ids(config, model, tokenizer),
+        pad_token_id=int(pad) if pad is not None and 0 <= int(pad) < vocab_size else 0,
+        params=dict(model.named_parameters(remove_duplicate=False)),
+    )
+
+
+def _eos_ids(config, model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for src in (config, getattr(model, "generation_config", None)):
+        v = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v if x is not None)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

@@ -1,0 +1,405 @@
+"""Child-process supervision: start with a per-process log, wait for health, stop the whole tree, forward signals.
+
+Each child runs in its own session / process group, with stdout+stderr in its log file (filtered
+through a redacting pump when secrets are on its command line), is polled with ``GET URL/path``
+until it answers 200, and is torn down with SIGTERM to its whole group followed by SIGKILL of
+anything left (children *and* grandchildren, found with psutil). Used for the embedded engines
+``serve`` starts, for real SGLang servers and for the sglang-router.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import psutil
+
+from slimectl.contract.errors import SlimectlError
+from slimectl.orchestration.signals import SignalHandlers, run_previous
+from slimectl.web.client import http_status
+
+log = logging.getLogger("slimectl.engines.supervisor")
+
+#: Flags whose value is a secret: never logged, redacted in process logs (SGLang's api keys).
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+REDACTED = "***"
+
+
+class LaunchError(SlimectlError):
+    """A child process (engine or router) could not start, exited before becoming healthy, or never became healthy."""
+
+
+class ExitedBeforeHealthy(LaunchError):
+    """The process exited before its health endpoint answered 200."""
+
+
+class HealthTimeout(LaunchError):
+    """The health endpoint did not answer 200 within the timeout."""
+
+
+# --------------------------------------------------------------------------------------------
+# secrets in command lines
+# --------------------------------------------------------------------------------------------
+
+
+def redact_argv(argv: Sequence[str], secrets: Iterable[str] = ()) -> list[str]:
+    """argv with the values of :data:`SECRET_FLAGS` (``--api-key X`` and ``--api-key=X``) and any
+    occurrence of ``secrets`` replaced by ``***``."""
+    secrets = [s for s in secrets if s]
+    out: list[str] = []
+    hide_next = False
+    for a in argv:
+        a = str(a)
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        if a in SECRET_FLAGS:
+            hide_next = True
+            out.append(a)
+            continue
+        flag, eq, _ = a.partition("=")
+        if eq and flag in SECRET_FLAGS:
+            out.append(f"{flag}={REDACTED}")
+            continue
+        out.append(redact_text(a, secrets))
+    return out
+
+
+def redact_text(text: str, secrets: Iterable[str]) -> str:
+    for s in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = text.replace(s, REDACTED)
+    return text
+
+
+def secrets_in_argv(argv: Sequence[str]) -> list[str]:
+    """The values given to :data:`SECRET_FLAGS` in ``argv``."""
+    found = []
+    for i, a in enumerate(argv):
+        a = str(a)
+        if a in SECRET_FLAGS and i + 1 < len(argv):
+            found.append(str(argv[i + 1]))
+        else:
+            flag, eq, val = a.partition("=")
+            if eq and flag in SECRET_FLAGS and val:
+                found.append(val)
+    return [s for s in found if s]
+
+
+
+# --------------------------------------------------------------------------------------------
+# process supervision
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    popen: subprocess.Popen
+    argv_display: list[str]  # redacted
+    log_path: Path
+    url: str | None = None
+    secrets: list[str] = field(default_factory=list, repr=False)
+    pump: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+def tail_lines(path: str | Path, n: int = 15, max_bytes: int = 64 * 1024) -> list[str]:
+    """The last ``n`` non-empty lines of a file (reads at most the last ``max_bytes``)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return []
+    lines = [ln.rstrip() for ln in data.decode("utf-8", "replace").replace("\r", "\n").split("\n")]
+    return [ln for ln in lines if ln.strip()][-n:]
+
+
+def _one_line_tail(path: Path, secrets: Iterable[str], n: int = 10) -> str:
+    lines = [redact_text(ln, secrets) for ln in tail_lines(path, n)]
+    lines = [ln if len(ln) <= 300 else ln[:297] + "..." for ln in lines]
+    return " | ".join(lines) if lines else "(log is empty)"
+
+
+class ProcessSupervisor:
+    """Starts child processes in their own sessions with per-process log files, waits for them to
+    become healthy and tears them (and all their descendants) down. Use as a context manager::
+
+        with ProcessSupervisor() as sup, sup.install_signal_handlers():
+            p = sup.start("engine-0", argv, env=env, log_path=run_dir / "logs/engine-0.log", url=url)
+            sup.wait_healthy(url, timeout=600)
+            ...
+    """
+
+    def __init__(self) -> None:
+        self.processes: list[ManagedProcess] = []
+        self._signal_handlers: SignalHandlers | None = None
+
+    # ---- start ---------------------------------------------------------------------------
+    def start(self, name: str, argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, str] | None = None,
+              url: str | None = None, secrets: Iterable[str] = (), cwd: str | Path | None = None) -> ManagedProcess:
+        argv = [str(a) for a in argv]
+        secrets = sorted({*secrets, *secrets_in_argv(argv)} - {""}, key=len, reverse=True)
+        display = redact_argv(argv, secrets)
+        log_path = Path(log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        header = f"# slimectl: starting {name}: {shlex.join(display)}"
+        if env is not None and "CUDA_VISIBLE_DEVICES" in env:
+            header += f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})"
+        logf = open(log_path, "ab", buffering=0)
+        try:
+            logf.write(header.encode() + b"\n")
+            kwargs: dict[str, Any] = dict(stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+                                          env=dict(env) if env is not None else None,
+                                          cwd=str(cwd) if cwd is not None else None, close_fds=True)
+            kwargs["stdout"] = subprocess.PIPE if secrets else logf
+            try:
+                popen = subprocess.Popen(argv, **kwargs)
+            except OSError as e:
+                raise LaunchError(f"{name}: cannot start {display[0]!r}: {e.strerror or e}") from None
+        except BaseException:
+            logf.close()
+            raise
+        pump = None
+        if secrets:
+            pump = threading.Thread(target=_pump_redacted, args=(popen.stdout, logf, secrets),
+                                    name=f"slimectl-logpump-{name}", daemon=True)
+            pump.start()
+        else:
+            logf.close()  # the child holds its own copy
+        mp = ManagedProcess(name=name, popen=popen, argv_display=display, log_path=log_path, url=url,
+                            secrets=list(secrets), pump=pump)
+        self.processes.append(mp)
+        log.info("started %s (pid %d): %s; log: %s", name, popen.pid, shlex.join(display), log_path)
+        return mp
+
+    def find(self, url_or_name: str) -> ManagedProcess | None:
+        key = url_or_name.rstrip("/")
+        for p in self.processes:
+            if p.name == url_or_name or (p.url and p.url.rstrip("/") == key):
+                return p
+        return None
+
+    # ---- health --------------------------------------------------------------------------
+    def wait_healthy(self, url: str, timeout: float = 600.0, interval: float = 1.0,
+                     path: str = "/health_generate") -> float:
+        """Poll ``GET {url}{path}`` until it answers 200; returns the seconds waited. Raises
+        :class:`ExitedBeforeHealthy` as soon as the process started with this ``url`` exits, and
+        :class:`HealthTimeout` after ``timeout`` seconds (one line each, with the log tail)."""
+        return self.wait_all_healthy([url], timeout=timeout, interval=interval, path=path)
+
+    def wait_all_healthy(self, urls: Sequence[str], timeout: float = 600.0, interval: float = 1.0,
+                         path: str = "/health_generate") -> float:
+        """:meth:`wait_healthy` for several servers at once: fails as soon as any of them exits."""
+        t0 = time.monotonic()
+        deadline = t0 + float(timeout)
+        pending = [u.rstrip("/") for u in urls]
+        procs = {u: self.find(u) for u in pending}
+        while True:
+            for u in list(pending):
+                self._raise_if_exited(u, procs[u], path)
+                remaining = deadline - time.monotonic()
+                if http_status(u + path, timeout=max(0.5, min(10.0, remaining))) == 200:
+                    pending.remove(u)
+                    log.info("%s is healthy after %.1fs", u, time.monotonic() - t0)
+                else:
+                    self._raise_if_exited(u, procs[u], path)
+            if not pending:
+                return time.monotonic() - t0
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                u = pending[0]
+                p = procs[u]
+                where = f"; log: {p.log_path}; last lines: {_one_line_tail(p.log_path, p.secrets)}" if p else ""
+                raise HealthTimeout(
+                    f"{p.name + ' at ' if p else ''}{u}: GET {path} did not return 200 within {timeout:g}s{where}")
+            time.sleep(min(float(interval), max(0.0, remaining)))
+
+    @staticmethod
+    def _raise_if_exited(url: str, p: ManagedProcess | None, path: str) -> None:
+        if p is None:
+            return
+        rc = p.returncode()
+        if rc is None:
+            return
+        if p.pump is not None:
+            p.pump.join(timeout=2.0)  # let the last lines reach the log
+        how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+        raise ExitedBeforeHealthy(f"{p.name} at {url} exited ({how}) before GET {path} returned 200; "
+                           f"log: {p.log_path}; last lines: {_one_line_tail(p.log_path, p.secrets)}")
+
+    # ---- stop ----------------------------------------------------------------------------
+    def stop(self, timeout: float = 10.0, names: Iterable[str] | None = None) -> None:
+        """SIGTERM every process group, wait up to ``timeout`` s for the processes *and* all their
+        descendants (snapshotted with psutil, so escapees from the group count too), then SIGKILL
+        whatever is left. Idempotent."""
+        wanted = set(names) if names is not None else None
+        procs = [p for p in self.processes if wanted is None or p.name in wanted]
+        if not procs:
+            return
+        tracked = self._snapshot(procs, groups=True)
+        for p in procs:
+            if p.returncode() is None:
+                _killpg(p.pid, signal.SIGTERM)
+        for d in tracked:  # descendants that left the group (setsid) get SIGTERM too
+            _signal_proc(d, signal.SIGTERM, skip_pgids={p.pid for p in procs})
+        deadline = time.monotonic() + float(timeout)
+        while time.monotonic() < deadline:
+            tracked |= self._snapshot(procs)
+            if all(p.returncode() is not None for p in procs) and not any(_alive(d) for d in tracked):
+                break
+            time.sleep(0.05)
+        else:
+            tracked |= self._snapshot(procs, groups=True)
+            left = [p.name for p in procs if p.returncode() is None]
+            log.warning("escalating to SIGKILL after %.0fs: %s still running (+%d descendants)", timeout,
+                        ", ".join(left) or "no managed process", sum(_alive(d) for d in tracked))
+            for p in procs:
+                _killpg(p.pid, signal.SIGKILL)
+            for d in tracked:
+                _signal_proc(d, signal.SIGKILL)
+        for p in procs:
+            try:
+                p.popen.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILLed above
+                log.error("%s (pid %d) did not exit after SIGKILL", p.name, p.pid)
+        end = time.monotonic() + 5.0
+        while any(_alive(d) for d in tracked) and time.monotonic() < end:
+            time.sleep(0.05)
+        for p in procs:
+            if p.pump is not None:
+                p.pump.join(timeout=2.0)
+            if p.popen.stdout is not None:
+                try:
+                    p.popen.stdout.close()
+                except OSError:
+                    pass
+        survivors = [d.pid for d in tracked if _alive(d)]
+        if survivors:
+            log.error("processes still alive after stop: %s", survivors)
+        for p in procs:
+            log.info("stopped %s (pid %d, exit %s)", p.name, p.pid, p.returncode())
+        self.processes = [p for p in self.processes if p not in procs]
+
+    def _snapshot(self, procs: Iterable[ManagedProcess], groups: bool = False) -> set[psutil.Process]:
+        """Live descendants of ``procs``; with ``groups``, also every member of their process groups
+        (catches grandchildren already reparented to init because their parent died)."""
+        procs = list(procs)
+        out: set[psutil.Process] = set()
+        for p in procs:
+            if p.returncode() is None:  # not reaped yet, so the pid is still this child's (no reuse)
+                out.update(_descendants(p.pid))
+        if groups:  # a process group id is never reused while a member is alive
+            out.update(_group_members({p.pid for p in procs}))
+        return out
+
+    # ---- signals -------------------------------------------------------------------------
+    def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> SignalHandlers:
+        """Make SIGTERM/SIGINT in this (main-thread) process stop the children first, then do what
+        the previous handler would (default SIGINT -> KeyboardInterrupt; default SIGTERM ->
+        SystemExit(143)). Signals set to SIG_IGN are left alone; off the main thread nothing is
+        installed. Returns the handlers: ``restore()`` (or leaving their ``with`` block) puts the
+        previous ones back."""
+        if self._signal_handlers is None or not self._signal_handlers.previous:
+            self._signal_handlers = SignalHandlers(self._on_signal, signals, skip_ignored=True)
+        return self._signal_handlers.install()
+
+    def restore_signal_handlers(self) -> None:
+        if self._signal_handlers is not None:
+            self._signal_handlers.restore()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        prev = self._signal_handlers.previous.get(signum) if self._signal_handlers else None
+        log.warning("received %s: stopping %d child process(es)", signal.Signals(signum).name, len(self.processes))
+        self.stop()
+        self.restore_signal_handlers()
+        run_previous(prev, signum, frame)
+
+    def __enter__(self) -> "ProcessSupervisor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.stop()
+        finally:
+            self.restore_signal_handlers()
+
+
+
+def _group_members(pgids: set[int]) -> list[psutil.Process]:
+    me = os.getpid()
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != me and os.getpgid(p.pid) in pgids:
+                out.append(p)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+    return out
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_proc(p: psutil.Process, sig: int, skip_pgids: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    try:
+        if skip_pgids and os.getpgid(p.pid) in skip_pgids:
+            return  # already signalled through its group
+        if _alive(p):
+            p.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError, PermissionError):
+        pass
+
+
+def _pump_redacted(src: Any, dst: Any, secrets: Sequence[str]) -> None:
+    enc = [(s.encode(), REDACTED.encode()) for s in secrets]
+    try:
+        for line in iter(src.readline, b""):
+            for s, r in enc:
+                line = line.replace(s, r)
+            try:
+                dst.write(line)
+            except OSError:
+                pass
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            dst.close()
+        except OSError:
+            pass

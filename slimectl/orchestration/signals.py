@@ -1,0 +1,155 @@
+"""The one signal module: SIGINT/SIGTERM handlers for sync and asyncio programs, always put back afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+#: ``handler(signum, frame)``; ``frame`` is None for a handler run by an asyncio loop.
+Handler = Callable[[int, Any], None]
+
+
+class SignalHandlers:
+    """Run ``handler`` on ``signals`` until :meth:`restore` (or the end of the ``with`` block), then
+    put the previous handlers back.
+
+    Without ``loop`` the handler is a plain Python signal handler (it runs in the main thread
+    between two bytecodes: it may raise, e.g. KeyboardInterrupt). With ``loop`` it is called by
+    that asyncio loop (``loop.add_signal_handler``), so it may set an ``asyncio.Event``; a plain
+    handler could not wake a loop blocked in ``select``. Signals can only be handled in the main
+    thread: elsewhere this installs nothing. ``skip_ignored`` leaves signals set to SIG_IGN alone
+    (nohup, background jobs). ``previous`` maps each installed signal to the handler it replaced.
+    """
+
+    def __init__(self, handler: Handler, signals: Sequence[int] = STOP_SIGNALS, *,
+                 loop: asyncio.AbstractEventLoop | None = None, skip_ignored: bool = False):
+        self.handler = handler
+        self.signals = tuple(signals)
+        self.loop = loop
+        self.skip_ignored = skip_ignored
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> "SignalHandlers":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in self.signals:
+            if sig in self.previous:
+                continue
+            prev = signal.getsignal(sig)
+            if self.skip_ignored and prev == signal.SIG_IGN:
+                continue
+            self.previous[sig] = prev
+            if self.loop is not None:
+                self.loop.add_signal_handler(sig, self.handler, sig, None)
+            else:
+                signal.signal(sig, self.handler)
+        return self
+
+    def restore(self) -> None:
+        """Put the previous handlers back (idempotent; safe to call from the handler itself)."""
+        while self.previous:
+            sig, prev = self.previous.popitem()
+            if self.loop is not None and not self.loop.is_closed():
+                self.loop.remove_signal_handler(sig)
+            # None: installed from C (not by Python); the default is the nearest we can put back.
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+
+    def __enter__(self) -> "SignalHandlers":
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def on_signals(handler: Handler, signals: Sequence[int] = STOP_SIGNALS, **kwargs: Any) -> SignalHandlers:
+    """``with on_signals(lambda signum, frame: stop.set()): ...`` (see :class:`SignalHandlers`)."""
+    return SignalHandlers(handler, signals, **kwargs)
+
+
+def set_on_signals(event: threading.Event | asyncio.Event, signals: Sequence[int] = STOP_SIGNALS) -> SignalHandlers:
+    """Set ``event`` on SIGINT/SIGTERM: an ``asyncio.Event`` from the running loop (call this inside
+    it), a ``threading.Event`` from a plain handler."""
+    loop = asyncio.get_running_loop() if isinstance(event, asyncio.Event) else None
+    return SignalHandlers(lambda signum, frame: event.set(), signals, loop=loop)
+
+
+def run_previous(previous: Any, signum: int, frame: Any) -> None:
+    """Do what ``previous`` (a handler :class:`SignalHandlers` replaced) would have done with the
+    signal: call it; nothing for SIG_IGN; KeyboardInterrupt for SIGINT and SystemExit(128 + signum)
+    for anything else left at its default (as the process would have died of it)."""
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    elif signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    else:
+        raise SystemExit(128 + signum)
+
+
+@contextmanager
+def kept_handlers(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[None]:
+    """Put this process's handlers of ``signals`` back after the block (a library such as Ray's
+    ``init`` may replace them). Main thread only; elsewhere a no-op."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in signals} if main else {}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+class InterruptOnSignal:
+    """The first SIGINT/SIGTERM sets ``stop``, records ``signal`` and raises KeyboardInterrupt in the
+    main thread -- at once, or, inside :meth:`deferred` (a section that must not be cut, such as a
+    weight sync that has to continue the engines), when that section ends. Later signals are
+    ignored so the cleanup runs whole. ``with InterruptOnSignal(stop): ...`` restores the previous
+    handlers at the end; :meth:`install` alone keeps them for the rest of the process."""
+
+    def __init__(self, stop: threading.Event | None = None, signals: Sequence[int] = STOP_SIGNALS):
+        self.stop = stop if stop is not None else threading.Event()
+        self.signal: int | None = None
+        self._depth = 0
+        self._pending = False
+        self._handlers = SignalHandlers(self._handler, signals)
+
+    def install(self) -> "InterruptOnSignal":
+        self._handlers.install()
+        return self
+
+    def restore(self) -> None:
+        self._handlers.restore()
+
+    def __enter__(self) -> "InterruptOnSignal":
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.signal is not None:
+            return
+        self.signal = signum
+        self.stop.set()
+        if self._depth:
+            self._pending = True
+            return
+        raise KeyboardInterrupt
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth and self._pending:
+                self._pending = False
+                raise KeyboardInterrupt

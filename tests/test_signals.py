@@ -1,0 +1,162 @@
+"""slimectl.orchestration.signals: real signals to this process and to a subprocess; handlers run, previous ones come back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from slimectl.orchestration.signals import (InterruptOnSignal, SignalHandlers, kept_handlers, on_signals, run_previous,
+                                            set_on_signals)
+
+
+def _deliver(sig: int) -> None:
+    """Send ``sig`` to this process and give the interpreter a moment to run the Python handler."""
+    os.kill(os.getpid(), sig)
+    for _ in range(100):
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def previous_sigterm():
+    """A recognisable SIGTERM handler installed before each test (and the real one put back after)."""
+    calls: list[int] = []
+
+    def outer(signum, frame):
+        calls.append(signum)
+
+    saved = signal.signal(signal.SIGTERM, outer)
+    try:
+        yield outer, calls
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+
+
+def test_handler_runs_and_previous_is_restored(previous_sigterm):
+    outer, outer_calls = previous_sigterm
+    got: list[int] = []
+    with on_signals(lambda signum, frame: got.append(signum)) as handlers:
+        assert signal.getsignal(signal.SIGTERM) is not outer
+        assert handlers.previous[signal.SIGTERM] is outer
+        _deliver(signal.SIGTERM)
+        assert got == [signal.SIGTERM] and outer_calls == []
+    assert signal.getsignal(signal.SIGTERM) is outer
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    _deliver(signal.SIGTERM)
+    assert got == [signal.SIGTERM] and outer_calls == [signal.SIGTERM]
+
+
+def test_asyncio_event_is_set_by_a_real_signal_and_handlers_come_back(previous_sigterm):
+    outer, _ = previous_sigterm
+
+    async def main() -> float:
+        stop = asyncio.Event()
+        with set_on_signals(stop):
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            loop.call_later(0.05, os.kill, os.getpid(), signal.SIGTERM)
+            await asyncio.wait_for(stop.wait(), timeout=5)
+            return loop.time() - t0
+
+    assert asyncio.run(main()) < 5
+    assert signal.getsignal(signal.SIGTERM) is outer
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ignored_signals_are_left_alone_when_asked():
+    saved = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with SignalHandlers(lambda s, f: None, skip_ignored=True) as handlers:
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+            assert signal.SIGTERM not in handlers.previous and signal.SIGINT in handlers.previous
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+
+
+def test_restore_is_idempotent_and_installs_nothing_off_the_main_thread(previous_sigterm):
+    outer, _ = previous_sigterm
+    h = SignalHandlers(lambda s, f: None).install()
+    h.restore()
+    h.restore()
+    assert signal.getsignal(signal.SIGTERM) is outer
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("prev", SignalHandlers(lambda s, f: None).install().previous))
+    t.start()
+    t.join()
+    assert out["prev"] == {} and signal.getsignal(signal.SIGTERM) is outer
+
+
+def test_run_previous_does_what_the_replaced_handler_would():
+    calls = []
+    run_previous(lambda s, f: calls.append(s), signal.SIGTERM, None)
+    assert calls == [signal.SIGTERM]
+    run_previous(signal.SIG_IGN, signal.SIGTERM, None)
+    with pytest.raises(KeyboardInterrupt):
+        run_previous(signal.SIG_DFL, signal.SIGINT, None)
+    with pytest.raises(SystemExit) as ei:
+        run_previous(signal.SIG_DFL, signal.SIGTERM, None)
+    assert ei.value.code == 128 + signal.SIGTERM
+
+
+def test_kept_handlers_puts_back_what_a_library_replaced(previous_sigterm):
+    outer, _ = previous_sigterm
+    with kept_handlers():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    assert signal.getsignal(signal.SIGTERM) is outer
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_interrupt_on_signal_now_or_after_the_deferred_section(previous_sigterm):
+    outer, outer_calls = previous_sigterm
+    with InterruptOnSignal() as sig:
+        with pytest.raises(KeyboardInterrupt):
+            _deliver(signal.SIGTERM)
+        assert sig.stop.is_set() and sig.signal == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is outer
+
+    steps = []
+    with InterruptOnSignal() as sig:
+        with pytest.raises(KeyboardInterrupt):
+            with sig.deferred():
+                _deliver(signal.SIGINT)
+                steps.append("sync finished")  # not cut short by the signal
+                _deliver(signal.SIGTERM)  # a second signal is ignored
+                steps.append("engines continued")
+        assert sig.signal == signal.SIGINT and sig.stop.is_set()
+    assert steps == ["sync finished", "engines continued"] and outer_calls == []
+    assert signal.getsignal(signal.SIGTERM) is outer
+
+
+def test_sigterm_to_an_asyncio_subprocess_runs_its_handler():
+    code = textwrap.dedent("""
+        import asyncio, signal, sys
+        from slimectl.orchestration.signals import set_on_signals
+
+        async def main():
+            stop = asyncio.Event()
+            with set_on_signals(stop):
+                print("ready", flush=True)
+                await stop.wait()
+            print("stopped", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
+
+        asyncio.run(main())
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and out.strip() == "stopped True"
