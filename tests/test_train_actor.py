@@ -19,7 +19,8 @@ from conftest import ROOT
 
 from slimectl.algorithms.rewards import normalize_rewards_by_group
 from slimectl.backends.megatron.actor import lr_scheduler
-from slimectl.contract.config import TrainSection
+from slimectl.contract.config import TrainSection, build_config
+from slimectl.contract.errors import ConfigError
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_actor_check.py"
 PROMPTS = ["one two three", "the cat sat on", "2 + 2 =", "why is the sky"]
@@ -61,10 +62,15 @@ def test_lr_schedule_is_megatrons():
     # warm-up 2 then cosine over steps 2..6: 0.1 + 0.5 * (1 + cos(pi * (n - 2)/4)) * 0.9 at step n
     assert lrs(5, 6, lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_style="cosine") == pytest.approx(
         [0.0, 0.5, 1.0, 0.1 + 0.5 * (1 + math.cos(math.pi / 4)) * 0.9, 0.1 + 0.5 * (1 + math.cos(math.pi / 2)) * 0.9])
-    with pytest.raises(ValueError, match="decay horizon"):
+    with pytest.raises(ConfigError, match="decay horizon"):
         lrs(1, None, lr=1.0, lr_decay_style="cosine")
-    with pytest.raises(ValueError, match="lr_warmup_steps"):
+    with pytest.raises(ConfigError, match="lr_warmup_steps"):  # Megatron needs warm-up < decay horizon
         lrs(1, 3, lr=1.0, lr_warmup_steps=3, lr_decay_style="linear")
+    assert lrs(2, 3, lr=1.0, lr_warmup_steps=3) == [0.0, 1 / 3]  # a constant LR has no horizon
+    # the config refuses it up front
+    with pytest.raises(ConfigError, match=r"train.lr_warmup_steps \(6\) must be below the run's 6 optimizer steps"):
+        build_config({"rollout": {"num_rollout": 3}, "train": {"num_steps_per_rollout": 2, "lr_warmup_steps": 6,
+                                                                "lr_decay_style": "cosine"}})
 
 
 def test_lr_scheduler_sets_megatrons_weight_decay_per_group():

@@ -269,6 +269,11 @@ class SlimectlConfig(Section):
                 f"config_version {self.config_version} is not supported by this slimectl "
                 f"(supports {CONFIG_VERSION})"
             )
+        t, steps = self.train, self.rollout.num_rollout * self.train.num_steps_per_rollout
+        if t.lr_decay_style != "constant" and t.lr_warmup_steps >= steps:
+            raise ValueError(f"train.lr_warmup_steps ({t.lr_warmup_steps}) must be below the run's {steps} optimizer "
+                             f"steps (rollout.num_rollout x train.num_steps_per_rollout) to decay the LR "
+                             f"({t.lr_decay_style}); lower it or train longer")
         return self
 
     def to_dict(self) -> dict[str, Any]:

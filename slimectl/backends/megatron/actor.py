@@ -42,6 +42,7 @@ from slimectl.algorithms.objective import ObjectiveBatch, ObjectiveConfig, compu
 from slimectl.algorithms.rewards import normalize_rewards_by_group
 from slimectl.backends.megatron.logprobs import compute_log_probs
 from slimectl.backends.megatron.packing import MicroBatch, pack_samples
+from slimectl.contract.errors import ConfigError
 
 
 def lr_scheduler(optimizer, train, total_steps: int | None):
@@ -60,10 +61,10 @@ def lr_scheduler(optimizer, train, total_steps: int | None):
     if style == "constant":
         horizon = max(total_steps or 0, warmup + 1)  # unused by a constant LR beyond Megatron's checks
     elif not total_steps:
-        raise ValueError(f"train.lr_decay_style {style} needs the run's total optimizer steps (the decay horizon)")
+        raise ConfigError(f"train.lr_decay_style {style} needs the run's total optimizer steps (the decay horizon)")
     elif total_steps <= warmup:
-        raise ValueError(f"train.lr_decay_style {style}: train.lr_warmup_steps ({warmup}) must be below the run's "
-                         f"{total_steps} optimizer steps; lower it or train longer")
+        raise ConfigError(f"train.lr_warmup_steps ({warmup}) must be below the run's {total_steps} optimizer steps to "
+                          f"decay the LR ({style}); lower it or train longer")
     else:
         horizon = total_steps
     # Config values win over a checkpoint's (as before: `--set train.lr=...` on resume applies);
