@@ -17,7 +17,8 @@ where ``old_lp`` is the old-policy log-prob, or the rollout log-prob with
 ``--use-rollout-logprobs``; ``kl_t = 0`` when ``kl_coef == 0``):
 
 * ``grpo`` / ``gspo`` / ``cispo``: ``A_t = G_t = reward_i`` broadcast over the response. The KL is
-  *not* folded in (use a KL loss instead). GSPO differs only in its loss (sequence-level ratio).
+  *not* folded in (use a KL loss instead). GSPO and CISPO differ only in their loss (sequence-level
+  ratio; clipped ratio under stop-gradient times the log-prob).
 * ``reinforce_plus_plus``: ``r_t = -kl_coef * kl_t``; ``r_{last} += reward_i`` where ``last`` is
   the last position with ``mask == 1``; ``G_t = r_t + gamma * G_{t+1}`` (``get_reinforce_plus_plus_returns``);
   ``A = G``.
