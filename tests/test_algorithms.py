@@ -11,39 +11,33 @@ import math
 import pytest
 import torch
 
-from slimectl.algorithms import (
-    apply_opd_kl,
-    apply_tis,
-    clipped_surrogate,
+from slimectl.algorithms.advantages import (
     compute_advantages,
-    compute_approx_kl,
-    compute_tis_weights,
     discounted_cumsum,
-    entropy_bonus,
-    entropy_from_logits,
     grpo_advantages,
     gspo_advantages,
-    gspo_policy_loss,
-    gspo_sequence_kl,
-    kl_loss,
     last_valid_index,
-    log_probs_from_logits,
-    mismatch_metrics,
-    normalize_group_rewards,
-    per_sample_mean,
-    ppo_policy_loss,
-    reduce_masked,
-    reduction_mode,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
     reinforce_plus_plus_returns,
-    reward_norm_mode_for,
-    sample_mean,
-    sft_loss,
-    token_mean,
     whiten_advantages,
 )
-from slimectl.algorithms.kl import KL_TYPES
+from slimectl.algorithms.kl import compute_approx_kl, kl_loss
+from slimectl.algorithms.opd import apply_opd_kl
+from slimectl.algorithms.policy_loss import (
+    clipped_surrogate,
+    entropy_bonus,
+    entropy_from_logits,
+    gspo_policy_loss,
+    gspo_sequence_kl,
+    log_probs_from_logits,
+    ppo_policy_loss,
+    sft_loss,
+)
+from slimectl.algorithms.reduce import per_sample_mean, reduce_masked, reduction_mode, sample_mean, token_mean
+from slimectl.algorithms.registry import KL_TYPES
+from slimectl.algorithms.rewards import normalize_group_rewards, normalize_rewards_by_group, reward_norm_mode_for
+from slimectl.algorithms.tis import apply_tis, compute_tis_weights, mismatch_metrics
 
 D = torch.float64
 INF = float("inf")
@@ -106,6 +100,24 @@ def test_reward_norm_mode_follows_slime_flags():
     assert reward_norm_mode_for("reinforce_plus_plus_baseline", n_samples_per_prompt=8) == "group_mean"
     assert reward_norm_mode_for("reinforce_plus_plus", n_samples_per_prompt=8) == "none"
     assert reward_norm_mode_for("grpo", rewards_normalization=False, n_samples_per_prompt=8) == "none"
+
+
+def test_rewards_normalized_per_group_id_uneven_and_interleaved():
+    # groups by id: 0 -> [1, 0], 1 -> [2, 2, 5], 2 -> [3] (interleaved in the input order)
+    raw = T([1.0, 2.0, 0.0, 2.0, 3.0, 5.0])
+    ids = [0, 1, 0, 1, 2, 1]
+    # group 0: mean .5, centered [.5, -.5], unbiased std sqrt(.5) = 0.70710678 -> +-.5/(0.70710678+1e-6)
+    s0 = math.sqrt(0.5) + 1e-6
+    # group 1: mean 3, centered [-1, -1, 2], unbiased var (1+1+4)/2 = 3
+    s1 = math.sqrt(3.0) + 1e-6
+    # group 2: one sample -> r - r = 0 (no std division)
+    close(normalize_rewards_by_group(raw, ids), [0.5 / s0, -1 / s1, -0.5 / s0, -1 / s1, 0.0, 2 / s1])
+    close(normalize_rewards_by_group(raw, ids, "group_mean"), [0.5, -1.0, -0.5, -1.0, 0.0, 2.0])
+    close(normalize_rewards_by_group(raw, ids, "none"), raw)
+    # None is a group id like any other (samples without a group form one group)
+    close(normalize_rewards_by_group([1, 3], [None, None], "group_mean"), [-1.0, 1.0])
+    with pytest.raises(ValueError, match="one reward per id"):
+        normalize_rewards_by_group(raw, ids[:5])
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -328,7 +340,7 @@ def test_dual_clip_only_on_negative_advantages():
     # slime's clipfrac ignores the dual clip: only the A>0 token was clipped by eps
     close(out.clipfrac, [0.0, 0.0, 1.0, 0.0])
     # without the dual clip the first token would cost 5
-    close(ppo_policy_loss(lp, old, adv, torch.ones(4, dtype=torch.bool), 0.2, 0.28).pg_loss[0], 5.0, tol=1e-12)
+    close(ppo_policy_loss(lp, old, adv, torch.ones(4, dtype=torch.bool), eps_clip=0.2, eps_clip_high=0.28).pg_loss[0], 5.0, tol=1e-12)
     with pytest.raises(ValueError):
         clipped_surrogate(torch.zeros(1, dtype=D), T([-1.0]), eps_clip_c=1.0)
 

@@ -17,7 +17,10 @@ import warnings
 import pytest
 from conftest import ROOT
 
-from slimectl.backends.megatron.actor import group_normalized_rewards, lr_at
+from slimectl.algorithms.rewards import normalize_rewards_by_group
+from slimectl.backends.megatron.actor import lr_scheduler
+from slimectl.contract.config import TrainSection, build_config
+from slimectl.contract.errors import ConfigError
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_actor_check.py"
 PROMPTS = ["one two three", "the cat sat on", "2 + 2 =", "why is the sky"]
@@ -28,25 +31,63 @@ REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.2, 0.9]  # every group has a non-zero
 # ----------------------------------------------------------------------------- pure helpers
 
 
-def test_lr_schedule():
-    assert lr_at(0, 1e-3) == lr_at(99, 1e-3) == 1e-3
-    assert lr_at(0, 1.0, warmup_steps=4) == 0.25 and lr_at(3, 1.0, warmup_steps=4) == 1.0
-    assert lr_at(4, 1.0, 0.1, 0, "linear", 10) == pytest.approx(0.64)
-    assert lr_at(10, 1.0, 0.1, 0, "linear", 10) == pytest.approx(0.1)
-    assert lr_at(5, 1.0, 0.0, 0, "cosine", 10) == pytest.approx(0.5)
-    assert lr_at(50, 1.0, 0.1, 0, "cosine", 10) == pytest.approx(0.1)
-    with pytest.raises(ValueError):
-        lr_at(1, 1.0, decay_style="cosine")
+class _Groups:
+    """What megatron-core's scheduler touches of an optimizer: its param groups."""
+
+    def __init__(self):
+        self.param_groups = [{"wd_mult": 1.0}, {"wd_mult": 0.0}]  # Megatron's: decayed / biases and norms
+
+
+def lrs(n: int, total_steps=None, **train) -> list[float]:
+    """The LR of optimizer steps 0..n-1 (each step a successful update)."""
+    opt = _Groups()
+    sched = lr_scheduler(opt, TrainSection(**train), total_steps)
+    out = []
+    for _ in range(n):
+        out.append(opt.param_groups[0]["lr"])
+        sched.step(1)
+    return out
+
+
+def test_lr_schedule_is_megatrons():
+    assert lrs(3, lr=1e-3) == [1e-3] * 3
+    # warm-up: LR = lr * n / warmup at update count n <= warmup, so the first update runs at 0
+    assert lrs(6, lr=1.0, lr_warmup_steps=4) == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    # linear to min_lr 0.1 at step 10: 0.1 + (1 - 4/10) * 0.9 = 0.64 at step 4; min_lr from 10 on
+    lin = lrs(12, 10, lr=1.0, min_lr=0.1, lr_decay_style="linear")
+    assert lin[4] == pytest.approx(0.64) and lin[10] == lin[11] == pytest.approx(0.1)
+    # cosine: 0.5 * (1 + cos(pi * 5/10)) = 0.5 at step 5
+    cos = lrs(12, 10, lr=1.0, lr_decay_style="cosine")
+    assert cos[5] == pytest.approx(0.5) and cos[11] == 0.0
+    # warm-up 2 then cosine over steps 2..6: 0.1 + 0.5 * (1 + cos(pi * (n - 2)/4)) * 0.9 at step n
+    assert lrs(5, 6, lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_style="cosine") == pytest.approx(
+        [0.0, 0.5, 1.0, 0.1 + 0.5 * (1 + math.cos(math.pi / 4)) * 0.9, 0.1 + 0.5 * (1 + math.cos(math.pi / 2)) * 0.9])
+    with pytest.raises(ConfigError, match="decay horizon"):
+        lrs(1, None, lr=1.0, lr_decay_style="cosine")
+    with pytest.raises(ConfigError, match="lr_warmup_steps"):  # Megatron needs warm-up < decay horizon
+        lrs(1, 3, lr=1.0, lr_warmup_steps=3, lr_decay_style="linear")
+    assert lrs(2, 3, lr=1.0, lr_warmup_steps=3) == [0.0, 1 / 3]  # a constant LR has no horizon
+    # the config refuses it up front
+    with pytest.raises(ConfigError, match=r"train.lr_warmup_steps \(6\) must be below the run's 6 optimizer steps"):
+        build_config({"rollout": {"num_rollout": 3}, "train": {"num_steps_per_rollout": 2, "lr_warmup_steps": 6,
+                                                                "lr_decay_style": "cosine"}})
+
+
+def test_lr_scheduler_sets_megatrons_weight_decay_per_group():
+    opt = _Groups()
+    lr_scheduler(opt, TrainSection(lr=1e-3, weight_decay=0.1), None)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # no decay on biases and norms
 
 
 def test_group_normalized_rewards_uneven_groups():
     from slimectl.contract.samples import Sample
 
     s = [Sample(group_index=g, reward=r) for g, r in [(0, 1.0), (0, 0.0), (1, 2.0), (1, 2.0), (1, 5.0), (2, 3.0)]]
-    r = group_normalized_rewards(s, "group_mean_std").tolist()
+    raw, ids = [x.reward_value(None) for x in s], [x.group_index for x in s]
+    r = normalize_rewards_by_group(raw, ids, "group_mean_std").tolist()
     assert r[0] == pytest.approx(0.7071, abs=1e-3) and r[1] == pytest.approx(-0.7071, abs=1e-3)
     assert sum(r[2:5]) == pytest.approx(0.0, abs=1e-6) and r[4] > 0 and r[5] == 0.0
-    assert group_normalized_rewards(s, "none").tolist() == [1.0, 0.0, 2.0, 2.0, 5.0, 3.0]
+    assert normalize_rewards_by_group(raw, ids, "none").tolist() == [1.0, 0.0, 2.0, 2.0, 5.0, 3.0]
 
 
 # ----------------------------------------------------------------------------- Megatron run
@@ -149,11 +190,16 @@ def test_two_steps_per_rollout_per_token_loss_and_schedule(result):
     ms = result["multi"]["metrics"]
     assert len(ms) == 4  # 2 calls x num_steps_per_rollout=2
     assert [m["train/step"] for m in ms] == [1.0, 2.0, 3.0, 4.0]
-    # warmup 1 step to 1e-3, cosine to min_lr 1e-4 at total_steps=3, then held
-    assert [round(m["train/lr"], 7) for m in ms] == [1e-3, 1e-3, 1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi / 2)), 1e-4]
+    # Megatron's schedule: warm-up over 1 step from 0 (the first update runs at LR 0) to 1e-3, then
+    # cosine to min_lr 1e-4 at total_steps=3
+    assert [round(m["train/lr"], 7) for m in ms] == [0.0, 1e-3, 1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi / 2)), 1e-4]
     m0 = ms[0]
     assert abs(m0["train/ppo_kl"]) < 1e-6 and m0["train/pg_clipfrac"] == 0.0
-    assert ms[1]["train/ppo_kl"] != 0.0  # second step of a rollout is off-policy (old log-probs fixed)
+    assert abs(ms[1]["train/ppo_kl"]) < 1e-6  # the LR-0 step left the weights where they were
+    assert ms[3]["train/ppo_kl"] != 0.0  # second step of a rollout is off-policy (old log-probs fixed)
+    # a fresh actor resumed from the checkpoint saved after the first call continues the schedule
+    assert [m["train/lr"] for m in result["multi"]["resumed"]] == [m["train/lr"] for m in ms[2:]]
+    assert [m["train/loss"] for m in result["multi"]["resumed"]] == [m["train/loss"] for m in ms[2:]]
     assert all(m["train/entropy"] > 0 and m["train/grad_norm"] > 0 for m in ms)
 
 

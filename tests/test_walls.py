@@ -70,8 +70,9 @@ FORBIDDEN = [
                  "slimectl.services", "megatron", "torch")),
     ("web", LIBRARY_PARTS),
 ]
-# Exact modules a part may import through one of its bans: engines use the one signal module.
-ALLOWED_THROUGH = {"engines": ("slimectl.orchestration.signals",)}
+# Exact modules a part may import through one of its bans: engines use the one signal module; the
+# config validates against the algorithm registry (names only, no torch).
+ALLOWED_THROUGH = {"engines": ("slimectl.orchestration.signals",), "contract": ("slimectl.algorithms.registry",)}
 
 
 def part_files(where: str) -> list[Path]:

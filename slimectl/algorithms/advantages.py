@@ -17,7 +17,8 @@ where ``old_lp`` is the old-policy log-prob, or the rollout log-prob with
 ``--use-rollout-logprobs``; ``kl_t = 0`` when ``kl_coef == 0``):
 
 * ``grpo`` / ``gspo`` / ``cispo``: ``A_t = G_t = reward_i`` broadcast over the response. The KL is
-  *not* folded in (use a KL loss instead). GSPO differs only in its loss (sequence-level ratio).
+  *not* folded in (use a KL loss instead). GSPO and CISPO differ only in their loss (sequence-level
+  ratio; clipped ratio under stop-gradient times the log-prob).
 * ``reinforce_plus_plus``: ``r_t = -kl_coef * kl_t``; ``r_{last} += reward_i`` where ``last`` is
   the last position with ``mask == 1``; ``G_t = r_t + gamma * G_{t+1}`` (``get_reinforce_plus_plus_returns``);
   ``A = G``.
@@ -40,8 +41,8 @@ import torch
 from slimectl.algorithms.kl import KLType, compute_approx_kl
 from slimectl.algorithms.opd import apply_opd_kl
 from slimectl.algorithms.reduce import masked
+from slimectl.algorithms.registry import DEFAULT_OPD_KL_COEF, ESTIMATORS, GROUP_ESTIMATORS, check_choice
 
-ESTIMATORS: tuple[str, ...] = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 WHITEN_EPS = 1e-8
 
 
@@ -236,7 +237,7 @@ def compute_advantages(
     response_mask: torch.Tensor | None = None,
     normalize_advantages: bool | None = None,
     teacher_log_probs: torch.Tensor | None = None,
-    opd_kl_coef: float = 1.0,
+    opd_kl_coef: float = DEFAULT_OPD_KL_COEF,
     eps: float = WHITEN_EPS,
 ) -> AdvantageResult:
     """slime's ``compute_advantages_and_returns`` order: estimator -> OPD -> whitening.
@@ -246,13 +247,12 @@ def compute_advantages(
     OPD is on when ``teacher_log_probs`` is given). ``normalize_advantages=None`` picks slime's
     requirement: on for both REINFORCE++ variants, off for grpo/gspo/cispo.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}")
+    check_choice("advantage estimator", estimator, ESTIMATORS)
     resp = mask if response_mask is None else response_mask
     r = _sample_rewards(rewards, mask)
     dtype = _float_dtype(r, log_probs)
     kl = _token_kl(log_probs, ref_log_probs, kl_coef, kl_type, resp, dtype)
-    if estimator in ("grpo", "gspo", "cispo"):
+    if estimator in GROUP_ESTIMATORS:
         adv = grpo_advantages(r.to(dtype), mask)
         returns = adv.clone()
         whiten_default = False

@@ -24,9 +24,9 @@ from typing import Literal
 import torch
 
 from slimectl.algorithms.reduce import ReductionMode, masked, reduce_masked
+from slimectl.algorithms.registry import KL_TYPES, check_choice
 
-KLType = Literal["k1", "k2", "k3", "low_var_kl"]
-KL_TYPES: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
+KLType = Literal[KL_TYPES]  # type: ignore[valid-type]  (the registry's names)
 LOW_VAR_KL_CLAMP = 10.0
 
 
@@ -58,7 +58,7 @@ def compute_approx_kl(
         neg = -log_ratio  # = log_probs_base - log_probs
         kl = neg.exp() - 1 - neg
     else:
-        raise ValueError(f"unknown kl_type {kl_type!r}; expected one of {KL_TYPES}")
+        check_choice("kl_type", kl_type, KL_TYPES)
     if importance_ratio is not None:
         kl = importance_ratio * kl
     if kl_type == "low_var_kl":

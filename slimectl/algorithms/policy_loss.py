@@ -16,6 +16,9 @@ GSPO: ``ppo_kl`` is replaced by the sequence value ``sum_t (old_lp - lp) * m / m
 broadcast to each token, so the ratio is the geometric mean of the token ratios over the valid
 response tokens; the gradient flows through that mean.
 
+CISPO: ``pg = -sg(clamp(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * log_probs`` (the clipped
+ratio is a constant; the gradient flows through the log-probs).
+
 Tensors are padded ``[B, T]`` with a ``mask``; per-token outputs are exactly 0 where
 ``mask == 0``, and padding never reaches an ``exp``, so it cannot create nan/inf or gradient.
 """
@@ -27,8 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from slimectl.algorithms.reduce import ReductionMode, masked, reduce_masked
-
-DEFAULT_EPS_CLIP = 0.2
+from slimectl.algorithms.registry import DEFAULT_EPS_CLIP
 
 
 @dataclass
@@ -58,6 +60,7 @@ class PolicyLossOutput:
 def clipped_surrogate(
     ppo_kl: torch.Tensor,
     advantages: torch.Tensor,
+    *,
     eps_clip: float = DEFAULT_EPS_CLIP,
     eps_clip_high: float | None = None,
     eps_clip_c: float | None = None,
@@ -79,9 +82,9 @@ def clipped_surrogate(
     return torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1), clipfrac
 
 
-def _finish(ppo_kl, advantages, mask, eps_clip, eps_clip_high, eps_clip_c) -> PolicyLossOutput:
+def _finish(ppo_kl, advantages, mask, *, eps_clip, eps_clip_high, eps_clip_c) -> PolicyLossOutput:
     adv = masked(advantages.detach().to(ppo_kl.dtype), mask)
-    pg, clipfrac = clipped_surrogate(ppo_kl, adv, eps_clip, eps_clip_high, eps_clip_c)
+    pg, clipfrac = clipped_surrogate(ppo_kl, adv, eps_clip=eps_clip, eps_clip_high=eps_clip_high, eps_clip_c=eps_clip_c)
     return PolicyLossOutput(
         pg_loss=masked(pg, mask),
         clipfrac=masked(clipfrac, mask),
@@ -96,6 +99,7 @@ def ppo_policy_loss(
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    *,
     eps_clip: float = DEFAULT_EPS_CLIP,
     eps_clip_high: float | None = None,
     eps_clip_c: float | None = None,
@@ -106,7 +110,7 @@ def ppo_policy_loss(
     constants (detached).
     """
     ppo_kl = masked(old_log_probs.detach().to(log_probs.dtype) - log_probs, mask)
-    return _finish(ppo_kl, advantages, mask, eps_clip, eps_clip_high, eps_clip_c)
+    return _finish(ppo_kl, advantages, mask, eps_clip=eps_clip, eps_clip_high=eps_clip_high, eps_clip_c=eps_clip_c)
 
 
 def gspo_sequence_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -123,6 +127,7 @@ def gspo_policy_loss(
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    *,
     eps_clip: float = DEFAULT_EPS_CLIP,
     eps_clip_high: float | None = None,
     eps_clip_c: float | None = None,
@@ -132,7 +137,38 @@ def gspo_policy_loss(
     (GSPO papers use much smaller clip ranges, e.g. ``3e-4`` / ``4e-4``; pass them explicitly.)
     """
     ppo_kl = gspo_sequence_kl(log_probs, old_log_probs, mask)
-    return _finish(ppo_kl, advantages, mask, eps_clip, eps_clip_high, eps_clip_c)
+    return _finish(ppo_kl, advantages, mask, eps_clip=eps_clip, eps_clip_high=eps_clip_high, eps_clip_c=eps_clip_c)
+
+
+def cispo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_clip: float = DEFAULT_EPS_CLIP,
+    eps_clip_high: float | None = None,
+) -> PolicyLossOutput:
+    """CISPO (MiniMax-M1; slime ``compute_cispo_loss``): ``-sg(clamp(ratio, 1 - eps_clip,
+    1 + eps_clip_high)) * A * log_probs`` per token, ``clipfrac = (clamped ratio != ratio)``.
+
+    The clipped ratio is a constant, so the gradient flows through ``log_probs`` only and clipped
+    tokens still contribute (canonical CISPO: ``eps_clip >= 1`` disables the lower bound).
+    """
+    if eps_clip_high is None:
+        eps_clip_high = eps_clip
+    ppo_kl = masked(old_log_probs.detach().to(log_probs.dtype) - log_probs, mask)
+    adv = masked(advantages.detach().to(log_probs.dtype), mask)
+    ratio = (-ppo_kl).exp()
+    truncated = ratio.clamp(min=1.0 - eps_clip, max=1.0 + eps_clip_high)
+    pg = -truncated.detach() * adv * masked(log_probs, mask)
+    return PolicyLossOutput(
+        pg_loss=masked(pg, mask),
+        clipfrac=masked((truncated != ratio).to(ratio.dtype), mask),
+        ppo_kl=ppo_kl,
+        ratio=masked(ratio, mask),
+        mask=mask,
+    )
 
 
 def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -30,8 +30,9 @@ from typing import Literal
 
 import torch
 
-ReductionMode = Literal["sample_mean", "token_mean"]
-REDUCTION_MODES: tuple[str, ...] = ("sample_mean", "token_mean")
+from slimectl.algorithms.registry import REDUCTION_MODES, check_choice
+
+ReductionMode = Literal[REDUCTION_MODES]  # type: ignore[valid-type]  (the registry's names)
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +77,8 @@ def reduce_masked(x: torch.Tensor, mask: torch.Tensor, mode: ReductionMode = "sa
     """Dispatch to :func:`sample_mean` or :func:`token_mean`."""
     if mode == "sample_mean":
         return sample_mean(x, mask)
-    if mode == "token_mean":
-        return token_mean(x, mask)
-    raise ValueError(f"unknown reduction mode {mode!r}; expected one of {REDUCTION_MODES}")
+    check_choice("reduction mode", mode, REDUCTION_MODES)
+    return token_mean(x, mask)
 
 
 def reduction_mode(calculate_per_token_loss: bool) -> ReductionMode:

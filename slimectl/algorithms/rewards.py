@@ -18,12 +18,13 @@ not ``n * rollout_batch_size`` slime falls back to one group of everything; here
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Hashable, Literal, Sequence
 
 import torch
 
-RewardNormMode = Literal["group_mean_std", "group_mean", "none"]
-REWARD_NORM_MODES: tuple[str, ...] = ("group_mean_std", "group_mean", "none")
+from slimectl.algorithms.registry import GROUP_ESTIMATORS, REWARD_NORM_MODES, check_choice
+
+RewardNormMode = Literal[REWARD_NORM_MODES]  # type: ignore[valid-type]  (the registry's names)
 GRPO_STD_EPS = 1e-6
 
 
@@ -46,8 +47,7 @@ def normalize_group_rewards(
     r = torch.as_tensor(rewards)
     if not r.is_floating_point():
         r = r.float()
-    if mode not in REWARD_NORM_MODES:
-        raise ValueError(f"unknown reward normalization mode {mode!r}; expected one of {REWARD_NORM_MODES}")
+    check_choice("reward normalization mode", mode, REWARD_NORM_MODES)
     if mode == "none":
         return r.clone()
     shape = r.shape
@@ -68,6 +68,29 @@ def normalize_group_rewards(
     return out.reshape(shape)
 
 
+def normalize_rewards_by_group(
+    rewards: torch.Tensor | Sequence[float],
+    group_ids: Sequence[Hashable],
+    mode: RewardNormMode = "group_mean_std",
+    eps: float = GRPO_STD_EPS,
+) -> torch.Tensor:
+    """``[N]`` rewards normalized within each group of equal ``group_ids[i]`` (groups may differ in
+    size and interleave; ``None`` is an id like any other), as :func:`normalize_group_rewards`."""
+    r = torch.as_tensor(rewards)
+    if not r.is_floating_point():
+        r = r.float()
+    if r.dim() != 1 or r.numel() != len(group_ids):
+        raise ValueError(f"rewards of shape {tuple(r.shape)} for {len(group_ids)} group ids: expected one reward per id")
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(g, []).append(i)
+    out = torch.empty_like(r)
+    for idx in members.values():
+        rows = torch.tensor(idx)
+        out[rows] = normalize_group_rewards(r[rows], None, mode, eps)
+    return out
+
+
 def reward_norm_mode_for(
     advantage_estimator: str,
     rewards_normalization: bool = True,
@@ -81,7 +104,7 @@ def reward_norm_mode_for(
     """
     if not rewards_normalization:
         return "none"
-    if advantage_estimator in ("grpo", "gspo", "cispo"):
+    if advantage_estimator in GROUP_ESTIMATORS:
         if grpo_std_normalization and n_samples_per_prompt > 1:
             return "group_mean_std"
         return "group_mean"

@@ -25,9 +25,7 @@ import torch
 
 from slimectl.algorithms.kl import compute_approx_kl
 from slimectl.algorithms.reduce import ReductionMode, masked, reduce_masked
-
-DEFAULT_TIS_CLIP = 2.0
-DEFAULT_TIS_CLIP_LOW = 0.0
+from slimectl.algorithms.registry import DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW
 
 
 @dataclass
@@ -53,6 +51,7 @@ def compute_tis_weights(
     old_log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,
     mask: torch.Tensor,
+    *,
     tis_clip: float = DEFAULT_TIS_CLIP,
     tis_clip_low: float = DEFAULT_TIS_CLIP_LOW,
 ) -> TISOutput:
@@ -79,11 +78,24 @@ def apply_tis(pg_loss: torch.Tensor, weights: torch.Tensor | TISOutput) -> torch
     return pg_loss * w.detach()
 
 
+def logprob_abs_diff(
+    train_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    reduction: ReductionMode = "sample_mean",
+) -> torch.Tensor:
+    """slime's ``train_rollout_logprob_abs_diff``: ``reduce(|train_lp - rollout_lp|)`` (detached)."""
+    with torch.no_grad():
+        t = train_log_probs.detach()
+        return reduce_masked(masked(t - rollout_log_probs.detach().to(t.dtype), mask).abs(), mask, reduction)
+
+
 def mismatch_metrics(
     train_log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,
     mask: torch.Tensor,
     reduction: ReductionMode = "sample_mean",
+    *,
     tis_clip: float = DEFAULT_TIS_CLIP,
     tis_clip_low: float = DEFAULT_TIS_CLIP_LOW,
 ) -> dict[str, torch.Tensor]:
@@ -97,8 +109,8 @@ def mismatch_metrics(
     with torch.no_grad():
         t = train_log_probs.detach()
         r = rollout_log_probs.detach().to(t.dtype)
-        out = {"train_rollout_logprob_abs_diff": reduce_masked(masked(t - r, mask).abs(), mask, reduction)}
-        out.update(compute_tis_weights(t, r, mask, tis_clip, tis_clip_low).metrics(reduction))
+        out = {"train_rollout_logprob_abs_diff": logprob_abs_diff(t, r, mask, reduction)}
+        out.update(compute_tis_weights(t, r, mask, tis_clip=tis_clip, tis_clip_low=tis_clip_low).metrics(reduction))
         out["mismatch_kl_k1"] = reduce_masked(compute_approx_kl(r, t, "k1", mask=mask), mask, reduction)
         out["mismatch_kl_k3"] = reduce_masked(compute_approx_kl(r, t, "k3", mask=mask), mask, reduction)
         return out

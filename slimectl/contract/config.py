@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+import slimectl.algorithms.registry as algo_registry
 from slimectl.contract.errors import ConfigError
 
 CONFIG_VERSION = 1
@@ -196,10 +197,11 @@ class TrainSection(Section):
 class AlgorithmSection(Section):
     """Advantages, policy loss and regularisers."""
 
-    advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
-    loss_type: Literal["policy_loss", "sft_loss"] = "policy_loss"
-    reward_normalization: Literal["group_mean_std", "group_mean", "none"] = "group_mean_std"
-    eps_clip: float = Field(default=0.2, gt=0)
+    # choices and defaults come from the algorithm registry (one list, shared with the math)
+    advantage_estimator: Literal[algo_registry.ESTIMATORS] = algo_registry.DEFAULT_ESTIMATOR  # type: ignore[valid-type]
+    loss_type: Literal[algo_registry.LOSS_TYPES] = algo_registry.DEFAULT_LOSS_TYPE  # type: ignore[valid-type]
+    reward_normalization: Literal[algo_registry.REWARD_NORM_MODES] = algo_registry.DEFAULT_REWARD_NORM  # type: ignore[valid-type]
+    eps_clip: float = Field(default=algo_registry.DEFAULT_EPS_CLIP, gt=0)
     eps_clip_high: Optional[float] = Field(default=None, gt=0)
     """Upper clip (clip-higher); default ``eps_clip``."""
     eps_clip_c: Optional[float] = Field(default=None, gt=1)
@@ -207,15 +209,15 @@ class AlgorithmSection(Section):
     entropy_coef: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(default=0.0, ge=0)
-    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_loss_type: Literal[algo_registry.KL_TYPES] = algo_registry.DEFAULT_KL_LOSS_TYPE  # type: ignore[valid-type]
     kl_coef: float = Field(default=0.0, ge=0)
     """KL penalty folded into the reward (reinforce++)."""
     gamma: float = Field(default=1.0, ge=0, le=1)
     use_tis: bool = False
-    tis_clip: float = Field(default=2.0, gt=0)
-    tis_clip_low: float = Field(default=0.0, ge=0)
+    tis_clip: float = Field(default=algo_registry.DEFAULT_TIS_CLIP, gt=0)
+    tis_clip_low: float = Field(default=algo_registry.DEFAULT_TIS_CLIP_LOW, ge=0)
     use_opd: bool = False
-    opd_kl_coef: float = Field(default=1.0, ge=0)
+    opd_kl_coef: float = Field(default=algo_registry.DEFAULT_OPD_KL_COEF, ge=0)
     calculate_per_token_loss: bool = False
     """Reduce the loss per token over the batch instead of per-sample mean."""
 
@@ -267,6 +269,11 @@ class SlimectlConfig(Section):
                 f"config_version {self.config_version} is not supported by this slimectl "
                 f"(supports {CONFIG_VERSION})"
             )
+        t, steps = self.train, self.rollout.num_rollout * self.train.num_steps_per_rollout
+        if t.lr_decay_style != "constant" and t.lr_warmup_steps >= steps:
+            raise ValueError(f"train.lr_warmup_steps ({t.lr_warmup_steps}) must be below the run's {steps} optimizer "
+                             f"steps (rollout.num_rollout x train.num_steps_per_rollout) to decay the LR "
+                             f"({t.lr_decay_style}); lower it or train longer")
         return self
 
     def to_dict(self) -> dict[str, Any]:

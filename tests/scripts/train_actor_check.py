@@ -8,6 +8,8 @@ Prints "RESULT {json}" with:
           call on the same samples; mean new-old log-prob of positive / negative advantage samples
   sft:    loss of 5 sft_loss steps on one fixed batch
   accum:  one GRPO step with 1 vs 2 packed micro-batches: max |weight diff|, metrics of both
+  multi:  2 calls x 2 steps (per-token loss, entropy bonus, warm-up + cosine LR); "resumed": the
+          second call again, on a fresh actor that loaded the state saved after the first
 """
 
 import json
@@ -26,7 +28,8 @@ def main() -> None:
     from slimectl.contract.config import AlgorithmSection, TrainSection
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.contract.samples import Sample
-    from slimectl.backends.megatron.actor import MegatronActor, group_normalized_rewards
+    from slimectl.algorithms.rewards import normalize_rewards_by_group
+    from slimectl.backends.megatron.actor import MegatronActor
     from slimectl.backends.megatron.packing import pack_samples
 
     arch = arch_from_dir(hf_dir)
@@ -51,7 +54,7 @@ def main() -> None:
     after = a.compute_log_probs(samples)
     ref_after = a.compute_log_probs(samples, ref=True)
     m1 = a.train_on_samples(samples, rollout_temperature=1.0)
-    adv = group_normalized_rewards(samples, "group_mean_std")
+    adv = normalize_rewards_by_group([s.reward_value(None) for s in samples], [s.group_index for s in samples])
     delta = torch.stack([(x - y).mean() for x, y in zip(after, before)])
     out["grpo"] = {
         "step0": m0, "step1": m1, "advantages": adv.tolist(), "delta": delta.tolist(),
@@ -91,18 +94,32 @@ def main() -> None:
         "seconds": time.perf_counter() - t,
     }
     # ---------------------------------------------------------------- 2 steps, per-token loss, warmup
+    # (and resume: a fresh actor loading the state saved after the first call continues exactly)
     t = time.perf_counter()
-    a = MegatronActor(arch, padded, TrainSection(lr=1e-3, min_lr=1e-4, lr_warmup_steps=1, lr_decay_style="cosine",
-                                                 num_steps_per_rollout=2),
-                      AlgorithmSection(calculate_per_token_loss=True, entropy_coef=0.01), tp=tp, pp=pp, total_steps=3)
-    a.load_hf(hf_dir)
-    ms = a.train_on_samples(samples) + a.train_on_samples(samples)
-    out["multi"] = {"metrics": ms, "seconds": time.perf_counter() - t}
+
+    def multi_actor():
+        m = MegatronActor(arch, padded, TrainSection(lr=1e-3, min_lr=1e-4, lr_warmup_steps=1, lr_decay_style="cosine",
+                                                     num_steps_per_rollout=2),
+                          AlgorithmSection(calculate_per_token_loss=True, entropy_coef=0.01), tp=tp, pp=pp,
+                          total_steps=3)
+        m.load_hf(hf_dir)
+        return m
+
+    import torch.distributed as dist
+
+    state = Path(samples_json).parent / f"multi_state_tp{tp}_pp{pp}_world{dist.get_world_size()}"
+    a = multi_actor()
+    ms = a.train_on_samples(samples)
+    a.save_state(state)
+    ms += a.train_on_samples(samples)
     del a
+    b = multi_actor()
+    b.load_state(state)
+    out["multi"] = {"metrics": ms, "resumed": b.train_on_samples(samples), "seconds": time.perf_counter() - t}
+    del b
 
     out["import_s"] = t_import
     out["total_s"] = time.perf_counter() - t0
-    import torch.distributed as dist
 
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(out), flush=True)

@@ -6,9 +6,11 @@ slime's GRPO path (``actor.train_actor`` + ``loss.py``), in one process per rank
    sample sharing a ``group_index``; samples without one form one group);
 2. old log-probs: recomputed with the current weights (no grad), or the rollout's
    (``train.use_rollout_logprobs``); ref log-probs from a frozen copy when ``use_kl_loss``;
-3. per-token advantages over the response tokens (:func:`slimectl.algorithms.compute_advantages`);
+3. per-token advantages over the response tokens (:func:`slimectl.algorithms.advantages.compute_advantages`);
 4. ``train.num_steps_per_rollout`` optimizer steps, each over one global batch packed into
-   micro-batches (``train.max_tokens_per_micro_batch``) with gradient accumulation.
+   micro-batches (``train.max_tokens_per_micro_batch``) with gradient accumulation; each
+   micro-batch's loss and metrics come from :func:`slimectl.algorithms.objective.compute_objective`,
+   the LR from megatron-core's ``OptimizerParamScheduler`` (:func:`lr_scheduler`).
 
 Loss reduction across micro-batches is exact: each micro-batch's reduced loss is weighted by its
 share of the global batch (samples for the per-sample mean, loss tokens for the per-token mean),
@@ -25,62 +27,53 @@ never imports :mod:`slimectl.stages.rollout`.
 
 from __future__ import annotations
 
-import math
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from slimectl.algorithms import (
-    compute_advantages,
-    compute_tis_weights,
-    gspo_policy_loss,
-    kl_loss,
-    normalize_group_rewards,
-    ppo_policy_loss,
-    reduce_masked,
-    reduction_mode,
-    sft_loss,
-)
 import slimectl.backends.megatron  # noqa: F401  (quiets megatron's import-time notices about missing TE/Apex)
-from slimectl.algorithms.tis import apply_tis
+from slimectl.algorithms.advantages import compute_advantages
+from slimectl.algorithms.objective import ObjectiveBatch, ObjectiveConfig, compute_objective
+from slimectl.algorithms.rewards import normalize_rewards_by_group
 from slimectl.backends.megatron.logprobs import compute_log_probs
 from slimectl.backends.megatron.packing import MicroBatch, pack_samples
+from slimectl.contract.errors import ConfigError
 
 
-def lr_at(step: int, lr: float, min_lr: float = 0.0, warmup_steps: int = 0, decay_style: str = "constant",
-          total_steps: int | None = None) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup from 0 over
-    ``warmup_steps``, then constant / linear / cosine decay from ``lr`` to ``min_lr`` at
-    ``total_steps`` (Megatron's OptimizerParamScheduler shapes)."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if decay_style == "constant":
-        return lr
-    if decay_style not in ("linear", "cosine"):
-        raise ValueError(f"unknown lr_decay_style {decay_style!r}")
-    if not total_steps:
-        raise ValueError(f"lr_decay_style {decay_style!r} needs total_steps (the decay horizon)")
-    span = max(total_steps - warmup_steps, 1)
-    frac = min(max(step - warmup_steps, 0) / span, 1.0)
-    coeff = 1.0 - frac if decay_style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1.0)
-    return min_lr + coeff * (lr - min_lr)
+def lr_scheduler(optimizer, train, total_steps: int | None):
+    """megatron-core's ``OptimizerParamScheduler`` for the ``train`` section: linear warm-up from 0
+    over ``lr_warmup_steps``, then constant / linear / cosine decay from ``lr`` to ``min_lr`` at
+    optimizer step ``total_steps`` (the decay horizon, e.g. num_rollout * num_steps_per_rollout).
 
+    Megatron's semantics: the step counter is the number of successful updates so far; at count
+    ``n <= warmup`` the LR is ``lr * n / warmup`` (so the first update of a warm-up runs at LR 0),
+    then ``min_lr + coeff((n - warmup) / (total - warmup)) * (lr - min_lr)``, ``min_lr`` past the
+    horizon. Weight decay stays ``train.weight_decay`` (times Megatron's per-group ``wd_mult``: 0 on
+    biases and norms)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-def group_normalized_rewards(samples: Sequence[Any], mode: str, reward_key: str | None = None) -> torch.Tensor:
-    """``[N]`` rewards normalized within each ``group_index`` group (uneven groups allowed)."""
-    raw = torch.tensor([s.reward_value(reward_key) for s in samples], dtype=torch.float32)
-    groups: dict[Any, list[int]] = {}
-    for i, s in enumerate(samples):
-        groups.setdefault(s.group_index, []).append(i)
-    out = torch.empty_like(raw)
-    for idx in groups.values():
-        t = torch.tensor(idx)
-        out[t] = normalize_group_rewards(raw[t], None, mode)
-    return out
+    style, warmup = train.lr_decay_style, train.lr_warmup_steps
+    if style == "constant":
+        horizon = max(total_steps or 0, warmup + 1)  # unused by a constant LR beyond Megatron's checks
+    elif not total_steps:
+        raise ConfigError(f"train.lr_decay_style {style} needs the run's total optimizer steps (the decay horizon)")
+    elif total_steps <= warmup:
+        raise ConfigError(f"train.lr_warmup_steps ({warmup}) must be below the run's {total_steps} optimizer steps to "
+                          f"decay the LR ({style}); lower it or train longer")
+    else:
+        horizon = total_steps
+    # Config values win over a checkpoint's (as before: `--set train.lr=...` on resume applies);
+    # only the position comes back from a checkpoint (see MegatronActor.load_state).
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=horizon, lr_decay_style=style, start_wd=train.weight_decay, end_wd=train.weight_decay,
+        wd_incr_steps=1, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True)
 
 
 def _loss_mask(sample) -> torch.Tensor:
@@ -131,6 +124,8 @@ class MegatronActor:
             params_dtype=cfg.params_dtype, use_distributed_optimizer=train.use_distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+        self.scheduler = lr_scheduler(self.optimizer, train, total_steps)
+        self.objective = ObjectiveConfig.from_section(algo)
         self.ref_model = None
         if algo.use_kl_loss:
             self.ref_model = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=False).eval()
@@ -234,7 +229,7 @@ class MegatronActor:
         state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
                  "rng_state": self._rng_object(self.rng_states()), "parallel_layout": self._layout,
                  "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.step, "actor_step": self.step,
-                 **(extra or {})}
+                 "opt_param_scheduler": self.scheduler.state_dict(), **(extra or {})}
         save_torch_dist(state, it_dir)
 
     def load_state(self, it_dir) -> dict[str, Any]:
@@ -264,9 +259,16 @@ class MegatronActor:
                 "%s was saved with (pp, tp, dp) = %s, this job is %s: random generators restart from the seed",
                 it_dir, common.get("parallel_layout"), self._layout)
         self.step = int(common.get("actor_step", 0))
+        # The LR schedule's position (the loaded optimizer state carries the saved LR; re-apply ours).
+        self.scheduler.num_steps = 0
+        if common.get("opt_param_scheduler"):
+            self.scheduler.load_state_dict(common["opt_param_scheduler"])
+        else:  # saved before the schedule was: every step had been a successful update
+            self.scheduler.step(self.step)
         # The reference model is deliberately untouched: it stays the *initial* policy, which the
         # caller loads first (load_hf / load_checkpoint) before resuming from here.
-        return {k: v for k, v in common.items() if k not in ("model", "optimizer", "rng_state", "parallel_layout")}
+        return {k: v for k, v in common.items()
+                if k not in ("model", "optimizer", "rng_state", "parallel_layout", "opt_param_scheduler")}
 
     def iter_hf_tensors(self):
         """Stream (HF name, full tensor) without holding a second copy of the model (for sync).
@@ -360,21 +362,13 @@ class MegatronActor:
             raise ValueError(f"{steps} steps x global_batch_size {gbs} needs {gbs * steps} samples, got {n}")
         return [list(range(k * gbs, (k + 1) * gbs)) for k in range(steps)]
 
-    def _set_lr(self) -> float:
-        t = self.train_cfg
-        lr = lr_at(self.step, t.lr, t.min_lr, t.lr_warmup_steps, t.lr_decay_style, self.total_steps)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        return lr
-
     def train_on_samples(self, samples: Sequence[Any], rollout_temperature: float = 1.0,
                          reward_key: str | None = None) -> list[dict[str, float]]:
         """Train on one rollout's samples; one metrics dict per optimizer step."""
         if not samples:
             raise ValueError("no samples to train on")
         algo, tcfg = self.algo, self.train_cfg
-        sft = algo.loss_type == "sft_loss"
-        mode = reduction_mode(algo.calculate_per_token_loss)
+        sft = self.objective.sft
         n = len(samples)
         masks = [_loss_mask(s) for s in samples]
         for s, m in zip(samples, masks):
@@ -427,12 +421,12 @@ class MegatronActor:
             train_old = list(rollout_lp)
 
         # Advantages over the whole rollout.
-        adv_rows: list[torch.Tensor | None] = [None] * n
+        adv_rows: list[torch.Tensor] | None = None
         if not sft:
-            rewards = group_normalized_rewards(samples, algo.reward_normalization, reward_key)
-            mask_all = _pad(masks)
+            raw = torch.tensor([s.reward_value(reward_key) for s in samples], dtype=torch.float32)
+            rewards = normalize_rewards_by_group(raw, [s.group_index for s in samples], algo.reward_normalization)
             res = compute_advantages(
-                algo.advantage_estimator, rewards, mask_all,
+                algo.advantage_estimator, rewards, _pad(masks),
                 log_probs=_pad(train_old),
                 ref_log_probs=_pad(ref_lp) if self.ref_model is not None else None,
                 kl_coef=algo.kl_coef, kl_type=algo.kl_loss_type, gamma=algo.gamma,
@@ -440,16 +434,13 @@ class MegatronActor:
                 # estimator and before REINFORCE++'s whitening (slime's order)
                 teacher_log_probs=_pad(teacher_lp) if teacher_lp is not None else None, opd_kl_coef=algo.opd_kl_coef,
             )
-            advantages = res.advantages
-            if res.opd_reverse_kl is not None:
-                self._opd_rkl = [res.opd_reverse_kl[i, : samples[i].response_length] for i in range(n)]
-            adv_rows = [advantages[i, : samples[i].response_length] for i in range(n)]
+            adv_rows = [res.advantages[i, : samples[i].response_length] for i in range(n)]
 
-        metrics_out = []
-        for layout, idx in zip(layouts, batches):
-            metrics_out.append(self._train_step(samples, layout, idx, masks, train_old, old_lp, ref_lp, rollout_lp,
-                                                adv_rows, rollout_temperature, mode, sft))
-        return metrics_out
+        rows = _SampleRows(
+            mask=masks, old=None if sft else train_old, advantages=adv_rows,
+            ref=ref_lp if self.ref_model is not None else None,
+            trainer_old=old_lp if need_old else None, rollout=rollout_lp, teacher=teacher_lp)
+        return [self._train_step(layout, idx, rows, rollout_temperature) for layout, idx in zip(layouts, batches)]
 
     def _dp_merge(self, per_sample: list) -> list:
         """Fill the entries other data-parallel ranks computed (each rank computed its own share)."""
@@ -478,68 +469,29 @@ class MegatronActor:
                 total[k] = total.get(k, 0.0) + v
         return total, sum(t for _, t in parts)
 
-    def _micro_batch_loss(self, res, gidx, n_step, tokens_step, masks, train_old, old_lp, ref_lp, rollout_lp,
-                          adv_rows, mode, sft) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss to backpropagate for one micro-batch (already weighted by its share of the
-        global batch and scaled for DDP's averaging) and its weighted metric contributions."""
-        algo = self.algo
-        acc: dict[str, float] = {}
-
-        def add(key, value, w):
-            acc[key] = acc.get(key, 0.0) + float(value) * w
-
-        lp = _pad([r.log_probs for r in res])
-        ent = _pad([r.entropy for r in res])
-        mask = _pad([masks[g] for g in gidx])
-        w = len(gidx) / n_step if mode == "sample_mean" else float(mask.sum()) / tokens_step
-        entropy = reduce_masked(ent, mask, mode)
-        if sft:
-            loss = sft_loss(lp, mask, mode)
-            add("train/pg_loss", 0.0, w)
-        else:
-            old = _pad([train_old[g] for g in gidx])
-            adv = _pad([adv_rows[g] for g in gidx])
-            fn = gspo_policy_loss if algo.advantage_estimator == "gspo" else ppo_policy_loss
-            out = fn(lp, old, adv, mask, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c)
-            pg_tok = out.pg_loss
-            if algo.use_tis:
-                tis = compute_tis_weights(_pad([old_lp[g] for g in gidx]), _pad([rollout_lp[g] for g in gidx]),
-                                          mask, algo.tis_clip, algo.tis_clip_low)
-                pg_tok = apply_tis(pg_tok, tis)
-                for k, v in tis.metrics(mode).items():
-                    add(f"train/{k}", v, w)
-            pg_loss = reduce_masked(pg_tok, mask, mode)
-            loss = pg_loss
-            add("train/pg_loss", pg_loss.detach(), w)
-            add("train/pg_clipfrac", reduce_masked(out.clipfrac, mask, mode), w)
-            add("train/ppo_kl", reduce_masked(out.ppo_kl.detach(), mask, mode), w)
-        if algo.entropy_coef:
-            loss = loss - algo.entropy_coef * entropy
-        if self.ref_model is not None:
-            kl = kl_loss(lp, _pad([ref_lp[g] for g in gidx]), mask, algo.kl_loss_type, reduction=mode)
-            loss = loss + algo.kl_loss_coef * kl
-            add("train/kl_loss", kl.detach(), w)
-        if algo.use_opd and not sft:
-            add("train/opd_reverse_kl", reduce_masked(_pad([self._opd_rkl[g] for g in gidx]), mask, mode), w)
-        if rollout_lp is not None and old_lp[gidx[0]] is not None:
-            diff = (_pad([old_lp[g] for g in gidx]) - _pad([rollout_lp[g] for g in gidx])).abs()
-            add("train/train_rollout_logprob_abs_diff", reduce_masked(diff, mask, mode), w)
-        add("train/entropy", entropy.detach(), w)
-        add("train/loss", loss.detach(), w)
+    def _micro_batch_loss(self, res, gidx: list[int], rows: "_SampleRows", step_size: float
+                          ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss to backpropagate for one micro-batch (already weighted by its share of the global
+        batch and scaled for DDP's averaging) and its weighted metric contributions. ``step_size``:
+        the global batch's samples (per-sample mean) or loss tokens (per-token mean)."""
+        batch = rows.batch(gidx, log_probs=_pad([r.log_probs for r in res]), entropy=_pad([r.entropy for r in res]))
+        share = len(gidx) if self.objective.reduction == "sample_mean" else float(batch.mask.sum())
+        w = share / step_size
+        loss, metrics = compute_objective(self.objective, batch)
         # DDP averages gradients over data-parallel ranks; w is relative to the global batch.
-        return loss * (w * self.dp), acc
+        return loss * (w * self.dp), {k: float(v) * w for k, v in metrics.items()}
 
-    def _train_step(self, samples, layout, idx, masks, train_old, old_lp, ref_lp, rollout_lp, adv_rows,
-                    temperature, mode, sft) -> dict[str, float]:
+    def _train_step(self, layout, idx: list[int], rows: "_SampleRows", temperature: float) -> dict[str, float]:
         t0 = time.perf_counter()
-        lr = self._set_lr()
+        lr = self.optimizer.param_groups[0]["lr"]  # the scheduler's LR for this step
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        n_step = len(idx)
-        tokens_step = max(float(sum(masks[i].sum() for i in idx)), 1.0)
+        if self.objective.reduction == "sample_mean":
+            step_size = float(len(idx))
+        else:
+            step_size = max(float(sum(rows.mask[i].sum() for i in idx)), 1.0)
         acc: dict[str, float] = {}
         n_tokens = sum(mb.num_tokens for mb, _ in layout)
-        args = (n_step, tokens_step, masks, train_old, old_lp, ref_lp, rollout_lp, adv_rows, mode, sft)
 
         def merge(part: dict[str, float]) -> None:
             for k, v in part.items():
@@ -548,7 +500,7 @@ class MegatronActor:
         if self.pp == 1:
             for mb, gidx in layout:
                 res = compute_log_probs(self.model, mb, self.arch.vocab_size, temperature, True, self.tp_group)
-                loss, part = self._micro_batch_loss(res, gidx, *args)
+                loss, part = self._micro_batch_loss(res, gidx, rows, step_size)
                 merge(part)
                 loss.backward()
             self.model.finish_grad_sync()
@@ -559,7 +511,7 @@ class MegatronActor:
 
             def loss_fn(mb, gidx, output):
                 res = log_probs_from_output(output, mb, self.arch.vocab_size, temperature, True, self.tp_group)
-                loss, part = self._micro_batch_loss(res, gidx, *args)
+                loss, part = self._micro_batch_loss(res, gidx, rows, step_size)
                 return loss * len(layout), part  # the schedule divides by the number of micro-batches
 
             for part in self._run_schedule(self.model, layout, loss_fn, forward_only=False):
@@ -570,6 +522,8 @@ class MegatronActor:
         acc = self._pp_share(acc)
         ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
+        if ok:
+            self.scheduler.step(1)  # Megatron counts successful updates only
         dt = time.perf_counter() - t0
         m = {"train/loss": 0.0, "train/pg_loss": 0.0, "train/pg_clipfrac": 0.0, "train/ppo_kl": 0.0,
              "train/kl_loss": 0.0, "train/entropy": 0.0}
@@ -579,3 +533,26 @@ class MegatronActor:
                   "train/num_micro_batches": float(len(layout)), "train/step": float(self.step),
                   "perf/train_time": dt, "perf/tokens_per_s": n_tokens / dt if dt > 0 else 0.0})
         return m
+
+
+@dataclass
+class _SampleRows:
+    """One rollout's per-sample response rows (indexed by sample), cut into micro-batches by
+    :meth:`batch`; ``None`` where the objective does not need that input."""
+
+    mask: list[torch.Tensor]
+    old: list[torch.Tensor] | None  # the ratio's old log-probs (recomputed or the rollout's)
+    advantages: list[torch.Tensor] | None
+    ref: list[torch.Tensor] | None
+    trainer_old: list[torch.Tensor] | None  # recomputed old log-probs (TIS, mismatch metric)
+    rollout: list[torch.Tensor] | None
+    teacher: list[torch.Tensor] | None
+
+    def batch(self, gidx: list[int], log_probs: torch.Tensor, entropy: torch.Tensor) -> ObjectiveBatch:
+        def pad(per_sample):
+            return None if per_sample is None else _pad([per_sample[g] for g in gidx])
+
+        return ObjectiveBatch(log_probs=log_probs, entropy=entropy, mask=pad(self.mask), old_log_probs=pad(self.old),
+                              advantages=pad(self.advantages), ref_log_probs=pad(self.ref),
+                              trainer_old_log_probs=pad(self.trainer_old), rollout_log_probs=pad(self.rollout),
+                              teacher_log_probs=pad(self.teacher))

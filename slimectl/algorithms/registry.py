@@ -1,0 +1,41 @@
+"""The algorithm registries: every choice name and default the RL math accepts, with no torch import.
+
+The config schema (:mod:`slimectl.contract.config`) validates against these tuples and takes its
+defaults from these constants, and the math modules dispatch on them, so a name added here is
+accepted everywhere at once (``tests/test_walls.py`` lets the contract import this module only).
+"""
+
+from __future__ import annotations
+
+#: ``algorithm.advantage_estimator`` (:func:`slimectl.algorithms.advantages.compute_advantages`).
+ESTIMATORS: tuple[str, ...] = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+#: Estimators whose advantage is the (normalized) reward broadcast over the response.
+GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "gspo", "cispo")
+#: ``algorithm.kl_loss_type`` (:func:`slimectl.algorithms.kl.compute_approx_kl`).
+KL_TYPES: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
+#: Loss reductions (:func:`slimectl.algorithms.reduce.reduce_masked`); ``algorithm.calculate_per_token_loss``
+#: picks ``token_mean``.
+REDUCTION_MODES: tuple[str, ...] = ("sample_mean", "token_mean")
+#: ``algorithm.reward_normalization`` (:func:`slimectl.algorithms.rewards.normalize_group_rewards`).
+REWARD_NORM_MODES: tuple[str, ...] = ("group_mean_std", "group_mean", "none")
+#: ``algorithm.loss_type`` (:func:`slimectl.algorithms.objective.compute_objective`).
+LOSS_TYPES: tuple[str, ...] = ("policy_loss", "sft_loss")
+
+DEFAULT_ESTIMATOR = "grpo"
+DEFAULT_LOSS_TYPE = "policy_loss"
+DEFAULT_REWARD_NORM = "group_mean_std"
+DEFAULT_KL_LOSS_TYPE = "low_var_kl"
+#: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]`` (``eps_clip_high`` defaults to ``eps_clip``).
+DEFAULT_EPS_CLIP = 0.2
+#: Truncated importance sampling clamp ``[tis_clip_low, tis_clip]``.
+DEFAULT_TIS_CLIP = 2.0
+DEFAULT_TIS_CLIP_LOW = 0.0
+#: On-policy distillation: ``A_t -= opd_kl_coef * (log pi_student - log pi_teacher)``.
+DEFAULT_OPD_KL_COEF = 1.0
+
+
+def check_choice(kind: str, value: str, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``; otherwise a one-line ValueError listing them."""
+    if value not in choices:
+        raise ValueError(f"unknown {kind} {value!r}; expected one of {', '.join(choices)}")
+    return value
