@@ -29,7 +29,7 @@ def export_cmd(ctx: click.Context, checkpoint: str | None, iteration: int | None
       slimectl export --checkpoint ckpt/qwen --out qwen-hf
       slimectl export -r runs/a --iteration 20 --out exported/
     """
-    from slimectl.stages.convert import export_megatron_to_hf
+    from slimectl.stages.export import export_megatron_to_hf
 
     run = resolve_run_dir(ctx, run_dir)
     if checkpoint is not None and out_dir is not None and run_dir is None:

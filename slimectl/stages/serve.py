@@ -148,7 +148,9 @@ class EngineGroup:
             return argv, env, [self.token] if self.token else []
         from slimectl.engines.sglang.launcher import SGLangLaunchSpec, build_env, build_sglang_argv
 
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.cfg.model.dtype]
+        from slimectl.backends.hf.dtypes import HF_NAMES
+
+        dtype = HF_NAMES[self.cfg.model.dtype]
         per = ec.tp_size
         gpus = ec.gpu_ids[i * per:(i + 1) * per] if ec.gpu_ids else []
         spec = SGLangLaunchSpec(model_path=str(self.model_path), port=port, host=ec.host, tp_size=ec.tp_size,

@@ -14,24 +14,16 @@ import torch
 
 from slimectl.contract.errors import SlimectlError
 from slimectl.backends.hf.arch import CheckpointMismatch, ModelArch, expected_hf_shapes
+from slimectl.backends.hf.dtypes import SAFETENSORS_DTYPES
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFCheckpointError(SlimectlError):
     """An HF checkpoint directory is missing files or holds damaged ones."""
 
 
-# safetensors dtype codes (https://github.com/huggingface/safetensors, format spec) -> torch.
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 _MAX_HEADER = 100 * 2**20
 
 
