@@ -60,9 +60,4 @@ def convert_cmd(ctx: click.Context, hf_dir: str | None, out_dir: str | None, run
     result = convert_hf_to_megatron(hf_dir, out_dir, tp=tp, pp=pp, dtype=dtype, force=force,
                                     run_dir=run if out_dir is None else None)
     if int(os.environ.get("RANK", "0")) == 0:
-        import logging
-
-        logging.getLogger("slimectl.convert").info(
-            "converted %s -> %s (%.2fM parameters, tp=%d pp=%d, %s)", hf_dir, result.out, result.num_params / 1e6,
-            tp, pp, dtype)
         click.echo(str(result.out))

@@ -36,8 +36,4 @@ def export_cmd(ctx: click.Context, checkpoint: str | None, iteration: int | None
         run = None  # explicit paths win over a run dir inherited from the root/env
     result = export_megatron_to_hf(checkpoint, out_dir, iteration=iteration, dtype=dtype,
                                    max_shard_size=max_shard_size, force=force, run_dir=run)
-    import logging
-
-    logging.getLogger("slimectl.export").info("exported iteration %s -> %s (%d tensors in %d files)", result.iteration,
-                                              result.out, result.num_tensors, len(result.files))
     click.echo(str(result.out))

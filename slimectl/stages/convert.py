@@ -7,6 +7,8 @@ complete, so a failure or ``kill -9`` never leaves a half-written output behind.
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -14,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from slimectl.contract.errors import UsageError
+from slimectl.contract.logs import StageLog
 from slimectl.contract.rundir.atomic import check_output_dir, swap_dir_into_place
+
+log = logging.getLogger("slimectl.convert")
 
 
 @dataclass
@@ -94,41 +99,46 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path | None = None, tp
 
     arch, hf, run, out = check_convert_inputs(hf_dir, out, tp, pp, dtype, force, run_dir)
     hf_dir = Path(hf_dir)
-
-    info = init_parallel(tp=tp, pp=pp)
-    try:
-        if info.world_size != tp * pp:
-            raise UsageError(f"convert runs with exactly tp*pp = {tp * pp} processes, got {info.world_size}")
-        padded = arch.padded_vocab_size(tp)
-        model = build_gpt_model(arch, padded, tp=tp, pp=pp, dtype=dtype, init=False)
-        n = sum(1 for _ in model.parameters())
-        # Tensors made of whole HF rows are not read here: the writer copies their bytes from the
-        # HF files into the checkpoint (slimectl/backends/megatron/copy_save.py); hf stays open until then.
-        key_map = model.decoder.layers[0].submodules_config.sharded_state_dict_keys_map  # every stage has layers
-        source = RowSource(hf, tied_output=arch.tie_word_embeddings, layer_key_map=key_map)
-        with bar(total=n, mode=progress if info.rank == 0 else "off", desc="convert", unit="tensor") as pbar:
-            load_hf_into_model(model, arch, hf, padded, info.tp_rank, info.tp, progress=pbar, defer_to=source)
-        num_params = sum(p.numel() for p in model.parameters())
-        if run is not None:
-            result_dir = _save_into_run(run, model, arch, padded, dtype, tp, pp, hf_dir, force, info, source)
-        else:
-            tmp = _broadcast(str(out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}") if info.rank == 0 else None)
-            try:
-                save_megatron_checkpoint(model, tmp, "release", arch, padded, dtype, tp, pp, hf_source=hf_dir,
-                                         args=_megatron_args(arch, padded, tp, pp, dtype), source=source)
-                if info.rank == 0:
-                    swap_dir_into_place(Path(tmp), out)
-            except BaseException:
-                if info.rank == 0:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            dist.barrier()
-            result_dir = out
-        total = _allreduce_sum(num_params) if pp > 1 or tp > 1 else num_params
-        return ConvertResult(Path(result_dir), 0, total, tp, pp, dtype, copied_tensors=len(source))
-    finally:
-        hf.close()
-        shutdown_parallel()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    with StageLog(run.log_path("convert") if run is not None else None, enabled=run is not None and rank0):
+        info = init_parallel(tp=tp, pp=pp)
+        try:
+            if info.world_size != tp * pp:
+                raise UsageError(f"convert runs with exactly tp*pp = {tp * pp} processes, got {info.world_size}")
+            padded = arch.padded_vocab_size(tp)
+            model = build_gpt_model(arch, padded, tp=tp, pp=pp, dtype=dtype, init=False)
+            n = sum(1 for _ in model.parameters())
+            # Tensors made of whole HF rows are not read here: the writer copies their bytes from the
+            # HF files into the checkpoint (slimectl/backends/megatron/copy_save.py); hf stays open until then.
+            key_map = model.decoder.layers[0].submodules_config.sharded_state_dict_keys_map  # every stage has layers
+            source = RowSource(hf, tied_output=arch.tie_word_embeddings, layer_key_map=key_map)
+            with bar(total=n, mode=progress if info.rank == 0 else "off", desc="convert", unit="tensor") as pbar:
+                load_hf_into_model(model, arch, hf, padded, info.tp_rank, info.tp, progress=pbar, defer_to=source)
+            num_params = sum(p.numel() for p in model.parameters())
+            if run is not None:
+                result_dir = _save_into_run(run, model, arch, padded, dtype, tp, pp, hf_dir, force, info, source)
+            else:
+                tmp = _broadcast(str(out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}")
+                                 if info.rank == 0 else None)
+                try:
+                    save_megatron_checkpoint(model, tmp, "release", arch, padded, dtype, tp, pp, hf_source=hf_dir,
+                                             args=_megatron_args(arch, padded, tp, pp, dtype), source=source)
+                    if info.rank == 0:
+                        swap_dir_into_place(Path(tmp), out)
+                except BaseException:
+                    if info.rank == 0:
+                        shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+                dist.barrier()
+                result_dir = out
+            total = _allreduce_sum(num_params) if pp > 1 or tp > 1 else num_params
+            if rank0:
+                log.info("converted %s -> %s (%.2fM parameters, tp=%d pp=%d, %s)", hf_dir, result_dir, total / 1e6,
+                         tp, pp, dtype)
+            return ConvertResult(Path(result_dir), 0, total, tp, pp, dtype, copied_tensors=len(source))
+        finally:
+            hf.close()
+            shutdown_parallel()
 
 
 def _allreduce_sum(x: int) -> int:

@@ -8,13 +8,17 @@ a failure or ``kill -9`` never leaves a half-written output behind.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.logs import StageLog
 from slimectl.contract.rundir.atomic import check_output_dir, swap_dir_into_place
+
+log = logging.getLogger("slimectl.export")
 
 
 @dataclass
@@ -97,47 +101,49 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
         out = Path(out).absolute()
         check_output_dir(out, force)
     hf_aux = Path(checkpoint) / HF_DIR
+    with StageLog(run.log_path("export") if run is not None else None, enabled=run is not None):
+        info = init_parallel(tp=1, pp=1)
+        try:
+            if info.world_size != 1:
+                raise UsageError("export runs in a single process; do not launch it under torchrun")
+            model = build_gpt_model(arch, meta["padded_vocab_size"], tp=1, pp=1, dtype=src_dtype, init=False)
+            load_megatron_checkpoint(model, it_dir)
 
-    info = init_parallel(tp=1, pp=1)
-    try:
-        if info.world_size != 1:
-            raise UsageError("export runs in a single process; do not launch it under torchrun")
-        model = build_gpt_model(arch, meta["padded_vocab_size"], tp=1, pp=1, dtype=src_dtype, init=False)
-        load_megatron_checkpoint(model, it_dir)
+            def write(dest: Path) -> dict:
+                n = sum(1 for _ in model.parameters())
+                with bar(total=n, mode=progress, desc="export", unit="tensor") as pbar:
+                    def tensors():
+                        for item in model_to_hf_tensors(model, arch):
+                            yield item
+                            pbar.update(0)
+                        pbar.update(n)
 
-        def write(dest: Path) -> dict:
-            n = sum(1 for _ in model.parameters())
-            with bar(total=n, mode=progress, desc="export", unit="tensor") as pbar:
-                def tensors():
-                    for item in model_to_hf_tensors(model, arch):
-                        yield item
-                        pbar.update(0)
-                    pbar.update(n)
+                    index = write_safetensors_sharded(tensors(), dest, shard_bytes, dtype=torch_dtype(dtype))
+                copy_hf_aux_files(hf_aux, dest)
+                _set_config_dtype(dest, dtype)
+                return index
 
-                index = write_safetensors_sharded(tensors(), dest, shard_bytes, dtype=torch_dtype(dtype))
-            copy_hf_aux_files(hf_aux, dest)
-            _set_config_dtype(dest, dtype)
-            return index
-
-        if publish_id is not None:
-            with run.weights.publish(publish_id, meta={"source": "export", "checkpoint": str(checkpoint),
-                                                       "iteration": it, "dtype": dtype}, stage="export",
-                                     overwrite=force) as staging:
-                index = write(staging)
-            dest = run.weights.dir_for(publish_id)
-        else:
-            tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
-            try:
-                index = write(tmp)
-                swap_dir_into_place(tmp, out)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            dest = out
-        files = sorted(set(index["weight_map"].values()))
-        return ExportResult(dest, it, len(index["weight_map"]), files)
-    finally:
-        shutdown_parallel()
+            if publish_id is not None:
+                with run.weights.publish(publish_id, meta={"source": "export", "checkpoint": str(checkpoint),
+                                                           "iteration": it, "dtype": dtype}, stage="export",
+                                         overwrite=force) as staging:
+                    index = write(staging)
+                dest = run.weights.dir_for(publish_id)
+            else:
+                tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+                try:
+                    index = write(tmp)
+                    swap_dir_into_place(tmp, out)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+                dest = out
+            files = sorted(set(index["weight_map"].values()))
+            log.info("exported iteration %s -> %s (%d tensors in %d files)", it, dest, len(index["weight_map"]),
+                     len(files))
+            return ExportResult(dest, it, len(index["weight_map"]), files)
+        finally:
+            shutdown_parallel()
 
 
 def _set_config_dtype(dest: Path, dtype: str) -> None:

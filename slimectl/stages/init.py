@@ -11,7 +11,7 @@ from pathlib import Path
 from slimectl.contract.config import SlimectlConfig, build_config, load_config
 from slimectl.contract.dataspec import data_spec_path
 from slimectl.contract.errors import ConfigError, UsageError
-from slimectl.contract.logs import quiet_hf_progress
+from slimectl.contract.logs import StageLog, quiet_hf_progress
 from slimectl.contract.rundir.run import RunDir
 
 log = logging.getLogger("slimectl.init")
@@ -61,25 +61,28 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
         cfg = build_config(data)
     if dry_run:
         return InitResult(cfg, None, "dry-run")
-    if tiny_model is not None:
-        from slimectl.fixtures.tiny_models import build_tiny_model
+    with StageLog() as stage_log:  # held until the run directory exists
+        if tiny_model is not None:
+            from slimectl.fixtures.tiny_models import build_tiny_model
 
-        # Refuse early (before building anything) when the directory is not ours to fill.
-        if not run.initialized:
-            RunDir.create_check(run.path)
-        target = Path(cfg.model.path)  # type: ignore[arg-type]
-        if not (target / "config.json").is_file():
-            log.info("building tiny %s model in %s", tiny_model, target)
-            quiet_hf_progress()
-            # Build aside and rename, so a killed init never leaves a half-written model behind.
-            tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            build_tiny_model(tiny_model, tmp)
-            shutil.rmtree(target, ignore_errors=True)
-            os.rename(tmp, target)
-    _check_inputs(cfg)
-    run, outcome = RunDir.create(run.path, cfg, force=force)
-    return InitResult(cfg, run, outcome)
+            # Refuse early (before building anything) when the directory is not ours to fill.
+            if not run.initialized:
+                RunDir.create_check(run.path)
+            target = Path(cfg.model.path)  # type: ignore[arg-type]
+            if not (target / "config.json").is_file():
+                log.info("building tiny %s model in %s", tiny_model, target)
+                quiet_hf_progress()
+                # Build aside and rename, so a killed init never leaves a half-written model behind.
+                tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                build_tiny_model(tiny_model, tmp)
+                shutil.rmtree(target, ignore_errors=True)
+                os.rename(tmp, target)
+        _check_inputs(cfg)
+        run, outcome = RunDir.create(run.path, cfg, force=force)
+        log.debug("run directory %s: %s (config %s)", run.path, outcome, cfg.fingerprint()[:12])
+        stage_log.write_to(run.log_path("init"))
+        return InitResult(cfg, run, outcome)
 
 
 def frozen_tiny_model(path: str | Path) -> str | None:

@@ -219,44 +219,46 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
     from slimectl.contract.metrics import MetricsWriter
 
     rank0 = launch_rank() == 0
-    world = cfg.train.tp * cfg.train.pp * cfg.train.dp
-    if int(os.environ.get("WORLD_SIZE", "1")) != world:
-        raise UsageError(f"train.tp*pp*dp = {world} processes are needed, this job has {os.environ.get('WORLD_SIZE', '1')}; "
-                         f"run `slimectl train` (it launches torchrun itself; on several nodes with --nnodes, "
-                         f"--node-rank and --master-addr/--master-port on each)")
-    if not rank0:
-        logging.getLogger("slimectl").setLevel(logging.WARNING)
-    # Cheap checks first (ids, cursor, files): a wrong --id fails in a second, not after building the actor.
-    # Only rank 0 looks for the rollout: other nodes may see the shared filesystem a moment later.
-    todo = plan_training(run, cfg, rollout_id, follow, max_rollouts, allow_empty, check_published=rank0)
-    with ExitStack() as stack:
-        lock = stack.enter_context(run.lock("train")) if rank0 else FollowerLock()
-        trainer = Trainer(run, cfg, lock)  # also reconciles the cursor with the checkpoint
-        next_id = trainer.next_rollout
-        if not todo:
-            return TrainResult([], next_id, next_id)
-        log.info("resuming at rollout %d, %d to go", next_id, len(todo))
-        tb = run.tensorboard_dir("train") if cfg.logging.tensorboard else None
-        trained: list[int] = []
-        with (MetricsWriter(run.metrics_path("train"), tb) if rank0 else NullMetrics()) as metrics:
-            for n, rid in enumerate(todo):
-                lock.check()
-                if follow:
-                    art = run.rollouts.wait_for(rid, timeout=wait_timeout, should_stop=lambda: not lock.held)
-                elif broadcast_from_rank0(run.rollouts.exists(rid) if rank0 else None):
-                    # Rank 0 decides: ranks on other nodes may see the shared filesystem a moment later.
-                    art = run.rollouts.get(rid, verify="full") if rank0 else \
-                        run.rollouts.wait_for(rid, timeout=60, verify="full")
-                else:
-                    if trained:
-                        if trainer.last_published != rid:  # stopping early: what was trained is checkpointed
-                            trainer.publish(rid - 1, rid)
-                        break
-                    raise SlimectlError(f"rollouts/{rid:06d} is not published yet; run `slimectl rollout -r {run.path}` "
-                                        f"or use --follow to wait for it")
-                trainer.train_rollout(rid, art, metrics, publish_weights=False, last=n == len(todo) - 1)
-                trained.append(rid)
-        return TrainResult(trained, trainer.next_rollout, trainer.next_rollout)
+    with run.stage_log("train", enabled=rank0):  # rank 0 writes the log
+        world = cfg.train.tp * cfg.train.pp * cfg.train.dp
+        have = os.environ.get("WORLD_SIZE", "1")
+        if int(have) != world:
+            raise UsageError(f"train.tp*pp*dp = {world} processes are needed, this job has {have}; "
+                             f"run `slimectl train` (it launches torchrun itself; on several nodes with --nnodes, "
+                             f"--node-rank and --master-addr/--master-port on each)")
+        if not rank0:
+            logging.getLogger("slimectl").setLevel(logging.WARNING)
+        # Cheap checks first (ids, cursor, files): a wrong --id fails in a second, not after building the
+        # actor. Only rank 0 looks for the rollout: other nodes may see the shared filesystem a moment later.
+        todo = plan_training(run, cfg, rollout_id, follow, max_rollouts, allow_empty, check_published=rank0)
+        with ExitStack() as stack:
+            lock = stack.enter_context(run.lock("train")) if rank0 else FollowerLock()
+            trainer = Trainer(run, cfg, lock)  # also reconciles the cursor with the checkpoint
+            next_id = trainer.next_rollout
+            if not todo:
+                return TrainResult([], next_id, next_id)
+            log.info("resuming at rollout %d, %d to go", next_id, len(todo))
+            tb = run.tensorboard_dir("train") if cfg.logging.tensorboard else None
+            trained: list[int] = []
+            with (MetricsWriter(run.metrics_path("train"), tb) if rank0 else NullMetrics()) as metrics:
+                for n, rid in enumerate(todo):
+                    lock.check()
+                    if follow:
+                        art = run.rollouts.wait_for(rid, timeout=wait_timeout, should_stop=lambda: not lock.held)
+                    elif broadcast_from_rank0(run.rollouts.exists(rid) if rank0 else None):
+                        # Rank 0 decides: ranks on other nodes may see the shared filesystem a moment later.
+                        art = run.rollouts.get(rid, verify="full") if rank0 else \
+                            run.rollouts.wait_for(rid, timeout=60, verify="full")
+                    else:
+                        if trained:
+                            if trainer.last_published != rid:  # stopping early: what was trained is checkpointed
+                                trainer.publish(rid - 1, rid)
+                            break
+                        raise SlimectlError(f"rollouts/{rid:06d} is not published yet; run "
+                                            f"`slimectl rollout -r {run.path}` or use --follow to wait for it")
+                    trainer.train_rollout(rid, art, metrics, publish_weights=False, last=n == len(todo) - 1)
+                    trained.append(rid)
+            return TrainResult(trained, trainer.next_rollout, trainer.next_rollout)
 
 
 def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: int, version: int,
