@@ -44,9 +44,10 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
       slimectl rl -r runs/demo --set rollout.num_rollout=60      # go on for longer
       slimectl rl -r runs/demo --launcher ray --address auto     # engines and trainer as Ray actors
     """
+    from slimectl.orchestration.loop import make_launcher
     from slimectl.stages.init import init_or_resume
 
-    placer = _make_launcher(launcher, address, colocate)
+    placer = make_launcher(launcher, address, colocate)
     run, cfg = init_or_resume("rl", config_path, resolve_run_dir(ctx, run_dir), overrides, tiny_model, dry_run)
     if run is None:
         click.echo(cfg.to_yaml(), nl=False)
@@ -70,18 +71,4 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     from slimectl.commands._stage import format_ids
 
     click.echo(f"trained rollouts {format_ids(res.trained)}; weight version {res.weight_version}; {res.seconds:.1f} s")
-
-
-def _make_launcher(launcher: str, address: str | None, colocate: bool | None):
-    """The launcher object for run_rl (None: the default local one); Ray is imported only for ``ray``."""
-    from slimectl.contract.errors import UsageError
-
-    if launcher == "local":
-        for flag, value in (("--address", address), ("--colocate/--no-colocate", colocate)):
-            if value is not None:
-                raise UsageError(f"{flag} places actors on Ray; add --launcher ray")
-        return None
-    from slimectl.orchestration.ray_launcher import RayLauncher
-
-    return RayLauncher(address=address, colocate=bool(colocate))
 

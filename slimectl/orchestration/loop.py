@@ -48,6 +48,23 @@ class RLResult:
     seconds: float = 0.0
 
 
+def make_launcher(name: str = "local", address: str | None = None, colocate: bool | None = None):
+    """The launcher ``run_rl`` places engines and trainer with (``local`` or ``ray``); Ray is imported
+    only for ``ray``, and its options are refused for ``local``."""
+    if name == "local":
+        from slimectl.orchestration.local_launcher import LocalLauncher
+
+        for flag, value in (("--address", address), ("--colocate/--no-colocate", colocate)):
+            if value is not None:
+                raise UsageError(f"{flag} places actors on Ray; add --launcher ray")
+        return LocalLauncher()
+    if name != "ray":
+        raise UsageError(f"--launcher {name!r}: expected local or ray")
+    from slimectl.orchestration.ray_launcher import RayLauncher
+
+    return RayLauncher(address=address, colocate=bool(colocate))
+
+
 def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
            stop: threading.Event | None = None, critical=nullcontext, launcher=None) -> RLResult:
     """Run the loop until ``rollout.num_rollout`` rollouts are trained (or ``stop`` is set).

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -169,6 +169,17 @@ class HFCheckpoint:
             h.close()
         self._handles.clear()
 
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every tensor, in name order, one tensor read at a time."""
+        for name in self.names():
+            yield name, self.get(name)
+
     def names(self) -> list[str]:
         return sorted(self._where)
 
@@ -220,6 +231,13 @@ class HFCheckpoint:
                 f"{self.dir}: unexpected tensor {extra[0]}" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else "")
                 + " for this config; the checkpoint and config.json describe different models"
             )
+
+
+def iter_safetensors_dir(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of an HF safetensors directory (``model.safetensors``, or
+    shards listed in ``model.safetensors.index.json``), validated up front, one tensor read at a time."""
+    with HFCheckpoint(model_dir) as ckpt:
+        yield from ckpt.iter_tensors()
 
 
 def write_safetensors_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
