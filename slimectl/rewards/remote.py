@@ -148,11 +148,6 @@ class RemoteRewardModel:
             f"remote reward model {self.url} failed after {self.max_retries} attempts: {last}",
             url=self.url, status=last.status if last else None)
 
-    async def score_sample(self, sample: Any) -> float | dict:
-        """:meth:`score` with a sample's ``prompt``, ``response`` and ``label`` attributes."""
-        return await self.score(getattr(sample, "prompt", None), getattr(sample, "response", None),
-                                getattr(sample, "label", None))
-
 
 _shared: dict[str, RemoteRewardModel] = {}
 
