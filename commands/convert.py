@@ -34,13 +34,9 @@ def convert_cmd(ctx: click.Context, hf_dir: str | None, out_dir: str | None, run
     """
     import os
 
-    from slimectl.stages.convert import (
-        _under_torchrun,
-        check_convert_inputs,
-        convert_hf_to_megatron,
-        relaunch_under_torchrun,
-    )
     from slimectl.contract.errors import UsageError
+    from slimectl.orchestration.torchrun import argv_from_params, relaunch_under_torchrun, under_torchrun
+    from slimectl.stages.convert import check_convert_inputs, convert_hf_to_megatron
 
     run = resolve_run_dir(ctx, run_dir)
     if out_dir is None and run is None:
@@ -53,21 +49,15 @@ def convert_cmd(ctx: click.Context, hf_dir: str | None, out_dir: str | None, run
         from slimectl.contract.rundir import RunDir
 
         hf_dir = RunDir.open(run).config().model.path
-    if tp * pp > 1 and not _under_torchrun():
+    if tp * pp > 1 and not under_torchrun():
         check_convert_inputs(hf_dir, out_dir, tp, pp, dtype, force, run if out_dir is None else None)
-        argv = ["convert", "--hf", str(hf_dir), "--tp", str(tp), "--pp", str(pp), "--dtype", dtype]
-        argv += ["--out", str(out_dir)] if out_dir is not None else ["-r", str(run)]
-        argv += ["--force"] if force else []
-        code = relaunch_under_torchrun(tp * pp, argv)
+        argv = argv_from_params(ctx.command.params, {**ctx.params, "hf_dir": str(hf_dir),
+                                                     "run_dir": str(run) if out_dir is None else None})
+        code = relaunch_under_torchrun(tp * pp, ["convert", *argv])
         if code:
             ctx.exit(code)
         return
     result = convert_hf_to_megatron(hf_dir, out_dir, tp=tp, pp=pp, dtype=dtype, force=force,
                                     run_dir=run if out_dir is None else None)
     if int(os.environ.get("RANK", "0")) == 0:
-        import logging
-
-        logging.getLogger("slimectl.convert").info(
-            "converted %s -> %s (%.2fM parameters, tp=%d pp=%d, %s)", hf_dir, result.out, result.num_params / 1e6,
-            tp, pp, dtype)
         click.echo(str(result.out))

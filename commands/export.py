@@ -29,15 +29,11 @@ def export_cmd(ctx: click.Context, checkpoint: str | None, iteration: int | None
       slimectl export --checkpoint ckpt/qwen --out qwen-hf
       slimectl export -r runs/a --iteration 20 --out exported/
     """
-    from slimectl.stages.convert import export_megatron_to_hf
+    from slimectl.stages.export import export_megatron_to_hf
 
     run = resolve_run_dir(ctx, run_dir)
     if checkpoint is not None and out_dir is not None and run_dir is None:
         run = None  # explicit paths win over a run dir inherited from the root/env
     result = export_megatron_to_hf(checkpoint, out_dir, iteration=iteration, dtype=dtype,
                                    max_shard_size=max_shard_size, force=force, run_dir=run)
-    import logging
-
-    logging.getLogger("slimectl.export").info("exported iteration %s -> %s (%d tensors in %d files)", result.iteration,
-                                              result.out, result.num_tensors, len(result.files))
     click.echo(str(result.out))

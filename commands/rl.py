@@ -44,37 +44,14 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
       slimectl rl -r runs/demo --set rollout.num_rollout=60      # go on for longer
       slimectl rl -r runs/demo --launcher ray --address auto     # engines and trainer as Ray actors
     """
-    from pathlib import Path
+    from slimectl.orchestration.loop import make_launcher
+    from slimectl.stages.init import init_or_resume
 
-    from slimectl.contract.errors import UsageError
-
-    placer = _make_launcher(launcher, address, colocate)
-    path = resolve_run_dir(ctx, run_dir)
-    if config_path is None and path is None:
-        raise UsageError("pass --config CFG (and -r RUN), or -r RUN of an initialized run")
-    if config_path is not None:
-        from slimectl.stages.init import init_run, resolve_init_config
-
-        if path is None:
-            cfg = resolve_init_config(config_path, overrides)
-            path = str(Path("runs") / (cfg.name or Path(config_path).stem))
-        if tiny_model is None:
-            tiny_model = _frozen_tiny_model(path)  # a rerun of the command that built it
-        result = init_run(path, config_path, overrides, tiny_model=tiny_model, dry_run=dry_run)
-        if dry_run:
-            click.echo(result.config.to_yaml(), nl=False)
-            return
-        overrides = ()  # frozen into the run's config by init
-    elif tiny_model is not None:
-        raise UsageError("--tiny-model needs --config (it builds the model of a new run)")
-    from slimectl.contract.rundir import RunDir
-
-    run = RunDir.open(path)
-    cfg = run.stage_config("rl", list(overrides))
-    if dry_run:
+    placer = make_launcher(launcher, address, colocate)
+    run, cfg = init_or_resume("rl", config_path, resolve_run_dir(ctx, run_dir), overrides, tiny_model, dry_run)
+    if run is None:
         click.echo(cfg.to_yaml(), nl=False)
         return
-    run.save_stage_config("rl", cfg)
     import threading
 
     from slimectl.orchestration.loop import StopSignals, run_rl
@@ -95,31 +72,3 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
 
     click.echo(f"trained rollouts {format_ids(res.trained)}; weight version {res.weight_version}; {res.seconds:.1f} s")
 
-
-def _make_launcher(launcher: str, address: str | None, colocate: bool | None):
-    """The launcher object for run_rl (None: the default local one); Ray is imported only for ``ray``."""
-    from slimectl.contract.errors import UsageError
-
-    if launcher == "local":
-        for flag, value in (("--address", address), ("--colocate/--no-colocate", colocate)):
-            if value is not None:
-                raise UsageError(f"{flag} places actors on Ray; add --launcher ray")
-        return None
-    from slimectl.orchestration.ray_launcher import RayLauncher
-
-    return RayLauncher(address=address, colocate=bool(colocate))
-
-
-def _frozen_tiny_model(path: str) -> str | None:
-    """The tiny-model family of an initialized run whose model.path is its own models/tiny-FAMILY."""
-    from pathlib import Path
-
-    from slimectl.contract.rundir import RunDir
-
-    run = RunDir(path)
-    if not run.initialized:
-        return None
-    model = Path(run.config().model.path or "")
-    if model.parent == run.path.resolve() / "models" and model.name.startswith("tiny-"):
-        return model.name[len("tiny-"):]
-    return None

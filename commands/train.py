@@ -38,39 +38,32 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     With train.tp*pp*dp > 1 it relaunches itself under torchrun (8 ranks per node on 2 nodes for
     dp=16 above); launching `torchrun ... -m slimectl train` yourself works as well.
     """
-    from slimectl.commands._stage import open_stage
+    from slimectl.commands._stage import format_ids, open_stage
+    from slimectl.orchestration.torchrun import (
+        argv_from_params,
+        check_node_options,
+        relaunch_under_torchrun,
+        under_torchrun,
+    )
+    from slimectl.stages.train import launch_rank, plan_training, run_train
 
     opened = open_stage(ctx, "train", run_dir, overrides, dry_run)
     if opened is None:
         return
     run, cfg = opened
-    import os
-
     world = cfg.train.tp * cfg.train.pp * cfg.train.dp
     if nnodes > 1 and world % nnodes:
         raise click.UsageError(f"--nnodes {nnodes} must divide train.tp*pp*dp = {world} (ranks per node)")
-    if world > 1 and "LOCAL_RANK" not in os.environ:
-        from slimectl.stages.convert import relaunch_under_torchrun
-
-        argv = ["train", "-r", str(run.path)]
-        for o in overrides:
-            argv += ["--set", o]
-        if rollout_id is not None:
-            argv += ["--id", str(rollout_id)]
-        if max_rollouts is not None:
-            argv += ["--max-rollouts", str(max_rollouts)]
-        if wait_timeout is not None:
-            argv += ["--wait-timeout", str(wait_timeout)]
-        argv += ["--follow"] * follow + ["--allow-empty"] * allow_empty
-        code = relaunch_under_torchrun(world // nnodes, argv, nnodes, node_rank, master_addr, master_port)
+    if world > 1 and not under_torchrun():
+        check_node_options(nnodes, node_rank, master_addr, master_port)
+        # Fail here, in a second, not on every rank after building the actor.
+        plan_training(run, cfg, rollout_id, follow, max_rollouts, allow_empty, check_published=node_rank == 0)
+        argv = argv_from_params(ctx.command.params, {**ctx.params, "run_dir": str(run.path)})
+        code = relaunch_under_torchrun(world // nnodes, ["train", *argv], nnodes, node_rank, master_addr, master_port)
         if code:
             ctx.exit(code)
         return
-    from slimectl.stages.train import launch_rank, run_train
-
     result = run_train(run, cfg, rollout_id, follow=follow, max_rollouts=max_rollouts, allow_empty=allow_empty,
                        wait_timeout=wait_timeout)
-    from slimectl.commands._stage import format_ids
-
     if launch_rank() == 0:
         click.echo(f"trained rollouts {format_ids(result.trained)}; weight version {result.weight_version}")

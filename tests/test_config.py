@@ -120,3 +120,18 @@ def test_assignment_is_validated():
     cfg = SlimectlConfig()
     with pytest.raises(Exception):
         cfg.train.tp = 0
+
+
+def test_the_loader_makes_paths_absolute_file_paths_against_the_file_set_paths_against_cwd(tmp_path, monkeypatch):
+    """The loader ``slimectl init`` and ``rl --config`` use: relative paths never reach the frozen config."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    p = write(conf, "model:\n  path: models/m\ndata:\n  prompt_data: d.jsonl@[2:5]\n  eval_data: {aime: ../e.jsonl}\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(p)
+    assert cfg.model.path == str(conf / "models" / "m")
+    assert cfg.data.prompt_data == f"{conf / 'd.jsonl'}@[2:5]"
+    assert cfg.data.eval_data == {"aime": str(tmp_path / "e.jsonl")}
+    cfg = load_config(p, ["model.ref_path=ref", "data.prompt_data=/abs/x.parquet"])
+    assert cfg.model.ref_path == str(tmp_path / "ref") and cfg.data.prompt_data == "/abs/x.parquet"
+    assert cfg.model.path == str(conf / "models" / "m")

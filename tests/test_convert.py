@@ -260,3 +260,5 @@ def test_convert_and_export_through_the_run_directory(models, tmp_path):
     got = load_file(str(w.file("model.safetensors")))
     assert all(torch.equal(got[k], ref[k]) for k in ref) and sorted(got) == sorted(ref)
     assert not list((run / ".staging").iterdir())
+    assert " I slimectl.convert: converted " in (run / "logs" / "convert.log").read_text()  # the stage logs
+    assert " I slimectl.export: exported iteration release -> " in (run / "logs" / "export.log").read_text()

@@ -97,3 +97,28 @@ def test_sharded_checkpoint_reads_across_shards(tmp_path):
         assert torch.equal(ckpt.get(name), t) and torch.equal(ckpt.get(name, rows=(10, 5)), t[10:15])
     assert "nope" not in ckpt
     ckpt.close()
+
+
+def test_iter_safetensors_dir_yields_every_tensor_of_a_sharded_or_single_file_model(tmp_path):
+    from slimectl.backends.hf.checkpoint import iter_safetensors_dir
+
+    tensors = {f"t{i}": torch.randn(64, 16) for i in range(6)}
+    write_safetensors_sharded(iter(tensors.items()), tmp_path / "sharded", max_shard_bytes=2 * 64 * 16 * 4)
+    write_safetensors_sharded(iter(tensors.items()), tmp_path / "single")
+    for d in ("sharded", "single"):
+        got = dict(iter_safetensors_dir(tmp_path / d))
+        assert list(got) == sorted(tensors) and all(torch.equal(got[k], tensors[k]) for k in tensors)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HFCheckpointError, match="no model.safetensors"):
+        list(iter_safetensors_dir(tmp_path / "empty"))
+
+
+def test_the_dtype_table_names_every_dtype_once():
+    from slimectl.backends.hf.dtypes import HF_NAMES, canonical_dtype_name, dtype_name, torch_dtype
+
+    for short, long in HF_NAMES.items():
+        assert torch_dtype(short) is torch_dtype(long) and dtype_name(torch_dtype(short)) == long
+    assert torch_dtype("half") is torch.float16 and canonical_dtype_name("float") == "float32"
+    assert canonical_dtype_name("auto") is None and canonical_dtype_name(torch.bfloat16) == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of .*got 'fp8'"):
+        torch_dtype("fp8")

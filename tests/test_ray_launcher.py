@@ -81,8 +81,8 @@ def placement(run: RunDir, driver_pid: int) -> dict:
     (rec,) = run.engines.list()
     trainer, engine_actor = psutil.Process(lock["pid"]), psutil.Process(rec.extra["actor_pid"])
     assert trainer.pid != driver_pid and engine_actor.pid not in (driver_pid, trainer.pid)
-    assert "ray::TrainerActor" in " ".join(trainer.cmdline())  # a Ray worker running the trainer actor
-    assert "ray::EngineActor" in " ".join(engine_actor.cmdline())
+    assert "ray::TrainerWorker" in " ".join(trainer.cmdline())  # a Ray worker running the trainer actor
+    assert "ray::EngineWorker" in " ".join(engine_actor.cmdline())
     assert psutil.Process(rec.pid).ppid() == engine_actor.pid  # the engine is the actor's child process
     assert rec.extra["launcher"] == "ray" and rec.id == f"engine-0-{engine_actor.pid}"
     # a Ray worker is a child of its node's raylet: same parent = same Ray node

@@ -72,6 +72,11 @@ def test_rl_synchronous_loop_end_to_end(tmp_path):
     # rollout N was generated on weight version N, and the engine ended on version 3
     assert [run.rollouts.get(i).meta["weight_version"] for i in range(3)] == ["0", "1", "2"]
     assert run.engines.list() == [] and engine_pids(run) == []
+    logs = {p.stem: p.read_text() for p in (run.path / "logs").glob("*.log")}  # every stage's own log
+    assert {"init", "rl", "rollout", "train", "sync"} <= set(logs)
+    assert "rl 3/3: reward" in logs["rl"] and "step 3 (rollout 2)" in logs["rl"]  # the loop's log has everything
+    assert "step 3 (rollout 2)" in logs["train"] and "rollout 2: reward" not in logs["train"]
+    assert "rollout 2: reward" in logs["rollout"] and " D " in logs["rl"]  # DEBUG lines, though stderr is at INFO
     again = slimectl("rl", "-c", cfg, "-r", tmp_path / "run")
     assert again.returncode == 0 and "nothing to do" in again.stderr and "trained rollouts none;" in again.stdout
 
@@ -89,6 +94,10 @@ def test_rl_one_step_off_async_with_distributed_sync(tmp_path):
 
     samples = read_samples(run.rollouts.get(3).file(SAMPLES_FILE))
     assert {v for s in samples for v in s.weight_versions} == {"2"}  # each sample records its weight version
+    # rollouts run beside training: each stage log holds its own thread's lines only
+    train_log, rollout_log = (run.path / "logs" / "train.log").read_text(), (run.path / "logs" / "rollout.log").read_text()
+    assert "step 4 (rollout 3)" in train_log and "rollout 3: reward" not in train_log
+    assert "rollout 3: reward" in rollout_log and "(rollout 2)" not in rollout_log
 
 
 @pytest.mark.parametrize("marker", ["rollout 1:", "step 2 ", "rl 2/4"])

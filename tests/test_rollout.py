@@ -108,6 +108,9 @@ def test_rollout_end_to_end_publishes_samples_metrics_and_state(tmp_path, setup,
     assert cli("rollout", "-r", run.path, "--id", "1", "--force").exit_code == 0
     s1b = read_samples(run.rollouts.get(1).file(SAMPLES_FILE))
     assert [s.metadata["row"] for s in s1b] == [s.metadata["row"] for s in s1]  # same prompts: state came from rollout 0
+    stage_log = (run.path / "logs" / "rollout.log").read_text()  # every run of the stage appends to its log
+    assert [ln.split(": reward")[0].split()[-2:] for ln in stage_log.splitlines() if " I slimectl.rollout: " in ln] == \
+        [["rollout", "0"], ["rollout", "1"], ["rollout", "1"]]
     out = cli("inspect", "rollout", "-r", run.path, "1", "--limit", "2")
     assert out.exit_code == 0 and "rollouts/000001: 12 samples in 3 groups" in out.output and "... 10 more" in out.output
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from slimectl.stages.rollout.data import DatasetError, PromptSource, load_prompts, parse_spec, tokenize_prompts
+from slimectl.contract.dataspec import parse_data_spec
+from slimectl.stages.rollout.data import DatasetError, PromptSource, load_prompts, tokenize_prompts
 from slimectl.contract.samples import Sample, Status, read_samples, write_samples
 
 
@@ -56,7 +57,8 @@ def test_dataset_keys_slices_and_bad_rows(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [{"q": f"What is {i}+1?", "a": str(i + 1), "meta": {"i": i}} for i in range(10)])
     rows, bad = load_prompts(f"{p}@[2:5]", input_key="q", label_key="a", metadata_key="meta")
     assert [r.label for r in rows] == ["3", "4", "5"] and rows[0].metadata == {"i": 2} and bad == 0
-    assert parse_spec("x.jsonl@[:-2]")[1] == slice(None, -2)
+    assert parse_data_spec("x.jsonl@[:-2]") == ("x.jsonl", slice(None, -2), "@[:-2]")
+    assert parse_data_spec("a@b.jsonl") == ("a@b.jsonl", slice(None), "")
     broken = write_jsonl(tmp_path / "b.jsonl", [{"q": "ok"}, "{not json", {"nope": 1}, {"q": ""}, {"q": "fine"}])
     with pytest.raises(DatasetError, match=r"b.jsonl line 2: invalid JSON.*--skip-bad-rows"):
         load_prompts(str(broken), input_key="q")

@@ -1,1 +1,1 @@
-"""The contract every part shares: errors, the typed config, samples, the run directory, metrics and stage logs."""
+"""The contract every part shares: errors, the typed config and its loader, dataset specs, import-by-path, samples, the run directory, metrics and stage logs."""

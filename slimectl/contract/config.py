@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -23,6 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 import slimectl.algorithms.registry as algo_registry
+from slimectl.contract.dataspec import parse_data_spec
 from slimectl.contract.errors import ConfigError
 
 CONFIG_VERSION = 1
@@ -439,16 +441,50 @@ def build_config(data: dict[str, Any], origin: str = "config") -> SlimectlConfig
         raise ConfigError(_format_validation_error(err, origin)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                allowed_sections: tuple[str, ...] | None = None, stage: str | None = None) -> SlimectlConfig:
-    """Load a YAML config (or the defaults when ``path`` is None) and apply ``--set`` overrides."""
-    data = load_yaml_file(path) if path is not None else {}
-    origin = f"config file {path}" if path is not None else "config"
+#: Config keys holding filesystem paths. Relative paths in a config file are relative to that
+#: file; relative paths given with --set are relative to the current directory. The frozen
+#: config always holds absolute paths, so stages started elsewhere read the same files.
+PATH_KEYS: tuple[tuple[str, str], ...] = (
+    ("model", "path"),
+    ("model", "tokenizer_path"),
+    ("model", "ref_path"),
+    ("data", "prompt_data"),
+)
+
+
+def _absolute(value: str, base: Path) -> str:
+    """``value`` (a path, or a dataset spec ``path@[a:b]``) made absolute against ``base``."""
+    path, _, rows = parse_data_spec(value)
+    p = Path(os.path.expanduser(path))
+    return value if p.is_absolute() else str((base / p).resolve()) + rows
+
+
+def _absolutize(data: dict[str, Any], base: Path) -> None:
+    """Make the relative paths of :data:`PATH_KEYS` and ``data.eval_data`` in ``data`` absolute, in place."""
+    for section, key in PATH_KEYS:
+        sec = data.get(section)
+        if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key]:
+            sec[key] = _absolute(sec[key], base)
+    evals = data["data"].get("eval_data") if isinstance(data.get("data"), dict) else None
+    if isinstance(evals, dict):
+        data["data"]["eval_data"] = {k: _absolute(v, base) if isinstance(v, str) and v else v for k, v in evals.items()}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SlimectlConfig:
+    """The one config loader (``slimectl init``, ``rl --config``): a YAML file (or the defaults when
+    ``path`` is None), then ``--set`` overrides (later ones win), relative paths made absolute
+    (file paths against the file's folder, --set paths against the current directory), validated."""
+    data: dict[str, Any] = {}
+    origin = "config"
+    if path is not None:
+        data = load_yaml_file(path)
+        origin = f"config file {path}"
+        build_config(data, origin)  # report the file's own mistakes against the file
+        _absolutize(data, Path(path).resolve().parent)
     if overrides:
-        # Validate the file alone first, so its own mistakes are reported against the file.
-        build_config(data, origin)
-        data = apply_overrides(data, list(overrides), allowed_sections, stage)
-        origin = f"{origin} with --set overrides"
+        data = apply_overrides(data, list(overrides), STAGE_SECTIONS["init"], "init")
+        _absolutize(data, Path.cwd())
+        origin += " with --set overrides"
     return build_config(data, origin)
 
 

@@ -54,7 +54,3 @@ class CursorError(RunDirError):
 
 class WaitTimeout(RunDirError):
     """An artifact did not become READY within the timeout."""
-
-
-class NotAvailableYet(SlimectlError):
-    """The stage exists in the CLI table but is not implemented in this release."""

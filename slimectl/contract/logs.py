@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -27,21 +28,100 @@ def setup_logging(verbosity: int = 0) -> None:
     root.propagate = False
 
 
-def attach_stage_log(path: str | Path) -> logging.Handler:
-    """Also write every slimectl log record (DEBUG and up) to ``path``; returns the handler."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    h = logging.FileHandler(path, encoding="utf-8")
-    h.setFormatter(logging.Formatter(_FMT))
-    h.setLevel(logging.DEBUG)
-    root = logging.getLogger("slimectl")
-    root.addHandler(h)
-    if root.level > logging.DEBUG or root.level == logging.NOTSET:
-        # keep the console level on its own handler; let the file see debug records
-        for ch in root.handlers:
-            if getattr(ch, "_slimectl_console", False) and ch.level == logging.NOTSET:
-                ch.setLevel(root.level or logging.INFO)
-        root.setLevel(logging.DEBUG)
-    return h
+class _StageLogHandler(logging.Handler):
+    """Writes records to a file, or holds them until the file is known."""
+
+    def __init__(self, thread: int | None = None) -> None:
+        super().__init__(logging.DEBUG)
+        self.setFormatter(logging.Formatter(_FMT))
+        self.file: logging.FileHandler | None = None
+        self.held: list[logging.LogRecord] = []
+        self.thread = thread
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.thread is not None and record.thread != self.thread:
+            return
+        if self.file is not None:
+            self.file.emit(record)
+        else:
+            self.held.append(record)
+
+    def open(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = logging.FileHandler(path, mode="a", encoding="utf-8")
+        self.file.setFormatter(self.formatter)
+        for record in self.held:
+            self.file.emit(record)
+        self.held.clear()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        super().close()
+
+
+class StageLog:
+    """``RUN/logs/STAGE.log`` while a stage runs: every slimectl record at DEBUG and up, appended
+    across reruns; the console keeps its own level. Detached (and the levels restored) on exit.
+
+    Without a path (``slimectl init``, before the run directory exists) records are held until
+    :meth:`write_to` names the file; a stage that fails before that writes no log. ``enabled``
+    False (ranks > 0 of a multi-rank job) makes it a no-op. When the CLI has set up logging the
+    logger is opened to DEBUG for the file; a library caller's own logging levels are left alone.
+    A stage log opened inside another (a rollout inside ``rl``, which may run beside training)
+    takes only the records of the thread that opened it; the outer one takes them all.
+    """
+
+    _open = 0
+    _open_lock = threading.Lock()
+
+    def __init__(self, path: str | Path | None = None, enabled: bool = True):
+        self.path = Path(path) if path is not None else None
+        self.enabled = enabled
+        self._handler: _StageLogHandler | None = None
+        self._saved: tuple[int, list[tuple[logging.Handler, int]]] | None = None
+
+    def __enter__(self) -> "StageLog":
+        if not self.enabled:
+            return self
+        root = logging.getLogger("slimectl")
+        consoles = [h for h in root.handlers if getattr(h, "_slimectl_console", False)]
+        if consoles and root.getEffectiveLevel() > logging.DEBUG:
+            console_level = root.getEffectiveLevel()
+            self._saved = (root.level, [(h, h.level) for h in consoles])
+            for h in consoles:
+                h.setLevel(max(h.level, console_level))
+            root.setLevel(logging.DEBUG)
+        with StageLog._open_lock:
+            nested = StageLog._open > 0
+            StageLog._open += 1
+        self._handler = _StageLogHandler(threading.get_ident() if nested else None)
+        if self.path is not None:
+            self._handler.open(self.path)
+        root.addHandler(self._handler)
+        return self
+
+    def write_to(self, path: str | Path) -> None:
+        """Name the log file now (records so far are written first)."""
+        self.path = Path(path)
+        if self._handler is not None and self._handler.file is None:
+            self._handler.open(self.path)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handler is None:
+            return
+        root = logging.getLogger("slimectl")
+        root.removeHandler(self._handler)
+        self._handler.close()
+        self._handler = None
+        with StageLog._open_lock:
+            StageLog._open -= 1
+        if self._saved is not None:
+            level, handlers = self._saved
+            root.setLevel(level)
+            for h, hl in handlers:
+                h.setLevel(hl)
+            self._saved = None
 
 
 def progress(iterable: Iterable[Any] | None = None, mode: str = "auto", **kwargs: Any):

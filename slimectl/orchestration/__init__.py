@@ -1,1 +1,1 @@
-"""Running the stages together: the RL loop and its launchers (local processes, Ray)."""
+"""Running the stages together: the RL loop, its launchers (local processes, Ray) and the torchrun relaunch."""

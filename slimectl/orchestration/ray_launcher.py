@@ -1,18 +1,22 @@
-"""``slimectl rl --launcher ray``: the engines and the trainer as Ray actors in placement groups.
+"""``slimectl rl --launcher ray``: the engines and the trainer as Ray workers (actors) in placement groups.
 
-The driver (``slimectl rl``, this process) still runs :func:`slimectl.orchestration.loop.run_rl`'s loop and the
-rollout stage (HTTP clients of the engines); only where engines and trainer live changes:
+(A Ray *actor* is a process Ray keeps for a class; the classes here are called workers so that
+"actor" keeps meaning the RL policy, :class:`~slimectl.backends.megatron.actor.MegatronActor`.)
 
-- one :class:`EngineActor` per engine, which starts that engine exactly as ``slimectl serve``
-  does (:class:`~slimectl.stages.serve.EngineGroup` for its one index: a child process of the actor,
-  registered in ``RUN/engines/``, dying with the actor);
-- one :class:`TrainerActor` per trainer rank (``train.tp*pp*dp`` of them). Rank 0 runs
-  :class:`~slimectl.orchestration.loop.InProcessTrainer` — the same train stage (``train`` lock, cursor,
-  checkpoints, ``weights/N``) and the same weight sync that a local ``rl`` runs in its own
-  process; ranks > 0 run :class:`~slimectl.orchestration.loop.FollowerTrainer`, which joins its collectives, as
+The driver (``slimectl rl``, this process) still runs :func:`slimectl.orchestration.loop.run_rl`'s
+loop and the rollout stage (HTTP clients of the engines); only where engines and trainer live changes:
+
+- one :class:`EngineWorker` per engine, which starts that engine exactly as ``slimectl serve``
+  does (:class:`~slimectl.stages.serve.EngineGroup` for its one index: a child process of the
+  worker, registered in ``RUN/engines/``, dying with the worker);
+- one :class:`TrainerWorker` per trainer rank (``train.tp*pp*dp`` of them). Rank 0 runs
+  :class:`~slimectl.orchestration.local_launcher.InProcessTrainer` — the same train stage
+  (``train`` lock, cursor, checkpoints, ``weights/N``) and the same weight sync that a local
+  ``rl`` runs in its own process; ranks > 0 run
+  :class:`~slimectl.orchestration.local_launcher.FollowerTrainer`, which joins its collectives, as
   the ranks of ``slimectl train`` under torchrun do. The ranks form one torch.distributed job:
   ``MASTER_ADDR``/``MASTER_PORT`` are rank 0's node and a free port there, ``RANK``/``WORLD_SIZE``
-  the actor's, ``LOCAL_RANK`` 0 (Ray gives each rank its own GPU).
+  the worker's, ``LOCAL_RANK`` 0 (Ray gives each rank its own GPU).
 
 Placement follows slime: bundles ``{"CPU": 1}`` (plus ``"GPU"`` when the cluster has GPUs).
 Disaggregated (the default): a placement group of trainer bundles and one of engine bundles,
@@ -38,7 +42,7 @@ from slimectl.contract.config import SlimectlConfig, build_config
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 
-log = logging.getLogger("slimectl.launchers.ray")
+log = logging.getLogger("slimectl.ray")
 
 INSTALL_HINT = "pip install 'slimectl[ray]'"
 PLACEMENT_TIMEOUT_S = 120.0
@@ -113,7 +117,7 @@ def _is_loopback(host: str) -> bool:
     return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
-def _actor_context() -> dict:
+def _worker_context() -> dict:
     """Where the calling actor runs: recorded in the engine registry and logged by the driver."""
     import ray
 
@@ -124,7 +128,7 @@ def _actor_context() -> dict:
             "actor_host": hostname()}
 
 
-def _actor_logging(level: int) -> None:
+def _worker_logging(level: int) -> None:
     """slimectl's log lines on the actor's stderr (Ray forwards them to the driver), at the driver's level."""
     from slimectl.contract.logs import setup_logging
 
@@ -146,10 +150,11 @@ def _keep_signal_handlers():
                 signal.signal(sig, handler)
 
 
-# ------------------------------------------------------------------------------------- actors
-class TrainerActor:
-    """One trainer rank in its own Ray worker process: the train stage and the weight sync of a
-    local ``rl`` (:class:`~slimectl.orchestration.loop.InProcessTrainer`), driven by :class:`RayTrainer`."""
+# ------------------------------------------------------------------------------------ workers
+class TrainerWorker:
+    """One trainer rank in its own Ray worker process (a Ray actor): the train stage and the weight
+    sync of a local ``rl`` (:class:`~slimectl.orchestration.local_launcher.InProcessTrainer`),
+    driven by :class:`RayTrainer`."""
 
     def __init__(self) -> None:
         self.stack = ExitStack()
@@ -170,19 +175,19 @@ class TrainerActor:
               master: tuple[str, int] | None = None) -> dict:
         """Join the trainer's ranks (when several), take the train lock (rank 0) and load the actor
         from the run directory, as ``slimectl train`` does."""
-        from slimectl.orchestration.loop import FollowerTrainer, InProcessTrainer
+        from slimectl.orchestration.local_launcher import FollowerTrainer, InProcessTrainer
 
-        _actor_logging(log_level if rank == 0 else logging.WARNING)
+        _worker_logging(log_level if rank == 0 else logging.WARNING)
         if world > 1:
             os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
                                "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
         self.run = RunDir.open(run_path)
         self.cfg = build_config(cfg_data, origin="the rl driver's config")
         self.trainer = (InProcessTrainer if rank == 0 else FollowerTrainer)(self.run, self.cfg, self.stack)
-        return {**_actor_context(), "rank": rank, "weight_version": self.trainer.weight_version}
+        return {**_worker_context(), "rank": rank, "weight_version": self.trainer.weight_version}
 
     def connect(self, urls: list[str]) -> None:
-        from slimectl.orchestration.loop import open_engine_clients
+        from slimectl.orchestration.local_launcher import open_engine_clients
 
         sync = self.cfg.sync
         if sync.transport == "distributed" and _is_loopback(sync.master_addr) and \
@@ -209,8 +214,8 @@ class TrainerActor:
         self.stack.close()
 
 
-class EngineActor:
-    """One engine: started in its Ray worker process exactly as ``slimectl serve`` starts it."""
+class EngineWorker:
+    """One engine, in its own Ray worker process (a Ray actor), started exactly as ``slimectl serve`` starts it."""
 
     def __init__(self) -> None:
         self.group = None
@@ -219,12 +224,12 @@ class EngineActor:
         """Launch engine ``index``, wait until healthy, register it (the record names this actor)."""
         from slimectl.stages.serve import EngineGroup
 
-        _actor_logging(log_level)
+        _worker_logging(log_level)
         run = RunDir.open(run_path)
         cfg = build_config(cfg_data, origin="the rl driver's config")
         self.group = EngineGroup(run, cfg, engine_indices=[index]).start()
         engine = self.group.engines[0]
-        where = _actor_context()
+        where = _worker_context()
         run.engines.update(engine.id, extra={"launcher": "ray", **where})
         return {"id": engine.id, "url": engine.url, "backend": engine.backend, "pid": engine.pid, **where}
 
@@ -240,33 +245,34 @@ class EngineActor:
 
 # ------------------------------------------------------------------------------ driver side
 class RayTrainer:
-    """The driver's handle on the :class:`TrainerActor` ranks: what :func:`slimectl.orchestration.loop.run_rl` calls.
+    """The driver's handle on the :class:`TrainerWorker` ranks: what :func:`slimectl.orchestration.loop.run_rl` calls.
 
     Every call goes to every rank at once (they meet in collectives); rank 0's answer is the result."""
 
-    def __init__(self, launcher: "RayLauncher", actors: list, info: dict):
-        self.launcher, self.actors = launcher, actors
+    def __init__(self, launcher: "RayLauncher", workers: list, info: dict):
+        self.launcher, self.workers = launcher, workers
         self.weight_version: int = info["weight_version"]
 
     def connect(self, loop, clients: dict) -> None:
-        self.launcher.get(self.actors[0].connect.remote(list(clients)), "trainer")  # only rank 0 sends weights
+        self.launcher.get(self.workers[0].connect.remote(list(clients)), "trainer")  # only rank 0 sends weights
 
     def sync(self, version: int) -> tuple[dict[str, float], float]:
-        return self.launcher.get([a.sync.remote(version) for a in self.actors], "trainer")[0]
+        return self.launcher.get([a.sync.remote(version) for a in self.workers], "trainer")[0]
 
     def train(self, rid: int, art, last: bool) -> list[dict]:
-        steps = self.launcher.get([a.train.remote(rid, last) for a in self.actors], "trainer")[0]
+        steps = self.launcher.get([a.train.remote(rid, last) for a in self.workers], "trainer")[0]
         self.weight_version = rid + 1
         return steps
 
 
 class RayEngineGroup:
-    """What :class:`slimectl.orchestration.loop.Engines` starts under Ray: one :class:`EngineActor` per engine,
-    with :class:`~slimectl.stages.serve.EngineGroup`'s ``start``/``stop``/``engines``/``check_alive``."""
+    """What :class:`slimectl.orchestration.local_launcher.Engines` starts under Ray: one
+    :class:`EngineWorker` per engine, with :class:`~slimectl.stages.serve.EngineGroup`'s
+    ``start``/``stop``/``engines``/``check_alive``."""
 
     def __init__(self, launcher: "RayLauncher", run: RunDir, cfg: SlimectlConfig):
         self.launcher, self.run, self.cfg = launcher, run, cfg
-        self.actors: list = []
+        self.workers: list = []
         self.engines: list = []
 
     def start(self) -> "RayEngineGroup":
@@ -274,9 +280,9 @@ class RayEngineGroup:
         from slimectl.stages.serve import ServedEngine
 
         launcher = self.launcher
-        self.actors = [launcher.actor(EngineActor, slot) for slot in launcher.layout.engines]
+        self.workers = [launcher.worker(EngineWorker, slot) for slot in launcher.layout.engines]
         infos = launcher.get([a.start.remote(str(self.run.path), self.cfg.to_dict(), i, launcher.log_level)
-                              for i, a in enumerate(self.actors)], "engine")
+                              for i, a in enumerate(self.workers)], "engine")
         for info in infos:
             self.engines.append(ServedEngine(info["id"], info["url"], info["backend"], info["pid"]))
             log.info("ray: engine %s at %s in actor %s (pid %d) on node %s", info["id"], info["url"],
@@ -290,11 +296,11 @@ class RayEngineGroup:
         return self
 
     def check_alive(self) -> None:
-        self.launcher.get([a.check_alive.remote() for a in self.actors], "engine")
+        self.launcher.get([a.check_alive.remote() for a in self.workers], "engine")
 
     def stop(self) -> None:
-        actors, self.actors, self.engines = self.actors, [], []
-        self.launcher.stop_actors(actors, "engine")
+        workers, self.workers, self.engines = self.workers, [], []
+        self.launcher.stop_workers(workers, "engine")
 
 
 class RayLauncher:
@@ -330,20 +336,20 @@ class RayLauncher:
                                        engine_gpus=engine_gpus)
         log.info("ray: %s placement; bundles %s", "colocated" if self.colocate else "disaggregated",
                  {name: len(b) for name, b in self.layout.groups.items()})
-        actors = [self.actor(TrainerActor, slot) for slot in self.layout.trainer]
-        stack.callback(self.stop_actors, actors, "trainer")
-        master = self.get(actors[0].address.remote(), "trainer") if world > 1 else None
+        workers = [self.worker(TrainerWorker, slot) for slot in self.layout.trainer]
+        stack.callback(self.stop_workers, workers, "trainer")
+        master = self.get(workers[0].address.remote(), "trainer") if world > 1 else None
         infos = self.get([a.start.remote(str(run.path), cfg.to_dict(), self.log_level, rank, world, master)
-                          for rank, a in enumerate(actors)], "trainer")
+                          for rank, a in enumerate(workers)], "trainer")
         for info in infos:
             log.info("ray: trainer rank %d/%d in actor %s (pid %d) on node %s, at weight version %d", info["rank"],
                      world, info["ray_actor_id"][:12], info["actor_pid"], info["ray_node_id"][:12],
                      info["weight_version"])
         self.trainer_host = infos[0]["actor_host"]
-        return RayTrainer(self, actors, infos[0])
+        return RayTrainer(self, workers, infos[0])
 
     def start_engines(self, run: RunDir, cfg: SlimectlConfig, engine_urls, stack: ExitStack):
-        from slimectl.orchestration.loop import Engines
+        from slimectl.orchestration.local_launcher import Engines
 
         return Engines(run, cfg, engine_urls, stack, make_group=lambda r, c: RayEngineGroup(self, r, c))
 
@@ -389,7 +395,7 @@ class RayLauncher:
         self._groups[name] = pg
         return pg
 
-    def actor(self, cls: type, slot: Slot):
+    def worker(self, cls: type, slot: Slot):
         """An actor of ``cls`` in its slot (placement groups are reserved on first use)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -413,14 +419,14 @@ class RayLauncher:
             raise SlimectlError(f"the {what} actor died ({first}); see its log under the Ray session's logs/ "
                                 f"on its node") from None
 
-    def stop_actors(self, actors: list, what: str) -> None:
+    def stop_workers(self, workers: list, what: str) -> None:
         """Ask each actor to stop cleanly (unregister, release locks), then kill it."""
-        if not actors:
+        if not workers:
             return
         ray = self.ray
         try:
-            ray.get([a.stop.remote() for a in actors], timeout=STOP_TIMEOUT_S)
+            ray.get([a.stop.remote() for a in workers], timeout=STOP_TIMEOUT_S)
         except Exception as exc:  # dead already, or stuck: killing it below is what is left
             log.warning("ray: stopping the %s actor(s) failed (%s); killing them", what, str(exc).splitlines()[0])
-        for a in actors:
+        for a in workers:
             ray.kill(a)

@@ -27,10 +27,11 @@ are bounded (a 1 MB response grades in milliseconds).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
+
+from slimectl.contract.imports import import_object
 
 from .boxed import last_boxed
 from .dapo import grade_dapo
@@ -109,31 +110,9 @@ def load_reward_function(path: str, *, group: bool = False) -> Callable:
     fails, or the object is not callable with two positional arguments.
     """
     want = "(args, samples)" if group else "(args, sample)"
-    text = str(path or "").strip()
-    if ":" in text:
-        module_name, _, attr = text.partition(":")
-    else:
-        module_name, _, attr = text.rpartition(".")
-    if not module_name or not attr:
-        raise RewardConfigError(f"custom reward path {path!r} is not 'module:function' or 'module.function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise RewardConfigError(f"custom reward {path!r}: no module named {e.name!r} "
-                                    "(is its folder on PYTHONPATH?)") from None
-        raise RewardConfigError(f"custom reward {path!r}: importing {module_name!r} failed: "
-                                f"{one_line(e)}") from None
-    except Exception as e:
-        raise RewardConfigError(f"custom reward {path!r}: importing {module_name!r} failed: "
-                                f"{type(e).__name__}: {one_line(e)}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RewardConfigError(f"custom reward {path!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardConfigError(f"custom reward {path!r} is not callable ({type(obj).__name__}); "
-                                f"it must be a function {want}")
+    obj = import_object(path, "custom reward", RewardConfigError, callable_as=f"a function {want}")
+    text = str(path).strip()
+    attr = text.partition(":")[2] if ":" in text else text.rpartition(".")[2]
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):

@@ -147,11 +147,6 @@ class RemoteRewardModel:
             raise RemoteRewardError(f"remote reward model {self.url}: request body is not JSON-serialisable: "
                                     f"{one_line(e)}", url=self.url) from None
 
-    async def score_sample(self, sample: Any) -> float | dict:
-        """:meth:`score` with a sample's ``prompt``, ``response`` and ``label`` attributes."""
-        return await self.score(getattr(sample, "prompt", None), getattr(sample, "response", None),
-                                getattr(sample, "label", None))
-
 
 _shared: dict[str, RemoteRewardModel] = {}
 

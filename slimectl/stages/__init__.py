@@ -1,1 +1,1 @@
-"""The stages, one module or package each: init, convert, serve, rollout, train, sync, status, plot."""
+"""The stages, one module or package each: init, convert, export, serve, rollout, train, sync, status, plot."""

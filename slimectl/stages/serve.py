@@ -148,7 +148,9 @@ class EngineGroup:
             return argv, env, [self.token] if self.token else []
         from slimectl.engines.sglang.launcher import SGLangLaunchSpec, build_env, build_sglang_argv
 
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.cfg.model.dtype]
+        from slimectl.backends.hf.dtypes import HF_NAMES
+
+        dtype = HF_NAMES[self.cfg.model.dtype]
         per = ec.tp_size
         gpus = ec.gpu_ids[i * per:(i + 1) * per] if ec.gpu_ids else []
         spec = SGLangLaunchSpec(model_path=str(self.model_path), port=port, host=ec.host, tp_size=ec.tp_size,
@@ -200,25 +202,26 @@ class EngineGroup:
 def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
           ready: threading.Event | None = None, stop: threading.Event | None = None, announce=print) -> None:
     """Start the engines, print their URLs, and keep them up until SIGINT/SIGTERM (or ``stop``)."""
-    stop = stop or threading.Event()
-    with run.lock("serve"):
-        dead = run.engines.prune_dead()  # records of this host's earlier serve, killed before it unregistered
-        if dead:
-            log.info("removed the records of dead engines %s", ", ".join(dead))
-        group = EngineGroup(run, cfg, engine_urls)
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, lambda *_: stop.set())
-        try:
-            with group:
-                for url in group.urls:
-                    announce(url)
-                if ready is not None:
-                    ready.set()
-                while not stop.wait(1.0):
-                    group.check_alive()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        log.info("engines stopped")
+    with run.stage_log("serve"):
+        stop = stop or threading.Event()
+        with run.lock("serve"):
+            dead = run.engines.prune_dead()  # records of this host's earlier serve, killed before it unregistered
+            if dead:
+                log.info("removed the records of dead engines %s", ", ".join(dead))
+            group = EngineGroup(run, cfg, engine_urls)
+            previous = {}
+            if threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    previous[sig] = signal.signal(sig, lambda *_: stop.set())
+            try:
+                with group:
+                    for url in group.urls:
+                        announce(url)
+                    if ready is not None:
+                        ready.set()
+                    while not stop.wait(1.0):
+                        group.check_alive()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+            log.info("engines stopped")

@@ -101,6 +101,37 @@ def _latest_train_checkpoint(run: RunDir):
     return None
 
 
+def resume_point(run: RunDir) -> tuple[object | None, int]:
+    """(the latest checkpoint the trainer wrote or None, the next rollout to train): where training resumes."""
+    last = _latest_train_checkpoint(run)
+    return last, int(last.meta["next_rollout"]) if last is not None else 0
+
+
+def plan_training(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, follow: bool = False,
+                  max_rollouts: int | None = None, allow_empty: bool = False, check_published: bool = True) -> list[int]:
+    """The rollout ids a ``train`` invocation will train, checked before anything expensive is built.
+
+    Refuses (one line) a ``rollout_id`` that is not the next one, an empty plan without
+    ``allow_empty``, and (``check_published`` without ``follow``) a first
+    rollout that is not published yet. Reads only the run directory's small files.
+    """
+    _, next_id = resume_point(run)
+    if rollout_id is not None and rollout_id != next_id:
+        raise UsageError(f"--id {rollout_id}: the next rollout to train is {next_id} (each is trained exactly once, in order)")
+    todo = list(range(next_id, cfg.rollout.num_rollout)) if rollout_id is None else [rollout_id]
+    if max_rollouts is not None:
+        todo = todo[:max_rollouts]
+    if not todo:
+        if allow_empty:
+            return []
+        raise UsageError(f"nothing to train: all {cfg.rollout.num_rollout} rollouts (rollout.num_rollout) are trained; "
+                         f"raise rollout.num_rollout or pass --allow-empty")
+    if check_published and not follow and not run.rollouts.exists(todo[0]):
+        raise SlimectlError(f"rollouts/{todo[0]:06d} is not published yet; run `slimectl rollout -r {run.path}` "
+                            f"or use --follow to wait for it")
+    return todo
+
+
 class Trainer:
     """The train stage as an object: the actor resumed from the run directory, trained one rollout
     at a time. ``run_train`` drives it alone; ``slimectl rl`` drives it between rollouts and syncs.
@@ -123,11 +154,9 @@ class Trainer:
             self.actor.load_checkpoint(init_dir)
         else:
             self.actor.load_hf(cfg.model.path)
-        next_id = 0
-        last = _latest_train_checkpoint(run)
+        last, next_id = resume_point(run)
         if last is not None:
             self.actor.load_state(last.path / STATE_DIR)
-            next_id = int(last.meta["next_rollout"])
         state = self.cursor.read()
         if not self.rank0:
             pass  # rank 0 reconciles the cursor; every rank derived next_id from the same checkpoint
@@ -190,49 +219,46 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
     from slimectl.contract.metrics import MetricsWriter
 
     rank0 = launch_rank() == 0
-    world = cfg.train.tp * cfg.train.pp * cfg.train.dp
-    if int(os.environ.get("WORLD_SIZE", "1")) != world:
-        raise UsageError(f"train.tp*pp*dp = {world} processes are needed, this job has {os.environ.get('WORLD_SIZE', '1')}; "
-                         f"run `slimectl train` (it launches torchrun itself; on several nodes with --nnodes, "
-                         f"--node-rank and --master-addr/--master-port on each)")
-    if not rank0:
-        logging.getLogger("slimectl").setLevel(logging.WARNING)
-    with ExitStack() as stack:
-        lock = stack.enter_context(run.lock("train")) if rank0 else FollowerLock()
-        trainer = Trainer(run, cfg, lock)
-        next_id = trainer.next_rollout
-        if rollout_id is not None and rollout_id != next_id:
-            raise UsageError(f"--id {rollout_id}: the next rollout to train is {next_id} (each is trained exactly once, in order)")
-        todo = list(range(next_id, cfg.rollout.num_rollout)) if rollout_id is None else [rollout_id]
-        if max_rollouts is not None:
-            todo = todo[:max_rollouts]
-        if not todo:
-            if allow_empty:
+    with run.stage_log("train", enabled=rank0):  # rank 0 writes the log
+        world = cfg.train.tp * cfg.train.pp * cfg.train.dp
+        have = os.environ.get("WORLD_SIZE", "1")
+        if int(have) != world:
+            raise UsageError(f"train.tp*pp*dp = {world} processes are needed, this job has {have}; "
+                             f"run `slimectl train` (it launches torchrun itself; on several nodes with --nnodes, "
+                             f"--node-rank and --master-addr/--master-port on each)")
+        if not rank0:
+            logging.getLogger("slimectl").setLevel(logging.WARNING)
+        # Cheap checks first (ids, cursor, files): a wrong --id fails in a second, not after building the
+        # actor. Only rank 0 looks for the rollout: other nodes may see the shared filesystem a moment later.
+        todo = plan_training(run, cfg, rollout_id, follow, max_rollouts, allow_empty, check_published=rank0)
+        with ExitStack() as stack:
+            lock = stack.enter_context(run.lock("train")) if rank0 else FollowerLock()
+            trainer = Trainer(run, cfg, lock)  # also reconciles the cursor with the checkpoint
+            next_id = trainer.next_rollout
+            if not todo:
                 return TrainResult([], next_id, next_id)
-            raise UsageError(f"nothing to train: all {cfg.rollout.num_rollout} rollouts (rollout.num_rollout) are trained; "
-                             f"raise rollout.num_rollout or pass --allow-empty")
-        log.info("resuming at rollout %d, %d to go", next_id, len(todo))
-        tb = run.tensorboard_dir("train") if cfg.logging.tensorboard else None
-        trained: list[int] = []
-        with (MetricsWriter(run.metrics_path("train"), tb) if rank0 else NullMetrics()) as metrics:
-            for n, rid in enumerate(todo):
-                lock.check()
-                if follow:
-                    art = run.rollouts.wait_for(rid, timeout=wait_timeout, should_stop=lambda: not lock.held)
-                elif broadcast_from_rank0(run.rollouts.exists(rid) if rank0 else None):
-                    # Rank 0 decides: ranks on other nodes may see the shared filesystem a moment later.
-                    art = run.rollouts.get(rid, verify="full") if rank0 else \
-                        run.rollouts.wait_for(rid, timeout=60, verify="full")
-                else:
-                    if trained:
-                        if trainer.last_published != rid:  # stopping early: what was trained is checkpointed
-                            trainer.publish(rid - 1, rid)
-                        break
-                    raise SlimectlError(f"rollouts/{rid:06d} is not published yet; run `slimectl rollout -r {run.path}` "
-                                        f"or use --follow to wait for it")
-                trainer.train_rollout(rid, art, metrics, publish_weights=False, last=n == len(todo) - 1)
-                trained.append(rid)
-        return TrainResult(trained, trainer.next_rollout, trainer.next_rollout)
+            log.info("resuming at rollout %d, %d to go", next_id, len(todo))
+            tb = run.tensorboard_dir("train") if cfg.logging.tensorboard else None
+            trained: list[int] = []
+            with (MetricsWriter(run.metrics_path("train"), tb) if rank0 else NullMetrics()) as metrics:
+                for n, rid in enumerate(todo):
+                    lock.check()
+                    if follow:
+                        art = run.rollouts.wait_for(rid, timeout=wait_timeout, should_stop=lambda: not lock.held)
+                    elif broadcast_from_rank0(run.rollouts.exists(rid) if rank0 else None):
+                        # Rank 0 decides: ranks on other nodes may see the shared filesystem a moment later.
+                        art = run.rollouts.get(rid, verify="full") if rank0 else \
+                            run.rollouts.wait_for(rid, timeout=60, verify="full")
+                    else:
+                        if trained:
+                            if trainer.last_published != rid:  # stopping early: what was trained is checkpointed
+                                trainer.publish(rid - 1, rid)
+                            break
+                        raise SlimectlError(f"rollouts/{rid:06d} is not published yet; run "
+                                            f"`slimectl rollout -r {run.path}` or use --follow to wait for it")
+                    trainer.train_rollout(rid, art, metrics, publish_weights=False, last=n == len(todo) - 1)
+                    trained.append(rid)
+            return TrainResult(trained, trainer.next_rollout, trainer.next_rollout)
 
 
 def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: int, version: int,

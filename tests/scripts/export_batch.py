@@ -5,7 +5,7 @@
 
 import sys
 
-from slimectl.stages.convert import export_megatron_to_hf
+from slimectl.stages.export import export_megatron_to_hf
 
 
 def main() -> None:

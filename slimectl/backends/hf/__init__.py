@@ -1,1 +1,1 @@
-"""HF checkpoints: supported architectures, safetensors reading, and the HF <-> Megatron name mapping."""
+"""HF checkpoints: supported architectures, safetensors reading and writing, the dtype table, and the HF <-> Megatron name mapping."""

@@ -8,30 +8,22 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from slimectl.contract.errors import SlimectlError
 from slimectl.backends.hf.arch import CheckpointMismatch, ModelArch, expected_hf_shapes
+from slimectl.backends.hf.dtypes import SAFETENSORS_DTYPES
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFCheckpointError(SlimectlError):
     """An HF checkpoint directory is missing files or holds damaged ones."""
 
 
-# safetensors dtype codes (https://github.com/huggingface/safetensors, format spec) -> torch.
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 _MAX_HEADER = 100 * 2**20
 
 
@@ -177,6 +169,17 @@ class HFCheckpoint:
             h.close()
         self._handles.clear()
 
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every tensor, in name order, one tensor read at a time."""
+        for name in self.names():
+            yield name, self.get(name)
+
     def names(self) -> list[str]:
         return sorted(self._where)
 
@@ -228,6 +231,13 @@ class HFCheckpoint:
                 f"{self.dir}: unexpected tensor {extra[0]}" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else "")
                 + " for this config; the checkpoint and config.json describe different models"
             )
+
+
+def iter_safetensors_dir(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of an HF safetensors directory (``model.safetensors``, or
+    shards listed in ``model.safetensors.index.json``), validated up front, one tensor read at a time."""
+    with HFCheckpoint(model_dir) as ckpt:
+        yield from ckpt.iter_tensors()
 
 
 def write_safetensors_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,

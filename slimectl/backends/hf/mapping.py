@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -251,11 +251,3 @@ def shard_row_blocks(arch: ModelArch, rule: Rule, hf_rows: Sequence[int], full_r
                 out.append(RowBlock(b.hf, b.src + lo - b.dst, local + lo - start, hi - lo))
         local += length
     return out
-
-
-def hf_to_megatron_tensors(arch: ModelArch, get_hf: Callable[[str], Tensor], padded_vocab: int,
-                           names: Sequence[str] | None = None) -> Iterator[tuple[str, Tensor]]:
-    """Yield (Megatron name, full tensor) for ``names`` (default: every parameter), one at a time."""
-    for megatron in names if names is not None else [r.megatron for r in all_rules(arch)]:
-        rule = rule_for(arch, megatron)
-        yield megatron, to_megatron(arch, rule, [get_hf(n) for n in rule.hf], padded_vocab)

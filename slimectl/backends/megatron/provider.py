@@ -5,15 +5,14 @@ from __future__ import annotations
 import torch
 
 from slimectl.backends.hf.arch import ModelArch
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from slimectl.backends.hf.dtypes import torch_dtype
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "fp32", init: bool = True):
     from megatron.core.transformer import TransformerConfig
 
     cpu = not torch.cuda.is_available()
-    params_dtype = DTYPES[dtype]
+    params_dtype = torch_dtype(dtype)
     cfg = TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

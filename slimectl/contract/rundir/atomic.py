@@ -12,12 +12,13 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import socket
 import uuid
 from pathlib import Path
 from typing import Any
 
-from slimectl.contract.errors import RunDirError
+from slimectl.contract.errors import RunDirError, UsageError
 
 TMP_PREFIX = ".tmp-"
 _CHUNK = 1 << 20
@@ -168,3 +169,21 @@ def process_create_time(pid: int | None = None) -> float | None:
         return psutil.Process(pid or os.getpid()).create_time()
     except psutil.Error:
         return None
+
+
+def check_output_dir(out: Path, force: bool) -> None:
+    """Refuse an existing, non-empty output directory (or a file there) unless ``force``."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise UsageError(f"output {out} already exists; pass --force to replace it")
+
+
+def swap_dir_into_place(tmp: Path, out: Path) -> None:
+    """Replace directory ``out`` by the complete directory ``tmp`` with renames (the old one, if
+    any, is renamed aside first and removed afterwards), so ``out`` is never half-written."""
+    old = None
+    if out.exists():
+        old = out.parent / f".old-{out.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

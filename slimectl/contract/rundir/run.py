@@ -12,6 +12,7 @@ from typing import Any
 from slimectl import __version__
 from slimectl.contract.config import STAGE_SECTIONS, SlimectlConfig, apply_overrides, build_config, config_diff
 from slimectl.contract.errors import RunDirError, UsageError
+from slimectl.contract.logs import StageLog
 from slimectl.contract.rundir.artifacts import (
     CONTRACT,
     CONTRACT_VERSION,
@@ -199,6 +200,10 @@ class RunDir:
 
     def log_path(self, stage: str) -> Path:
         return self.path / "logs" / f"{stage}.log"
+
+    def stage_log(self, stage: str, enabled: bool = True) -> StageLog:
+        """A context in which every slimectl log record (DEBUG and up) also goes to ``logs/STAGE.log``."""
+        return StageLog(self.log_path(stage), enabled)
 
     def metrics_path(self, stage: str) -> Path:
         return self.path / "metrics" / f"{stage}.jsonl"

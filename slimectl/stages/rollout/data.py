@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slimectl.contract.dataspec import parse_data_spec
 from slimectl.contract.errors import SlimectlError
-
-_SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<a>-?\d*):(?P<b>-?\d*)\]$")
 
 
 class DatasetError(SlimectlError):
@@ -38,15 +36,6 @@ class PromptRow:
     tools: Any = None
     prompt_ids: list[int] = field(default_factory=list)
     prompt_text: str = ""
-
-
-def parse_spec(spec: str) -> tuple[Path, slice]:
-    m = _SLICE_RE.match(spec)
-    if not m:
-        return Path(spec), slice(None)
-    a = int(m["a"]) if m["a"] else None
-    b = int(m["b"]) if m["b"] else None
-    return Path(m["path"]), slice(a, b)
 
 
 def _read_rows(path: Path) -> list[tuple[int, Any]]:
@@ -79,7 +68,8 @@ def _read_rows(path: Path) -> list[tuple[int, Any]]:
 def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "label", metadata_key: str = "metadata",
                  tools_key: str = "tools", skip_bad_rows: bool = False) -> tuple[list[PromptRow], int]:
     """Load a dataset spec; returns (rows, number of skipped bad rows)."""
-    path, sl = parse_spec(spec)
+    file, sl, _ = parse_data_spec(spec)
+    path = Path(file)
     raw = _read_rows(path)[sl]
     rows: list[PromptRow] = []
     skipped = 0

@@ -47,36 +47,37 @@ def dataset_metrics(groups: list[list[Sample]], ks: list[int], reward_key: str |
 
 def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[str]) -> dict[str, float]:
     """Evaluate the engines' current weights (weight version ``version``) on every eval dataset."""
-    from transformers import AutoTokenizer
+    with run.stage_log("eval"):
+        from transformers import AutoTokenizer
 
-    from slimectl.contract.logs import quiet_hf_progress
-    from slimectl.contract.metrics import MetricsWriter
-    from slimectl.stages.rollout.data import load_prompts, tokenize_prompts
+        from slimectl.contract.logs import quiet_hf_progress
+        from slimectl.contract.metrics import MetricsWriter
+        from slimectl.stages.rollout.data import load_prompts, tokenize_prompts
 
-    if not cfg.data.eval_data:
-        return {}
-    quiet_hf_progress()
-    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-    d = cfg.data
-    datasets = {}
-    for name, spec in d.eval_data.items():
-        rows, _ = load_prompts(spec, d.input_key, d.label_key, d.metadata_key, d.tools_key, d.skip_bad_rows)
-        rows, _ = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
-        datasets[name] = rows
-    results, samples = asyncio.run(_eval_async(cfg, datasets, engine_urls, tok, version))
-    flat = {f"eval/{name}/{k}": v for name, m in results.items() for k, v in m.items()}
-    with run.evals.publish(version, meta={"weight_version": version, "datasets": sorted(results)}, stage="eval",
-                           overwrite=True) as staging:
-        (staging / RESULTS).write_text(json.dumps(results, indent=2))
-        for name, groups in samples.items():
-            write_samples([s for g in groups for s in g], staging / f"{name}.parquet")
-    tb = run.tensorboard_dir("eval") if cfg.logging.tensorboard else None
-    with MetricsWriter(run.metrics_path("eval"), tb) as m:
-        m.log(version, flat)
-    for name, m in results.items():
-        log.info("eval %s @ version %d: %s", name, version,
-                 ", ".join(f"{k} {v:.3f}" for k, v in m.items() if k != "num_prompts"))
-    return flat
+        if not cfg.data.eval_data:
+            return {}
+        quiet_hf_progress()
+        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        d = cfg.data
+        datasets = {}
+        for name, spec in d.eval_data.items():
+            rows, _ = load_prompts(spec, d.input_key, d.label_key, d.metadata_key, d.tools_key, d.skip_bad_rows)
+            rows, _ = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
+            datasets[name] = rows
+        results, samples = asyncio.run(_eval_async(cfg, datasets, engine_urls, tok, version))
+        flat = {f"eval/{name}/{k}": v for name, m in results.items() for k, v in m.items()}
+        with run.evals.publish(version, meta={"weight_version": version, "datasets": sorted(results)}, stage="eval",
+                               overwrite=True) as staging:
+            (staging / RESULTS).write_text(json.dumps(results, indent=2))
+            for name, groups in samples.items():
+                write_samples([s for g in groups for s in g], staging / f"{name}.parquet")
+        tb = run.tensorboard_dir("eval") if cfg.logging.tensorboard else None
+        with MetricsWriter(run.metrics_path("eval"), tb) as m:
+            m.log(version, flat)
+        for name, m in results.items():
+            log.info("eval %s @ version %d: %s", name, version,
+                     ", ".join(f"{k} {v:.3f}" for k, v in m.items() if k != "num_prompts"))
+        return flat
 
 
 async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list[str], tok,

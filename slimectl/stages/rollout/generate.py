@@ -17,7 +17,6 @@ return_logprob=True)``), ``args.config`` (the run's config), ``args.tokenizer`` 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any, Awaitable, Callable
 
 from slimectl.engines.client import EngineClient, EngineError
 from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.imports import import_object
 from slimectl.contract.samples import Sample, Status
 
 log = logging.getLogger("slimectl.rollout")
@@ -89,20 +89,8 @@ class EnginePool:
 
 
 def load_function(path: str, what: str) -> Callable:
-    """Import ``module:function`` or ``module.function``."""
-    mod_name, sep, attr = path.partition(":")
-    if not sep:
-        mod_name, _, attr = path.rpartition(".")
-    if not mod_name or not attr:
-        raise UsageError(f"{what} {path!r}: expected module:function")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise UsageError(f"{what} {path!r}: cannot import {mod_name!r} ({exc})") from None
-    fn = getattr(mod, attr, None)
-    if not callable(fn):
-        raise UsageError(f"{what} {path!r}: {mod_name} has no function {attr!r}")
-    return fn
+    """Import the function ``module:function`` (or ``module.function``) named by config key ``what``."""
+    return import_object(path, what, UsageError, callable_as="a function")
 
 
 async def default_generate(args: SimpleNamespace, sample: Sample, sampling_params: dict[str, Any]) -> Sample:

@@ -139,53 +139,54 @@ def _metrics(samples: list[Sample], counts: dict[str, int], seconds: float, rewa
 def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, engine_urls: list[str] | tuple[str, ...] = (),
                 force: bool = False, skip_bad_rows: bool | None = None) -> RolloutResult:
     """Produce rollout ``rollout_id`` (default: the next one) and publish it."""
-    if cfg.data.prompt_data is None:
-        raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
-    with run.lock("rollout") as lock:
-        rid = next_rollout_id(run) if rollout_id is None else rollout_id
-        if run.rollouts.exists(rid) and not force:
-            raise ArtifactExists(f"rollouts/{rid:06d} is already published; pass --force to regenerate it")
-        state = _data_state(run, rid)
-        buffered = _buffer(run, rid) if cfg.rollout.partial_rollout else []
-        from transformers import AutoTokenizer
+    with run.stage_log("rollout"):
+        if cfg.data.prompt_data is None:
+            raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
+        with run.lock("rollout") as lock:
+            rid = next_rollout_id(run) if rollout_id is None else rollout_id
+            if run.rollouts.exists(rid) and not force:
+                raise ArtifactExists(f"rollouts/{rid:06d} is already published; pass --force to regenerate it")
+            state = _data_state(run, rid)
+            buffered = _buffer(run, rid) if cfg.rollout.partial_rollout else []
+            from transformers import AutoTokenizer
 
-        from slimectl.contract.logs import quiet_hf_progress
+            from slimectl.contract.logs import quiet_hf_progress
 
-        quiet_hf_progress()
-        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-        d = cfg.data
-        rows, bad = load_prompts(d.prompt_data, d.input_key, d.label_key, d.metadata_key, d.tools_key,
-                                 d.skip_bad_rows if skip_bad_rows is None else skip_bad_rows)
-        rows, too_long = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
-        source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=state)
-        urls = _engine_urls(run, engine_urls)
-        result = asyncio.run(_rollout_async(run, cfg, rid, source, urls, tok, lock, buffered))
-        samples, metrics, trace, leftover = result
-        metrics.update({"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
-        meta = {
-            "rollout_id": rid,
-            "weight_version": metrics["rollout/weight_version"],
-            "num_samples": len(samples),
-            "num_groups": len({s.group_index for s in samples}),
-            "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
-            "reward_mean": metrics["rollout/reward_mean"],
-            "reward_std": metrics["rollout/reward_std"],
-            "seconds": metrics["perf/rollout_time"],
-            "counts": {k: metrics[k] for k in ("rollout/filter_dropped_groups", "rollout/aborted_groups",
-                                               "rollout/zero_std_groups")},
-        }
-        lock.check()
-        with run.rollouts.publish(rid, meta=meta, stage="rollout", overwrite=force) as staging:
-            write_samples(samples, staging / SAMPLES_FILE)
-            (staging / DATA_STATE).write_text(json.dumps(source.state()))
-            if leftover:
-                write_samples([x for g in leftover for x in g], staging / BUFFER_FILE)
-            (staging / "metrics.json").write_text(json.dumps(metrics, indent=2))
-            with open(staging / "trace.jsonl", "w") as f:
-                for span in trace:
-                    f.write(json.dumps(span) + "\n")
-        _log_metrics(run, cfg, rid, metrics)
-        return RolloutResult(rid, len(samples), metrics, run.rollouts.dir_for(rid))
+            quiet_hf_progress()
+            tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            d = cfg.data
+            rows, bad = load_prompts(d.prompt_data, d.input_key, d.label_key, d.metadata_key, d.tools_key,
+                                     d.skip_bad_rows if skip_bad_rows is None else skip_bad_rows)
+            rows, too_long = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
+            source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=state)
+            urls = _engine_urls(run, engine_urls)
+            result = asyncio.run(_rollout_async(run, cfg, rid, source, urls, tok, lock, buffered))
+            samples, metrics, trace, leftover = result
+            metrics.update({"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
+            meta = {
+                "rollout_id": rid,
+                "weight_version": metrics["rollout/weight_version"],
+                "num_samples": len(samples),
+                "num_groups": len({s.group_index for s in samples}),
+                "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
+                "reward_mean": metrics["rollout/reward_mean"],
+                "reward_std": metrics["rollout/reward_std"],
+                "seconds": metrics["perf/rollout_time"],
+                "counts": {k: metrics[k] for k in ("rollout/filter_dropped_groups", "rollout/aborted_groups",
+                                                   "rollout/zero_std_groups")},
+            }
+            lock.check()
+            with run.rollouts.publish(rid, meta=meta, stage="rollout", overwrite=force) as staging:
+                write_samples(samples, staging / SAMPLES_FILE)
+                (staging / DATA_STATE).write_text(json.dumps(source.state()))
+                if leftover:
+                    write_samples([x for g in leftover for x in g], staging / BUFFER_FILE)
+                (staging / "metrics.json").write_text(json.dumps(metrics, indent=2))
+                with open(staging / "trace.jsonl", "w") as f:
+                    for span in trace:
+                        f.write(json.dumps(span) + "\n")
+            _log_metrics(run, cfg, rid, metrics)
+            return RolloutResult(rid, len(samples), metrics, run.rollouts.dir_for(rid))
 
 
 def _log_metrics(run: RunDir, cfg: SlimectlConfig, rid: int, metrics: dict[str, Any]) -> None:

@@ -161,7 +161,7 @@ class DistributedTransport(WeightTransport):
             dist.broadcast(t, src=0, group=self.pg)
 
     async def push(self, clients: dict, source: WeightSource) -> int:
-        from slimectl.engines.weight_group import dtype_name
+        from slimectl.backends.hf.dtypes import dtype_name
 
         if self.pg is None:
             await self.connect(clients)

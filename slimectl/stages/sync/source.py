@@ -37,12 +37,8 @@ class WeightSource:
         if self._iter is not None:
             yield from self._iter()
             return
-        ckpt = self._checkpoint()
-        try:
-            for name in ckpt.names():
-                yield name, ckpt.get(name)
-        finally:
-            ckpt.close()
+        with self._checkpoint() as ckpt:
+            yield from ckpt.iter_tensors()
 
     def heads(self, pick: Callable[[list[str]], list[str]], rows: int) -> dict[str, torch.Tensor]:
         """The first ``rows`` rows of the tensors ``pick(all names)`` chooses, for verification.
@@ -50,11 +46,8 @@ class WeightSource:
         From a directory only the picked tensors are read; from a tensor stream one pass keeps
         every tensor's head (small) and then picks, so a live trainer is streamed once."""
         if self._iter is None:
-            ckpt = self._checkpoint()
-            try:
+            with self._checkpoint() as ckpt:
                 return {n: ckpt.get(n)[:rows] for n in pick(ckpt.names())}
-            finally:
-                ckpt.close()
         every = {n: t.detach()[:rows].clone() for n, t in self._iter()}
         return {n: every[n] for n in pick(list(every))}
 

@@ -116,34 +116,35 @@ def weight_source(run: RunDir, cfg: SlimectlConfig, version: int | None) -> Weig
 def run_sync(run: RunDir, cfg: SlimectlConfig, version: int | None = None, transport: str | None = None,
              verify: bool | None = None, engine_urls: list[str] | tuple[str, ...] = ()) -> SyncResult:
     """Push weight version ``version`` (default: the latest published) to every registered engine."""
-    from slimectl.engines.client import EngineClient
-    from slimectl.contract.metrics import MetricsWriter
+    with run.stage_log("sync"):
+        from slimectl.engines.client import EngineClient
+        from slimectl.contract.metrics import MetricsWriter
 
-    kind = transport or cfg.sync.transport
-    verify = cfg.sync.verify if verify is None else verify
-    with run.lock("sync"):
-        source = weight_source(run, cfg, version)
-        targets = engine_targets(run, engine_urls)
-        token = os.environ.get(cfg.engine.token_env) or None
-        tr = make_transport(kind, cfg.sync)
+        kind = transport or cfg.sync.transport
+        verify = cfg.sync.verify if verify is None else verify
+        with run.lock("sync"):
+            source = weight_source(run, cfg, version)
+            targets = engine_targets(run, engine_urls)
+            token = os.environ.get(cfg.engine.token_env) or None
+            tr = make_transport(kind, cfg.sync)
 
-        async def go() -> SyncResult:
-            clients = {t.url: EngineClient(t.url, token=token, timeout=cfg.sync.timeout_s) for t in targets}
-            try:
-                await tr.connect(clients)
+            async def go() -> SyncResult:
+                clients = {t.url: EngineClient(t.url, token=token, timeout=cfg.sync.timeout_s) for t in targets}
                 try:
-                    return await sync_engines(clients, tr, source, cfg.sync.pause_mode, verify)
+                    await tr.connect(clients)
+                    try:
+                        return await sync_engines(clients, tr, source, cfg.sync.pause_mode, verify)
+                    finally:
+                        await tr.close(clients)
                 finally:
-                    await tr.close(clients)
-            finally:
-                await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
+                    await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
 
-        result = asyncio.run(go())
-        run.engines.set_weight_version([t.id for t in targets], str(result.version))
-        tb = run.tensorboard_dir("sync") if cfg.logging.tensorboard else None
-        with MetricsWriter(run.metrics_path("sync"), tb) as m:
-            m.log(result.version, result.metrics())
-        log.info("sync: weight version %d to %d engine(s) by %s in %.2f s (%.1f MB)%s", result.version,
-                 len(result.engines), result.transport, result.seconds, result.bytes / 1e6,
-                 ", verified" if result.verified else "")
-        return result
+            result = asyncio.run(go())
+            run.engines.set_weight_version([t.id for t in targets], str(result.version))
+            tb = run.tensorboard_dir("sync") if cfg.logging.tensorboard else None
+            with MetricsWriter(run.metrics_path("sync"), tb) as m:
+                m.log(result.version, result.metrics())
+            log.info("sync: weight version %d to %d engine(s) by %s in %.2f s (%.1f MB)%s", result.version,
+                     len(result.engines), result.transport, result.seconds, result.bytes / 1e6,
+                     ", verified" if result.verified else "")
+            return result

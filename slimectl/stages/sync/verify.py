@@ -12,13 +12,12 @@ import asyncio
 
 import torch
 
+from slimectl.backends.hf.dtypes import canonical_dtype_name, dtype_name
 from slimectl.engines.client import EngineError
 from slimectl.stages.sync.source import WeightSource
 
 DEFAULT_NUM_TENSORS = 8
 DEFAULT_ROWS = 4
-_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32",
-            "auto": None}
 
 
 def pick_names(names: list[str], k: int = DEFAULT_NUM_TENSORS) -> list[str]:
@@ -37,8 +36,8 @@ def compare(expected: torch.Tensor, got: list, engine_dtype: str | None) -> floa
     if got_t.shape != exp.shape:
         return float("inf")
     diff = (got_t - exp).abs()
-    served = _ALIASES.get(str(engine_dtype), str(engine_dtype).replace("torch.", "")) if engine_dtype else None
-    same_dtype = served is not None and served == str(expected.dtype).replace("torch.", "")  # unknown: tolerant
+    served = canonical_dtype_name(engine_dtype) if engine_dtype else None
+    same_dtype = served is not None and served == dtype_name(expected.dtype)  # unknown: tolerant
     tol = torch.zeros_like(exp) if same_dtype else 2 ** -7 * exp.abs() + 1e-6
     return None if bool((diff <= tol).all()) else float(diff.max())
 

@@ -1,0 +1,224 @@
+"""The local launcher of ``slimectl rl``: engines as child processes, the trainer in this process.
+
+:class:`Engines` attaches to a running ``slimectl serve`` of the run, or starts engines owned by
+this process (they die with it, even after ``kill -9``). :class:`InProcessTrainer` is the train
+stage in this process and the weight sync from it; :class:`FollowerTrainer` is a trainer rank > 0
+(``rl --launcher ray`` with several trainer ranks). The Ray launcher
+(:mod:`slimectl.orchestration.ray_launcher`) runs the same two trainer classes inside its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from contextlib import ExitStack
+
+from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.errors import LockHeld, SlimectlError
+from slimectl.contract.rundir import RunDir
+
+log = logging.getLogger("slimectl.rl")
+
+
+def _kill_orphan_engines(run: RunDir) -> None:
+    """With no serve running, live registered engines are leftovers of a killed serve/rl: stop them."""
+    import psutil
+
+    for rec in run.engines.list():
+        if rec.alive():
+            try:
+                p = psutil.Process(rec.pid)
+                p.terminate()
+                p.wait(10)
+            except psutil.TimeoutExpired:
+                p.kill()
+            except psutil.Error:
+                pass
+            log.warning("stopped orphaned engine %s (pid %s) left by an earlier run", rec.url, rec.pid)
+        if rec.alive() is not None:
+            run.engines.unregister(rec.id)
+
+
+class Engines:
+    """Attach to a running ``slimectl serve`` of this run, or start engines owned by this process.
+
+    ``make_group(run, cfg)`` builds what starts them: an :class:`~slimectl.stages.serve.EngineGroup`
+    (child processes), or a launcher's equivalent with the same ``start``/``stop``/``engines``/
+    ``check_alive``."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...], stack: ExitStack,
+                 make_group=None):
+        from slimectl.stages.serve import EngineGroup
+
+        self.ids: dict[str, str | None] = {}
+        self.group = None  # set when this process started the engines
+        given = list(engine_urls) or list(cfg.engine.urls)
+        if given:
+            self.ids = {u.rstrip("/"): None for u in given}
+            return
+        serve_lock = run.lock("serve")
+        try:
+            serve_lock.acquire()
+        except LockHeld:
+            recs = run.engines.live()
+            if not recs:
+                raise SlimectlError(f"a `slimectl serve` holds {run.path} but registered no live engines yet; "
+                                    f"wait for it or stop it") from None
+            self.ids = {r.url.rstrip("/"): r.id for r in recs}
+            log.info("using %d engine(s) of the running `slimectl serve`: %s", len(recs), ", ".join(self.ids))
+            return
+        stack.callback(serve_lock.release)
+        _kill_orphan_engines(run)
+        group = (make_group or EngineGroup)(run, cfg)
+        stack.callback(group.stop)
+        group.start()
+        self.group = group
+        self.ids = {e.url: e.id for e in group.engines}
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.ids)
+
+    def check_alive(self) -> None:
+        if self.group is not None:
+            self.group.check_alive()
+
+
+def open_engine_clients(cfg: SlimectlConfig, urls, loop, stack: ExitStack) -> dict:
+    """{url: EngineClient} for ``urls``, closed (on ``loop``) when ``stack`` unwinds."""
+    from slimectl.engines.client import EngineClient
+
+    token = os.environ.get(cfg.engine.token_env) or None
+    clients = {u: EngineClient(u, token=token, timeout=cfg.sync.timeout_s) for u in urls}
+
+    async def close_clients() -> None:
+        await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
+
+    stack.callback(lambda: loop.run_until_complete(close_clients()))
+    return clients
+
+
+class InProcessTrainer:
+    """The train stage in this process (one rank), and the weight sync from it: the trainer of
+    :class:`LocalLauncher`, and what each Ray trainer actor runs inside itself.
+
+    Takes the ``train`` lock; trains each rollout exactly once (:class:`Trainer`); syncs the
+    engines from its live weights (distributed transport) or from ``weights/N`` (disk)."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack):
+        from slimectl.stages.train import Trainer
+
+        self.run, self.cfg, self.stack = run, cfg, stack
+        self.disk = cfg.sync.transport == "disk"
+        self.trainer = Trainer(run, cfg, stack.enter_context(run.lock("train")))
+        self.loop = self.clients = self.transport = self.metrics = None
+
+    @property
+    def weight_version(self) -> int:
+        return self.trainer.weight_version
+
+    def connect(self, loop, clients: dict) -> None:
+        """Open the train metrics and the weight transport to ``clients`` (run on ``loop``)."""
+        from slimectl.contract.metrics import MetricsWriter
+        from slimectl.stages.sync.transport import make_transport
+
+        self.loop, self.clients = loop, clients
+        transport = make_transport(self.cfg.sync.transport, self.cfg.sync)
+        self.stack.callback(lambda: loop.run_until_complete(transport.close(clients)))
+        tb = self.run.tensorboard_dir("train") if self.cfg.logging.tensorboard else None
+        self.metrics = self.stack.enter_context(MetricsWriter(self.run.metrics_path("train"), tb))
+        loop.run_until_complete(transport.connect(clients))
+        self.transport = transport
+
+    def _source(self, version: int):
+        from slimectl.stages.sync import WeightSource
+        from slimectl.stages.train import broadcast_from_rank0
+
+        if not self.disk:
+            def passes():  # several trainer ranks: each pass is announced to ranks > 0 (FollowerTrainer)
+                broadcast_from_rank0("pass")
+                yield from self.trainer.iter_hf_tensors()
+
+            return WeightSource.from_tensors(version, passes)
+        # Publishing is collective over the trainer ranks (a Ray trainer with several): rank 0 decides.
+        if broadcast_from_rank0(not self.run.weights.exists(version)):
+            if version == 0:
+                return WeightSource.from_dir(0, self.cfg.model.path)
+            self.trainer.publish(version - 1, version, checkpoint=False, weights=True)
+        return WeightSource.from_dir(version, self.run.weights.get(version).path)
+
+    def sync(self, version: int) -> tuple[dict[str, float], float]:
+        """Load weight version ``version`` into every engine; its sync metrics and seconds."""
+        from slimectl.stages.sync import sync_engines
+        from slimectl.stages.train import broadcast_from_rank0
+
+        s = self.cfg.sync
+        with self.run.stage_log("sync"):
+            try:
+                res = self.loop.run_until_complete(sync_engines(self.clients, self.transport, self._source(version),
+                                                                s.pause_mode, s.verify))
+            finally:
+                if not self.disk:
+                    broadcast_from_rank0("done")  # no-op with one trainer rank
+        return res.metrics(), res.seconds
+
+    def train(self, rid: int, art, last: bool) -> list[dict]:
+        """Train on rollout ``rid`` (its READY artifact ``art``); the per-step train metrics."""
+        with self.run.stage_log("train"):
+            return self.trainer.train_rollout(rid, art, self.metrics, publish_weights=self.disk, last=last)
+
+
+class FollowerTrainer:
+    """Trainer rank > 0 of a trainer with several ranks (``rl --launcher ray`` with
+    ``train.tp*pp*dp > 1``): it joins every collective of rank 0's :class:`InProcessTrainer` —
+    training, checkpoint and weight publishing, the TP/PP gathers of a distributed sync — and,
+    like the ranks > 0 of ``slimectl train`` under torchrun, holds no lock, writes nothing to the
+    run directory and talks to no engine."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack):
+        from slimectl.stages.train import FollowerLock, Trainer
+
+        self.run, self.cfg = run, cfg
+        self.disk = cfg.sync.transport == "disk"
+        self.trainer = Trainer(run, cfg, FollowerLock())
+
+    @property
+    def weight_version(self) -> int:
+        return self.trainer.weight_version
+
+    def connect(self, loop, clients: dict) -> None:
+        return None
+
+    def sync(self, version: int) -> tuple[dict[str, float], float]:
+        """Take part in rank 0's sync of weight version ``version``."""
+        from slimectl.stages.train import broadcast_from_rank0
+
+        if self.disk:
+            if broadcast_from_rank0(None) and version != 0:
+                self.trainer.publish(version - 1, version, checkpoint=False, weights=True)
+        else:
+            # Rank 0 announces each pass over its tensors (one per push, one more to verify) and
+            # the end of the sync; the TP/PP gathers of every pass need every rank.
+            while broadcast_from_rank0(None) == "pass":
+                for _ in self.trainer.iter_hf_tensors():
+                    pass
+        return {}, 0.0
+
+    def train(self, rid: int, art, last: bool) -> list[dict]:
+        from slimectl.stages.train import NullMetrics
+
+        return self.trainer.train_rollout(rid, art, NullMetrics(), publish_weights=self.disk, last=last)
+
+
+class LocalLauncher:
+    """The default launcher: engines as child processes of this one (or a running serve's), the
+    train stage in this process. Needs nothing beyond slimectl itself."""
+
+    name = "local"
+
+    def start_trainer(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack) -> InProcessTrainer:
+        return InProcessTrainer(run, cfg, stack)
+
+    def start_engines(self, run: RunDir, cfg: SlimectlConfig, engine_urls, stack: ExitStack) -> Engines:
+        return Engines(run, cfg, engine_urls, stack)

@@ -1,0 +1,109 @@
+"""Relaunching a command under torchrun: its argv rebuilt from the command's own parameters.
+
+A multi-rank ``convert``/``train`` starts ``python -m torch.distributed.run ... -m slimectl CMD ARGV``
+with the very options it was given. ARGV is not written by hand: :func:`argv_from_params` walks
+the command's parameter objects (click's, duck-typed: this library never imports click) and emits
+every non-default value in the option's own spelling, so an option added to the command later
+is passed to every rank without anyone remembering to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from typing import Any, Iterable, Mapping
+
+from slimectl.contract.errors import UsageError
+
+log = logging.getLogger("slimectl.torchrun")
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun job."""
+    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _spelling(param: Any) -> str:
+    """The option's long name when it has one (``--max-rollouts``), else its first name (``-r``)."""
+    longs = [o for o in param.opts if o.startswith("--")]
+    return longs[0] if longs else param.opts[0]
+
+
+def _text(value: Any) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def argv_from_params(params: Iterable[Any], values: Mapping[str, Any]) -> list[str]:
+    """The command-line arguments that parse back into ``values``.
+
+    ``params`` are a command's parameter objects (click's ``ctx.command.params``: each with
+    ``name``, ``opts``, ``secondary_opts``, ``default``, ``is_flag``, ``multiple``, ``count``,
+    ``nargs``, ``param_type_name``); ``values`` are the parsed values (``ctx.params``, with any
+    replaced). Options equal to their default are left out; flags are emitted bare (``--x``, or
+    the ``--no-x`` side of a ``--x/--no-x`` pair), repeatable options once per value, counted
+    options once per count; arguments follow the options, after ``--``.
+    """
+    argv: list[str] = []
+    positional: list[str] = []
+    for p in params:
+        if p.name not in values:
+            continue  # not exposed (--help)
+        value = values[p.name]
+        if p.param_type_name == "argument":
+            items = value if (p.multiple or p.nargs != 1) and isinstance(value, (list, tuple)) else [value]
+            positional += [_text(v) for v in items if v is not None]
+            continue
+        if p.param_type_name != "option":
+            continue
+        default = p.default() if callable(p.default) else p.default
+        if value is None or value == default or (p.multiple and not value):
+            continue
+        opt = _spelling(p)
+        if getattr(p, "count", False):
+            argv += [opt] * int(value)
+        elif p.is_flag:
+            if value is False:
+                if not p.secondary_opts:
+                    continue  # a plain flag left off
+                argv.append(p.secondary_opts[0])
+            elif value is True or value == p.flag_value:
+                argv.append(opt)
+            else:
+                raise ValueError(f"option {opt}: flag value {value!r} cannot be spelled on a command line")
+        elif p.multiple:
+            for v in value:
+                argv += [opt, *(map(_text, v) if p.nargs != 1 else [_text(v)])]
+        elif p.nargs != 1:
+            argv += [opt, *map(_text, value)]
+        else:
+            argv += [opt, _text(value)]
+    return argv + (["--", *positional] if positional else [])
+
+
+def check_node_options(nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None,
+                       master_port: int | None = None) -> None:
+    """Refuse node options a multi-node torchrun job cannot start with (one line naming the option)."""
+    if nnodes > 1 and not (master_addr and master_port):
+        raise UsageError(f"--nnodes {nnodes} needs --master-addr (node 0's address, reachable from every node) "
+                         f"and --master-port (the same free port on every node)")
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank} must be in 0..{nnodes - 1} (--nnodes {nnodes})")
+
+
+def relaunch_under_torchrun(nproc: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
+                            master_addr: str | None = None, master_port: int | None = None) -> int:
+    """Run ``python -m slimectl ARGV`` under torchrun with ``nproc`` processes on this node; return
+    its exit code. With ``nnodes`` > 1 every node runs this with its own ``node_rank`` and the same
+    ``master_addr``/``master_port`` (node 0's address and a port open to the other nodes)."""
+    from slimectl.backends.megatron.parallel import free_port
+
+    check_node_options(nnodes, node_rank, master_addr, master_port)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
+           "--nproc_per_node", str(nproc), "--master_addr", master_addr or "127.0.0.1",
+           "--master_port", str(master_port or free_port()), "-m", "slimectl", *argv]
+    log.info("launching %d processes%s: %s", nproc, f" on node {node_rank} of {nnodes}" if nnodes > 1 else "",
+             " ".join(cmd[3:]))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)
