@@ -54,9 +54,10 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
         return
     import threading
 
-    from slimectl.orchestration.loop import StopSignals, run_rl
+    from slimectl.orchestration.loop import run_rl
+    from slimectl.orchestration.signals import InterruptOnSignal
 
-    signals = StopSignals(threading.Event()).install()
+    signals = InterruptOnSignal(threading.Event()).install()
     interrupted = click.ClickException(f"interrupted; rerun `slimectl rl -r {run.path}` to resume")
     try:
         res = run_rl(run, cfg, engine_urls, stop=signals.stop, critical=signals.deferred, launcher=placer)

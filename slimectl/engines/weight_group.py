@@ -11,17 +11,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
-DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-}
+from slimectl.backends.hf.dtypes import TORCH_DTYPES, dtype_name  # noqa: F401  (the one dtype table)
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+#: The dtype names a weight-update request may carry (SGLang sends the HF/torch names).
+DTYPES = {name: dt for name, dt in TORCH_DTYPES.items() if dtype_name(dt) == name}
 
 
 def init_custom_process_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 from slimectl.contract.config import SlimectlConfig
@@ -69,7 +68,7 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
            stop: threading.Event | None = None, critical=nullcontext, launcher=None) -> RLResult:
     """Run the loop until ``rollout.num_rollout`` rollouts are trained (or ``stop`` is set).
 
-    ``critical()`` wraps each weight sync (``StopSignals.deferred`` keeps a signal from cutting
+    ``critical()`` wraps each weight sync (``InterruptOnSignal.deferred`` keeps a signal from cutting
     a pause/continue sequence in half). ``launcher`` places the engines and the trainer
     (default :class:`LocalLauncher`)."""
     from slimectl.contract.metrics import MetricsWriter
@@ -193,42 +192,3 @@ def release_engines(loop, clients: dict) -> None:
 
 def resume_engines(loop, clients: dict, tags: list[str]) -> None:
     loop.run_until_complete(_gather([c.resume_memory_occupation(tags) for c in clients.values()]))
-
-
-class StopSignals:
-    """SIGTERM/SIGINT handling for ``rl``: the first signal sets ``stop`` and raises KeyboardInterrupt
-    in the main thread — at once, or, inside :meth:`deferred` (a weight sync: engines must be
-    continued), when that section ends. Later signals are ignored so the cleanup runs whole."""
-
-    def __init__(self, stop: threading.Event):
-        self.stop = stop
-        self.signal: int | None = None
-        self._depth = 0
-        self._pending = False
-
-    def install(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, self._handler)
-        return self
-
-    def _handler(self, signum, frame) -> None:
-        if self.signal is not None:
-            return
-        self.signal = signum
-        self.stop.set()
-        if self._depth:
-            self._pending = True
-            return
-        raise KeyboardInterrupt
-
-    @contextmanager
-    def deferred(self):
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if not self._depth and self._pending:
-                self._pending = False
-                raise KeyboardInterrupt

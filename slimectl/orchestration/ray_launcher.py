@@ -32,15 +32,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
-import threading
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 from slimectl.contract.config import SlimectlConfig, build_config
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
+from slimectl.orchestration.signals import kept_handlers
 
 log = logging.getLogger("slimectl.ray")
 
@@ -134,20 +133,6 @@ def _worker_logging(level: int) -> None:
 
     setup_logging(0)
     logging.getLogger("slimectl").setLevel(level)
-
-
-@contextmanager
-def _keep_signal_handlers():
-    """Put back this process's SIGINT/SIGTERM handlers after ``ray.init`` replaced them (Ray's own
-    exit at once, or abort): ``rl``'s handlers must still stop the loop cleanly and tear down."""
-    main = threading.current_thread() is threading.main_thread()
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
 
 
 # ------------------------------------------------------------------------------------ workers
@@ -372,7 +357,7 @@ class RayLauncher:
             # reach the Ray cluster can run code on it, so this exposes nothing new.
             kwargs["runtime_env"] = {"env_vars": {cfg.engine.token_env: token}}
         try:
-            with _keep_signal_handlers():
+            with kept_handlers():  # ray.init replaces them; rl's must still stop the loop cleanly
                 ray.init(**kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = self.address or "a new local instance"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 from slimectl.contract.config import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import EngineRecord, RunDir
+from slimectl.orchestration.signals import set_on_signals
 
 log = logging.getLogger("slimectl.serve")
 
@@ -89,7 +89,7 @@ class EngineGroup:
                  model_path: str | None = None, python: str | None = None, engine_indices: list[int] | None = None):
         """``engine_indices``: which of the ``engine.num_engines`` engines this group launches (all by
         default; a launcher that places each engine in its own process passes one index each)."""
-        from slimectl.engines.sglang.launcher import ProcessSupervisor
+        from slimectl.engines.supervisor import ProcessSupervisor
 
         self.run = run
         self.cfg = cfg
@@ -146,7 +146,7 @@ class EngineGroup:
             if self.token:
                 argv += ["--admin-api-key-env", ec.token_env]  # the child reads the token from its environment
             return argv, env, [self.token] if self.token else []
-        from slimectl.engines.sglang.launcher import SGLangLaunchSpec, build_env, build_sglang_argv
+        from slimectl.engines.sglang.launch_spec import SGLangLaunchSpec, build_env, build_sglang_argv
 
         from slimectl.backends.hf.dtypes import HF_NAMES
 
@@ -209,19 +209,11 @@ def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, 
             if dead:
                 log.info("removed the records of dead engines %s", ", ".join(dead))
             group = EngineGroup(run, cfg, engine_urls)
-            previous = {}
-            if threading.current_thread() is threading.main_thread():
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    previous[sig] = signal.signal(sig, lambda *_: stop.set())
-            try:
-                with group:
-                    for url in group.urls:
-                        announce(url)
-                    if ready is not None:
-                        ready.set()
-                    while not stop.wait(1.0):
-                        group.check_alive()
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
+            with set_on_signals(stop), group:  # SIGINT/SIGTERM stop the engines; the old handlers come back
+                for url in group.urls:
+                    announce(url)
+                if ready is not None:
+                    ready.set()
+                while not stop.wait(1.0):
+                    group.check_alive()
             log.info("engines stopped")

@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 
-DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
+from slimectl.backends.hf.dtypes import TORCH_DTYPES
+
+#: The floating-point names a model may be served in (from the one dtype table).
+DTYPES = {name: dt for name, dt in TORCH_DTYPES.items() if dt in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 def model_dtype(name: str) -> torch.dtype:

@@ -7,8 +7,6 @@ runs on the scheduler thread between two steps (:meth:`_run_control` of the runn
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -154,26 +152,12 @@ class WeightUpdates:
 
 
 def _iter_safetensors(path: Path):
-    """(name, tensor) for every tensor of a checkpoint directory's safetensors files."""
-    from safetensors import safe_open
+    """(name, tensor) for every tensor of a checkpoint directory (the one reader in backends/hf);
+    its errors become ValueError, which the server answers with HTTP 400."""
+    from slimectl.backends.hf.checkpoint import iter_safetensors_dir
+    from slimectl.contract.errors import SlimectlError
 
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as exc:
-            raise ValueError(f"bad safetensors index {index}: {exc}") from None
-        files = [path / f for f in shards]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no safetensors weights in {str(path)!r}")
-    for f in files:
-        if not f.is_file():
-            raise ValueError(f"missing safetensors shard {str(f)!r}")
-        try:
-            with safe_open(os.fspath(f), framework="pt") as fh:
-                tensors = [(name, fh.get_tensor(name)) for name in fh.keys()]
-        except Exception as exc:  # a truncated or foreign file
-            raise ValueError(f"cannot read {str(f)!r}: {exc}") from None
-        yield from tensors
+    try:
+        yield from iter_safetensors_dir(path)
+    except SlimectlError as exc:
+        raise ValueError(str(exc)) from None
