@@ -8,12 +8,12 @@ exponential backoff; HTTP errors are not (the request reached the engine and it 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
 import aiohttp
 
+from slimectl.web.client import decode_body
 from slimectl.web.errors import HttpError, refusal_message
 from slimectl.web.retry import exponential_backoff, retry_call_async
 
@@ -67,15 +67,8 @@ class EngineClient:
                 if resp.status >= 400:
                     raise EngineError(refusal_message("engine", self.url, method, path, resp.status, raw),
                                       status=resp.status, url=self.url)
-                if not expect_json:
-                    return raw.decode("utf-8", errors="replace")
-                if not raw.strip():
-                    return None
-                try:
-                    return json.loads(raw)
-                except ValueError:
-                    raise EngineError(f"engine {self.url}: {method} {path} returned non-JSON: {raw[:200]!r}",
-                                      status=resp.status, url=self.url) from None
+                return decode_body(raw, expect_json, what="engine", url=self.url, method=method, path=path,
+                                   error=EngineError, status=resp.status)
 
         def on_retry(n: int, exc: BaseException, delay: float) -> None:
             log.warning("engine %s: %s on %s %s; retrying in %.1f s", self.url, type(exc).__name__, method, path, delay)

@@ -45,6 +45,13 @@ def request_json(method: str, url: str, body: Any = None, *, path: str = "", tok
         if isinstance(reason, (TimeoutError, socket.timeout)):
             raise error(f"{what} {url}: {method} {path}".rstrip() + f" timed out after {timeout:g} s", url=url) from None
         raise error(f"cannot reach the {what} at {url} ({reason}){'; ' + hint if hint else ''}", url=url) from None
+    return decode_body(raw, expect_json, what=what, url=url, method=method, path=path, error=error)
+
+
+def decode_body(raw: bytes, expect_json: bool, *, what: str, url: str, method: str, path: str,
+                error: type[HttpError] = HttpError, status: int | None = None) -> Any:
+    """A successful answer's body: parsed JSON (None when empty), or its text with ``expect_json=False``;
+    a body that is not JSON raises ``error`` naming ``what``, ``url`` and the request (both HTTP clients)."""
     if not expect_json:
         return raw.decode("utf-8", errors="replace")
     if not raw.strip():
@@ -52,7 +59,8 @@ def request_json(method: str, url: str, body: Any = None, *, path: str = "", tok
     try:
         return json.loads(raw)
     except ValueError:
-        raise error(f"{what} {url}: {method} {path}".rstrip() + f" returned non-JSON: {raw[:200]!r}", url=url) from None
+        raise error(f"{what} {url}: {method} {path}".rstrip() + f" returned non-JSON: {raw[:200]!r}",
+                    status=status, url=url) from None
 
 
 def http_status(url: str, timeout: float) -> int | None:
