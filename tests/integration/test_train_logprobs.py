@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from tests.helpers import ROOT
 from slimectl.contract.samples import Sample
 from slimectl.backends.megatron.packing import pack_samples
 

@@ -19,7 +19,7 @@ import pytest
 from slimectl.contract.errors import UsageError
 from slimectl.orchestration.ray_launcher import Slot, placement_layout
 from slimectl.contract.rundir import RunDir
-from tests.test_rl import ENV, assert_trained_once, read_jsonl, slimectl, write_config
+from tests.helpers import ENV, assert_trained_once, read_jsonl, slimectl, write_config
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from slimectl.contract.rundir import RunDir
-
-
-def slimectl(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "slimectl", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+from tests.helpers import slimectl
 
 
 def sample(g, i, reward, **kw):

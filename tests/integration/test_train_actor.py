@@ -15,7 +15,7 @@ import sys
 import warnings
 
 import pytest
-from conftest import ROOT
+from tests.helpers import ROOT
 
 from slimectl.backends.megatron.actor import group_normalized_rewards, lr_at
 

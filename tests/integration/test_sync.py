@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
-import urllib.request
 
 import pytest
 import torch
@@ -16,17 +12,7 @@ import torch
 from slimectl.contract.rundir import RunDir
 from slimectl.stages.sync.distributed import buckets
 from slimectl.stages.sync.verify import compare, pick_names
-
-
-def slimectl(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "slimectl", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def post(url, path, body, timeout=30):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+from tests.helpers import post, slimectl, start_serve
 
 
 def greedy(url, ids=(5, 6, 7, 8)):
@@ -57,7 +43,6 @@ def publish_weights(run: RunDir, version: int, seed: int) -> dict[str, torch.Ten
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A run with a tiny qwen2 model, weights/1 and weights/2, and `slimectl serve` with two engines."""
-    from tests.test_serve import start_serve
 
     root = tmp_path_factory.mktemp("sync")
     res = slimectl("init", root / "run", "--tiny-model", "qwen2", "--set", "logging.tensorboard=false")

@@ -8,7 +8,6 @@ logits parity at TP=1/TP=2, and resharding a TP=2 checkpoint to TP=1 and PP=2.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,17 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT
-from slimectl.backends.megatron.parallel import free_port
+from tests.helpers import ENV, SCRIPTS, free_port, slimectl
 
-SCRIPTS = ROOT / "tests" / "scripts"
 FAMILIES = ("llama", "qwen2", "qwen3")
 TOL = 1e-4
 
 
 def py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -35,12 +31,6 @@ def py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def torchrun(n: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return py("-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
               "--master_port", str(free_port()), *args, timeout=timeout)
-
-
-def slimectl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "slimectl", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def results(proc: subprocess.CompletedProcess) -> list[dict]:
@@ -133,7 +123,7 @@ def test_convert_copies_whole_row_tensors_from_the_hf_files(models, converted, t
     expected = [len(all_rules(arch_from_dir(models[fam]))) for fam in FAMILIES]
     assert COPIED["tp1"] == expected
     pairs = [str(x) for fam in FAMILIES for x in (models[fam], tmp_path / f"read-{fam}")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLIMECTL_TEST_READ_ALL": "1"}
+    env = {**ENV, "SLIMECTL_TEST_READ_ALL": "1"}
     proc = subprocess.run([sys.executable, str(SCRIPTS / "convert_batch.py"), "1", "1", *pairs], capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,58 +4,17 @@ the same artifacts by hand, eval with pass@k."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import psutil
 import pytest
-import yaml
 
 from slimectl.stages.rollout.eval import pass_at_k
 from slimectl.contract.rundir import RunDir
-
-ROOT = Path(__file__).resolve().parents[1]
-ARITH = ROOT / "examples" / "data" / "arith.jsonl"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def slimectl(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "slimectl", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
-
-
-def write_config(tmp_path, **sections) -> Path:
-    cfg = {"name": "t", "data": {"prompt_data": str(ARITH)},
-           "rollout": {"num_rollout": 3, "batch_size": 2, "n_samples_per_prompt": 4, "max_response_len": 6,
-                       "reward": "random"},
-           "train": {"lr": 1e-3}, "logging": {"tensorboard": False}}
-    for sec, values in sections.items():
-        cfg.setdefault(sec, {}).update(values)
-    p = tmp_path / "cfg.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def engine_pids(run: RunDir) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and "slimectl.engines.embedded.server" in p.info["cmdline"]
-            and str(run.path) in " ".join(p.info["cmdline"])]
-
-
-def assert_trained_once(run: RunDir, n: int):
-    cur = run.cursor("train").read()
-    assert cur.next == n and cur.consumed == list(range(n))
-    assert run.rollouts.ids() == list(range(n))
-    last = run.checkpoints.get(run.checkpoints.ids()[-1])
-    assert last.meta["next_rollout"] == n and last.meta["actor_step"] == n  # one step per rollout, none twice
+from tests.helpers import (ARITH, ENV, assert_trained_once, engine_pids, post, read_jsonl, slimectl, start_serve,
+                           write_config)
 
 
 def test_rl_synchronous_loop_end_to_end(tmp_path):
@@ -126,7 +85,6 @@ def test_kill_9_then_rerun_trains_each_rollout_once(tmp_path, marker):
 
 
 def test_stages_by_hand_make_the_same_artifacts_as_rl(tmp_path):
-    from tests.test_serve import start_serve
 
     cfg = write_config(tmp_path, rollout={"num_rollout": 2})
     assert slimectl("init", tmp_path / "hand", "-c", cfg, "--tiny-model", "qwen2").returncode == 0
@@ -211,25 +169,18 @@ def test_sigterm_stops_every_stage_cleanly_and_rerun_resumes(tmp_path):
     assert_trained_once(run, 4)
 
 
-async def zero_reward(args, sample):
-    """Pure distillation: no task reward, only the teacher's log-probs shape the advantages."""
-    return 0.0
-
-
 def test_on_policy_distillation_takes_teacher_log_probs_and_shapes_advantages(tmp_path):
     """A second `slimectl serve` is the teacher; each sample carries the teacher's log-probs of its
     response tokens (checked against the teacher directly), and with zero task reward the policy
     loss of the first (on-policy) step is exactly the reverse-KL estimate: A_t = -(lp_s - lp_t)."""
     from slimectl.fixtures.tiny_models import build_tiny_model
-    from tests.test_serve import start_serve
-    from tests.test_sync import post
 
     teacher_model = build_tiny_model("qwen2", tmp_path / "teacher-model", seed=3, initializer_range=0.2)
     assert slimectl("init", tmp_path / "teacher", "--set", f"model.path={teacher_model}").returncode == 0
     proc, (teacher_url,) = start_serve(RunDir.open(tmp_path / "teacher"))
     try:
         cfg = write_config(tmp_path, rollout={"num_rollout": 2, "batch_size": 2, "max_response_len": 6,
-                                              "reward": "tests.test_rl:zero_reward", "teacher_urls": [teacher_url]},
+                                              "reward": "tests.helpers:zero_reward", "teacher_urls": [teacher_url]},
                            algorithm={"use_opd": True, "opd_kl_coef": 1.0})
         res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
         assert res.returncode == 0, res.stderr[-3000:]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -11,11 +10,7 @@ from safetensors.torch import load_file
 
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, write_samples
-
-
-def slimectl(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "slimectl", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+from tests.helpers import ENV, slimectl
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +118,7 @@ def test_kill_9_mid_training_then_rerun_trains_each_rollout_once(tmp_path, rollo
     assert slimectl("train", "-r", straight.path).returncode == 0
     run = make_run(tmp_path / "b", model, rolls)
     proc = subprocess.Popen([sys.executable, "-m", "slimectl", "train", "-r", str(run.path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
     deadline = time.monotonic() + 120
     while not run.checkpoints.exists(1) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
