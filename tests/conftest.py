@@ -46,3 +46,17 @@ def run_dir(tmp_path: Path, fake_model: Path):
     from slimectl.stages.init import init_run
 
     return init_run(tmp_path / "run", overrides=[f"model.path={fake_model}"]).run
+
+
+_ORDER = {"unit": 0, "integration": 2, "e2e": 3}  # top-level files (not yet sorted into a folder) run as 1
+
+
+def pytest_collection_modifyitems(items):
+    """Run unit, then integration, then e2e (a stable sort: each module's tests stay together, in order)."""
+    tests_dir = Path(__file__).resolve().parent
+
+    def rank(item) -> int:
+        rel = Path(str(item.path)).resolve().relative_to(tests_dir)
+        return _ORDER.get(rel.parts[0], 1) if len(rel.parts) > 1 else 1
+
+    items.sort(key=rank)

@@ -39,6 +39,50 @@ def slimectl(*args, timeout: float = 600, env: dict[str, str] | None = None) -> 
                           timeout=timeout, env={**ENV, **(env or {})})
 
 
+def slimectl_in_process(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`slimectl ARGS` through click's CliRunner in this process, answered like :func:`slimectl`.
+
+    For single-rank stages (train, convert, export, sync, rollout import): the imports are paid once
+    per session instead of once per call. Megatron's CPU shim (backends/megatron/cpu_compat) is
+    applied by the first Megatron stage and stays for the session, as does the one-rank gloo group
+    (its torch-function mode is entered only for the length of each call, so other tests in this
+    process see plain torch); what a stage leaves in os.environ (RANK, MASTER_PORT...), the signal handlers and the console
+    log handler (bound to the captured stderr) are put back after each call. Multi-rank (torchrun),
+    kill -9 and Ray tests use :func:`slimectl` instead.
+    """
+    import logging
+    import signal
+
+    from click.testing import CliRunner
+
+    from slimectl.commands.cli import cli
+
+    log = logging.getLogger("slimectl")
+
+    def drop_console_handler():
+        for h in [h for h in log.handlers if getattr(h, "_slimectl_console", False)]:
+            log.removeHandler(h)
+
+    from slimectl.backends.megatron import cpu_compat
+
+    saved_env = dict(os.environ)
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    drop_console_handler()  # setup_logging binds a fresh one to this call's captured stderr
+    if cpu_compat.applied():  # the shim's device-rewriting torch mode is on only inside these calls
+        cpu_compat._mode.__enter__()
+    try:
+        res = CliRunner().invoke(cli, [str(a) for a in args], env=env, prog_name="slimectl", catch_exceptions=False)
+    finally:
+        if cpu_compat.applied():
+            cpu_compat._mode.__exit__(None, None, None)
+        drop_console_handler()
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for s, h in saved_signals.items():
+            signal.signal(s, h)
+    return subprocess.CompletedProcess(["slimectl", *map(str, args)], res.exit_code, res.stdout, res.stderr)
+
+
 def start_engine(model: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """An embedded engine server subprocess on a free port (weight version 0 unless ARGS set one): (proc, url)."""
     port = free_port()
