@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ENV, SCRIPTS, free_port, slimectl
+from tests.helpers import ENV, SCRIPTS, free_port, slimectl, slimectl_in_process
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 TOL = 1e-4
@@ -213,7 +213,7 @@ def test_tp2_checkpoint_resharded_to_pp2(models, converted):
 
 def test_export_cli_and_dtype(converted, tmp_path):
     out = tmp_path / "bf16"
-    res = slimectl("export", "--checkpoint", str(converted[("qwen3", 1)]), "--out", str(out), "--dtype", "bf16",
+    res = slimectl_in_process("export", "--checkpoint", str(converted[("qwen3", 1)]), "--out", str(out), "--dtype", "bf16",
                    "--max-shard-size", "40KB")
     assert res.returncode == 0, res.stderr[-2000:]
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -224,15 +224,15 @@ def test_export_cli_and_dtype(converted, tmp_path):
 
     m = AutoModelForCausalLM.from_pretrained(out)
     assert next(m.parameters()).dtype == torch.bfloat16
-    again = slimectl("export", "--checkpoint", str(converted[("qwen3", 1)]), "--out", str(out))
+    again = slimectl_in_process("export", "--checkpoint", str(converted[("qwen3", 1)]), "--out", str(out))
     assert again.returncode == 2 and "--force" in again.stderr
 
 
 def test_convert_and_export_through_the_run_directory(models, tmp_path):
     run = tmp_path / "run"
-    init = slimectl("init", str(run), "--set", f"model.path={models['qwen2']}")
+    init = slimectl_in_process("init", str(run), "--set", f"model.path={models['qwen2']}")
     assert init.returncode == 0, init.stderr
-    res = slimectl("convert", "-r", str(run))
+    res = slimectl_in_process("convert", "-r", str(run))
     assert res.returncode == 0, res.stderr[-2000:]
     from slimectl.contract.rundir import RunDir
 
@@ -240,9 +240,9 @@ def test_convert_and_export_through_the_run_directory(models, tmp_path):
     art = r.checkpoints.get(0, verify="full")
     assert art.meta["source"] == "convert" and art.meta["tp"] == 1
     assert "release/metadata.json" in art.files and "slimectl_checkpoint.json" in art.files
-    again = slimectl("convert", "-r", str(run))
+    again = slimectl_in_process("convert", "-r", str(run))
     assert again.returncode == 2 and "already exists" in again.stderr
-    exp = slimectl("export", "-r", str(run))
+    exp = slimectl_in_process("export", "-r", str(run))
     assert exp.returncode == 0, exp.stderr[-2000:]
     w = r.weights.get(0, verify="full")
     assert w.meta["source"] == "export"
