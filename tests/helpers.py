@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -39,23 +40,20 @@ def slimectl(*args, timeout: float = 600, env: dict[str, str] | None = None) -> 
                           timeout=timeout, env={**ENV, **(env or {})})
 
 
-def slimectl_in_process(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`slimectl ARGS` through click's CliRunner in this process, answered like :func:`slimectl`.
+@contextlib.contextmanager
+def in_process_stage():
+    """Run single-rank Megatron work (a stage, a test script) in this process, then tidy up.
 
-    For single-rank stages (train, convert, export, sync, rollout import): the imports are paid once
-    per session instead of once per call. Megatron's CPU shim (backends/megatron/cpu_compat) is
-    applied by the first Megatron stage and stays for the session, as does the one-rank gloo group
-    (its torch-function mode is entered only for the length of each call, so other tests in this
-    process see plain torch); what a stage leaves in os.environ (RANK, MASTER_PORT...), the signal handlers and the console
-    log handler (bound to the captured stderr) are put back after each call. Multi-rank (torchrun),
-    kill -9 and Ray tests use :func:`slimectl` instead.
+    Megatron's CPU shim (backends/megatron/cpu_compat) is applied by the first Megatron call and
+    stays for the session, as does the one-rank gloo group; the shim's device-rewriting torch mode
+    is on only inside these blocks, so other tests in this process see plain torch. What the work
+    leaves in os.environ (RANK, MASTER_PORT...), the SIGINT/SIGTERM handlers and slimectl's console
+    log handler (bound to a captured stderr) are put back afterwards.
     """
     import logging
     import signal
 
-    from click.testing import CliRunner
-
-    from slimectl.commands.cli import cli
+    from slimectl.backends.megatron import cpu_compat
 
     log = logging.getLogger("slimectl")
 
@@ -63,15 +61,13 @@ def slimectl_in_process(*args, env: dict[str, str] | None = None) -> subprocess.
         for h in [h for h in log.handlers if getattr(h, "_slimectl_console", False)]:
             log.removeHandler(h)
 
-    from slimectl.backends.megatron import cpu_compat
-
     saved_env = dict(os.environ)
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    drop_console_handler()  # setup_logging binds a fresh one to this call's captured stderr
-    if cpu_compat.applied():  # the shim's device-rewriting torch mode is on only inside these calls
+    drop_console_handler()  # setup_logging binds a fresh one to the current stderr
+    if cpu_compat.applied():
         cpu_compat._mode.__enter__()
     try:
-        res = CliRunner().invoke(cli, [str(a) for a in args], env=env, prog_name="slimectl", catch_exceptions=False)
+        yield
     finally:
         if cpu_compat.applied():
             cpu_compat._mode.__exit__(None, None, None)
@@ -80,7 +76,42 @@ def slimectl_in_process(*args, env: dict[str, str] | None = None) -> subprocess.
         os.environ.update(saved_env)
         for s, h in saved_signals.items():
             signal.signal(s, h)
+
+
+def slimectl_in_process(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`slimectl ARGS` through click's CliRunner in this process, answered like :func:`slimectl`.
+
+    For single-rank stages (init, train, convert, export, sync, rollout import): the imports are
+    paid once per session instead of once per call (see :func:`in_process_stage`). Multi-rank
+    (torchrun), kill -9 and Ray tests use :func:`slimectl` instead.
+    """
+    from click.testing import CliRunner
+
+    from slimectl.commands.cli import cli
+
+    with in_process_stage():
+        res = CliRunner().invoke(cli, [str(a) for a in args], env=env, prog_name="slimectl", catch_exceptions=False)
     return subprocess.CompletedProcess(["slimectl", *map(str, args)], res.exit_code, res.stdout, res.stderr)
+
+
+def run_script_in_process(script: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGV`` (one of tests/scripts) in this process: its main() with sys.argv set
+    and stdout captured, answered like subprocess.run. The scripts keep the one-rank process group
+    when not run as __main__. Multi-rank runs go through torchrun instead."""
+    import io
+    import runpy
+
+    out = io.StringIO()
+    saved_argv = sys.argv
+    with in_process_stage():
+        os.environ.update(env or {})
+        try:
+            sys.argv = [str(script), *map(str, argv)]
+            with contextlib.redirect_stdout(out):
+                runpy.run_path(str(script), run_name="__in_process__")["main"]()
+        finally:
+            sys.argv = saved_argv
+    return subprocess.CompletedProcess([str(script), *map(str, argv)], 0, out.getvalue(), "")
 
 
 def start_engine(model: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
