@@ -13,13 +13,13 @@ import pytest
 
 from slimectl.stages.rollout.eval import pass_at_k
 from slimectl.contract.rundir import RunDir
-from tests.helpers import (ARITH, ENV, assert_trained_once, engine_pids, post, read_jsonl, slimectl, start_serve,
+from tests.helpers import (ARITH, ENV, assert_trained_once, engine_pids, post, read_jsonl, slimectl_in_process, start_serve,
                            write_config)
 
 
 def test_rl_synchronous_loop_end_to_end(tmp_path):
     cfg = write_config(tmp_path, engine={"offload_during_train": True})
-    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "trained rollouts 0-2; weight version 3" in res.stdout
     run = RunDir.open(tmp_path / "run")
@@ -31,14 +31,14 @@ def test_rl_synchronous_loop_end_to_end(tmp_path):
     # rollout N was generated on weight version N, and the engine ended on version 3
     assert [run.rollouts.get(i).meta["weight_version"] for i in range(3)] == ["0", "1", "2"]
     assert run.engines.list() == [] and engine_pids(run) == []
-    again = slimectl("rl", "-c", cfg, "-r", tmp_path / "run")
+    again = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run")
     assert again.returncode == 0 and "nothing to do" in again.stderr and "trained rollouts none;" in again.stdout
 
 
 def test_rl_one_step_off_async_with_distributed_sync(tmp_path):
     cfg = write_config(tmp_path, rollout={"async_mode": "one_step_off", "num_rollout": 4},
                        sync={"transport": "distributed", "verify": True, "bucket_size_mb": 1})
-    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
     assert res.returncode == 0, res.stderr[-3000:]
     run = RunDir.open(tmp_path / "run")
     assert_trained_once(run, 4)
@@ -77,7 +77,7 @@ def test_kill_9_then_rerun_trains_each_rollout_once(tmp_path, marker):
     while engine_pids(run) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert engine_pids(run) == []  # the engine noticed its parent died
-    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run")
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming at rollout" in res.stderr
     assert_trained_once(run, 4)
@@ -87,24 +87,24 @@ def test_kill_9_then_rerun_trains_each_rollout_once(tmp_path, marker):
 def test_stages_by_hand_make_the_same_artifacts_as_rl(tmp_path):
 
     cfg = write_config(tmp_path, rollout={"num_rollout": 2})
-    assert slimectl("init", tmp_path / "hand", "-c", cfg, "--tiny-model", "qwen2").returncode == 0
+    assert slimectl_in_process("init", tmp_path / "hand", "-c", cfg, "--tiny-model", "qwen2").returncode == 0
     hand = RunDir.open(tmp_path / "hand")
     proc, urls = start_serve(hand)
     try:
         for rid in range(2):
             for cmd in (("rollout", "--next"), ("train", "--id", str(rid)), ("sync",)):
-                res = slimectl(cmd[0], "-r", hand.path, *cmd[1:])
+                res = slimectl_in_process(cmd[0], "-r", hand.path, *cmd[1:])
                 assert res.returncode == 0, (cmd, res.stderr[-2000:])
         assert {r.weight_version for r in hand.engines.list()} == {"2"}
         # rl attaches to the running serve's engines instead of starting its own
-        res = slimectl("rl", "-r", hand.path, "--set", "rollout.num_rollout=3")
+        res = slimectl_in_process("rl", "-r", hand.path, "--set", "rollout.num_rollout=3")
         assert res.returncode == 0, res.stderr[-2000:]
         assert "using 1 engine(s) of the running `slimectl serve`" in res.stderr
         assert hand.cursor("train").read().consumed == [0, 1, 2]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "rl", "--tiny-model", "qwen2")
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "rl", "--tiny-model", "qwen2")
     assert res.returncode == 0, res.stderr[-2000:]
     auto = RunDir.open(tmp_path / "rl")
     for kind in ("rollouts", "checkpoints", "weights"):
@@ -144,7 +144,7 @@ def test_rl_evaluates_with_pass_at_k(tmp_path):
     cfg = write_config(tmp_path, rollout={"num_rollout": 2, "eval_interval": 1, "eval_n_samples": 4,
                                           "eval_pass_k": [1, 4]},
                        data={"eval_data": {"arith": f"{ARITH}@[0:3]"}})
-    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
     assert res.returncode == 0, res.stderr[-3000:]
     run = RunDir.open(tmp_path / "run")
     assert run.evals.ids() == [1, 2]
@@ -166,10 +166,10 @@ def test_pass_at_k_hand_computed():
 
 
 def test_rl_refuses_bad_input(tmp_path):
-    res = slimectl("rl")
+    res = slimectl_in_process("rl")
     assert res.returncode == 2 and "pass --config" in res.stderr
     cfg = write_config(tmp_path, rollout={"async_mode": "two_step"})
-    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
     assert res.returncode == 2 and "rollout.async_mode" in res.stderr
 
 
@@ -190,7 +190,7 @@ def test_sigterm_stops_every_stage_cleanly_and_rerun_resumes(tmp_path):
     run = RunDir.open(tmp_path / "run")
     assert run.engines.list() == [] and engine_pids(run) == []
     assert not list((run.path / "locks").glob("*.lock"))
-    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run")
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run")
     assert res.returncode == 0, res.stderr[-3000:]
     assert_trained_once(run, 4)
 
@@ -202,13 +202,13 @@ def test_on_policy_distillation_takes_teacher_log_probs_and_shapes_advantages(tm
     from slimectl.fixtures.tiny_models import build_tiny_model
 
     teacher_model = build_tiny_model("qwen2", tmp_path / "teacher-model", seed=3, initializer_range=0.2)
-    assert slimectl("init", tmp_path / "teacher", "--set", f"model.path={teacher_model}").returncode == 0
+    assert slimectl_in_process("init", tmp_path / "teacher", "--set", f"model.path={teacher_model}").returncode == 0
     proc, (teacher_url,) = start_serve(RunDir.open(tmp_path / "teacher"))
     try:
         cfg = write_config(tmp_path, rollout={"num_rollout": 2, "batch_size": 2, "max_response_len": 6,
                                               "reward": "tests.helpers:zero_reward", "teacher_urls": [teacher_url]},
                            algorithm={"use_opd": True, "opd_kl_coef": 1.0})
-        res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+        res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
         assert res.returncode == 0, res.stderr[-3000:]
         run = RunDir.open(tmp_path / "run")
         from slimectl.contract.samples import SAMPLES_FILE, read_samples
@@ -230,5 +230,5 @@ def test_on_policy_distillation_takes_teacher_log_probs_and_shapes_advantages(tm
 
 def test_opd_without_teacher_log_probs_fails_clearly(tmp_path):
     cfg = write_config(tmp_path, rollout={"num_rollout": 1}, algorithm={"use_opd": True})
-    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
     assert res.returncode == 1 and "set rollout.teacher_urls" in res.stderr and "Traceback" not in res.stderr
