@@ -6,8 +6,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from slimectl.contract.rundir import RunDir
 from tests.helpers import ROOT
+
+
+pytestmark = pytest.mark.slow
 
 
 def test_the_demo_runs_rl_end_to_end_and_reward_rises(tmp_path):

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
 from tests.helpers import ENV, ROOT
@@ -16,6 +18,9 @@ from tests.helpers import ENV, ROOT
 # with these settings seeds 0-3 ended at x0.14-x0.33 of the start (0.8 is the bar), in 52-76 s each.
 QUICK = ["--teacher-steps", "50", "--student-steps", "10", "--kl-samples", "2",
          "--set", "rollout.num_rollout=32", "--set", "rollout.batch_size=8", "--set", "train.lr=3e-3"]
+
+
+pytestmark = pytest.mark.slow
 
 
 def test_opd_demo_student_reverse_kl_to_the_served_teacher_falls(tmp_path):

@@ -50,6 +50,7 @@ def test_rl_one_step_off_async_with_distributed_sync(tmp_path):
     assert {v for s in samples for v in s.weight_versions} == {"2"}  # each sample records its weight version
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("marker", ["rollout 1:", "step 2 ", "rl 2/4"])
 def test_kill_9_then_rerun_trains_each_rollout_once(tmp_path, marker):
     """kill -9 right after `marker` on stderr: during train ("rollout 1:" = rollout 1 just published),
@@ -173,6 +174,7 @@ def test_rl_refuses_bad_input(tmp_path):
     assert res.returncode == 2 and "rollout.async_mode" in res.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_stage_cleanly_and_rerun_resumes(tmp_path):
     cfg = write_config(tmp_path, rollout={"num_rollout": 4})
     proc = subprocess.Popen([sys.executable, "-m", "slimectl", "rl", "-c", str(cfg), "-r", str(tmp_path / "run"),

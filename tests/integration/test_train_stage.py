@@ -137,6 +137,7 @@ def test_kill_9_mid_training_then_rerun_trains_each_rollout_once(tmp_path, rollo
     assert all((a[k] == b[k]).all() for k in a)  # nothing trained twice, nothing skipped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis", ["dp", "pp"])
 def test_train_under_torchrun_with_two_ranks_matches_one_process(tmp_path, rollouts, axis):
     """`slimectl train` with train.dp=2 (data parallel) or train.pp=2 (two pipeline stages)
