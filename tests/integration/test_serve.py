@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from slimectl.contract.rundir import RunDir
-from tests.helpers import slimectl, start_serve
+from tests.helpers import slimectl_in_process, start_serve
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_serve_two_embedded_engines_register_and_clean_up(tiny_run, cli):
         assert st["running"]["serve"]["stale"] is False
         for i in range(2):
             assert (tiny_run.path / "logs" / f"engine-{i}.log").stat().st_size > 0
-        second = slimectl("serve", "-r", tiny_run.path, timeout=60)
+        second = slimectl_in_process("serve", "-r", tiny_run.path)
         assert second.returncode == 1 and "already running" in second.stderr  # one serve per run dir
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -63,15 +63,15 @@ def test_serve_registers_external_engines_and_checks_their_health(tiny_run, tmp_
 
 
 def test_serve_fails_cleanly_on_a_dead_external_engine(tiny_run):
-    res = slimectl("serve", "-r", tiny_run.path, "--engine-url", "http://127.0.0.1:9",
-                   "--set", "engine.startup_timeout_s=2", timeout=60)
+    res = slimectl_in_process("serve", "-r", tiny_run.path, "--engine-url", "http://127.0.0.1:9",
+                              "--set", "engine.startup_timeout_s=2")
     assert res.returncode == 1 and "http://127.0.0.1:9" in res.stderr and "Traceback" not in res.stderr
     assert tiny_run.engines.list() == []
 
 
 def test_serve_refuses_a_missing_model(tmp_path, cli, fake_model):
     cli("init", tmp_path / "r", "--set", f"model.path={fake_model}")
-    res = slimectl("serve", "-r", tmp_path / "r", "--set", "engine.startup_timeout_s=30", timeout=120)
+    res = slimectl_in_process("serve", "-r", tmp_path / "r", "--set", "engine.startup_timeout_s=30")
     assert res.returncode == 1 and "engine-0" in res.stderr and "engine-0.log" in res.stderr
     assert RunDir.open(tmp_path / "r").engines.list() == []
 
