@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from slimectl.engines import sglang as sg
+from slimectl.engines.sglang import launcher as sg
 from slimectl.engines.sglang.launcher import (
     SGLANG_NOT_IMPORTABLE,
     EngineExited,
