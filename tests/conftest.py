@@ -1,14 +1,18 @@
+"""Shared fixtures for tests/unit, tests/integration and tests/e2e (helpers live in tests/helpers.py)."""
+
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[1]
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # `tests.helpers` importable under plain `pytest` too
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.helpers import ROOT, run_py  # noqa: E402,F401  (re-exported: `from conftest import ROOT` still works)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -44,8 +48,15 @@ def run_dir(tmp_path: Path, fake_model: Path):
     return init_run(tmp_path / "run", overrides=[f"model.path={fake_model}"]).run
 
 
-def run_py(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run python code in a fresh interpreter (for kill -9 and import-isolation tests)."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env)
+_ORDER = {"unit": 0, "integration": 2, "e2e": 3}  # top-level files (not yet sorted into a folder) run as 1
+
+
+def pytest_collection_modifyitems(items):
+    """Run unit, then integration, then e2e (a stable sort: each module's tests stay together, in order)."""
+    tests_dir = Path(__file__).resolve().parent
+
+    def rank(item) -> int:
+        rel = Path(str(item.path)).resolve().relative_to(tests_dir)
+        return _ORDER.get(rel.parts[0], 1) if len(rel.parts) > 1 else 1
+
+    items.sort(key=rank)

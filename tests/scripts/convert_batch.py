@@ -15,14 +15,18 @@ from slimectl.stages.convert import convert_hf_to_megatron
 
 def main() -> None:
     tp, pp, pairs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    if os.environ.get("SLIMECTL_TEST_READ_ALL") == "1":
-        from slimectl.backends.megatron.copy_save import RowSource
+    from slimectl.backends.megatron.copy_save import RowSource
 
+    accepts = RowSource.accepts
+    if os.environ.get("SLIMECTL_TEST_READ_ALL") == "1":
         RowSource.accepts = lambda self, name: False
     forks, copied = [], []
     os.register_at_fork(before=lambda: forks.append(1))  # the save writes from this process
-    for hf, out in zip(pairs[::2], pairs[1::2]):
-        copied.append(convert_hf_to_megatron(hf, out, tp=tp, pp=pp, progress="off").copied_tensors)
+    try:
+        for hf, out in zip(pairs[::2], pairs[1::2]):
+            copied.append(convert_hf_to_megatron(hf, out, tp=tp, pp=pp, progress="off").copied_tensors)
+    finally:
+        RowSource.accepts = accepts  # run in-process by the tests: leave the class as it was
     print("RESULT " + json.dumps({"forks": len(forks), "copied": copied}))
 
 

@@ -125,7 +125,7 @@ def main() -> None:
         print("RESULT " + json.dumps(out), flush=True)
     from slimectl.backends.megatron.parallel import shutdown_parallel
 
-    shutdown_parallel(destroy_process_group=True)
+    shutdown_parallel(destroy_process_group=__name__ == "__main__")  # in-process (tests.helpers) keeps the group
 
 
 if __name__ == "__main__":

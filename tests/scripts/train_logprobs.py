@@ -76,7 +76,7 @@ def main() -> None:
             "vocab_size": arch.vocab_size, "micro_batches": len(packed), "setup_s": round(t_setup, 2),
             "packed_logprob_s": round(t_packed, 3),
         }), flush=True)
-    shutdown_parallel(destroy_process_group=True)
+    shutdown_parallel(destroy_process_group=__name__ == "__main__")  # in-process (tests.helpers) keeps the group
 
 
 if __name__ == "__main__":

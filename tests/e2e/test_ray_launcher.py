@@ -19,7 +19,7 @@ import pytest
 from slimectl.contract.errors import UsageError
 from slimectl.orchestration.ray_launcher import Slot, placement_layout
 from slimectl.contract.rundir import RunDir
-from tests.test_rl import ENV, assert_trained_once, read_jsonl, slimectl, write_config
+from tests.helpers import ENV, assert_trained_once, read_jsonl, slimectl, slimectl_in_process, write_config
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,7 @@ def wait_gone(pids, timeout=30.0) -> list[int]:
     return [p for p in pids if psutil.pid_exists(p)]
 
 
+@pytest.mark.slow
 def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_killed(tmp_path, cluster):
     cfg = write_config(tmp_path, rollout={"num_rollout": 2})
     path = tmp_path / "run"
@@ -128,7 +129,7 @@ def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_kille
     assert wait_gone([where2["trainer"], where2["engine_actor"], where2["engine"]]) == []
 
     # 3. the same run directory as the local launcher makes from the same config
-    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "local", "--tiny-model", "qwen2")
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "local", "--tiny-model", "qwen2")
     assert res.returncode == 0, res.stderr[-3000:]
     local = RunDir.open(tmp_path / "local")
     for kind in ("rollouts", "checkpoints", "weights"):
@@ -144,6 +145,7 @@ def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_kille
            [local.rollouts.get(i).meta["reward_mean"] for i in (0, 1)]
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_actors_cleanly(tmp_path, cluster):
     """ray.init replaces the driver's signal handlers; rl's own must still stop every actor cleanly."""
     cfg = write_config(tmp_path, rollout={"num_rollout": 2})
@@ -162,7 +164,7 @@ def test_sigterm_stops_the_actors_cleanly(tmp_path, cluster):
 def test_an_error_inside_an_actor_is_one_line(tmp_path, cluster):
     """The trainer actor cannot take the train lock held here: the driver says so in one line."""
     cfg = write_config(tmp_path, rollout={"num_rollout": 1})
-    assert slimectl("init", tmp_path / "run", "-c", cfg, "--tiny-model", "qwen2").returncode == 0
+    assert slimectl_in_process("init", tmp_path / "run", "-c", cfg, "--tiny-model", "qwen2").returncode == 0
     run = RunDir.open(tmp_path / "run")
     with run.lock("train"):
         res = slimectl("rl", "-r", run.path, "--launcher", "ray", "--address", cluster.address)
@@ -174,7 +176,7 @@ def test_an_error_inside_an_actor_is_one_line(tmp_path, cluster):
 
 
 def test_ray_options_need_the_ray_launcher_and_ray_itself(tmp_path):
-    res = slimectl("rl", "-r", tmp_path, "--address", "auto")
+    res = slimectl_in_process("rl", "-r", tmp_path, "--address", "auto")
     assert res.returncode == 2 and "--address places actors on Ray; add --launcher ray" in res.stderr
     # A Python where `import ray` fails, as on an install without the extra
     shadow = tmp_path / "no-ray" / "ray"
@@ -202,6 +204,7 @@ def test_placement_layout_colocated_shares_bundles_disaggregated_separates_them(
         placement_layout(num_engines=1, trainer_ranks=1, colocate=True, trainer_gpus=1, engine_gpus=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split,transport", [("tp", "distributed"), ("pp", "distributed"), ("dp", "disk")])
 def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, cluster, split, transport):
     """train.tp=2, pp=2 or dp=2 under Ray: two trainer actors, one per node (the colocated group's
@@ -232,7 +235,7 @@ def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, clus
     assert [r["step"] for r in train] == [1, 2]  # one record per step: rank 1 logs nothing
 
     cfg1 = write_config(tmp_path, train={"lr": 1e-3}, **sections)  # the same config, one trainer rank
-    local = slimectl("rl", "-c", cfg1, "-r", tmp_path / "local", "--tiny-model", "qwen2")
+    local = slimectl_in_process("rl", "-c", cfg1, "-r", tmp_path / "local", "--tiny-model", "qwen2")
     assert local.returncode == 0, local.stderr[-3000:]
     ref = RunDir.open(tmp_path / "local")
     assert [run.rollouts.get(i).meta["reward_mean"] for i in (0, 1)] == \

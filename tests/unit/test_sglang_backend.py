@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import textwrap
 import time
@@ -39,16 +38,11 @@ from slimectl.engines.supervisor import (
     secrets_in_argv,
 )
 from slimectl.web.client import http_status
+from tests.helpers import free_port
 
 PY = sys.executable
 TOKEN = "sk-test-4f9c2d1e0b"
 ADMIN = "adm-test-77aa88bb"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """slimectl.train: sequence packing, and Megatron log-probs vs the rollout engine's (step-0 invariant).
 
-Megatron runs in subprocess scripts (its CPU shim patches torch.cuda process-wide).
+The one-rank script (tests/scripts/train_logprobs.py) runs in this process (tests.helpers.
+run_script_in_process, Megatron's CPU shim applied once per session); TP=2 goes through torchrun.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
 from slimectl.contract.samples import Sample
 from slimectl.backends.megatron.packing import pack_samples
+from tests.helpers import ENV, SCRIPTS, free_port, run_script_in_process
 
-SCRIPT = ROOT / "tests" / "scripts" / "train_logprobs.py"
+SCRIPT = SCRIPTS / "train_logprobs.py"
 
 
 def fake(prompt_len: int, resp_len: int, base: int = 1) -> Sample:
@@ -117,15 +117,14 @@ def rollout(tmp_path_factory):
 
 
 def run_script(n_proc: int, tp: int, model_dir: Path, samples_json: Path, out: Path) -> dict:
-    from slimectl.backends.megatron.parallel import free_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [str(SCRIPT), str(tp), str(model_dir), str(samples_json), str(BUDGET), str(out)]
-    if n_proc > 1:
+    if n_proc == 1:
+        proc = run_script_in_process(*args)
+    else:
         args = ["-m", "torch.distributed.run", "--nproc_per_node", str(n_proc), "--master_addr", "127.0.0.1",
                 "--master_port", str(free_port()), *args]
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=ENV)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     return {**json.loads(line[len("RESULT "):]), **torch.load(out)}
 

@@ -5,7 +5,6 @@ against direct engine calls, and the export is imported into a run."""
 from __future__ import annotations
 
 import json
-import os
 import select
 import signal
 import subprocess
@@ -19,17 +18,10 @@ import pytest
 
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample
+from tests.helpers import ENV, free_port, start_engine, wait_healthy
 
 KEY = "harness-test-key"
 Q1, Q2, Q3 = "What is 2 + 3?", "And 4 + 4?", "Thanks. What is 7 * 6?"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(method: str, url: str, body=None, headers=None, key: str | None = KEY, raw: bytes | None = None):
@@ -76,35 +68,22 @@ def make_eos_reachable(model_dir: Path, tok, question: str) -> None:
 def world(tmp_path_factory, cli_module):
     from transformers import AutoTokenizer
 
-    from slimectl.engines.client import EngineClient
     from slimectl.fixtures.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("harness")
     model = build_tiny_model("qwen2", root / "model", seed=7, tie_word_embeddings=False, initializer_range=0.3)
     tok = AutoTokenizer.from_pretrained(model)
     make_eos_reachable(model, tok, Q1)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    port = free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(model),
-                               "--port", str(port), "--weight-version", "0"],
-                              stdout=open(root / "engine.log", "w"), stderr=subprocess.STDOUT, env=env)
-    engine_url = f"http://127.0.0.1:{port}"
+    engine, engine_url = start_engine(model, root / "engine.log")
     res = cli_module("init", root / "run", "--set", f"model.path={model}")
     assert res.exit_code == 0, res.output
     run = RunDir.open(root / "run")
-
-    import asyncio
-
-    async def wait():
-        async with EngineClient(engine_url, retries=0) as c:
-            await c.wait_healthy(timeout=120, interval=0.2)
-
-    asyncio.run(wait())
+    wait_healthy(engine_url)
     out = root / "sessions.jsonl"
     harness = subprocess.Popen([sys.executable, "-m", "slimectl", "harness", "-r", str(run.path), "--engine-url",
                                 engine_url, "--out", str(out), "--port", "0"],
                                stdout=subprocess.PIPE, stderr=open(root / "harness.log", "w"), text=True,
-                               env={**env, "SLIMECTL_HARNESS_API_KEY": KEY})
+                               env={**ENV, "SLIMECTL_HARNESS_API_KEY": KEY})
     deadline = time.time() + 120
     line = ""
     while time.time() < deadline and not line:

@@ -8,41 +8,12 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from slimectl.contract.rundir import EngineRecord, RunDir
 from slimectl.contract.samples import SAMPLES_FILE, Status, read_samples
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_engine(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(model),
-                             "--port", str(port), "--weight-version", "0"],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(urls):
-    import asyncio
-
-    from slimectl.engines.client import EngineClient
-
-    async def go():
-        for u in urls:
-            async with EngineClient(u, retries=0) as c:
-                await c.wait_healthy(timeout=120, interval=0.2)
-
-    asyncio.run(go())
+from tests.helpers import start_engine, wait_healthy
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +26,7 @@ def setup(tmp_path_factory):
     data.write_text("".join(json.dumps({"input": f"What is {a} + {b}?", "label": str(a + b), "metadata": {"a": a}}) + "\n"
                             for a, b in [(i, 2 * i + 1) for i in range(12)]))
     engines = [start_engine(model, root / f"e{i}.log") for i in range(2)]
-    wait_healthy([u for _, u in engines])
+    wait_healthy(*[u for _, u in engines])
     yield {"model": model, "data": data, "engines": engines, "root": root}
     for p, _ in engines:
         p.kill()
@@ -149,7 +120,7 @@ def test_engine_killed_mid_rollout_finishes_on_the_other(tmp_path, setup, cli):
     e1, u1 = start_engine(setup["model"], root / "k1.log")
     e2, u2 = start_engine(setup["model"], root / "k2.log")
     try:
-        wait_healthy([u1, u2])
+        wait_healthy(u1, u2)
         run = make_run(tmp_path, setup, cli, "rollout.max_response_len=64", "rollout.batch_size=6")
         for r in run.engines.list():
             run.engines.unregister(r.id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ROOT
+from tests.helpers import ROOT
 from slimectl.commands.completion import SHELLS, completion_source
 
 

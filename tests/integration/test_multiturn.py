@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,8 +28,8 @@ from slimectl.agents.multiturn import (
 from slimectl.agents.tools import ToolEnvironment, make_tool_env_factory, parse_tool_calls
 from slimectl.agents.tools.python_tool import PythonTool
 from slimectl.contract.samples import Sample, Status, read_samples, write_samples
+from tests.helpers import ROOT, start_engine, wait_healthy
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tool_math"
 
 
@@ -243,14 +242,6 @@ def test_python_tool_cancelled_from_outside_leaves_no_process(tmp_path):
 # --------------------------------------------------------------------------- real engine
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def memorise_transcripts(model_dir: Path, steps: int = 160):
     """Train the tiny model until greedy decoding reproduces every FIRST_TURNS turn (and the
     answer after the 1234 * 5678 tool result); returns (tokenizer, trained model)."""
@@ -299,25 +290,14 @@ def memorise_transcripts(model_dir: Path, steps: int = 160):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from slimectl.engines.client import EngineClient
     from slimectl.fixtures.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("multiturn")
     model_dir = build_tiny_model("qwen2", root / "model", seed=3)  # max_position_embeddings 512
     tok, model = memorise_transcripts(model_dir)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(model_dir),
-                             "--port", str(port), "--weight-version", "0"],
-                            stdout=open(root / "engine.log", "w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-
-    async def healthy():
-        async with EngineClient(url, retries=0) as c:
-            await c.wait_healthy(timeout=120, interval=0.2)
-
+    proc, url = start_engine(model_dir, root / "engine.log")
     try:
-        asyncio.run(healthy())
+        wait_healthy(url)
         yield SimpleNamespace(url=url, tok=tok, model=model, model_dir=model_dir, root=root)
     finally:
         proc.kill()

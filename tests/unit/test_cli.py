@@ -9,7 +9,7 @@ import sys
 import click
 import pytest
 
-from conftest import ROOT, run_py
+from tests.helpers import ROOT, run_py
 from slimectl.commands.cli import COMMANDS, cli as root
 
 EXPECTED = ["init", "status", "convert", "serve", "rollout", "train", "sync", "export", "rl", "inspect", "plot", "harness"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from tests.helpers import ROOT
 
 LIB = ROOT / "slimectl"
 

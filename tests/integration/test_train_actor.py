@@ -1,7 +1,8 @@
 """slimectl.backends.megatron.actor: MegatronActor on rollouts from the embedded engine (TP=1, CPU).
 
-Megatron runs in one subprocess (tests/scripts/train_actor_check.py: its CPU shim patches
-torch.cuda process-wide); several tests share its RESULT.
+The one-rank check (tests/scripts/train_actor_check.py) runs once in this process
+(tests.helpers.run_script_in_process: Megatron's CPU shim applied once per session) and several
+tests share its RESULT; the two-rank checks go through torchrun.
 """
 
 from __future__ import annotations
@@ -9,20 +10,19 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import subprocess
 import sys
 import warnings
 
 import pytest
-from conftest import ROOT
 
 from slimectl.algorithms.rewards import normalize_rewards_by_group
 from slimectl.backends.megatron.actor import lr_scheduler
 from slimectl.contract.config import TrainSection, build_config
 from slimectl.contract.errors import ConfigError
+from tests.helpers import ENV, SCRIPTS, free_port, run_script_in_process
 
-SCRIPT = ROOT / "tests" / "scripts" / "train_actor_check.py"
+SCRIPT = SCRIPTS / "train_actor_check.py"
 PROMPTS = ["one two three", "the cat sat on", "2 + 2 =", "why is the sky"]
 PER_GROUP, NEW_TOKENS = 2, 12
 REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.2, 0.9]  # every group has a non-zero std
@@ -124,15 +124,14 @@ def result(tmp_path_factory):
 
 
 def run_check(model_dir, samples_json, tp: int, dp: int = 1, pp: int = 1) -> dict:
-    from slimectl.backends.megatron.parallel import free_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [str(SCRIPT), str(model_dir), str(samples_json), str(tp), str(pp)]
-    if tp * dp * pp > 1:
+    if tp * dp * pp == 1:
+        proc = run_script_in_process(*args)
+    else:
         args = ["-m", "torch.distributed.run", "--nproc_per_node", str(tp * dp * pp), "--master_addr", "127.0.0.1",
                 "--master_port", str(free_port()), *args]
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=ENV)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     res = json.loads(line[len("RESULT "):])
     print(f"tp={tp} dp={dp} pp={pp}", {k: round(v["seconds"], 2) for k, v in res.items() if isinstance(v, dict)},
@@ -241,10 +240,7 @@ def test_two_ranks_match_one(result, axis):
 
 
 def test_checkpoint_restores_every_random_generator(result, tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "actor_rng_check.py"), result["_paths"][0],
-                           str(tmp_path / "state")], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script_in_process(SCRIPTS / "actor_rng_check.py", result["_paths"][0], tmp_path / "state")
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     res = json.loads(line[len("RESULT "):])
     assert res["loaded"] == res["saved"]  # python, torch CPU and Megatron's tracker continue exactly

@@ -21,10 +21,9 @@ import pytest
 import yaml
 
 from slimectl.contract.rundir import RunDir
+from tests.helpers import ARITH, ROOT, free_port, read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "multinode"
-ARITH = ROOT / "examples" / "data" / "arith.jsonl"
 SERVE_ADDR = "127.0.0.2"  # the serve "host"; train and sync live on 127.0.0.1
 TOKEN = "multinode-test-token"
 
@@ -123,10 +122,6 @@ def wait_until(cond, timeout: float, what: str, hosts=()) -> None:
             logs = "\n".join(f"--- {h.name}\n{h.text()[-1500:]}" for h in hosts)
             raise AssertionError(f"timed out waiting for {what}\n{logs}")
         time.sleep(0.02)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def assert_every_rollout_trained_once(run: RunDir, n: int) -> None:
@@ -239,14 +234,6 @@ def test_train_on_two_nodes_under_torchrun_with_the_recipe(tmp_path):
     assert "trained rollouts 0-1; weight version 2" in train0.text()
     assert "trained rollouts" not in train1.text()  # rank 1 (node 1) prints nothing and writes nothing
     assert_every_rollout_trained_once(run, 2)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------

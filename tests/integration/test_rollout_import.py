@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from slimectl.contract.rundir import RunDir
-
-
-def slimectl(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "slimectl", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+from tests.helpers import slimectl_in_process
 
 
 def sample(g, i, reward, **kw):
@@ -31,7 +24,7 @@ def write(path, rows):
 
 @pytest.fixture
 def run(tmp_path):
-    res = slimectl("init", tmp_path / "run", "--tiny-model", "qwen2", "--set", "rollout.num_rollout=1",
+    res = slimectl_in_process("init", tmp_path / "run", "--tiny-model", "qwen2", "--set", "rollout.num_rollout=1",
                    "--set", "logging.tensorboard=false", "--set", "train.lr=1e-3")
     assert res.returncode == 0, res.stderr
     return RunDir.open(tmp_path / "run")
@@ -39,15 +32,15 @@ def run(tmp_path):
 
 def test_import_publishes_a_rollout_that_train_consumes_once(run, tmp_path):
     f = write(tmp_path / "s.jsonl", [sample(0, 0, 1.0), sample(0, 1, 0.0), sample(1, 2, 0.0), sample(1, 3, 1.0)])
-    res = slimectl("rollout", "import", f, "-r", run.path)
+    res = slimectl_in_process("rollout", "import", f, "-r", run.path)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(run.rollouts.dir_for(0))
     art = run.rollouts.get(0, verify="full")
     assert art.meta["source"] == "import" and art.meta["num_samples"] == 4 and art.meta["num_groups"] == 2
-    res = slimectl("train", "-r", run.path)
+    res = slimectl_in_process("train", "-r", run.path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert run.cursor("train").read().consumed == [0]
-    again = slimectl("rollout", "import", f, "-r", run.path, "--id", "0")
+    again = slimectl_in_process("rollout", "import", f, "-r", run.path, "--id", "0")
     assert again.returncode == 1 and "already published" in again.stderr
 
 
@@ -63,15 +56,15 @@ def test_import_publishes_a_rollout_that_train_consumes_once(run, tmp_path):
 ])
 def test_bad_samples_are_refused_by_line_and_nothing_is_published(run, tmp_path, row, message):
     f = write(tmp_path / "s.jsonl", [sample(0, 0, 1.0), row])
-    res = slimectl("rollout", "import", f, "-r", run.path)
+    res = slimectl_in_process("rollout", "import", f, "-r", run.path)
     assert res.returncode == 1, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
     assert run.rollouts.ids() == [] and not list((run.path / ".staging").glob("*"))
 
 
 def test_missing_file_and_options_in_the_wrong_place(run, tmp_path):
-    res = slimectl("rollout", "import", tmp_path / "nope.jsonl", "-r", run.path)
+    res = slimectl_in_process("rollout", "import", tmp_path / "nope.jsonl", "-r", run.path)
     assert res.returncode == 2 and "no such file" in res.stderr
     f = write(tmp_path / "s.jsonl", [sample(0, 0, 1.0)])
-    res = slimectl("rollout", "--next", "import", f, "-r", run.path)
+    res = slimectl_in_process("rollout", "--next", "import", f, "-r", run.path)
     assert res.returncode == 2 and "put them after it" in res.stderr

@@ -4,15 +4,15 @@ and the student's exact reverse KL to the teacher falling (about 60 s on 2 cores
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
+
+import pytest
 
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
+from tests.helpers import ENV, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # Shorter than the demo's defaults (100 SFT steps for the teacher, 40 rollouts of 16 x 8 at lr 2e-3);
 # with these settings seeds 0-3 ended at x0.14-x0.33 of the start (0.8 is the bar), in 52-76 s each.
@@ -20,10 +20,13 @@ QUICK = ["--teacher-steps", "50", "--student-steps", "10", "--kl-samples", "2",
          "--set", "rollout.num_rollout=32", "--set", "rollout.batch_size=8", "--set", "train.lr=3e-3"]
 
 
+pytestmark = pytest.mark.slow
+
+
 def test_opd_demo_student_reverse_kl_to_the_served_teacher_falls(tmp_path):
     run_path = tmp_path / "opd"
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "opd_demo.py"), str(run_path), "--seed", "0", *QUICK],
-                         capture_output=True, text=True, timeout=300, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         capture_output=True, text=True, timeout=300, check=False, env=ENV)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((run_path / "opd_demo.json").read_text())
     start, end = summary["exact_reverse_kl_start"], summary["exact_reverse_kl_end"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 import uuid
 from types import SimpleNamespace
@@ -17,6 +16,7 @@ from slimectl.rewards import (RemoteRewardError, RemoteRewardModel, RewardConfig
                                       extract_choice, f1_components, grade, grade_dapo, grade_deepscaler, grade_f1,
                                       grade_gpqa, grade_math, grade_random, last_boxed, load_reward_function,
                                       normalize_answer, reward_value, rm_types)
+from tests.helpers import free_port
 
 MB = 1 << 20
 
@@ -453,12 +453,6 @@ async def serve(handler):
         yield f"http://127.0.0.1:{port}/score"
     finally:
         await runner.cleanup()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_remote_rm_retries_5xx_then_succeeds():

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
-import urllib.request
 
 import pytest
 import torch
@@ -16,17 +12,7 @@ import torch
 from slimectl.contract.rundir import RunDir
 from slimectl.stages.sync.distributed import buckets
 from slimectl.stages.sync.verify import compare, pick_names
-
-
-def slimectl(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "slimectl", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def post(url, path, body, timeout=30):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+from tests.helpers import post, slimectl_in_process, start_serve
 
 
 def greedy(url, ids=(5, 6, 7, 8)):
@@ -57,10 +43,9 @@ def publish_weights(run: RunDir, version: int, seed: int) -> dict[str, torch.Ten
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A run with a tiny qwen2 model, weights/1 and weights/2, and `slimectl serve` with two engines."""
-    from tests.test_serve import start_serve
 
     root = tmp_path_factory.mktemp("sync")
-    res = slimectl("init", root / "run", "--tiny-model", "qwen2", "--set", "logging.tensorboard=false")
+    res = slimectl_in_process("init", root / "run", "--tiny-model", "qwen2", "--set", "logging.tensorboard=false")
     assert res.returncode == 0, res.stderr
     run = RunDir.open(root / "run")
     w1, w2 = publish_weights(run, 1, 1), publish_weights(run, 2, 2)
@@ -74,10 +59,10 @@ def served(tmp_path_factory):
 
 def test_disk_sync_changes_outputs_and_verifies(served):
     run, urls, _ = served
-    assert slimectl("sync", "-r", run.path, "--version", "0").returncode == 0
+    assert slimectl_in_process("sync", "-r", run.path, "--version", "0").returncode == 0
     before = [greedy(u) for u in urls]
     assert {v for _, v in before} == {"0"}
-    res = slimectl("sync", "-r", run.path, "--version", "1", "--verify")
+    res = slimectl_in_process("sync", "-r", run.path, "--version", "1", "--verify")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "weight version 1 ->" in res.stdout and "verified" in res.stdout
     after = [greedy(u) for u in urls]
@@ -92,12 +77,12 @@ def test_disk_sync_changes_outputs_and_verifies(served):
 
 def test_distributed_sync_matches_disk_sync(served):
     run, urls, weights = served
-    assert slimectl("sync", "-r", run.path, "--version", "2").returncode == 0
+    assert slimectl_in_process("sync", "-r", run.path, "--version", "2").returncode == 0
     by_disk = greedy(urls[0])
-    assert slimectl("sync", "-r", run.path, "--version", "0").returncode == 0
+    assert slimectl_in_process("sync", "-r", run.path, "--version", "0").returncode == 0
     assert greedy(urls[0]) != by_disk
     # tiny buckets: the model crosses in many update_weights_from_distributed calls
-    res = slimectl("sync", "-r", run.path, "--version", "2", "--transport", "distributed", "--verify",
+    res = slimectl_in_process("sync", "-r", run.path, "--version", "2", "--transport", "distributed", "--verify",
                    "--set", "sync.bucket_size_mb=1")
     assert res.returncode == 0, res.stderr[-3000:]
     assert all(greedy(u) == by_disk for u in urls)  # same tokens as the disk path, version 2
@@ -111,7 +96,7 @@ def test_verify_detects_engines_holding_other_weights(served):
     from slimectl.stages.sync.verify import verify_engines
 
     run, urls, _ = served
-    assert slimectl("sync", "-r", run.path, "--version", "1").returncode == 0
+    assert slimectl_in_process("sync", "-r", run.path, "--version", "1").returncode == 0
 
     async def check(version):
         clients = {u: EngineClient(u) for u in urls}
@@ -130,7 +115,7 @@ def test_verify_detects_engines_holding_other_weights(served):
 def test_a_dead_engine_is_named_and_the_live_one_is_not_left_paused(served):
     run, urls, _ = served
     dead = "http://127.0.0.1:9"
-    res = slimectl("sync", "-r", run.path, "--version", "2", "--engine-url", urls[0], "--engine-url", dead,
+    res = slimectl_in_process("sync", "-r", run.path, "--version", "2", "--engine-url", urls[0], "--engine-url", dead,
                    "--set", "sync.timeout_s=5")
     assert res.returncode == 1 and dead in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()[-1]) < 400
@@ -140,11 +125,11 @@ def test_a_dead_engine_is_named_and_the_live_one_is_not_left_paused(served):
 
 def test_unpublished_version_and_no_engines(served, tmp_path):
     run, _, _ = served
-    res = slimectl("sync", "-r", run.path, "--version", "7")
+    res = slimectl_in_process("sync", "-r", run.path, "--version", "7")
     assert res.returncode == 2 and "weights/000007 is not published (published versions: 1, 2)" in res.stderr
     other = tmp_path / "other"
-    assert slimectl("init", other, "--tiny-model", "llama").returncode == 0
-    res = slimectl("sync", "-r", other)
+    assert slimectl_in_process("init", other, "--tiny-model", "llama").returncode == 0
+    res = slimectl_in_process("sync", "-r", other)
     assert res.returncode == 1 and "no live engines registered" in res.stderr
 
 

@@ -1,8 +1,10 @@
-"""slimectl train: exactly-once consumption, checkpoints + weights, bit-exact resume (real Megatron, gloo)."""
+"""slimectl train: exactly-once consumption, checkpoints + weights, bit-exact resume (real Megatron, gloo).
+
+Single-rank trains run in this process (tests.helpers.slimectl_in_process); the kill -9 victim and
+the two-rank torchrun launches are subprocesses."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -11,11 +13,7 @@ from safetensors.torch import load_file
 
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, write_samples
-
-
-def slimectl(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "slimectl", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+from tests.helpers import ENV, slimectl, slimectl_in_process
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +52,10 @@ def rollouts(tmp_path_factory):
 
 
 def make_run(tmp_path, model, rollouts, n_published=3, *sets):
-    res = slimectl("init", tmp_path / "run", "--set", f"model.path={model}", "--set", "rollout.num_rollout=3",
-                   "--set", "train.lr=1e-3", "--set", "train.save_interval=1", "--set", "train.keep_checkpoints=5", "--set", "sync.keep_weights=5",
-                   "--set", "logging.tensorboard=false", *[x for s in sets for x in ("--set", s)])
+    res = slimectl_in_process("init", tmp_path / "run", "--set", f"model.path={model}", "--set", "rollout.num_rollout=3",
+                              "--set", "train.lr=1e-3", "--set", "train.save_interval=1", "--set", "train.keep_checkpoints=5",
+                              "--set", "sync.keep_weights=5", "--set", "logging.tensorboard=false",
+                              *[x for s in sets for x in ("--set", s)])
     assert res.returncode == 0, res.stderr
     run = RunDir.open(tmp_path / "run")
     for rid in range(n_published):
@@ -68,7 +67,7 @@ def make_run(tmp_path, model, rollouts, n_published=3, *sets):
 def test_train_consumes_each_rollout_once_and_publishes(tmp_path, rollouts):
     model, rolls = rollouts
     run = make_run(tmp_path, model, rolls)
-    res = slimectl("train", "-r", run.path)
+    res = slimectl_in_process("train", "-r", run.path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming at rollout 0, 3 to go" in res.stderr and "trained rollouts 0-2;" in res.stdout
     cur = run.cursor("train").read()
@@ -81,20 +80,20 @@ def test_train_consumes_each_rollout_once_and_publishes(tmp_path, rollouts):
 
     recs = read_metrics(run.metrics_path("train"))
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[0]["train/train_rollout_logprob_abs_diff"] <= 1e-4
-    again = slimectl("train", "-r", run.path)
+    again = slimectl_in_process("train", "-r", run.path)
     assert again.returncode == 2 and "nothing to train" in again.stderr
-    assert slimectl("train", "-r", run.path, "--allow-empty").returncode == 0
+    assert slimectl_in_process("train", "-r", run.path, "--allow-empty").returncode == 0
 
 
 def test_resume_is_bit_exact_and_trains_nothing_twice(tmp_path, rollouts):
     model, rolls = rollouts
     straight = make_run(tmp_path / "a", model, rolls)
-    assert slimectl("train", "-r", straight.path).returncode == 0
+    assert slimectl_in_process("train", "-r", straight.path).returncode == 0
     split = make_run(tmp_path / "b", model, rolls)
-    first = slimectl("train", "-r", split.path, "--max-rollouts", "2")
+    first = slimectl_in_process("train", "-r", split.path, "--max-rollouts", "2")
     assert first.returncode == 0, first.stderr[-2000:]
     assert split.cursor("train").read().next == 2
-    second = slimectl("train", "-r", split.path)
+    second = slimectl_in_process("train", "-r", split.path)
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resuming at rollout 2, 1 to go" in second.stderr
     a = load_file(str(straight.weights.get(3).file("model.safetensors")))
@@ -106,11 +105,11 @@ def test_resume_is_bit_exact_and_trains_nothing_twice(tmp_path, rollouts):
 def test_missing_rollout_and_wrong_id(tmp_path, rollouts):
     model, rolls = rollouts
     run = make_run(tmp_path, model, rolls, 1)
-    res = slimectl("train", "-r", run.path, "--id", "1")
+    res = slimectl_in_process("train", "-r", run.path, "--id", "1")
     assert res.returncode == 2 and "the next rollout to train is 0" in res.stderr
-    res = slimectl("train", "-r", run.path)
+    res = slimectl_in_process("train", "-r", run.path)
     assert res.returncode == 0 and "trained rollouts 0;" in res.stdout  # stops at the first unpublished rollout
-    res = slimectl("train", "-r", run.path)
+    res = slimectl_in_process("train", "-r", run.path)
     assert res.returncode == 1 and "rollouts/000001 is not published yet" in res.stderr
 
 
@@ -120,16 +119,16 @@ def test_kill_9_mid_training_then_rerun_trains_each_rollout_once(tmp_path, rollo
 
     model, rolls = rollouts
     straight = make_run(tmp_path / "a", model, rolls)
-    assert slimectl("train", "-r", straight.path).returncode == 0
+    assert slimectl_in_process("train", "-r", straight.path).returncode == 0
     run = make_run(tmp_path / "b", model, rolls)
     proc = subprocess.Popen([sys.executable, "-m", "slimectl", "train", "-r", str(run.path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
     deadline = time.monotonic() + 120
     while not run.checkpoints.exists(1) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)  # somewhere after the first checkpoint: mid-step, mid-save or mid-publish
     proc.communicate()
-    res = slimectl("train", "-r", run.path)
+    res = slimectl_in_process("train", "-r", run.path)
     assert res.returncode == 0, res.stderr[-2000:]
     cur = run.cursor("train").read()
     assert cur.consumed == [0, 1, 2] and cur.next == 3
@@ -138,6 +137,7 @@ def test_kill_9_mid_training_then_rerun_trains_each_rollout_once(tmp_path, rollo
     assert all((a[k] == b[k]).all() for k in a)  # nothing trained twice, nothing skipped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis", ["dp", "pp"])
 def test_train_under_torchrun_with_two_ranks_matches_one_process(tmp_path, rollouts, axis):
     """`slimectl train` with train.dp=2 (data parallel) or train.pp=2 (two pipeline stages)
@@ -146,7 +146,7 @@ def test_train_under_torchrun_with_two_ranks_matches_one_process(tmp_path, rollo
     consumed once, and a one-rank rerun resumes from the two-rank checkpoint (resharded)."""
     model, rolls = rollouts
     one = make_run(tmp_path / "one", model, rolls)
-    assert slimectl("train", "-r", one.path).returncode == 0
+    assert slimectl_in_process("train", "-r", one.path).returncode == 0
     two = make_run(tmp_path / "two", model, rolls, 3, f"train.{axis}=2")
     res = slimectl("train", "-r", two.path, "--max-rollouts", "2")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -157,7 +157,7 @@ def test_train_under_torchrun_with_two_ranks_matches_one_process(tmp_path, rollo
     w2_two = load_file(str(two.weights.get(2).file("model.safetensors")))
     assert set(w2_one) == set(w2_two)  # the whole model was published, not rank 0's stage
     assert max(float((w2_one[k] - w2_two[k]).abs().max()) for k in w2_one) <= 1e-4
-    res = slimectl("train", "-r", two.path, "--set", f"train.{axis}=1")  # resume the 2-rank checkpoint on one rank
+    res = slimectl_in_process("train", "-r", two.path, "--set", f"train.{axis}=1")  # resume the 2-rank checkpoint on one rank
     assert res.returncode == 0, res.stderr[-3000:]
     a = load_file(str(one.weights.get(3).file("model.safetensors")))
     b = load_file(str(two.weights.get(3).file("model.safetensors")))
@@ -175,11 +175,11 @@ def test_rollout_logprobs_as_old_logprobs_skip_the_recompute(tmp_path, rollouts)
 
     model, rolls = rollouts
     run = make_run(tmp_path / "a", model, rolls, 1, "train.use_rollout_logprobs=true")
-    res = slimectl("train", "-r", run.path, "--max-rollouts", "1")
+    res = slimectl_in_process("train", "-r", run.path, "--max-rollouts", "1")
     assert res.returncode == 0, res.stderr[-2000:]
     (m,) = read_metrics(run.metrics_path("train"))
     assert "train/train_rollout_logprob_abs_diff" not in m and abs(m["train/ppo_kl"]) < 1e-4
     tis = make_run(tmp_path / "b", model, rolls, 1, "train.use_rollout_logprobs=true", "algorithm.use_tis=true")
-    assert slimectl("train", "-r", tis.path, "--max-rollouts", "1").returncode == 0
+    assert slimectl_in_process("train", "-r", tis.path, "--max-rollouts", "1").returncode == 0
     (m,) = read_metrics(tis.metrics_path("train"))
     assert m["train/train_rollout_logprob_abs_diff"] <= 1e-4

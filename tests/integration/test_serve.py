@@ -3,39 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import psutil
 import pytest
 
 from slimectl.contract.rundir import RunDir
-
-
-def start_serve(run: RunDir, *args: str) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "serve", "-r", str(run.path), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    urls = []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        urls.append(line.strip())
-        if len(urls) == expected_engines(args):
-            return proc, urls
-    proc.kill()
-    raise AssertionError(f"serve did not announce its engines: {urls} {proc.stderr.read()[-3000:]}")
-
-
-def expected_engines(args) -> int:
-    if "--engine-url" in args:
-        return list(args).count("--engine-url")
-    return int(args[list(args).index("--num-engines") + 1]) if "--num-engines" in args else 1
+from tests.helpers import slimectl_in_process, start_serve
 
 
 @pytest.fixture
@@ -59,8 +33,7 @@ def test_serve_two_embedded_engines_register_and_clean_up(tiny_run, cli):
         assert st["running"]["serve"]["stale"] is False
         for i in range(2):
             assert (tiny_run.path / "logs" / f"engine-{i}.log").stat().st_size > 0
-        second = subprocess.run([sys.executable, "-m", "slimectl", "serve", "-r", str(tiny_run.path)],
-                                capture_output=True, text=True, timeout=60)
+        second = slimectl_in_process("serve", "-r", tiny_run.path)
         assert second.returncode == 1 and "already running" in second.stderr  # one serve per run dir
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -90,17 +63,15 @@ def test_serve_registers_external_engines_and_checks_their_health(tiny_run, tmp_
 
 
 def test_serve_fails_cleanly_on_a_dead_external_engine(tiny_run):
-    res = subprocess.run([sys.executable, "-m", "slimectl", "serve", "-r", str(tiny_run.path), "--engine-url",
-                          "http://127.0.0.1:9", "--set", "engine.startup_timeout_s=2"],
-                         capture_output=True, text=True, timeout=60)
+    res = slimectl_in_process("serve", "-r", tiny_run.path, "--engine-url", "http://127.0.0.1:9",
+                              "--set", "engine.startup_timeout_s=2")
     assert res.returncode == 1 and "http://127.0.0.1:9" in res.stderr and "Traceback" not in res.stderr
     assert tiny_run.engines.list() == []
 
 
 def test_serve_refuses_a_missing_model(tmp_path, cli, fake_model):
     cli("init", tmp_path / "r", "--set", f"model.path={fake_model}")
-    res = subprocess.run([sys.executable, "-m", "slimectl", "serve", "-r", str(tmp_path / "r"),
-                          "--set", "engine.startup_timeout_s=30"], capture_output=True, text=True, timeout=120)
+    res = slimectl_in_process("serve", "-r", tmp_path / "r", "--set", "engine.startup_timeout_s=30")
     assert res.returncode == 1 and "engine-0" in res.stderr and "engine-0.log" in res.stderr
     assert RunDir.open(tmp_path / "r").engines.list() == []
 

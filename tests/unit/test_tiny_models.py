@@ -18,8 +18,7 @@ from slimectl.fixtures.tiny_models import (
     PAD_TOKEN,
     build_tiny_model,
 )
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 # family -> (model class, tied input/output embeddings by default)
 EXPECTED = {
@@ -193,11 +192,11 @@ def test_rejects_bad_arguments(tmp_path):
 
 
 def test_import_does_not_import_torch():
-    pythonpath = [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
+    pythonpath = [str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in pythonpath if p)}
     code = (
         "import sys, slimectl.fixtures.tiny_models; "
         "heavy = [m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO_ROOT, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT, timeout=60)

@@ -1,14 +1,13 @@
 """slimectl convert / export on tiny random Llama, Qwen2 and Qwen3 models (real megatron-core, gloo).
 
-One module fixture converts every family at TP=1 (one process) and at TP=2 (torchrun, 2 ranks;
-Llama through the CLI, which launches torchrun itself). The tests then check the round trip,
+One module fixture converts every family at TP=1 (in this process, tests.helpers.run_script_in_process)
+and at TP=2 (torchrun, 2 ranks; Llama through the CLI, which launches torchrun itself). The tests then check the round trip,
 logits parity at TP=1/TP=2, and resharding a TP=2 checkpoint to TP=1 and PP=2.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,17 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT
-from slimectl.backends.megatron.parallel import free_port
+from tests.helpers import ENV, SCRIPTS, free_port, run_script_in_process, slimectl, slimectl_in_process
 
-SCRIPTS = ROOT / "tests" / "scripts"
 FAMILIES = ("llama", "qwen2", "qwen3")
 TOL = 1e-4
 
 
 def py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -35,12 +31,6 @@ def py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def torchrun(n: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return py("-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
               "--master_port", str(free_port()), *args, timeout=timeout)
-
-
-def slimectl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "slimectl", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def results(proc: subprocess.CompletedProcess) -> list[dict]:
@@ -71,7 +61,7 @@ def converted(models, tmp_path_factory) -> dict[tuple[str, int], Path]:
     ckpts = {(fam, 1): root / f"tp1-{fam}" for fam in FAMILIES}
     ckpts.update({(fam, 2): root / f"tp2-{fam}" for fam in FAMILIES})
     pairs = [str(x) for fam in FAMILIES for x in (models[fam], ckpts[(fam, 1)])]
-    res = results(py(str(SCRIPTS / "convert_batch.py"), "1", "1", *pairs))[-1]
+    res = results(run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", *pairs))[-1]
     FORKS["tp1"], COPIED["tp1"] = res["forks"], res["copied"]
     cli = slimectl("convert", "--hf", str(models["llama"]), "--out", str(ckpts[("llama", 2)]), "--tp", "2")
     assert cli.returncode == 0, cli.stderr[-3000:]
@@ -90,7 +80,10 @@ def test_checkpoint_layout_is_megatron_lms(converted):
     assert {"config.json", "tokenizer.json"} <= {p.name for p in (root / "hf").iterdir()}
     import argparse
 
-    with torch.serialization.safe_globals([argparse.Namespace]):  # plain values only: loads weights_only
+    # plain values only: loads weights_only. (safe_globals' exit un-registers what it added, so it must not
+    # add Namespace when megatron-core, imported in this process, has registered it for its own loads.)
+    extra = [] if argparse.Namespace in torch.serialization.get_safe_globals() else [argparse.Namespace]
+    with torch.serialization.safe_globals(extra):
         common = torch.load(root / "release" / "common.pt", weights_only=True)
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
     assert common["args"].num_layers == 2 and common["args"].tensor_model_parallel_size == 2
@@ -133,10 +126,7 @@ def test_convert_copies_whole_row_tensors_from_the_hf_files(models, converted, t
     expected = [len(all_rules(arch_from_dir(models[fam]))) for fam in FAMILIES]
     assert COPIED["tp1"] == expected
     pairs = [str(x) for fam in FAMILIES for x in (models[fam], tmp_path / f"read-{fam}")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLIMECTL_TEST_READ_ALL": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "convert_batch.py"), "1", "1", *pairs], capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", *pairs, env={"SLIMECTL_TEST_READ_ALL": "1"})
     assert results(proc)[-1]["copied"] == [0, 0, 0]
     for fam in FAMILIES:
         assert_same_tensors(checkpoint_tensors(converted[(fam, 1)], tmp_path),
@@ -153,7 +143,7 @@ def test_a_sharded_hf_checkpoint_converts_to_the_same_tensors(models, converted,
         if (models["llama"] / f).is_file():
             (sharded / f).write_bytes((models["llama"] / f).read_bytes())
     assert len(list(sharded.glob("model-*.safetensors"))) > 2
-    res = results(py(str(SCRIPTS / "convert_batch.py"), "1", "1", str(sharded), str(tmp_path / "out")))[-1]
+    res = results(run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", sharded, tmp_path / "out"))[-1]
     assert res["copied"] == [COPIED["tp1"][FAMILIES.index("llama")]]
     assert_same_tensors(checkpoint_tensors(converted[("llama", 1)], tmp_path),
                         checkpoint_tensors(tmp_path / "out", tmp_path), "llama: sharded vs single file")
@@ -178,7 +168,7 @@ def test_roundtrip_is_bit_exact_for_every_tensor(models, converted, tmp_path):
     for key, ckpt in converted.items():
         outs[key] = tmp_path / f"{key[0]}-tp{key[1]}"
         pairs += [str(ckpt), str(outs[key])]
-    py(str(SCRIPTS / "export_batch.py"), *pairs)
+    run_script_in_process(SCRIPTS / "export_batch.py", *pairs)
     for (fam, tp), out in outs.items():
         ref = load_file(str(models[fam] / "model.safetensors"))
         got = load_file(str(out / "model.safetensors"))
@@ -206,7 +196,7 @@ def check(res, n, tp, pp):
 
 
 def test_logits_parity_tp1(models, converted):
-    check(results(py(str(SCRIPTS / "mcore_logits.py"), "1", "1", *parity_pairs(models, converted, 1))), 3, 1, 1)
+    check(results(run_script_in_process(SCRIPTS / "mcore_logits.py", "1", "1", *parity_pairs(models, converted, 1))), 3, 1, 1)
 
 
 def test_logits_parity_tp2(models, converted):
@@ -214,7 +204,7 @@ def test_logits_parity_tp2(models, converted):
 
 
 def test_tp2_checkpoint_resharded_to_tp1(models, converted):
-    check(results(py(str(SCRIPTS / "mcore_logits.py"), "1", "1", *parity_pairs(models, converted, 2))), 3, 1, 1)
+    check(results(run_script_in_process(SCRIPTS / "mcore_logits.py", "1", "1", *parity_pairs(models, converted, 2))), 3, 1, 1)
 
 
 def test_tp2_checkpoint_resharded_to_pp2(models, converted):
@@ -223,7 +213,7 @@ def test_tp2_checkpoint_resharded_to_pp2(models, converted):
 
 def test_export_cli_and_dtype(converted, tmp_path):
     out = tmp_path / "bf16"
-    res = slimectl("export", "--checkpoint", str(converted[("qwen3", 1)]), "--out", str(out), "--dtype", "bf16",
+    res = slimectl_in_process("export", "--checkpoint", str(converted[("qwen3", 1)]), "--out", str(out), "--dtype", "bf16",
                    "--max-shard-size", "40KB")
     assert res.returncode == 0, res.stderr[-2000:]
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -234,15 +224,15 @@ def test_export_cli_and_dtype(converted, tmp_path):
 
     m = AutoModelForCausalLM.from_pretrained(out)
     assert next(m.parameters()).dtype == torch.bfloat16
-    again = slimectl("export", "--checkpoint", str(converted[("qwen3", 1)]), "--out", str(out))
+    again = slimectl_in_process("export", "--checkpoint", str(converted[("qwen3", 1)]), "--out", str(out))
     assert again.returncode == 2 and "--force" in again.stderr
 
 
 def test_convert_and_export_through_the_run_directory(models, tmp_path):
     run = tmp_path / "run"
-    init = slimectl("init", str(run), "--set", f"model.path={models['qwen2']}")
+    init = slimectl_in_process("init", str(run), "--set", f"model.path={models['qwen2']}")
     assert init.returncode == 0, init.stderr
-    res = slimectl("convert", "-r", str(run))
+    res = slimectl_in_process("convert", "-r", str(run))
     assert res.returncode == 0, res.stderr[-2000:]
     from slimectl.contract.rundir import RunDir
 
@@ -250,9 +240,9 @@ def test_convert_and_export_through_the_run_directory(models, tmp_path):
     art = r.checkpoints.get(0, verify="full")
     assert art.meta["source"] == "convert" and art.meta["tp"] == 1
     assert "release/metadata.json" in art.files and "slimectl_checkpoint.json" in art.files
-    again = slimectl("convert", "-r", str(run))
+    again = slimectl_in_process("convert", "-r", str(run))
     assert again.returncode == 2 and "already exists" in again.stderr
-    exp = slimectl("export", "-r", str(run))
+    exp = slimectl_in_process("export", "-r", str(run))
     assert exp.returncode == 0, exp.stderr[-2000:]
     w = r.weights.get(0, verify="full")
     assert w.meta["source"] == "export"

@@ -1,4 +1,4 @@
-"""Config: schema, YAML loading, --set overrides, error messages, freezing into the run dir."""
+"""Config: schema, YAML loading through init's resolver (the production loader), --set overrides, errors."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from slimectl.contract.config import (
     SlimectlConfig,
     apply_overrides,
     config_diff,
-    load_config,
     parse_override,
 )
 from slimectl.contract.errors import ConfigError, UsageError
+from slimectl.stages.init import resolve_init_config
 
 
 def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
@@ -26,7 +26,7 @@ def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
 
 
 def test_defaults_cover_every_section():
-    cfg = load_config()
+    cfg = resolve_init_config(None)
     assert set(SECTIONS) <= set(cfg.to_dict())
     assert cfg.algorithm.advantage_estimator == "grpo"
     assert cfg.engine.host == "127.0.0.1"  # engines bind to loopback unless told otherwise
@@ -34,11 +34,30 @@ def test_defaults_cover_every_section():
 
 def test_yaml_and_overrides_compose_later_wins(tmp_path):
     p = write(tmp_path, "train:\n  lr: 1.0e-5\nrollout:\n  batch_size: 4\n")
-    cfg = load_config(p, ["train.lr=2e-5", "rollout.stop=['</s>', 'END']", "train.lr=3e-5", "engine.sglang_args={a: 1}"])
+    cfg = resolve_init_config(p, ["train.lr=2e-5", "rollout.stop=['</s>', 'END']", "train.lr=3e-5", "engine.sglang_args={a: 1}"])
     assert cfg.train.lr == pytest.approx(3e-5)
     assert cfg.rollout.batch_size == 4
     assert cfg.rollout.stop == ["</s>", "END"]
     assert cfg.engine.sglang_args == {"a": 1}
+
+
+def test_file_errors_are_reported_against_the_file_even_with_overrides(tmp_path):
+    p = write(tmp_path, "train:\n  lrr: 1\n")
+    with pytest.raises(ConfigError) as ei:
+        resolve_init_config(p, ["train.lr=1"])
+    assert f"config file {p}:" in str(ei.value) and "--set" not in str(ei.value)
+
+
+def test_relative_paths_resolve_against_the_file_and_overrides_against_cwd(tmp_path, monkeypatch):
+    (tmp_path / "cfgdir").mkdir()
+    p = write(tmp_path / "cfgdir", "model:\n  path: ../m\ndata:\n  prompt_data: d.jsonl@[0:4]\n  eval_data:\n    x: e.jsonl\n")
+    cfg = resolve_init_config(p)
+    assert cfg.model.path == str(tmp_path / "m")
+    assert cfg.data.prompt_data == str(tmp_path / "cfgdir" / "d.jsonl") + "@[0:4]"  # the slice survives
+    assert cfg.data.eval_data == {"x": str(tmp_path / "cfgdir" / "e.jsonl")}
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve_init_config(p, ["model.path=other"])
+    assert cfg.model.path == str(tmp_path / "other")
 
 
 def test_parse_override_types():
@@ -70,7 +89,7 @@ def test_parse_override_types():
 def test_file_errors_name_file_key_value_and_allowed(tmp_path, text, expected):
     p = write(tmp_path, text)
     with pytest.raises(ConfigError) as ei:
-        load_config(p)
+        resolve_init_config(p)
     msg = str(ei.value)
     assert str(p) in msg
     assert "\n" not in msg
@@ -89,7 +108,7 @@ def test_file_errors_name_file_key_value_and_allowed(tmp_path, text, expected):
 )
 def test_override_errors(override, expected):
     with pytest.raises(ConfigError) as ei:
-        load_config(None, [override])
+        resolve_init_config(None, [override])
     assert expected in str(ei.value)
     assert f"--set {override}" in str(ei.value) or "--set overrides" in str(ei.value)
 
@@ -108,10 +127,10 @@ def test_stage_sections_restrict_overrides():
 
 
 def test_yaml_roundtrip_and_fingerprint():
-    cfg = load_config(None, ["train.lr=1e-4", "rollout.stop=[a]"])
+    cfg = resolve_init_config(None, ["train.lr=1e-4", "rollout.stop=[a]"])
     again = SlimectlConfig.model_validate(yaml.safe_load(cfg.to_yaml()))
     assert again == cfg and again.fingerprint() == cfg.fingerprint()
-    other = load_config(None, ["train.lr=2e-4"])
+    other = resolve_init_config(None, ["train.lr=2e-4"])
     assert other.fingerprint() != cfg.fingerprint()
     assert config_diff(cfg, other) == ["rollout.stop", "train.lr"]
 

@@ -7,27 +7,18 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from tests.helpers import ROOT, free_port, start_engine, wait_healthy
 
 FIXTURES = ROOT.parent / "shared" / "reference" / "sglang-protocol"
 if not FIXTURES.is_dir():  # CI lays shared/ beside the clone
     FIXTURES = Path(os.environ.get("SLIMECTL_SHARED", "/work/shared")) / "reference" / "sglang-protocol"
 TOKEN = "s3cret-token"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,23 +34,11 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(models, tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("engine-log") / "engine.log"
-    env = {**os.environ, "SLIMECTL_TEST_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(models["a"]), "--port", str(port),
-         "--admin-api-key-env", "SLIMECTL_TEST_TOKEN", "--weight-version", "v0"],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    from slimectl.engines.client import EngineClient
-
-    async def wait():
-        async with EngineClient(url, retries=0) as c:
-            await c.wait_healthy(timeout=120, interval=0.2)
-
+    proc, url = start_engine(models["a"], log, "--admin-api-key-env", "SLIMECTL_TEST_TOKEN", "--weight-version", "v0",
+                             env={"SLIMECTL_TEST_TOKEN": TOKEN})
     try:
-        asyncio.run(wait())
+        wait_healthy(url)
     except Exception:
         proc.kill()
         raise AssertionError(log.read_text()[-3000:])

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import run_py
+from tests.helpers import run_py
 from slimectl.contract.errors import ArtifactExists, ArtifactNotFound, CorruptArtifact, WaitTimeout
 from slimectl.contract.rundir import READY
 from slimectl.contract.rundir.artifacts import format_id
