@@ -48,8 +48,7 @@ def in_process_stage():
     stays for the session, as do the one-rank gloo group and Megatron's groups; the shim's
     device-rewriting torch mode is on only inside these blocks, so other tests in this process see
     plain torch. What the work leaves in os.environ (RANK, MASTER_PORT...), the SIGINT/SIGTERM
-    handlers and slimectl's console
-    log handler (bound to a captured stderr) are put back afterwards.
+    handlers and slimectl's console log handler (bound to a captured stderr) are put back afterwards.
     """
     import logging
     import signal
