@@ -45,15 +45,15 @@ def in_process_stage():
     """Run single-rank Megatron work (a stage, a test script) in this process, then tidy up.
 
     Megatron's CPU shim (backends/megatron/cpu_compat) is applied by the first Megatron call and
-    stays for the session, as does the one-rank gloo group; the shim's device-rewriting torch mode
-    is on only inside these blocks, so other tests in this process see plain torch. What the work
-    leaves in os.environ (RANK, MASTER_PORT...), the SIGINT/SIGTERM handlers and slimectl's console
-    log handler (bound to a captured stderr) are put back afterwards.
+    stays for the session, as do the one-rank gloo group and Megatron's groups; the shim's
+    device-rewriting torch mode is on only inside these blocks, so other tests in this process see
+    plain torch. What the work leaves in os.environ (RANK, MASTER_PORT...), the SIGINT/SIGTERM
+    handlers and slimectl's console log handler (bound to a captured stderr) are put back afterwards.
     """
     import logging
     import signal
 
-    from slimectl.backends.megatron import cpu_compat
+    from slimectl.backends.megatron import cpu_compat, parallel
 
     log = logging.getLogger("slimectl")
 
@@ -66,9 +66,14 @@ def in_process_stage():
     drop_console_handler()  # setup_logging binds a fresh one to the current stderr
     if cpu_compat.applied():
         cpu_compat._mode.__enter__()
+    # Keep Megatron's one-rank groups from call to call (init_parallel reuses them): torch does not
+    # free a destroyed gloo group's sockets and pipes, so tearing down per call leaks ~70 fds each.
+    shutdown = parallel.shutdown_parallel
+    parallel.shutdown_parallel = lambda destroy_process_group=False: None
     try:
         yield
     finally:
+        parallel.shutdown_parallel = shutdown
         if cpu_compat.applied():
             cpu_compat._mode.__exit__(None, None, None)
         drop_console_handler()
