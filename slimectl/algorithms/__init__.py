@@ -2,7 +2,7 @@
 
 Representation: padded ``[B, T]`` per-token tensors (response tokens, right-padded) plus a mask
 of the same shape (slime's ``loss_mask``); per-sample values are ``[B]``. Only ``torch`` is
-imported (``tests/test_walls.py`` enforces it), and this package file imports nothing, so the
+imported (``tests/unit/test_walls.py`` enforces it), and this package file imports nothing, so the
 config can read :mod:`.registry` without loading torch.
 
 Modules: :mod:`.registry` (every choice name and default, no torch), :mod:`.objective` (the

@@ -2,7 +2,7 @@
 
 The config schema (:mod:`slimectl.contract.config`) validates against these tuples and takes its
 defaults from these constants, and the math modules dispatch on them, so a name added here is
-accepted everywhere at once (``tests/test_walls.py`` lets the contract import this module only).
+accepted everywhere at once (``tests/unit/test_walls.py`` lets the contract import this module only).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import time
 import click
 import pytest
 
-from conftest import ROOT
+from tests.helpers import ROOT
 from slimectl.orchestration.torchrun import argv_from_params
 
 

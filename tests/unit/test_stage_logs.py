@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from conftest import ROOT
+from tests.helpers import ROOT
 from slimectl.contract.logs import StageLog, setup_logging
 
 
