@@ -13,10 +13,10 @@ from slimectl.contract.config import (
     SlimectlConfig,
     apply_overrides,
     config_diff,
+    load_config,
     parse_override,
 )
 from slimectl.contract.errors import ConfigError, UsageError
-from slimectl.stages.init import resolve_init_config
 
 
 def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
@@ -26,7 +26,7 @@ def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
 
 
 def test_defaults_cover_every_section():
-    cfg = resolve_init_config(None)
+    cfg = load_config(None)
     assert set(SECTIONS) <= set(cfg.to_dict())
     assert cfg.algorithm.advantage_estimator == "grpo"
     assert cfg.engine.host == "127.0.0.1"  # engines bind to loopback unless told otherwise
@@ -34,7 +34,7 @@ def test_defaults_cover_every_section():
 
 def test_yaml_and_overrides_compose_later_wins(tmp_path):
     p = write(tmp_path, "train:\n  lr: 1.0e-5\nrollout:\n  batch_size: 4\n")
-    cfg = resolve_init_config(p, ["train.lr=2e-5", "rollout.stop=['</s>', 'END']", "train.lr=3e-5", "engine.sglang_args={a: 1}"])
+    cfg = load_config(p, ["train.lr=2e-5", "rollout.stop=['</s>', 'END']", "train.lr=3e-5", "engine.sglang_args={a: 1}"])
     assert cfg.train.lr == pytest.approx(3e-5)
     assert cfg.rollout.batch_size == 4
     assert cfg.rollout.stop == ["</s>", "END"]
@@ -44,19 +44,19 @@ def test_yaml_and_overrides_compose_later_wins(tmp_path):
 def test_file_errors_are_reported_against_the_file_even_with_overrides(tmp_path):
     p = write(tmp_path, "train:\n  lrr: 1\n")
     with pytest.raises(ConfigError) as ei:
-        resolve_init_config(p, ["train.lr=1"])
+        load_config(p, ["train.lr=1"])
     assert f"config file {p}:" in str(ei.value) and "--set" not in str(ei.value)
 
 
 def test_relative_paths_resolve_against_the_file_and_overrides_against_cwd(tmp_path, monkeypatch):
     (tmp_path / "cfgdir").mkdir()
     p = write(tmp_path / "cfgdir", "model:\n  path: ../m\ndata:\n  prompt_data: d.jsonl@[0:4]\n  eval_data:\n    x: e.jsonl\n")
-    cfg = resolve_init_config(p)
+    cfg = load_config(p)
     assert cfg.model.path == str(tmp_path / "m")
     assert cfg.data.prompt_data == str(tmp_path / "cfgdir" / "d.jsonl") + "@[0:4]"  # the slice survives
     assert cfg.data.eval_data == {"x": str(tmp_path / "cfgdir" / "e.jsonl")}
     monkeypatch.chdir(tmp_path)
-    cfg = resolve_init_config(p, ["model.path=other"])
+    cfg = load_config(p, ["model.path=other"])
     assert cfg.model.path == str(tmp_path / "other")
 
 
@@ -89,7 +89,7 @@ def test_parse_override_types():
 def test_file_errors_name_file_key_value_and_allowed(tmp_path, text, expected):
     p = write(tmp_path, text)
     with pytest.raises(ConfigError) as ei:
-        resolve_init_config(p)
+        load_config(p)
     msg = str(ei.value)
     assert str(p) in msg
     assert "\n" not in msg
@@ -108,7 +108,7 @@ def test_file_errors_name_file_key_value_and_allowed(tmp_path, text, expected):
 )
 def test_override_errors(override, expected):
     with pytest.raises(ConfigError) as ei:
-        resolve_init_config(None, [override])
+        load_config(None, [override])
     assert expected in str(ei.value)
     assert f"--set {override}" in str(ei.value) or "--set overrides" in str(ei.value)
 
@@ -127,10 +127,10 @@ def test_stage_sections_restrict_overrides():
 
 
 def test_yaml_roundtrip_and_fingerprint():
-    cfg = resolve_init_config(None, ["train.lr=1e-4", "rollout.stop=[a]"])
+    cfg = load_config(None, ["train.lr=1e-4", "rollout.stop=[a]"])
     again = SlimectlConfig.model_validate(yaml.safe_load(cfg.to_yaml()))
     assert again == cfg and again.fingerprint() == cfg.fingerprint()
-    other = resolve_init_config(None, ["train.lr=2e-4"])
+    other = load_config(None, ["train.lr=2e-4"])
     assert other.fingerprint() != cfg.fingerprint()
     assert config_diff(cfg, other) == ["rollout.stop", "train.lr"]
 
