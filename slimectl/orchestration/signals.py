@@ -66,11 +66,6 @@ class SignalHandlers:
         self.restore()
 
 
-def on_signals(handler: Handler, signals: Sequence[int] = STOP_SIGNALS, **kwargs: Any) -> SignalHandlers:
-    """``with on_signals(lambda signum, frame: stop.set()): ...`` (see :class:`SignalHandlers`)."""
-    return SignalHandlers(handler, signals, **kwargs)
-
-
 def set_on_signals(event: threading.Event | asyncio.Event, signals: Sequence[int] = STOP_SIGNALS) -> SignalHandlers:
     """Set ``event`` on SIGINT/SIGTERM: an ``asyncio.Event`` from the running loop (call this inside
     it), a ``threading.Event`` from a plain handler."""

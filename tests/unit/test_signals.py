@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from slimectl.orchestration.signals import (InterruptOnSignal, SignalHandlers, kept_handlers, on_signals, run_previous,
+from slimectl.orchestration.signals import (InterruptOnSignal, SignalHandlers, kept_handlers, run_previous,
                                             set_on_signals)
 
 
@@ -42,7 +42,7 @@ def previous_sigterm():
 def test_handler_runs_and_previous_is_restored(previous_sigterm):
     outer, outer_calls = previous_sigterm
     got: list[int] = []
-    with on_signals(lambda signum, frame: got.append(signum)) as handlers:
+    with SignalHandlers(lambda signum, frame: got.append(signum)) as handlers:
         assert signal.getsignal(signal.SIGTERM) is not outer
         assert handlers.previous[signal.SIGTERM] is outer
         _deliver(signal.SIGTERM)
