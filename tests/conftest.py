@@ -52,11 +52,16 @@ _ORDER = {"unit": 0, "integration": 2, "e2e": 3}  # top-level files (not yet sor
 
 
 def pytest_collection_modifyitems(items):
-    """Run unit, then integration, then e2e (a stable sort: each module's tests stay together, in order)."""
+    """Run unit, then integration, then e2e (a stable sort: each module's tests stay together, in order).
+
+    Under pytest-xdist (README command 2 runs `-n 2 --dist loadgroup`) the order is reversed: the
+    scheduler hands tests out in this order as workers free up, so the longest (e2e) go first and
+    the many short unit tests fill the gaps at the end (longest-first keeps both cores busy to the end).
+    """
     tests_dir = Path(__file__).resolve().parent
 
     def rank(item) -> int:
         rel = Path(str(item.path)).resolve().relative_to(tests_dir)
         return _ORDER.get(rel.parts[0], 1) if len(rel.parts) > 1 else 1
 
-    items.sort(key=rank)
+    items.sort(key=rank, reverse=bool(os.environ.get("PYTEST_XDIST_WORKER")))

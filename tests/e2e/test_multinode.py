@@ -162,7 +162,8 @@ def test_three_hosts_one_step_off_survive_kill_9_of_the_rollout_and_train_hosts(
 
         # 1. kill -9 the rollout host while it generates rollout 1 (it holds locks/rollout.lock).
         lock_file = run.path / "locks" / "rollout.lock"
-        wait_until(lambda: run.rollouts.exists(0) and lock_file.exists(), 120, "rollout 1 to start", hosts)
+        wait_until(lambda: "rollout 1: generating" in rollout.text() and lock_file.exists(), 120, "rollout 1 to start",
+                   hosts)
         rollout.kill()
         assert not run.rollouts.exists(1)
         held = json.loads(lock_file.read_text())
@@ -401,7 +402,9 @@ def test_the_serve_host_killed_mid_rollout_restarts_and_the_run_finishes(tmp_pat
         for h in hosts:
             h.start()
         lock_file = run.path / "locks" / "rollout.lock"
-        wait_until(lambda: run.rollouts.exists(0) and lock_file.exists(), 150, "rollout 1 to start", hosts)
+        # the rollout host says "generating" once the engines serve version 1, then takes the lock
+        wait_until(lambda: "rollout 1: generating" in rollout.text() and lock_file.exists(), 150, "rollout 1 to start",
+                   hosts)
         dead = {r.id for r in run.engines.list()}
         serve.kill()
         mid_rollout = not run.rollouts.exists(1)

@@ -21,6 +21,8 @@ from slimectl.orchestration.ray_launcher import Slot, placement_layout
 from slimectl.contract.rundir import RunDir
 from tests.helpers import ENV, assert_trained_once, read_jsonl, slimectl, slimectl_in_process, write_config
 
+pytestmark = pytest.mark.xdist_group("ray")  # under pytest-xdist, one worker runs the module: one Ray cluster
+
 
 @pytest.fixture(scope="module")
 def cluster():

@@ -124,3 +124,20 @@ def test_garbage_lock_file_is_judged_by_age(tmp_path):
     old = time.time() - 60
     os.utime(path, (old, old))
     StageLock(tmp_path, "train", stale_after=30).acquire().release()
+
+
+def test_a_creator_killed_while_writing_its_record_leaves_no_lock(tmp_path):
+    """kill -9 in the middle of acquiring: no empty lock file is left for others to wait out
+    (a record-less lock can only be judged by its age); the next stage takes the lock at once
+    and removes the dead creator's record file once it is old."""
+    code = ("import os, signal\n"
+            "from slimectl.contract.rundir.locks import StageLock\n"
+            "os.write = lambda fd, data: os.kill(os.getpid(), signal.SIGKILL)\n"
+            f"StageLock({str(tmp_path)!r}, 'rollout').acquire()\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert res.returncode == -signal.SIGKILL
+    assert not (tmp_path / "rollout.lock").exists()
+    (debris,) = tmp_path.glob(".rollout.lock.*.tmp")
+    os.utime(debris, (time.time() - 120, time.time() - 120))
+    with StageLock(tmp_path, "rollout", stale_after=30, heartbeat_interval=10) as lock:
+        assert lock.held and not debris.exists()

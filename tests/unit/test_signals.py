@@ -24,6 +24,17 @@ def _deliver(sig: int) -> None:
         time.sleep(0.001)
 
 
+@pytest.fixture(autouse=True)
+def default_sigint():
+    """Python's own SIGINT handler during each test, whatever the shell gave pytest (a job started
+    with `&` by a non-interactive shell inherits SIGINT ignored), and the inherited one after."""
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, saved)
+
+
 @pytest.fixture
 def previous_sigterm():
     """A recognisable SIGTERM handler installed before each test (and the real one put back after)."""

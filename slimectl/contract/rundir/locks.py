@@ -1,6 +1,7 @@
 """Single-writer stage locks with stale-lock detection, safe across hosts on a shared filesystem.
 
-``locks/STAGE.lock`` is created with O_CREAT|O_EXCL and holds the owner's host, host id, pid,
+``locks/STAGE.lock`` is created atomically (a private file, then link(2), which fails when the
+lock exists) and holds the owner's host, host id, pid,
 process start time and a random token. The owner refreshes the file's mtime every
 ``heartbeat_interval`` seconds from a daemon thread. A lock is *stale* when
 
@@ -140,10 +141,14 @@ class StageLock:
             "token": token,
             "acquired": utcnow(),
         }
+        # The record is written to a private file first and hard-linked into place: link(2) fails
+        # when the lock exists (O_EXCL's guarantee, NFS included), and the lock is never seen
+        # empty or torn, even by a reader racing a kill -9 of the creator.
+        if self.path.exists():
+            return False  # held (or being released): no need to write a record
+        tmp = self.dir / f".{self.stage}.lock.{os.getpid()}.{token[:12]}.tmp"
         try:
-            fd = os.open(str(self.path), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
+            fd = os.open(str(tmp), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except OSError as exc:
             raise RunDirError(f"cannot create lock {self.path}: {exc.strerror}; check permissions") from exc
         try:
@@ -152,13 +157,33 @@ class StageLock:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            fsync_dir(self.dir)
-        except BaseException:  # interrupted (or a disk error) after O_EXCL created it: the file is ours
-            self.path.unlink(missing_ok=True)
-            raise
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                raise RunDirError(f"cannot create lock {self.path}: {exc.strerror}; check permissions") from exc
+            try:
+                fsync_dir(self.dir)
+            except BaseException:  # a disk error (or Ctrl-C) after the link: the lock is ours, remove it
+                self.path.unlink(missing_ok=True)
+                raise
+        finally:
+            tmp.unlink(missing_ok=True)
         self.token = token
         self._lost.clear()
+        self._remove_debris()
         return True
+
+    def _remove_debris(self, older_than: float = 60.0) -> None:
+        """Record files of creators killed before their link (a live one holds its own for milliseconds)."""
+        now = time.time()
+        for p in self.dir.glob(f".{self.stage}.lock.*.tmp"):
+            try:
+                if now - p.stat().st_mtime > older_than:
+                    p.unlink()
+            except OSError:
+                continue
 
     def _steal(self, seen: dict[str, Any]) -> None:
         aside = self.dir / f".stale-{self.stage}-{uuid.uuid4().hex[:12]}"
