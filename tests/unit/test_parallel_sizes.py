@@ -36,14 +36,27 @@ def test_errors_list_the_valid_sizes():
                               "valid train.pp sizes: 1, 2, 3, 5, 6, 10, 15, 30")
 
 
-def test_convert_tp2_on_nine_heads(cli, tmp_path):
+@pytest.fixture(scope="module")
+def nine_heads(tmp_path_factory):
     from slimectl.fixtures.tiny_models import build_tiny_model
 
-    model = build_tiny_model("llama", tmp_path / "m9", hidden_size=72, num_heads=9, num_kv_heads=3,
-                             intermediate_size=96, num_layers=3, vocab_size=300)
-    res = cli("convert", "--hf", model, "--out", tmp_path / "o", "--tp", "2")
+    return build_tiny_model("llama", tmp_path_factory.mktemp("m9") / "m9", hidden_size=72, num_heads=9, num_kv_heads=3,
+                            intermediate_size=96, num_layers=3, vocab_size=300)
+
+
+def test_convert_tp2_on_nine_heads(cli, nine_heads, tmp_path):
+    res = cli("convert", "--hf", nine_heads, "--out", tmp_path / "o", "--tp", "2")
     assert res.exit_code == 2
     assert res.output.strip().splitlines()[-1].endswith("valid --tp sizes: 1, 3"), res.output
-    res = cli("convert", "--hf", model, "--out", tmp_path / "o", "--pp", "2")
+    res = cli("convert", "--hf", nine_heads, "--out", tmp_path / "o", "--pp", "2")
     assert res.exit_code == 2 and "valid --pp sizes: 1, 3" in res.output, res.output
     assert not (tmp_path / "o").exists()
+
+
+def test_train_tp2_on_nine_heads_fails_before_launching(cli, nine_heads, tmp_path):
+    assert cli("init", tmp_path / "run", "--set", f"model.path={nine_heads}").exit_code == 0
+    res = cli("train", "-r", tmp_path / "run", "--set", "train.tp=2")
+    assert res.exit_code == 2 and "launching" not in res.output, res.output
+    assert res.output.strip().splitlines()[-1] == (
+        "Error: train.tp 2 must divide num_attention_heads (9), num_key_value_heads (3) and intermediate_size (96) "
+        "of this model; valid train.tp sizes: 1, 3"), res.output
