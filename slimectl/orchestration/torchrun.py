@@ -4,7 +4,8 @@ A multi-rank ``convert``/``train`` starts ``python -m torch.distributed.run ... 
 with the very options it was given. ARGV is not written by hand: :func:`argv_from_params` walks
 the command's parameter objects (click's, duck-typed: this library never imports click) and emits
 every non-default value in the option's own spelling, so an option added to the command later
-is passed to every rank without anyone remembering to.
+is passed to every rank without anyone remembering to. The ranks import the slimectl this process
+runs, never a ``slimectl/`` folder in the working directory (:func:`child_env`).
 """
 
 from __future__ import annotations
@@ -105,5 +106,29 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], nnodes: int = 1, node_r
            "--master_port", str(master_port or free_port()), "-m", "slimectl", *argv]
     log.info("launching %d processes%s: %s", nproc, f" on node {node_rank} of {nnodes}" if nnodes > 1 else "",
              " ".join(cmd[3:]))
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = child_env(os.environ)
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     return subprocess.call(cmd, env=env)
+
+
+def child_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment for ``python -m ...`` children that must import *this* slimectl.
+
+    ``python -m`` puts the working directory first on ``sys.path``, so a ``slimectl/`` folder
+    there (the parent of a clone, say) would be imported by the ranks instead of the package this
+    process runs. ``PYTHONSAFEPATH=1`` (Python 3.11+) leaves the working directory off the
+    children's path (and torchrun's own); when this process itself found slimectl through its
+    working directory or script directory (a source checkout run in place), that directory is put
+    on ``PYTHONPATH`` so the ranks import the very same code.
+    """
+    import slimectl
+
+    env = dict(environ)
+    env["PYTHONSAFEPATH"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(slimectl.__file__)))
+    first = sys.path[0] if sys.path and not getattr(sys.flags, "safe_path", False) else None
+    if first is not None and os.path.abspath(first or os.curdir) == root:
+        entries = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e]
+        if root not in (os.path.abspath(e) for e in entries):
+            env["PYTHONPATH"] = os.pathsep.join([root, *entries])
+    return env

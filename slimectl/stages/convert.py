@@ -44,7 +44,7 @@ def _broadcast(obj: Any) -> Any:
 def check_convert_inputs(hf_dir: str | Path, out: str | Path | None, tp: int, pp: int, dtype: str, force: bool,
                          run_dir: str | Path | None):
     """Validate a conversion before anything is launched or written; returns (arch, hf, run, out)."""
-    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.hf.arch import arch_from_dir, check_parallel_sizes
     from slimectl.backends.hf.checkpoint import HFCheckpoint
     from slimectl.backends.hf.dtypes import CHECKPOINT_DTYPES
 
@@ -56,15 +56,7 @@ def check_convert_inputs(hf_dir: str | Path, out: str | Path | None, tp: int, pp
     arch = arch_from_dir(hf_dir)
     hf = HFCheckpoint(hf_dir)
     hf.validate(arch)
-    if arch.num_attention_heads % tp or arch.num_kv_heads % tp:
-        raise UsageError(
-            f"--tp {tp} must divide num_attention_heads ({arch.num_attention_heads}) and "
-            f"num_key_value_heads ({arch.num_kv_heads})"
-        )
-    if arch.num_layers % pp:
-        raise UsageError(f"--pp {pp} must divide num_hidden_layers ({arch.num_layers})")
-    if arch.intermediate_size % tp:
-        raise UsageError(f"--tp {tp} must divide intermediate_size ({arch.intermediate_size})")
+    check_parallel_sizes(arch, tp, pp)
     run = None
     if run_dir is not None:
         from slimectl.contract.rundir import RunDir

@@ -1,8 +1,10 @@
 """``slimectl export``: a Megatron torch_dist checkpoint (any TP/PP) -> an HF safetensors directory.
 
-It validates its inputs before writing anything, writes into a temporary directory next to the
-destination (or a run-directory staging dir), and renames it into place only when complete, so
-a failure or ``kill -9`` never leaves a half-written output behind.
+It reads both checkpoint layouts slimectl writes (``convert``'s Megatron-LM root and ``train``'s
+``RUN/checkpoints/N``), validates its inputs before writing anything, writes into a temporary
+directory next to the destination and renames it into place only when complete, so a failure or
+``kill -9`` never leaves a half-written output behind. With a run and no ``--out`` it writes
+``RUN/exports/N``: the run's own ``weights/N`` (what engines load) is never touched.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.errors import UsageError
 from slimectl.contract.logs import StageLog
 from slimectl.contract.rundir.atomic import check_output_dir, swap_dir_into_place
 
@@ -45,16 +47,81 @@ def _parse_size(text: str | int) -> int:
         raise UsageError(f"--max-shard-size {text!r}: expected a size like 5GB, 500MB or 1048576") from None
 
 
+EXPORTS_DIR = "exports"
+"""Where ``export -r RUN`` writes by default: ``RUN/exports/NNNNNN`` (never the run's own ``weights/N``)."""
+
+
+def _run_checkpoint_of(path: Path):
+    """(RunDir, checkpoint id) when ``path`` is a run's ``checkpoints/N`` (or a directory inside it), else None."""
+    from slimectl.contract.errors import RunDirError
+    from slimectl.contract.rundir import RunDir
+
+    for d in (path, path.parent):
+        if d.parent.name == "checkpoints" and d.name.isdigit() and (d.parent.parent / "run.json").is_file():
+            try:
+                return RunDir.open(d.parent.parent), int(d.name)
+            except RunDirError:
+                return None
+    return None
+
+
+def resolve_export_source(checkpoint: str | Path | None, run_dir: str | Path | None, checkpoint_id: int | None,
+                          iteration: int | None):
+    """What to export: (checkpoint root, Megatron iteration or None, the run or None, the run's checkpoint id or None).
+
+    ``-r RUN`` alone: the newest READY checkpoint of the run (the last one ``train`` wrote, or the
+    converted ``checkpoints/000000`` before any training); ``--id N`` (or ``--iteration N``) picks
+    ``checkpoints/N``. ``--checkpoint DIR`` may be any checkpoint root, or a run's ``checkpoints/N``
+    (then the run is found from the path, with or without ``-r``).
+    """
+    from slimectl.contract.rundir import RunDir
+    from slimectl.contract.rundir.artifacts import format_id
+
+    run = RunDir.open(run_dir) if run_dir is not None else None
+    if checkpoint is None:
+        if run is None:
+            raise UsageError("pass --checkpoint DIR, or -r RUN to export the run's newest checkpoint")
+        ids = run.checkpoints.ids()
+        if not ids:
+            raise UsageError(f"{run.path / 'checkpoints'} holds no READY checkpoint to export; train first "
+                             f"(`slimectl train -r {run.path}`), or convert the model (`slimectl convert -r {run.path}`)")
+        want = checkpoint_id if checkpoint_id is not None else iteration
+        if want is None:
+            want = ids[-1]
+        elif want not in ids:
+            raise UsageError(f"{run.path / 'checkpoints' / format_id(want)} is not a READY checkpoint; "
+                             f"pass --id one of the run's checkpoints: {', '.join(map(str, ids))}")
+        return run.checkpoints.get(want).path, None, run, want
+    if checkpoint_id is not None:
+        raise UsageError("--id picks one of the run's checkpoints (-r RUN --id N); with --checkpoint DIR leave it out")
+    path = Path(checkpoint).absolute()
+    found = _run_checkpoint_of(path)
+    if found is None:
+        return path, iteration, run, None
+    owner, cid = found
+    state = owner.checkpoints.state(cid)
+    if state != "ready":
+        have = owner.checkpoints.ids()
+        raise UsageError(f"{owner.checkpoints.dir_for(cid)} is not a READY checkpoint ({state}); pass one of "
+                         f"{', '.join(map(str, have)) or 'none yet: train first'}")
+    if run is None or run.path.resolve() == owner.path.resolve():
+        return path, iteration, owner, cid
+    return path, iteration, run, None  # another run's checkpoint: its id means nothing here
+
+
 def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path | None = None,
                           iteration: int | None = None, dtype: str | None = None,
                           max_shard_size: str | int = "5GB", force: bool = False,
-                          run_dir: str | Path | None = None, progress: str = "auto") -> ExportResult:
-    """Export a torch_dist checkpoint (any TP/PP) to an HF safetensors directory, in one process.
+                          run_dir: str | Path | None = None, progress: str = "auto",
+                          checkpoint_id: int | None = None) -> ExportResult:
+    """Export a checkpoint (convert's or train's, saved at any TP/PP) to an HF safetensors directory, in one process.
 
-    With ``run_dir`` and no ``checkpoint``, the latest READY checkpoint of the run is used; with
-    ``run_dir`` and no ``out``, the result is published as ``weights/ITERATION``.
+    With ``run_dir`` and no ``checkpoint``, the newest READY checkpoint of the run is used (or
+    ``checkpoint_id``); with a run and no ``out``, the result goes to ``RUN/exports/ID`` (refused
+    when it exists, unless ``force``). ``iteration`` picks an iteration of a plain Megatron root.
     """
     from slimectl.contract.logs import progress as bar
+    from slimectl.contract.rundir.artifacts import format_id
     from slimectl.backends.megatron.checkpoint import (
         HF_DIR,
         arch_from_meta,
@@ -71,35 +138,21 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
     if dtype is not None and dtype not in CHECKPOINT_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: expected one of {', '.join(CHECKPOINT_DTYPES)}")
     shard_bytes = _parse_size(max_shard_size)
-    run = None
-    artifact_id = None
-    megatron_iteration = iteration
-    if run_dir is not None:
-        from slimectl.contract.rundir import RunDir
-
-        run = RunDir.open(run_dir)
-        if checkpoint is None:
-            # --iteration names the run's checkpoint artifact; inside it the tracker decides.
-            art = run.checkpoints.get(iteration) if iteration is not None else run.checkpoints.latest()
-            if art is None:
-                raise SlimectlError(f"{run.path} has no READY checkpoint to export; run `slimectl convert -r` or train first")
-            checkpoint, artifact_id, megatron_iteration = art.path, art.id, None
-    if checkpoint is None:
-        raise UsageError("pass --checkpoint DIR (or -r RUN to export the run's latest checkpoint)")
+    checkpoint, megatron_iteration, run, artifact_id = resolve_export_source(checkpoint, run_dir, checkpoint_id,
+                                                                             iteration)
     meta, it_dir, it = read_checkpoint_meta(checkpoint, megatron_iteration)
+    checkpoint = it_dir.parent  # the root, also when given the torch_dist directory inside it
     arch = arch_from_meta(meta)
     src_dtype = meta.get("dtype", "fp32")
     dtype = dtype or src_dtype
-    publish_id = None
     if out is None:
         if run is None:
-            raise UsageError("pass --out HF_DIR (or -r RUN to publish weights into the run directory)")
-        publish_id = artifact_id if artifact_id is not None else (0 if it == "release" else int(it))
-        if run.weights.exists(publish_id) and not force:
-            raise UsageError(f"{run.path}/weights/{publish_id:06d} already exists; pass --force to replace it")
-    else:
-        out = Path(out).absolute()
-        check_output_dir(out, force)
+            raise UsageError("pass --out HF_DIR (or -r RUN to export into RUN/exports/ID)")
+        if artifact_id is None:
+            raise UsageError(f"pass --out HF_DIR: {checkpoint} is not one of {run.path}'s checkpoints")
+        out = run.path / EXPORTS_DIR / format_id(artifact_id)
+    out = Path(out).absolute()
+    check_output_dir(out, force)
     hf_aux = Path(checkpoint) / HF_DIR
     with StageLog(run.log_path("export") if run is not None else None, enabled=run is not None):
         info = init_parallel(tp=1, pp=1)
@@ -123,21 +176,15 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
                 _set_config_dtype(dest, dtype)
                 return index
 
-            if publish_id is not None:
-                with run.weights.publish(publish_id, meta={"source": "export", "checkpoint": str(checkpoint),
-                                                           "iteration": it, "dtype": dtype}, stage="export",
-                                         overwrite=force) as staging:
-                    index = write(staging)
-                dest = run.weights.dir_for(publish_id)
-            else:
-                tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
-                try:
-                    index = write(tmp)
-                    swap_dir_into_place(tmp, out)
-                except BaseException:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise
-                dest = out
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+            try:
+                index = write(tmp)
+                swap_dir_into_place(tmp, out)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            dest = out
             files = sorted(set(index["weight_map"].values()))
             log.info("exported iteration %s -> %s (%d tensors in %d files)", it, dest, len(index["weight_map"]),
                      len(files))

@@ -113,8 +113,13 @@ def plan_training(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = Non
 
     Refuses (one line) a ``rollout_id`` that is not the next one, an empty plan without
     ``allow_empty``, and (``check_published`` without ``follow``) a first
-    rollout that is not published yet. Reads only the run directory's small files.
+    rollout that is not published yet, and a ``train.tp``/``train.pp`` the model cannot be split into
+    (listing the sizes that work). Reads only the run directory's small files.
     """
+    if cfg.train.tp > 1 or cfg.train.pp > 1:
+        from slimectl.backends.hf.arch import check_parallel_sizes
+
+        check_parallel_sizes(_initial_arch(run, cfg)[0], cfg.train.tp, cfg.train.pp, "train.tp", "train.pp")
     _, next_id = resume_point(run)
     if rollout_id is not None and rollout_id != next_id:
         raise UsageError(f"--id {rollout_id}: the next rollout to train is {next_id} (each is trained exactly once, in order)")

@@ -242,12 +242,11 @@ def test_convert_and_export_through_the_run_directory(models, tmp_path):
     assert "release/metadata.json" in art.files and "slimectl_checkpoint.json" in art.files
     again = slimectl_in_process("convert", "-r", str(run))
     assert again.returncode == 2 and "already exists" in again.stderr
-    exp = slimectl_in_process("export", "-r", str(run))
+    exp = slimectl_in_process("export", "-r", str(run))  # -> RUN/exports/000000 (never the run's weights/)
     assert exp.returncode == 0, exp.stderr[-2000:]
-    w = r.weights.get(0, verify="full")
-    assert w.meta["source"] == "export"
+    assert exp.stdout.strip() == str(run / "exports" / "000000") and not r.weights.ids()
     ref = load_file(str(models["qwen2"] / "model.safetensors"))
-    got = load_file(str(w.file("model.safetensors")))
+    got = load_file(str(run / "exports" / "000000" / "model.safetensors"))
     assert all(torch.equal(got[k], ref[k]) for k in ref) and sorted(got) == sorted(ref)
     assert not list((run / ".staging").iterdir())
     assert " I slimectl.convert: converted " in (run / "logs" / "convert.log").read_text()  # the stage logs

@@ -104,11 +104,11 @@ def test_refuses_to_overwrite_and_bad_parallel_sizes(cli, llama, tmp_path):
 
 def test_export_bad_checkpoint(cli, tmp_path):
     res = cli("export", "--checkpoint", tmp_path / "none", "--out", tmp_path / "o")
-    assert res.exit_code == 1 and "does not exist" in res.output
+    assert res.exit_code == 2 and "does not exist" in res.output
     d = tmp_path / "notmcore"
     d.mkdir()
     res = cli("export", "--checkpoint", d, "--out", tmp_path / "o")
-    assert res.exit_code == 1 and "slimectl_checkpoint.json" in res.output
+    assert res.exit_code == 2 and "slimectl_checkpoint.json" in res.output
     res = cli("export", "--checkpoint", d, "--out", tmp_path / "o", "--max-shard-size", "lots")
     assert res.exit_code == 2 and "--max-shard-size 'lots'" in res.output
     assert not (tmp_path / "o").exists()

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from slimectl.contract.errors import SlimectlError
+from slimectl.contract.errors import SlimectlError, UsageError
 
 
 class UnsupportedModel(SlimectlError):
@@ -74,6 +74,34 @@ class ModelArch:
         per_layer += (q + 2 * kv) if self.qkv_bias else 0
         per_layer += 2 * self.head_dim if self.qk_norm else 0
         return L * per_layer + V * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def valid_tp_sizes(arch: ModelArch) -> list[int]:
+    """Tensor-parallel sizes Megatron can split ``arch`` into: the divisors of the attention heads,
+    the key/value heads (query groups) and the MLP's intermediate size alike."""
+    g = math.gcd(math.gcd(arch.num_attention_heads, arch.num_kv_heads), arch.intermediate_size)
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def valid_pp_sizes(arch: ModelArch) -> list[int]:
+    """Pipeline-parallel sizes that give every stage the same number of layers: the divisors of num_layers."""
+    n = arch.num_layers
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_parallel_sizes(arch: ModelArch, tp: int, pp: int, tp_name: str = "--tp", pp_name: str = "--pp") -> None:
+    """Refuse a TP or PP size the model cannot be split into, with one line listing the sizes that work."""
+    for name, size in ((tp_name, tp), (pp_name, pp)):
+        if size < 1:
+            raise UsageError(f"{name} {size} must be >= 1")
+    if tp not in (ok := valid_tp_sizes(arch)):
+        raise UsageError(
+            f"{tp_name} {tp} must divide num_attention_heads ({arch.num_attention_heads}), num_key_value_heads "
+            f"({arch.num_kv_heads}) and intermediate_size ({arch.intermediate_size}) of this model; "
+            f"valid {tp_name} sizes: {', '.join(map(str, ok))}")
+    if pp not in (ok := valid_pp_sizes(arch)):
+        raise UsageError(f"{pp_name} {pp} must divide num_hidden_layers ({arch.num_layers}) of this model; "
+                         f"valid {pp_name} sizes: {', '.join(map(str, ok))}")
 
 
 def _rope(cfg: dict[str, Any], where: str) -> float:

@@ -10,6 +10,9 @@ Layout of a checkpoint root (what Megatron-LM's ``load_checkpoint`` expects, plu
 values, which is what Megatron-LM's ``load_checkpoint`` reads (``--ckpt-format torch_dist``).
     ROOT/slimectl_checkpoint.json            architecture, padded vocab, dtype, TP/PP at save
     ROOT/hf/                                 copy of the HF config + tokenizer (for export/serve)
+
+A ``train`` checkpoint (``RUN/checkpoints/N``) has no tracker: its one iteration is in
+``ROOT/state/`` (model + optimizer + RNG, torch_dist), described by the same metadata file.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-from slimectl.contract.errors import SlimectlError
+from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.backends.hf.arch import CheckpointMismatch, ModelArch
 from slimectl.backends.hf.checkpoint import HFCheckpoint
 from slimectl.backends.hf.mapping import full_row_blocks, rule_for, shard_row_blocks, to_hf, to_megatron, tp_gather, tp_shard
@@ -32,6 +35,7 @@ log = logging.getLogger("slimectl.megatron")
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "slimectl_checkpoint.json"
 HF_DIR = "hf"
+TRAIN_STATE_DIR = "state"  # a train checkpoint's torch_dist directory (stages/train.py writes it)
 CHECKPOINT_VERSION = 3.0
 # What Megatron-LM's save_checkpoint records; its loader reads it back to pick the sharding layout.
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -44,6 +48,12 @@ HF_AUX_FILES = (
 
 class MegatronCheckpointError(SlimectlError):
     """A Megatron checkpoint directory is missing, damaged or does not match the model."""
+
+
+class NotACheckpoint(MegatronCheckpointError, UsageError):
+    """The directory given as a checkpoint is absent or not one slimectl wrote (exit code 2)."""
+
+    exit_code = 2
 
 
 def iter_dir_name(iteration: int | str) -> str:
@@ -438,32 +448,60 @@ def copy_hf_aux_files(src: str | Path, dst: str | Path) -> list[str]:
 
 
 def read_checkpoint_meta(root: str | Path, iteration: int | None = None) -> tuple[dict[str, Any], Path, int | str]:
-    """Validate a checkpoint root; return (metadata, iteration dir, iteration)."""
+    """Validate a checkpoint root; return (metadata, iteration dir, iteration).
+
+    Reads both layouts slimectl writes: a Megatron-LM root (``convert``: tracker + ``release/`` or
+    ``iter_NNNNNNN/``) and a ``train`` checkpoint (``RUN/checkpoints/N``: ``state/``, the torch_dist
+    model + optimizer of iteration ``meta["iteration"]``). ``root`` may also be the torch_dist
+    directory itself (``.../state``, ``.../release``, ``.../iter_NNNNNNN``).
+    """
     root = Path(root)
     if not root.is_dir():
-        raise MegatronCheckpointError(f"Megatron checkpoint directory {root} does not exist")
+        raise NotACheckpoint(f"checkpoint directory {root} does not exist; pass --checkpoint a directory written by "
+                             f"`slimectl convert` or `train` (e.g. RUN/checkpoints/N)")
+    if not (root / META).is_file() and (root / "metadata.json").is_file() and (root.parent / META).is_file():
+        # the torch_dist directory inside a checkpoint: read its parent
+        name = root.name
+        if name.startswith("iter_") and name[5:].isdigit():
+            iteration = iteration if iteration is not None else int(name[5:])
+        elif name == "release":
+            iteration = iteration if iteration is not None else "release"  # type: ignore[assignment]
+        root = root.parent
     meta_p = root / META
     if not meta_p.is_file():
-        raise MegatronCheckpointError(
-            f"{root} has no {META}; it was not written by `slimectl convert`/`train` (pass such a checkpoint)"
+        raise NotACheckpoint(
+            f"{root} is not a slimectl checkpoint (no {META}); pass a directory written by `slimectl convert` "
+            f"(its --out) or `slimectl train` (RUN/checkpoints/N)"
         )
     try:
         meta = json.loads(meta_p.read_text())
     except json.JSONDecodeError:
         raise MegatronCheckpointError(f"{meta_p} is not valid JSON; the checkpoint is damaged") from None
+    tracker = root / TRACKER
+    if not tracker.is_file() and (root / TRAIN_STATE_DIR).is_dir():
+        # a train checkpoint: one iteration, in state/
+        it = meta.get("iteration", 0)
+        if iteration is not None and iteration != it:
+            raise NotACheckpoint(f"{root} holds iteration {it} only (a `slimectl train` checkpoint); "
+                                 f"drop --iteration, or pick another checkpoint")
+        it_dir = root / TRAIN_STATE_DIR
+        if not (it_dir / "metadata.json").is_file():
+            raise MegatronCheckpointError(f"{it_dir} is not a complete torch_dist checkpoint (no metadata.json); "
+                                          f"the checkpoint is damaged: pick another one")
+        return meta, it_dir, it
     if iteration is None:
-        tracker = root / TRACKER
         if not tracker.is_file():
-            raise MegatronCheckpointError(f"{root} has no {TRACKER}; pass --iteration N")
+            raise NotACheckpoint(f"{root} has no {TRACKER}; pass --iteration N")
         text = tracker.read_text().strip()
         it: int | str = "release" if text == "release" else int(text)
     else:
         it = iteration
     it_dir = root / iter_dir_name(it)
     if not (it_dir / "metadata.json").is_file():
-        have = sorted(p.name for p in root.glob("iter_*"))
-        raise MegatronCheckpointError(
-            f"{it_dir} is not a complete torch_dist checkpoint (no metadata.json); iterations present: {', '.join(have) or 'none'}"
+        have = sorted(p.name for p in root.iterdir() if p.name == "release" or p.name.startswith("iter_"))
+        raise NotACheckpoint(
+            f"{it_dir} is not a complete torch_dist checkpoint (no metadata.json); iterations present: "
+            f"{', '.join(have) or 'none'}"
         )
     return meta, it_dir, it
 
