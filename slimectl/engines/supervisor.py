@@ -417,7 +417,7 @@ def _foreign_reason(url: str, p: ManagedProcess) -> str | None:
         return None
     if listeners & ours or None in listeners or not listeners:
         return None
-    return f"port {port} is held by pid {', '.join(map(str, sorted(listeners)))}"
+    return f"pid {', '.join(map(str, sorted(listeners)))} listens there"
 
 
 def _group_members(pgids: set[int]) -> list[psutil.Process]:

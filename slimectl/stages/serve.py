@@ -201,9 +201,12 @@ class EngineGroup:
         if choice == 0:
             log.info("serving the initial weights %s at weight version %s", initial, INITIAL_WEIGHT_VERSION)
             return initial, INITIAL_WEIGHT_VERSION
-        have = ", ".join(str(i) for i in ids) or "none"
+        if not ids:
+            raise UsageError(f"--weight-version {choice}: weights/{choice:06d} is not published in {self.run.path} "
+                             f"(no weights are published yet); omit --weight-version to serve model.path")
         raise UsageError(f"--weight-version {choice}: weights/{choice:06d} is not published in {self.run.path} "
-                         f"(published versions: {have}); pick one of those, or omit --weight-version for the newest")
+                         f"(published versions: {', '.join(map(str, ids))}); pick one of those, or omit "
+                         f"--weight-version for the newest")
 
     def _check_ports(self) -> None:
         """A fixed ``engine.port`` that something already listens on is refused before any engine

@@ -138,5 +138,5 @@ def test_health_wait_never_takes_a_foreign_engine_for_ours(trained_run, other_en
         # a server that cannot report a nonce (real SGLang): ours must be the process listening
         sup.start("engine-1", [sys.executable, "-c", "import time; time.sleep(60)"], url=url,
                   log_path=tmp_path / "engine-1.log")
-        with pytest.raises(LaunchError, match=rf"answered by another server.*held by pid {other.pid}"):
+        with pytest.raises(LaunchError, match=rf"answered by another server.*pid {other.pid} listens there"):
             sup.wait_all_healthy([url], timeout=60, interval=0.2)
