@@ -21,16 +21,25 @@ from slimectl.commands._options import stage_options
 @click.option("--port", type=click.IntRange(0, 65535), help="First port (0: pick free ports).")
 @click.option("--sglang-python", type=click.Path(dir_okay=False),
               help="Interpreter that has sglang installed (sglang pins its own torch).")
+@click.option("--weight-version", type=click.IntRange(min=0), metavar="N",
+              help="Start the engines on RUN/weights/N (default: the newest published weights; 0 without "
+                   "weights/0: model.path).")
+@click.option("--initial", is_flag=True, help="Start the engines on model.path (weight version 0), "
+              "even when trained weights are published.")
 @click.pass_context
 def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool, backend: str | None,
               num_engines: int | None, engine_urls: tuple[str, ...], host: str | None, advertise_host: str | None,
-              port: int | None, sglang_python: str | None) -> None:
+              port: int | None, sglang_python: str | None, weight_version: int | None, initial: bool) -> None:
     """Start engines, wait until each answers /health_generate, record them in RUN/engines/, print
     their URLs on stdout, and keep them up until Ctrl-C/SIGTERM (then stop them, leaving no orphans).
+
+    The engines start on the newest published RUN/weights/N and are recorded at weight version N
+    (model.path at version 0 when none is published); --weight-version N or --initial picks another.
 
     \b
     Examples:
       slimectl serve -r runs/a                       # embedded engines on CPU
+      slimectl serve -r runs/a --weight-version 3    # on RUN/weights/3 (default: the newest)
       slimectl serve -r runs/a --backend sglang --set engine.gpu_ids=[0,1] --num-engines 2
       slimectl serve -r runs/a --engine-url http://10.0.0.5:30000
       SLIMECTL_ENGINE_TOKEN=... slimectl serve -r runs/a --host 0.0.0.0   # reachable from other hosts
@@ -39,8 +48,11 @@ def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     Any --sglang-FLAG [VALUE] is passed to sglang.launch_server as --FLAG [VALUE].
     """
     from slimectl.commands._stage import open_stage
+    from slimectl.contract.errors import UsageError
     from slimectl.stages.serve import serve
 
+    if initial and weight_version is not None:
+        raise UsageError("--initial and --weight-version both pick the weights to serve; pass one of them")
     sets = list(overrides)
     passthrough = parse_sglang_passthrough(ctx.args)
     if passthrough:
@@ -59,7 +71,8 @@ def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     if opened is None:
         return
     run, cfg = opened
-    serve(run, cfg, engine_urls, announce=lambda url: click.echo(url))
+    serve(run, cfg, engine_urls, announce=lambda url: click.echo(url),
+          weight_version="initial" if initial else weight_version)
 
 
 def parse_sglang_passthrough(args: list[str]) -> dict:

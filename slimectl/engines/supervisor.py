@@ -19,12 +19,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+from urllib.parse import urlsplit
 
 import psutil
 
 from slimectl.contract.errors import SlimectlError
 from slimectl.orchestration.signals import SignalHandlers, run_previous
-from slimectl.web.client import http_status
+from slimectl.web.client import http_status, request_json
+from slimectl.web.errors import HttpError
 
 log = logging.getLogger("slimectl.engines.supervisor")
 
@@ -43,6 +45,16 @@ class ExitedBeforeHealthy(LaunchError):
 
 class HealthTimeout(LaunchError):
     """The health endpoint did not answer 200 within the timeout."""
+
+
+class ForeignServer(LaunchError):
+    """The health endpoint answered, but not from the process we started (something else holds its port)."""
+
+
+#: The environment variable through which a launcher hands an engine its nonce; the embedded
+#: engine reports it as ``slimectl_nonce`` in ``/get_server_info`` (see :meth:`ProcessSupervisor.start`).
+ENGINE_NONCE_ENV = "SLIMECTL_ENGINE_NONCE"
+NONCE_FIELD = "slimectl_nonce"
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,6 +121,7 @@ class ManagedProcess:
     url: str | None = None
     secrets: list[str] = field(default_factory=list, repr=False)
     pump: threading.Thread | None = field(default=None, repr=False)
+    nonce: str | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
@@ -168,7 +181,12 @@ class ProcessSupervisor:
 
     # ---- start ---------------------------------------------------------------------------
     def start(self, name: str, argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, str] | None = None,
-              url: str | None = None, secrets: Iterable[str] = (), cwd: str | Path | None = None) -> ManagedProcess:
+              url: str | None = None, secrets: Iterable[str] = (), cwd: str | Path | None = None,
+              nonce: str | None = None) -> ManagedProcess:
+        """Start ``argv`` as ``name``. ``nonce``: what the server reports as ``slimectl_nonce`` in
+        ``GET url/get_server_info`` (the launcher passed it, e.g. in :data:`ENGINE_NONCE_ENV`);
+        the health wait then accepts only a server reporting it. Without one, the health wait
+        accepts the server only if no other process is seen listening on the url's port."""
         argv = [str(a) for a in argv]
         secrets = sorted({*secrets, *secrets_in_argv(argv)} - {""}, key=len, reverse=True)
         display = redact_argv(argv, secrets)
@@ -199,7 +217,7 @@ class ProcessSupervisor:
         else:
             logf.close()  # the child holds its own copy
         mp = ManagedProcess(name=name, popen=popen, argv_display=display, log_path=log_path, url=url,
-                            secrets=list(secrets), pump=pump)
+                            secrets=list(secrets), pump=pump, nonce=nonce)
         self.processes.append(mp)
         log.info("started %s (pid %d): %s; log: %s", name, popen.pid, shlex.join(display), log_path)
         return mp
@@ -215,7 +233,8 @@ class ProcessSupervisor:
     def wait_healthy(self, url: str, timeout: float = 600.0, interval: float = 1.0,
                      path: str = "/health_generate") -> float:
         """Poll ``GET {url}{path}`` until it answers 200; returns the seconds waited. Raises
-        :class:`ExitedBeforeHealthy` as soon as the process started with this ``url`` exits, and
+        :class:`ExitedBeforeHealthy` as soon as the process started with this ``url`` exits,
+        :class:`ForeignServer` when what answers is not that process (its port was taken), and
         :class:`HealthTimeout` after ``timeout`` seconds (one line each, with the log tail)."""
         return self.wait_all_healthy([url], timeout=timeout, interval=interval, path=path)
 
@@ -231,6 +250,7 @@ class ProcessSupervisor:
                 self._raise_if_exited(u, procs[u], path)
                 remaining = deadline - time.monotonic()
                 if http_status(u + path, timeout=max(0.5, min(10.0, remaining))) == 200:
+                    self._raise_if_foreign(u, procs[u], path)
                     pending.remove(u)
                     log.info("%s is healthy after %.1fs", u, time.monotonic() - t0)
                 else:
@@ -258,6 +278,19 @@ class ProcessSupervisor:
         how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
         raise ExitedBeforeHealthy(f"{p.name} at {url} exited ({how}) before GET {path} returned 200; "
                            f"log: {p.log_path}; last lines: {_one_line_tail(p.log_path, p.secrets)}")
+
+    @staticmethod
+    def _raise_if_foreign(url: str, p: ManagedProcess | None, path: str) -> None:
+        """Raise :class:`ForeignServer` unless the server answering at ``url`` is ``p``."""
+        if p is None:
+            return
+        why = _foreign_reason(url, p)
+        if why is None:
+            return
+        port = urlsplit(url).port
+        raise ForeignServer(f"{p.name} at {url}: GET {path} was answered by another server, not the process "
+                            f"started here (pid {p.pid}): {why}; port {port} is taken by something else: pick another "
+                            f"port, or let one be chosen (serve: omit --port); log: {p.log_path}")
 
     # ---- stop ----------------------------------------------------------------------------
     def stop(self, timeout: float = 10.0, names: Iterable[str] | None = None) -> None:
@@ -355,6 +388,36 @@ class ProcessSupervisor:
         finally:
             self.restore_signal_handlers()
 
+
+
+def _foreign_reason(url: str, p: ManagedProcess) -> str | None:
+    """None when the server at ``url`` is ``p`` (or it cannot be told); else why it is not.
+
+    With a nonce, the server must report it in ``/get_server_info``. Without one (real SGLang
+    cannot report ours), the listeners on the url's port are looked up: one owned by ``p`` or a
+    descendant is ours; one owned only by other processes we can see is foreign; when the owner
+    cannot be seen (another user's process, a container's port forwarder) it is accepted."""
+    if p.nonce is not None:
+        try:
+            info = request_json("GET", url, path="/get_server_info", timeout=10.0, what="engine")
+        except HttpError as exc:
+            return f"it does not report our nonce ({exc})"
+        got = info.get(NONCE_FIELD) if isinstance(info, dict) else None
+        if got == p.nonce:
+            return None
+        return "it reports no instance nonce" if got is None else "it reports another engine's instance nonce"
+    port = urlsplit(url).port
+    if port is None:
+        return None
+    ours = {p.pid, *(d.pid for d in _descendants(p.pid))}
+    try:
+        listeners = {c.pid for c in psutil.net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port}
+    except (psutil.Error, OSError):
+        return None
+    if listeners & ours or None in listeners or not listeners:
+        return None
+    return f"pid {', '.join(map(str, sorted(listeners)))} listens there"
 
 
 def _group_members(pgids: set[int]) -> list[psutil.Process]:

@@ -8,6 +8,13 @@ registered in ``RUN/engines/`` once ``/health_generate`` answers, and unregister
 - ``embedded``: ``python -m slimectl.engines.embedded.server`` (our CPU engine; the default).
 - ``sglang``: ``python -m sglang.launch_server`` (real SGLang; GPUs).
 - ``external``: servers started elsewhere (``--engine-url``); only health-checked and registered.
+
+Launched engines start at the newest READY ``weights/N`` of the run (what train and export
+publish, what the disk sync hands to engines) and are recorded at weight version N; with no
+published weights they start from ``model.path`` at version 0. ``weight_version`` picks another
+(``"initial"``: ``model.path``). A fixed ``engine.port`` is checked before anything is launched,
+and each launched engine must prove it is the one we started (a nonce it reports, or for real
+SGLang that our process listens on the port) before it is called healthy.
 """
 
 from __future__ import annotations
@@ -18,15 +25,22 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from secrets import token_hex
+from typing import Literal, Union
 
 from slimectl.contract.config import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import EngineRecord, RunDir
+from slimectl.engines.supervisor import ENGINE_NONCE_ENV
 from slimectl.orchestration.signals import set_on_signals
 
 log = logging.getLogger("slimectl.serve")
 
 INITIAL_WEIGHT_VERSION = "0"
+
+#: What ``serve --weight-version``/``--initial`` asks for: None (the newest published weights),
+#: a version N, or ``"initial"`` (model.path at version 0).
+WeightChoice = Union[int, Literal["initial"], None]
 
 
 def _free_port(host: str) -> int:
@@ -35,6 +49,23 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host if host not in ("0.0.0.0", "::") else "127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something already listens on ``host:port`` (bound the way our servers bind: with
+    SO_REUSEADDR, so a TIME_WAIT left by an earlier engine does not count). Other bind errors
+    (an address not on this machine, a privileged port) are left for the engine to report."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host or "0.0.0.0", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def _url(host: str, port: int) -> str:
@@ -86,16 +117,23 @@ class EngineGroup:
     """``with EngineGroup(run, cfg) as g: g.urls`` — engines up, healthy and registered."""
 
     def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
-                 model_path: str | None = None, python: str | None = None, engine_indices: list[int] | None = None):
+                 model_path: str | None = None, python: str | None = None, engine_indices: list[int] | None = None,
+                 weight_version: WeightChoice = None):
         """``engine_indices``: which of the ``engine.num_engines`` engines this group launches (all by
-        default; a launcher that places each engine in its own process passes one index each)."""
+        default; a launcher that places each engine in its own process passes one index each).
+        ``weight_version``: the weights launched engines start from (None: the newest published
+        ``weights/N``, else ``model.path`` at version 0; N: ``weights/N``; ``"initial"``:
+        ``model.path``). An explicit ``model_path`` is served at version 0 unless a version is given."""
         from slimectl.engines.supervisor import ProcessSupervisor
 
         self.run = run
         self.cfg = cfg
         self.engine_urls = list(engine_urls) or list(cfg.engine.urls)
         self.backend = "external" if self.engine_urls else cfg.engine.backend
+        self.explicit_model_path = model_path
         self.model_path = model_path or cfg.model.path
+        self.weight_choice = weight_version
+        self.weight_version = INITIAL_WEIGHT_VERSION
         self.python = python or sys.executable
         self.engine_indices = list(range(cfg.engine.num_engines)) if engine_indices is None else list(engine_indices)
         self.supervisor = ProcessSupervisor()
@@ -111,8 +149,14 @@ class EngineGroup:
         ec = self.cfg.engine
         if self.backend == "external" and not self.engine_urls:
             raise UsageError("engine.backend is external but no engine URLs were given; pass --engine-url URL")
-        if self.backend != "external" and (not self.model_path or not Path(self.model_path).is_dir()):
-            raise UsageError(f"model.path = {self.model_path}: no such model directory for the engines")
+        if self.backend == "external" and self.weight_choice is not None:
+            raise UsageError("--weight-version/--initial apply to engines serve launches; external engines "
+                             "(--engine-url) report their own version: sync them with `slimectl sync`")
+        if self.backend != "external":
+            self.model_path, self.weight_version = self._resolve_weights()
+            if not self.model_path or not Path(self.model_path).is_dir():
+                raise UsageError(f"model.path = {self.model_path}: no such model directory for the engines")
+            self._check_ports()
         try:
             if self.backend == "external":
                 self._attach_external()
@@ -123,25 +167,70 @@ class EngineGroup:
                     port = ec.port + i if ec.port else _free_port(ec.host)
                     url = _url(reach, port)
                     argv, env, secrets = self._launch_argv(i, port)
+                    nonce = env.get(ENGINE_NONCE_ENV) if self.backend == "embedded" else None
                     proc = self.supervisor.start(f"engine-{i}", argv, env=env, url=url, secrets=secrets,
-                                                 log_path=self.run.path / "logs" / f"engine-{i}.log")
+                                                 log_path=self.run.path / "logs" / f"engine-{i}.log", nonce=nonce)
                     launched.append((i, url, proc.pid))
                 self.supervisor.wait_all_healthy([u for _, u, _ in launched], timeout=ec.startup_timeout_s,
                                                  interval=0.25)
                 for i, url, pid in launched:
-                    self._register(f"engine-{i}", url, pid)
+                    self._register(f"engine-{i}", url, pid, self.weight_version)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _resolve_weights(self) -> tuple[str | None, str]:
+        """(the model directory launched engines load, its weight version)."""
+        choice = self.weight_choice
+        initial = self.explicit_model_path or self.cfg.model.path
+        if choice == "initial" or (choice is None and self.explicit_model_path):
+            log.info("serving the initial weights %s at weight version %s", initial, INITIAL_WEIGHT_VERSION)
+            return initial, INITIAL_WEIGHT_VERSION
+        ids = self.run.weights.ids()
+        if choice is None:
+            if not ids:
+                log.info("no published weights in %s: serving %s at weight version %s", self.run.weights.root,
+                         initial, INITIAL_WEIGHT_VERSION)
+                return initial, INITIAL_WEIGHT_VERSION
+            choice = ids[-1]
+        if self.run.weights.exists(choice):
+            art = self.run.weights.get(choice)  # checks every file is there, at its published size
+            log.info("serving weights/%06d (weight version %d)", choice, choice)
+            return str(art.path), str(choice)
+        if choice == 0:
+            log.info("serving the initial weights %s at weight version %s", initial, INITIAL_WEIGHT_VERSION)
+            return initial, INITIAL_WEIGHT_VERSION
+        if not ids:
+            raise UsageError(f"--weight-version {choice}: weights/{choice:06d} is not published in {self.run.path} "
+                             f"(no weights are published yet); omit --weight-version to serve model.path")
+        raise UsageError(f"--weight-version {choice}: weights/{choice:06d} is not published in {self.run.path} "
+                         f"(published versions: {', '.join(map(str, ids))}); pick one of those, or omit "
+                         f"--weight-version for the newest")
+
+    def _check_ports(self) -> None:
+        """A fixed ``engine.port`` that something already listens on is refused before any engine
+        starts (else the health probe would talk to whatever holds it)."""
+        ec = self.cfg.engine
+        if not ec.port:
+            return
+        for i in self.engine_indices:
+            port = ec.port + i
+            if port_in_use(ec.host, port):
+                first = f" (engine {i} of --port {ec.port})" if i else ""
+                raise UsageError(f"port {port}{first} on {ec.host or '0.0.0.0'} is already in use (another engine "
+                                 f"or program listens there); pick a free port with --port, or omit --port "
+                                 f"(--port 0) to let serve choose free ports")
+
     def _launch_argv(self, i: int, port: int) -> tuple[list[str], dict[str, str], list[str]]:
         ec = self.cfg.engine
         env = dict(os.environ)
         if self.backend == "embedded":
+            # the engine reports this nonce in /get_server_info: the health check accepts it as ours
+            env[ENGINE_NONCE_ENV] = token_hex(16)
             argv = [self.python, "-m", "slimectl.engines.embedded.server", "--model-path", str(self.model_path),
                     "--host", ec.host, "--port", str(port), "--dtype", self.cfg.model.dtype,
-                    "--weight-version", INITIAL_WEIGHT_VERSION, "--max-running-requests", str(ec.max_batch_size),
+                    "--weight-version", self.weight_version, "--max-running-requests", str(ec.max_batch_size),
                     "--parent-pid", str(os.getpid())]
             if self.token:
                 argv += ["--admin-api-key-env", ec.token_env]  # the child reads the token from its environment
@@ -155,7 +244,7 @@ class EngineGroup:
         gpus = ec.gpu_ids[i * per:(i + 1) * per] if ec.gpu_ids else []
         spec = SGLangLaunchSpec(model_path=str(self.model_path), port=port, host=ec.host, tp_size=ec.tp_size,
                                 mem_fraction_static=ec.mem_fraction_static, dtype=dtype, gpu_ids=gpus,
-                                weight_version=INITIAL_WEIGHT_VERSION, admin_api_key=self.token,
+                                weight_version=self.weight_version, admin_api_key=self.token,
                                 extra_args=dict(ec.sglang_args), python=ec.sglang_python or self.python)
         return build_sglang_argv(spec), build_env(spec, env), spec.secrets()
 
@@ -200,15 +289,17 @@ class EngineGroup:
 
 
 def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
-          ready: threading.Event | None = None, stop: threading.Event | None = None, announce=print) -> None:
-    """Start the engines, print their URLs, and keep them up until SIGINT/SIGTERM (or ``stop``)."""
+          ready: threading.Event | None = None, stop: threading.Event | None = None, announce=print,
+          weight_version: WeightChoice = None) -> None:
+    """Start the engines, print their URLs, and keep them up until SIGINT/SIGTERM (or ``stop``).
+    ``weight_version``: see :class:`EngineGroup` (default: the newest published weights)."""
     with run.stage_log("serve"):
         stop = stop or threading.Event()
         with run.lock("serve"):
             dead = run.engines.prune_dead()  # records of this host's earlier serve, killed before it unregistered
             if dead:
                 log.info("removed the records of dead engines %s", ", ".join(dead))
-            group = EngineGroup(run, cfg, engine_urls)
+            group = EngineGroup(run, cfg, engine_urls, weight_version=weight_version)
             with set_on_signals(stop), group:  # SIGINT/SIGTERM stop the engines; the old handlers come back
                 for url in group.urls:
                     announce(url)

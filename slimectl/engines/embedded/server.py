@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from slimectl.engines.supervisor import ENGINE_NONCE_ENV, NONCE_FIELD
 from slimectl.orchestration.signals import set_on_signals
 from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, start_site
 
@@ -75,12 +76,15 @@ class EmbeddedEngine:
 
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "fp32",
                  max_batch_size: int = 64, weight_version: str = "default", admin_token: str | None = None,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, nonce: str | None = None):
+        """``nonce``: reported as ``slimectl_nonce`` in ``/get_server_info``, so the launcher can tell
+        this engine from another server that answers on the same port."""
         from slimectl.engines.embedded.scheduler import BatchRunner
 
         self.model_path = model_path
         self.host, self.port = host, port
         self.admin_token = admin_token
+        self.nonce = nonce
         self.runner = BatchRunner(model_path, dtype=dtype, max_batch_size=max_batch_size,
                                   weight_version=weight_version, num_threads=num_threads)
         self.tokenizer = self.runner.tokenizer
@@ -196,6 +200,7 @@ class EmbeddedEngine:
             "max_running_requests": self.runner.max_batch_size if hasattr(self.runner, "max_batch_size") else None,
             "weight_version": self.runner.weight_version,
             "admin_api_key": None, "api_key": None,  # never echoed
+            NONCE_FIELD: self.nonce,
         })
 
     async def loads(self, request: web.Request) -> web.Response:
@@ -516,7 +521,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"}.get(args.dtype, args.dtype)
     token = os.environ.get(args.admin_api_key_env) if args.admin_api_key_env else None
     engine = EmbeddedEngine(args.model_path, args.host, args.port, dtype=dtype, max_batch_size=args.max_running_requests,
-                            weight_version=args.weight_version, admin_token=token or None, num_threads=args.num_threads)
+                            weight_version=args.weight_version, admin_token=token or None, num_threads=args.num_threads,
+                            nonce=os.environ.get(ENGINE_NONCE_ENV) or None)
 
     async def serve() -> None:
         app_runner = await engine.start()

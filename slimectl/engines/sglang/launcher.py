@@ -45,6 +45,8 @@ def launch_sglang_engines(specs: Sequence[SGLangLaunchSpec], run_log_dir: str | 
             log_path = Path(spec.log_path) if spec.log_path else Path(run_log_dir) / f"engine-{i}.log"
             started.append(sup.start(f"engine-{i}", argv, env=env, log_path=log_path, url=spec.url,
                                      secrets=spec.secrets()))
+        # SGLang cannot report a nonce of ours: the health wait accepts a server only when no other
+        # process is seen listening on its port (ProcessSupervisor: our pid or a child must hold it)
         sup.wait_all_healthy([p.url for p in started if p.url], timeout=health_timeout, interval=interval)
     except BaseException:
         sup.stop(names=[p.name for p in started])
