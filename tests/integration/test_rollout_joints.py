@@ -63,6 +63,7 @@ def test_a_dataset_without_labels_is_refused_before_any_engine_by_rollout_and_rl
     run.engines.unregister("e0")
     res = slimectl_in_process("rl", "-r", run.path)
     assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == f"Error: {want}"
+    assert "started engine" not in res.stderr and not list((run.path / "logs").glob("engine-*.log"))
     assert run.engines.list() == [] and run.rollouts.ids() == [] and run.checkpoints.ids() == []
     # the key named in the line is the fix
     res = cli("rollout", "-r", run.path, "--engine-url", setup["url"], "--set", "data.label_key=answer")
