@@ -203,3 +203,10 @@ def test_zero_spread_share_is_a_metric_and_all_zero_spread_is_warned_about():
         "so group-relative advantages are 0 and grpo learns nothing from it; see what reward 'math' grades in "
         "docs/rewards.md")
     assert zero_spread_warning(cfg(n_samples_per_prompt=1), 0, groups([0.0], [0.0])) is None  # no groups to compare
+    # only where zero spread zeroes the advantages
+    for algorithm in ({"use_opd": True}, {"reward_normalization": "none"}, {"advantage_estimator": "reinforce_plus_plus"}):
+        assert zero_spread_warning(build_config({"rollout": {"n_samples_per_prompt": 2}, "algorithm": algorithm}), 4,
+                                   flat) is None, algorithm
+    assert zero_spread_warning(build_config({"rollout": {"n_samples_per_prompt": 2},
+                                             "algorithm": {"advantage_estimator": "gspo"}}), 4, flat).startswith(
+        "rollout 4: all 3 groups have zero reward spread")

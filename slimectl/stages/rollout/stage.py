@@ -195,8 +195,15 @@ def zero_spread_groups(groups: list[list[Sample]], reward_key: str | None) -> in
 def zero_spread_warning(cfg: SlimectlConfig, rid: int, groups: list[list[Sample]]) -> str | None:
     """The one-line warning when every group of a rollout has zero reward spread, else None.
 
-    Groups of one sample have no spread by construction; they are not warned about."""
-    r = cfg.rollout
+    Only where that zeroes the advantages: an estimator with a group baseline (grpo, gspo, cispo,
+    reinforce_plus_plus_baseline), rewards normalised by the group mean, no OPD (the teacher shapes
+    the advantages then). Groups of one sample have no spread by construction; they are not warned about."""
+    from slimectl.algorithms.registry import GROUP_ESTIMATORS
+
+    r, a = cfg.rollout, cfg.algorithm
+    if a.use_opd or a.reward_normalization == "none" or \
+            a.advantage_estimator not in (*GROUP_ESTIMATORS, "reinforce_plus_plus_baseline"):
+        return None
     if not groups or r.n_samples_per_prompt < 2 or any(len(g) < 2 for g in groups):
         return None
     if zero_spread_groups(groups, r.reward_key) < len(groups):
