@@ -89,7 +89,8 @@ def rollout_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, .
     from slimectl.stages.rollout.stage import run_rollout
 
     result = run_rollout(run, cfg, rollout_id, engine_urls, force=force, skip_bad_rows=skip_bad_rows)
-    click.echo(str(result.path))
+    if not result.complete:  # complete: the run's last rollout exists; the stage said so on stderr
+        click.echo(str(result.path))
 
 
 @rollout_cmd.command("import", short_help="Publish samples made outside slimectl as the next rollout.")

@@ -19,6 +19,6 @@ while :; do
   say "rollout $n: waiting for the engines to serve weight version >= $need"
   wait_for engines "$need"
   say "rollout $n: generating"
-  $SLIMECTL rollout -r "$SLIMECTL_RUN_DIR" --id "$n" "$@"
+  $SLIMECTL rollout -r "$SLIMECTL_RUN_DIR" --id "$n" --set rollout.max_staleness="$ROLLOUT_LAG" "$@"
 done
 say "all $total rollouts are published"

@@ -105,6 +105,9 @@ class RolloutSection(Section):
     sample gets the teacher's log-probs of its response tokens (``/generate``, max_new_tokens 0)."""
     async_mode: Literal["off", "one_step_off"] = "off"
     """``slimectl rl``: ``one_step_off`` generates rollout N+1 (on weights N) while rollout N trains."""
+    max_staleness: Optional[int] = Field(default=None, ge=0)
+    """``rollout`` refuses to generate on an engine more than this many weight versions behind the newest
+    published ``weights/N`` (sync it first); default: what async_mode implies, 0 for off, 1 for one_step_off."""
     eval_interval: Optional[int] = Field(default=None, gt=0)
     """``slimectl rl``: evaluate on data.eval_data every this many weight versions (and at the end)."""
     eval_n_samples: int = Field(default=4, gt=0)

@@ -73,10 +73,9 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
     (default :class:`LocalLauncher`)."""
     from slimectl.contract.metrics import MetricsWriter
     from slimectl.orchestration.local_launcher import LocalLauncher, open_engine_clients
-    from slimectl.stages.rollout.stage import run_rollout
+    from slimectl.stages.rollout.stage import check_prompt_data, run_rollout
 
-    if cfg.data.prompt_data is None:
-        raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
+    check_prompt_data(cfg)  # the data and its keys, before any engine or trainer starts
     launcher = launcher or LocalLauncher()
     stop = stop or threading.Event()
     t_start = time.perf_counter()

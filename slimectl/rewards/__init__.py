@@ -14,16 +14,16 @@ Graders are pure functions ``(response, label) -> float | dict`` in :mod:`.math_
 from .boxed import last_boxed
 from .dapo import grade_dapo, normalize_dapo
 from .errors import RemoteRewardError, RewardConfigError, RewardError
-from .hub import (GRADERS, RewardInput, compute_reward, compute_rewards, grade, load_reward_function, reward_value,
-                  rm_types)
+from .hub import (GRADERS, LABEL_FREE, RewardInput, compute_reward, compute_rewards, grade, is_custom_reward,
+                  load_reward_function, needs_label, reward_value, rm_types)
 from .math_grader import answers_match, grade_deepscaler, grade_math, normalize_answer
 from .remote import RemoteRewardModel, close_shared_remotes, shared_remote
 from .text import extract_choice, f1_components, grade_f1, grade_gpqa, grade_random, normalize_squad
 
 __all__ = [
-    "GRADERS", "RemoteRewardError", "RemoteRewardModel", "RewardConfigError", "RewardError", "RewardInput",
-    "answers_match", "close_shared_remotes", "compute_reward", "compute_rewards", "extract_choice", "f1_components",
+    "GRADERS", "LABEL_FREE", "RemoteRewardError", "RemoteRewardModel", "RewardConfigError", "RewardError", "RewardInput",
+    "answers_match", "close_shared_remotes", "compute_reward", "compute_rewards", "extract_choice", "f1_components", "is_custom_reward",
     "grade", "grade_dapo", "grade_deepscaler", "grade_f1", "grade_gpqa", "grade_math", "grade_random", "last_boxed",
-    "load_reward_function", "normalize_answer", "normalize_dapo", "normalize_squad", "reward_value", "rm_types",
+    "load_reward_function", "needs_label", "normalize_answer", "normalize_dapo", "normalize_squad", "reward_value", "rm_types",
     "shared_remote",
 ]

@@ -71,6 +71,8 @@ GRADERS: dict[str, Callable[[str, Any, dict, Any], float | dict]] = {
 }
 REMOTE_NAMES = ("remote", "remote_rm")
 BOXED_PREFIX = "boxed_"
+#: Built-in graders that never read the label (every other built-in grades against it).
+LABEL_FREE: tuple[str, ...] = ("random",)
 
 
 def rm_types() -> list[str]:
@@ -86,6 +88,26 @@ def _split_name(rm_type: str) -> tuple[bool, str]:
         raise RewardConfigError(f"unknown reward type {rm_type!r}; known: {', '.join(rm_types())} "
                                 f"(each also as boxed_<name>), or set a custom_rm_path")
     return boxed and base != "math", base
+
+
+def is_custom_reward(reward: str) -> bool:
+    """Whether a ``rollout.reward`` value is an import path (``module:function`` / ``module.function``)."""
+    return ":" in reward or "." in reward
+
+
+def needs_label(reward: str) -> bool | None:
+    """Whether reward ``reward`` (a hub name or a custom import path) grades against the sample's label.
+
+    True for the built-in graders (``math``, ``deepscaler``, ``dapo``, ``f1``, ``gpqa`` and their
+    ``boxed_`` forms), False for ``random``, None when it cannot be told: a custom function or a
+    remote reward model may or may not read the label. Unknown names raise :class:`RewardConfigError`.
+    """
+    if is_custom_reward(reward):
+        return None
+    _, base = _split_name(reward)
+    if base in REMOTE_NAMES:
+        return None
+    return base not in LABEL_FREE
 
 
 def grade(rm_type: str, response: str | None, label: Any, metadata: dict | None = None, *,

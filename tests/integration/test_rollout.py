@@ -108,7 +108,7 @@ def test_malformed_rows_fail_or_are_counted(tmp_path, setup, cli):
     bad.write_text(setup["data"].read_text() + "{broken\n")
     run = make_run(tmp_path, setup, cli, f"data.prompt_data={bad}")
     res = cli("rollout", "-r", run.path)
-    assert res.exit_code == 1 and f"{bad} line 13: invalid JSON" in res.output
+    assert res.exit_code == 2 and f"{bad} line 13: invalid JSON" in res.output
     assert run.rollouts.ids() == []
     res = cli("rollout", "-r", run.path, "--skip-bad-rows")
     assert res.exit_code == 0, res.output

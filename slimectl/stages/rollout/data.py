@@ -3,7 +3,9 @@
 A dataset spec is ``path`` or ``path@[a:b]`` (a Python-style row slice). Each row gives the
 prompt (``input_key``: a string, or OpenAI-style messages), the label (``label_key``), metadata
 (``metadata_key``) and tools (``tools_key``). Malformed rows raise an error naming the file and
-line, or are skipped and counted with ``skip_bad_rows``.
+line, or are skipped and counted with ``skip_bad_rows``. A key that no row has (the input key, or
+the label key when the reward grades against a label) is one error naming the file, the key and
+the keys the rows do have.
 
 :class:`PromptSource` hands out prompts in a seeded shuffled order per epoch. Its state
 (epoch, offset, seed) is a small JSON dict that the rollout stage stores with every rollout,
@@ -13,17 +15,22 @@ so a resumed run continues exactly where it stopped.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from slimectl.contract.dataspec import parse_data_spec
-from slimectl.contract.errors import SlimectlError
+from slimectl.contract.errors import SlimectlError, UsageError
+
+log = logging.getLogger("slimectl.rollout")
+
+MAX_KEYS_SHOWN = 20
 
 
-class DatasetError(SlimectlError):
-    """A prompt dataset is missing or malformed."""
+class DatasetError(UsageError):
+    """A prompt dataset is missing or malformed (input: exit code 2)."""
 
 
 @dataclass
@@ -65,12 +72,55 @@ def _read_rows(path: Path) -> list[tuple[int, Any]]:
     raise DatasetError(f"prompt dataset {path}: unsupported format {suffix!r}; use .jsonl or .parquet")
 
 
+def _keys_seen(raw: list[tuple[int, Any]]) -> str:
+    """The keys the dict rows have, in first-seen order (at most :data:`MAX_KEYS_SHOWN`)."""
+    keys: dict[str, None] = {}
+    for _, rec in raw:
+        if isinstance(rec, dict):
+            keys.update(dict.fromkeys(map(str, rec)))
+    shown = list(keys)[:MAX_KEYS_SHOWN]
+    more = f", ... ({len(keys) - len(shown)} more)" if len(keys) > len(shown) else ""
+    return ", ".join(shown) + more if shown else "none"
+
+
+def _check_keys(path: Path, raw: list[tuple[int, Any]], input_key: str, label_key: str | None,
+                label_needed_by: str | None, label_maybe_used_by: str | None) -> None:
+    """File-level key checks: a key that no row has is one error, not a failure at line 1 (or,
+    for the label, a run that trains on reward 0 because every label is None)."""
+    dicts = [rec for _, rec in raw if isinstance(rec, dict)]
+    if not dicts:
+        return  # the per-row checks name the first bad line
+    if not any(input_key in rec for rec in dicts):
+        raise DatasetError(f"prompt dataset {path}: key {input_key!r} (data.input_key) is in no row; its rows have "
+                           f"keys: {_keys_seen(raw)}; set the prompt's key with --set data.input_key=KEY")
+    if label_needed_by:
+        if label_key is None:
+            raise DatasetError(f"reward {label_needed_by!r} grades against a label, but data.label_key is null; set the "
+                               f"answer's key of {path} (keys: {_keys_seen(raw)}) with --set data.label_key=KEY")
+        if not any(rec.get(label_key) is not None for rec in dicts):
+            what = "is null in every row" if any(label_key in rec for rec in dicts) else "is in no row"
+            raise DatasetError(f"prompt dataset {path}: key {label_key!r} (data.label_key) {what}, but reward "
+                               f"{label_needed_by!r} grades against a label; its rows have keys: {_keys_seen(raw)}; "
+                               f"set the answer's key with --set data.label_key=KEY")
+    elif label_maybe_used_by and label_key is not None and not any(label_key in rec for rec in dicts):
+        log.warning("prompt dataset %s has no key %r (data.label_key) in any row: reward %r gets label None for "
+                    "every sample (set data.label_key: null if it needs none)", path, label_key, label_maybe_used_by)
+
+
 def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "label", metadata_key: str = "metadata",
-                 tools_key: str = "tools", skip_bad_rows: bool = False) -> tuple[list[PromptRow], int]:
-    """Load a dataset spec; returns (rows, number of skipped bad rows)."""
+                 tools_key: str = "tools", skip_bad_rows: bool = False, label_needed_by: str | None = None,
+                 label_maybe_used_by: str | None = None) -> tuple[list[PromptRow], int]:
+    """Load a dataset spec; returns (rows, number of skipped bad rows).
+
+    ``label_needed_by`` names the reward when it grades against a label: then a row without one
+    is a bad row, and a file where no row has ``label_key`` is an error listing the keys it has.
+    ``label_maybe_used_by`` names a reward that may read the label (custom, remote): a file with
+    no ``label_key`` at all only gets a warning.
+    """
     file, sl, _ = parse_data_spec(spec)
     path = Path(file)
     raw = _read_rows(path)[sl]
+    _check_keys(path, raw, input_key, label_key, label_needed_by, label_maybe_used_by)
     rows: list[PromptRow] = []
     skipped = 0
     unit = "line" if path.suffix.lower() != ".parquet" else "row"
@@ -89,6 +139,9 @@ def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "l
             elif not isinstance(prompt, str) or not prompt:
                 raise DatasetError(f"{path} {unit} {lineno}: {input_key!r} must be a non-empty string or a message list")
             label = rec.get(label_key) if label_key else None
+            if label_needed_by and label is None:
+                raise DatasetError(f"{path} {unit} {lineno}: no {label_key!r} (data.label_key), which reward "
+                                   f"{label_needed_by!r} grades against; this row has keys: {', '.join(map(str, rec))}")
             meta = rec.get(metadata_key) or {}
             if isinstance(meta, str):
                 meta = json.loads(meta)

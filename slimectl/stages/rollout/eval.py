@@ -52,7 +52,8 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
 
         from slimectl.contract.logs import quiet_hf_progress
         from slimectl.contract.metrics import MetricsWriter
-        from slimectl.stages.rollout.data import load_prompts, tokenize_prompts
+        from slimectl.stages.rollout.data import tokenize_prompts
+        from slimectl.stages.rollout.stage import load_prompt_rows
 
         if not cfg.data.eval_data:
             return {}
@@ -61,7 +62,7 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
         d = cfg.data
         datasets = {}
         for name, spec in d.eval_data.items():
-            rows, _ = load_prompts(spec, d.input_key, d.label_key, d.metadata_key, d.tools_key, d.skip_bad_rows)
+            rows, _ = load_prompt_rows(cfg, spec)
             rows, _ = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
             datasets[name] = rows
         results, samples = asyncio.run(_eval_async(cfg, datasets, engine_urls, tok, version))

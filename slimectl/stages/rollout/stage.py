@@ -21,7 +21,7 @@ from typing import Any
 
 from slimectl.contract.config import SlimectlConfig
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
-from slimectl.stages.rollout.data import PromptSource, load_prompts, tokenize_prompts
+from slimectl.stages.rollout.data import PromptSource, tokenize_prompts
 from slimectl.stages.rollout.generate import EnginePool, default_generate, generate_batch, load_function, nonzero_std
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, write_samples
@@ -33,17 +33,91 @@ BUFFER_FILE = "buffer.parquet"
 """Partial rollout: groups aborted when this rollout's batch filled; the next rollout continues them first."""
 
 
+DOCS_REWARDS = "docs/rewards.md"
+
+
+class StaleEngine(SlimectlError):
+    """An engine serves weights older than the newest published ones by more than ``rollout.max_staleness``."""
+
+
 @dataclass
 class RolloutResult:
     rollout_id: int
     num_samples: int
     metrics: dict[str, Any]
-    path: Path
+    path: Path | None
+    """The published artifact; None when nothing was made (``complete``)."""
+    complete: bool = False
+    """``--next`` found the run complete (``rollout.num_rollout`` rollouts published): nothing was made."""
 
 
 def next_rollout_id(run: RunDir) -> int:
     ids = run.rollouts.ids()
     return ids[-1] + 1 if ids else 0
+
+
+def label_requirement(cfg: SlimectlConfig) -> tuple[str | None, str | None]:
+    """(reward that needs a label, reward that may read one) for the configured ``rollout.reward``.
+
+    Built-in graders but ``random`` need the label; custom functions and remote reward models may
+    read it (they only get a warning when no row has ``data.label_key``); ``random`` reads none."""
+    from slimectl.rewards import needs_label
+
+    reward = cfg.rollout.reward
+    needed = needs_label(reward)  # an unknown reward name fails here, before any engine is contacted
+    return (reward if needed else None), (reward if needed is None else None)
+
+
+def load_prompt_rows(cfg: SlimectlConfig, spec: str, skip_bad_rows: bool | None = None):
+    """``load_prompts`` with the run's data keys and the label the configured reward needs."""
+    from slimectl.stages.rollout.data import load_prompts
+
+    d = cfg.data
+    needed_by, maybe_by = label_requirement(cfg)
+    return load_prompts(spec, d.input_key, d.label_key, d.metadata_key, d.tools_key,
+                        d.skip_bad_rows if skip_bad_rows is None else skip_bad_rows,
+                        label_needed_by=needed_by, label_maybe_used_by=maybe_by)
+
+
+def check_prompt_data(cfg: SlimectlConfig) -> None:
+    """Check ``data.prompt_data`` and every ``data.eval_data`` file (rows, input and label keys) without
+    tokenizing: what ``slimectl rl`` runs before it starts any engine. Raises :class:`DatasetError` (exit 2)."""
+    if cfg.data.prompt_data is None:
+        raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
+    for spec in (cfg.data.prompt_data, *cfg.data.eval_data.values()):
+        load_prompt_rows(cfg, spec)
+
+
+def max_staleness(cfg: SlimectlConfig) -> int:
+    """``rollout.max_staleness``, or what ``rollout.async_mode`` implies: 0 (off), 1 (one_step_off)."""
+    r = cfg.rollout
+    if r.max_staleness is not None:
+        return r.max_staleness
+    return 1 if r.async_mode == "one_step_off" else 0
+
+
+def check_staleness(run: RunDir, cfg: SlimectlConfig, versions: dict[str, str]) -> None:
+    """Refuse engines more than :func:`max_staleness` versions behind the newest published ``weights/N``.
+
+    ``versions`` maps engine URL to the weight version it reports. Nothing is compared while the run
+    has published no weights (every engine serves the initial model then)."""
+    ids = run.weights.ids()
+    if not ids:
+        return
+    newest, limit = ids[-1], max_staleness(cfg)
+    names = {r.url.rstrip("/"): r.id for r in run.engines.list()}
+    why = "" if cfg.rollout.max_staleness is not None else f", implied by rollout.async_mode = {cfg.rollout.async_mode}"
+    for url, version in versions.items():
+        name = f"engine {names[url]} ({url})" if url in names else f"engine {url}"
+        try:
+            behind = newest - int(version)
+        except (TypeError, ValueError):
+            raise StaleEngine(f"{name} serves weight version {version!r}, not one of this run's versions (newest: "
+                              f"weights/{newest:06d}); sync it first: slimectl sync -r {run.path}") from None
+        if behind > limit:
+            raise StaleEngine(f"{name} serves weight version {version}, {behind} behind the newest published "
+                              f"weights/{newest:06d} (rollout.max_staleness = {limit}{why}); sync it first: "
+                              f"slimectl sync -r {run.path}")
 
 
 def _engine_urls(run: RunDir, given: list[str] | tuple[str, ...]) -> list[str]:
@@ -113,11 +187,40 @@ def make_reward_fn(cfg: SlimectlConfig, args: SimpleNamespace):
     return fn
 
 
+def zero_spread_groups(groups: list[list[Sample]], reward_key: str | None) -> int:
+    """How many groups gave every one of their samples the same reward (no learning signal for GRPO)."""
+    return sum(1 for g in groups if len({s.reward_value(reward_key) for s in g}) == 1)
+
+
+def zero_spread_warning(cfg: SlimectlConfig, rid: int, groups: list[list[Sample]]) -> str | None:
+    """The one-line warning when every group of a rollout has zero reward spread, else None.
+
+    Only where that zeroes the advantages: an estimator with a group baseline (grpo, gspo, cispo,
+    reinforce_plus_plus_baseline), rewards normalised by the group mean, no OPD (the teacher shapes
+    the advantages then). Groups of one sample have no spread by construction; they are not warned about."""
+    from slimectl.algorithms.registry import GROUP_ESTIMATORS
+
+    r, a = cfg.rollout, cfg.algorithm
+    if a.use_opd or a.reward_normalization == "none" or \
+            a.advantage_estimator not in (*GROUP_ESTIMATORS, "reinforce_plus_plus_baseline"):
+        return None
+    if not groups or r.n_samples_per_prompt < 2 or any(len(g) < 2 for g in groups):
+        return None
+    if zero_spread_groups(groups, r.reward_key) < len(groups):
+        return None
+    values = sorted({s.reward_value(r.reward_key) for g in groups for s in g})
+    shown = ", ".join(f"{v:g}" for v in values[:5]) + (", ..." if len(values) > 5 else "")
+    return (f"rollout {rid}: all {len(groups)} groups have zero reward spread (each group's samples got the same "
+            f"reward; rewards seen: {shown}), so group-relative advantages are 0 and "
+            f"{cfg.algorithm.advantage_estimator} learns nothing from it; see what reward {r.reward!r} grades in "
+            f"{DOCS_REWARDS}")
+
+
 def _metrics(samples: list[Sample], counts: dict[str, int], seconds: float, reward_key: str | None,
              groups: list[list[Sample]], weight_version: str | None) -> dict[str, Any]:
     rewards = [s.reward_value(reward_key) for s in samples]
     lengths = [s.response_length for s in samples]
-    zero_std = sum(1 for g in groups if len({s.reward_value(reward_key) for s in g}) == 1)
+    zero_std = zero_spread_groups(groups, reward_key)
     tokens = sum(lengths)
     return {
         "rollout/reward_mean": statistics.fmean(rewards),
@@ -127,6 +230,7 @@ def _metrics(samples: list[Sample], counts: dict[str, int], seconds: float, rewa
         "rollout/response_len_min": min(lengths),
         "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
         "rollout/zero_std_groups": zero_std,
+        "rollout/zero_std_group_frac": zero_std / len(groups) if groups else 0.0,
         "rollout/filter_dropped_groups": counts.get("dropped", 0),
         "rollout/aborted_groups": counts.get("aborted", 0),
         "rollout/num_samples": len(samples),
@@ -144,19 +248,27 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
             raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
         with run.lock("rollout") as lock:
             rid = next_rollout_id(run) if rollout_id is None else rollout_id
+            n = cfg.rollout.num_rollout
+            extend = f"raise rollout.num_rollout (slimectl rl -r {run.path} --set rollout.num_rollout=N)"
+            if rid >= n and rollout_id is None:
+                log.warning("the run is complete: all %d rollouts (rollout.num_rollout) are published, so there is no "
+                            "rollout %d to make; to go on, %s", n, rid, extend)
+                return RolloutResult(rid, 0, {}, None, complete=True)
+            if rid >= n:
+                raise UsageError(f"rollout {rid} is past the run's end: rollout.num_rollout = {n} (ids 0-{n - 1}); "
+                                 f"to go on, {extend}")
             if run.rollouts.exists(rid) and not force:
                 raise ArtifactExists(f"rollouts/{rid:06d} is already published; pass --force to regenerate it")
             state = _data_state(run, rid)
             buffered = _buffer(run, rid) if cfg.rollout.partial_rollout else []
+            d = cfg.data
+            rows, bad = load_prompt_rows(cfg, d.prompt_data, skip_bad_rows)  # before the tokenizer and any engine
             from transformers import AutoTokenizer
 
             from slimectl.contract.logs import quiet_hf_progress
 
             quiet_hf_progress()
             tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-            d = cfg.data
-            rows, bad = load_prompts(d.prompt_data, d.input_key, d.label_key, d.metadata_key, d.tools_key,
-                                     d.skip_bad_rows if skip_bad_rows is None else skip_bad_rows)
             rows, too_long = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
             source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=state)
             urls = _engine_urls(run, engine_urls)
@@ -186,7 +298,17 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
                     for span in trace:
                         f.write(json.dumps(span) + "\n")
             _log_metrics(run, cfg, rid, metrics)
+            warning = zero_spread_warning(cfg, rid, groups_of(samples))
+            if warning:
+                log.warning("%s", warning)
             return RolloutResult(rid, len(samples), metrics, run.rollouts.dir_for(rid))
+
+
+def groups_of(samples: list[Sample]) -> list[list[Sample]]:
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s)
+    return [groups[g] for g in sorted(groups)]
 
 
 def _log_metrics(run: RunDir, cfg: SlimectlConfig, rid: int, metrics: dict[str, Any]) -> None:
@@ -249,6 +371,7 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
         versions = await pool.weight_versions()
         if not versions:
             raise SlimectlError(f"none of the engines answered ({', '.join(urls)}); is `slimectl serve` running?")
+        check_staleness(run, cfg, versions)
         if len(set(versions.values())) > 1:
             raise SlimectlError(f"engines serve different weight versions {versions}; run `slimectl sync` first")
         weight_version = next(iter(versions.values()))
