@@ -86,7 +86,7 @@ class RolloutSection(Section):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     reward: str = "math"
-    """A reward-hub name (math, deepscaler, dapo, f1, gpqa, remote, random) or ``module:function``."""
+    """A reward-hub name (math, deepscaler, dapo, f1, gpqa, last_number, remote, random) or ``module:function``."""
     reward_key: Optional[str] = None
     """Key to read when the reward function returns a dict."""
     group_reward: bool = False
