@@ -31,9 +31,12 @@ CONFIG_VERSION = 1
 
 
 class Section(BaseModel):
-    """Base for every config section: unknown keys fail, assignments are re-validated."""
+    """Base for every config section: unknown keys fail, assignments are re-validated.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    The docstring under each field is its description (``Field.description``), which
+    ``docs/config.md`` is generated from (``python -m slimectl.contract.config_doc``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, use_attribute_docstrings=True)
 
 
 class ModelSection(Section):
@@ -248,8 +251,12 @@ class LoggingSection(Section):
     """Console, TensorBoard and metrics.jsonl."""
 
     log_interval: int = Field(default=1, gt=0)
+    """Not used yet: every optimizer step is logged and recorded."""
     tensorboard: bool = True
+    """Also write TensorBoard event files under ``RUN/tensorboard/STAGE``."""
     progress: Literal["auto", "on", "off"] = "auto"
+    """Progress bars on stderr (rollout, train, convert, export, sync, eval): auto shows them only when
+    stderr is a terminal, and leaves the finished bar on screen."""
 
 
 class SlimectlConfig(Section):
