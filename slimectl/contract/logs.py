@@ -124,12 +124,24 @@ class StageLog:
             self._saved = None
 
 
-def progress(iterable: Iterable[Any] | None = None, mode: str = "auto", **kwargs: Any):
-    """A tqdm bar on stderr, off when stderr is not a TTY (``mode`` auto) or when ``off``."""
+def _is_tty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+def progress(iterable: Iterable[Any] | None = None, mode: str = "auto", file: Any = None, **kwargs: Any):
+    """The one progress bar of every stage (rollout groups, train steps, convert/export tensors, sync
+    buckets, eval groups): tqdm on ``file`` (stderr). ``mode`` is ``logging.progress``: auto shows it
+    only when the stream is a terminal, so logs and pipes stay clean; on always; off never. A bar
+    that is shown stays on screen when it ends (``leave``), so the last figures remain readable."""
     from tqdm import tqdm
 
-    disable = mode == "off" or (mode == "auto" and not sys.stderr.isatty())
-    return tqdm(iterable, file=sys.stderr, disable=disable, dynamic_ncols=True, **kwargs)
+    stream = sys.stderr if file is None else file
+    shown = mode == "on" or (mode == "auto" and _is_tty(stream))
+    kwargs.setdefault("leave", True)
+    return tqdm(iterable, file=stream, disable=not shown, dynamic_ncols=True, **kwargs)
 
 
 def quiet_hf_progress() -> None:
