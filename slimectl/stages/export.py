@@ -164,7 +164,7 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
 
             def write(dest: Path) -> dict:
                 # one tick per HF tensor written (a fused Megatron parameter gives several)
-                with bar(mode=progress, desc="export", unit="tensor") as pbar:
+                with bar(mode=progress, desc="export", unit=" tensors") as pbar:
                     def tensors():
                         for item in model_to_hf_tensors(model, arch):
                             yield item

@@ -46,3 +46,21 @@ def test_a_real_pty_counts_as_a_terminal_and_modes_override():
     forced = progress(total=1, file=io.StringIO(), mode="on")
     assert not forced.disable
     forced.close()
+
+
+def test_log_lines_print_above_a_shown_bar_not_into_it():
+    import logging
+
+    from slimectl.contract.logs import _ConsoleHandler
+
+    out = FakeTTY()
+    handler = _ConsoleHandler(out)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    with progress(total=2, file=out, desc="train", unit="step") as bar:
+        bar.update(1)
+        handler.emit(logging.LogRecord("slimectl.train", logging.INFO, __file__, 1, "step 1: loss 0.5", None, None))
+        bar.update(1)
+    screen_lines = [line.rsplit("\r", 1)[-1] for line in out.getvalue().split("\n")]
+    # what stays on each terminal line is the text after its last carriage return
+    assert "step 1: loss 0.5" in screen_lines, screen_lines
+    assert any(line.startswith("train: 100%") for line in screen_lines), screen_lines

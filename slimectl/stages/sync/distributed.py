@@ -169,7 +169,7 @@ class DistributedTransport(WeightTransport):
         from slimectl.contract.logs import progress
 
         moved = 0
-        bar = progress(mode=self.progress, desc=f"sync v{source.version}", unit="bucket")
+        bar = progress(mode=self.progress, desc=f"sync v{source.version}", unit=" buckets")
         try:
             for bucket, last in buckets(source.iter_tensors(), self.cfg.bucket_size_mb << 20):
                 names = [n for n, _ in bucket]
