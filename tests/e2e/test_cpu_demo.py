@@ -19,10 +19,14 @@ DEMO = ROOT / "examples" / "cpu_demo.py"
 # + 400 rollouts at lr 6e-4, seeds 0/1/2 measured +0.26/+0.29/+0.24 (issue #7 note), ~206 s on 2 cores.
 # A shorter setting goes here (e.g. ["--sft-steps", "N", "--set", "rollout.num_rollout=R",
 # "--set", "rollout.eval_interval=E", "--set", "train.lr=X"], with QUICK_ROLLOUTS = R and QUICK_EVALS the
-# multiples of E up to R) once its rise is measured >= 0.2 with margin on seeds 0/1/2. Tried so far (seed 0,
-# on a machine loaded by a parallel test suite, so no usable wall times): after 30 or 50 SFT steps the
-# warm start's reward is ~0.05 (after 100 it is ~0.38), and GRPO from there stayed at ~0.05 for 82
-# rollouts at lr 1.5e-3 (30 SFT steps) and for 19 at lr 3e-3 (50 SFT steps).
+# multiples of E up to R) once its rise is measured >= 0.2 with margin on seeds 0/1/2. Tried so far (seed 0
+# unless noted, on a machine loaded by a parallel test suite, so no usable wall times):
+#   --sft-steps 30, 120 rollouts, lr 1.5e-3 linear: warm-start reward ~0.05, still ~0.05 at rollout 82 (stopped)
+#   --sft-steps 50, 60 rollouts, lr 3e-3 constant: reward ~0.05, flat for 19 rollouts (stopped)
+#   100 SFT steps, 80 rollouts, lr 2e-3 constant: 0.53 at rollout 0, collapsed to 0.00 by rollout 16 (stopped)
+#   100 SFT steps, 120 rollouts, eval_interval 60, lr 1e-3 linear, save_interval 120: seed 0 +0.285
+#     (0.206 -> 0.491; 409 s at load 7), seed 1 +0.223 (0.350 -> 0.572; 145 s at load ~2: SFT 19 s, RL
+#     78 s, the rest start-ups, eval, plot): too thin a margin, and nowhere near 60 s
 QUICK: list[str] = []
 QUICK_ROLLOUTS = 400
 QUICK_EVALS = [100, 200, 300, 400]
