@@ -32,3 +32,11 @@ def test_check_mode_names_the_command_that_regenerates(tmp_path, capsys):
     assert config_doc.main(["--check", str(stale)]) == 1
     assert "run `python -m slimectl.contract.config_doc`" in capsys.readouterr().err
     assert config_doc.main([str(stale)]) == 0 and config_doc.main(["--check", str(stale)]) == 0
+
+
+def test_every_key_has_a_description():
+    """A new key needs the docstring under it: that is its line in docs/config.md."""
+    missing = [f"{prefix}{name}" for prefix, model in [("", SlimectlConfig)] + [
+        (f"{s}.", SlimectlConfig.model_fields[s].annotation) for s in SECTIONS]
+        for name, field in model.model_fields.items() if name not in SECTIONS and not field.description]
+    assert not missing, f"config keys without a docstring in slimectl/contract/config.py: {', '.join(missing)}"
