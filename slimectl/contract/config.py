@@ -31,9 +31,12 @@ CONFIG_VERSION = 1
 
 
 class Section(BaseModel):
-    """Base for every config section: unknown keys fail, assignments are re-validated."""
+    """Base for every config section: unknown keys fail, assignments are re-validated.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    The docstring under each field is its description (``Field.description``), which
+    ``docs/config.md`` is generated from (``python -m slimectl.contract.config_doc``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, use_attribute_docstrings=True)
 
 
 class ModelSection(Section):
@@ -55,14 +58,21 @@ class DataSection(Section):
     prompt_data: Optional[str] = None
     """Prompt dataset: ``file.jsonl``, ``file.parquet``, optionally sliced as ``path@[a:b]``."""
     input_key: str = "input"
+    """Field of each row holding the prompt (a string, or a chat message list)."""
     label_key: Optional[str] = "label"
+    """Field holding the label the reward grades against; null when the reward needs none."""
     metadata_key: str = "metadata"
+    """Field holding a per-row object passed to rewards and custom functions as ``sample.metadata``."""
     tools_key: str = "tools"
+    """Field holding the row's tool definitions (multi-turn rollouts)."""
     apply_chat_template: bool = True
+    """Wrap each prompt in the tokenizer's chat template before tokenizing."""
     max_prompt_len: Optional[int] = Field(default=None, gt=0)
     """Prompts longer than this many tokens are filtered out."""
     shuffle: bool = True
+    """Visit the prompts in a shuffled order (reshuffled every epoch)."""
     seed: int = 42
+    """Seed of the prompt shuffle."""
     skip_bad_rows: bool = False
     """Skip (and count) malformed rows instead of failing on the first one."""
     eval_data: dict[str, str] = Field(default_factory=dict)
@@ -77,14 +87,21 @@ class RolloutSection(Section):
     batch_size: int = Field(default=8, gt=0)
     """Prompts per rollout."""
     n_samples_per_prompt: int = Field(default=4, gt=0)
+    """Responses generated per prompt (the group size of GRPO-style estimators)."""
     over_sampling_batch_size: Optional[int] = Field(default=None, gt=0)
     """Prompts in flight per generation round (default: ``batch_size``)."""
     temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature; also the temperature the trainer's log-probs use."""
     top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches this."""
     top_k: int = Field(default=-1, ge=-1)
+    """Sample among the k most likely tokens; -1 for all."""
     max_response_len: int = Field(default=16, gt=0)
+    """Most tokens generated per response."""
     stop: list[str] = Field(default_factory=list)
+    """Strings that end a response."""
     stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a response (besides the tokenizer's EOS)."""
     reward: str = "math"
     """A reward-hub name (math, deepscaler, dapo, f1, gpqa, last_number, remote, random) or ``module:function``."""
     reward_key: Optional[str] = None
@@ -92,14 +109,19 @@ class RolloutSection(Section):
     group_reward: bool = False
     """Call the custom reward once per group instead of once per sample."""
     remote_reward_url: Optional[str] = None
+    """Reward-model server the ``remote`` reward posts samples to."""
     custom_generate: Optional[str] = None
     """``module:function`` of an async custom generate function."""
     dynamic_filter: Optional[str] = None
     """``nonzero_std`` or ``module:function`` deciding whether to keep a group."""
     partial_rollout: bool = False
+    """Keep the groups still generating when a rollout has its batch and continue them in the next rollout."""
     mask_offpolicy_in_partial_rollout: bool = False
+    """With partial_rollout: mask the tokens generated in an earlier rollout (older weights) out of the loss."""
     concurrency_per_engine: int = Field(default=64, gt=0)
+    """Most requests in flight to one engine."""
     seed: int = 42
+    """Seed of each sample's sampling seed (with the rollout id and sample index)."""
     teacher_urls: list[str] = Field(default_factory=list)
     """On-policy distillation: engines serving the teacher (e.g. another ``slimectl serve``); each
     sample gets the teacher's log-probs of its response tokens (``/generate``, max_new_tokens 0)."""
@@ -113,7 +135,9 @@ class RolloutSection(Section):
     eval_n_samples: int = Field(default=4, gt=0)
     """Samples per eval prompt (pass@k needs k <= this)."""
     eval_pass_k: list[int] = Field(default_factory=lambda: [1])
+    """The k of each pass@k reported by eval."""
     eval_temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature of eval."""
     eval_max_response_len: Optional[int] = Field(default=None, gt=0)
     """Default: max_response_len."""
 
@@ -136,6 +160,7 @@ class EngineSection(Section):
     backend: Literal["embedded", "sglang", "external"] = "embedded"
     """embedded: our CPU engine (default); sglang: real SGLang servers; external: ``urls``."""
     num_engines: int = Field(default=1, gt=0)
+    """How many engines ``serve`` (or ``rl``) starts."""
     host: str = "127.0.0.1"
     """Interface the engines bind to; keep loopback unless other hosts must reach them."""
     advertise_host: Optional[str] = None
@@ -148,8 +173,11 @@ class EngineSection(Section):
     token_env: str = "SLIMECTL_ENGINE_TOKEN"
     """Environment variable holding the admin/weight-update token (never stored in the run dir)."""
     tp_size: int = Field(default=1, gt=0)
+    """Tensor-parallel size of each engine (SGLang)."""
     gpu_ids: list[int] = Field(default_factory=list)
+    """GPUs for the engines, tp_size per engine in order (SGLang; default: let each engine pick)."""
     mem_fraction_static: Optional[float] = Field(default=None, gt=0, le=1)
+    """SGLang's ``--mem-fraction-static`` (default: SGLang's)."""
     offload_during_train: bool = False
     """``slimectl rl`` (synchronous loop, colocated): engines release their memory while the
     actor trains (``/release_memory_occupation``) and take it back for the sync — SGLang frees
@@ -161,36 +189,54 @@ class EngineSection(Section):
     max_batch_size: int = Field(default=64, gt=0)
     """Embedded engine: most sequences decoded together."""
     startup_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds an engine may take to become healthy."""
     request_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds one request to an engine may take."""
 
 
 class TrainSection(Section):
     """The Megatron actor."""
 
     tp: int = Field(default=1, gt=0)
+    """Tensor-parallel size of the actor."""
     pp: int = Field(default=1, gt=0)
+    """Pipeline-parallel size of the actor."""
     dp: int = Field(default=1, gt=0)
     """Data-parallel ranks: ``slimectl train`` runs tp*pp*dp processes under torchrun."""
     lr: float = Field(default=1e-6, ge=0)
+    """Peak learning rate (Adam)."""
     min_lr: float = Field(default=0.0, ge=0)
+    """Learning rate at the end of the decay (linear, cosine)."""
     lr_warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warmup from 0 to lr."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warmup, over rollout.num_rollout x num_steps_per_rollout steps."""
     weight_decay: float = Field(default=0.0, ge=0)
+    """Adam weight decay."""
     adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    """Adam beta1."""
     adam_beta2: float = Field(default=0.98, ge=0, lt=1)
+    """Adam beta2."""
     adam_eps: float = Field(default=1e-8, gt=0)
+    """Adam epsilon."""
     clip_grad: float = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this; 0 disables clipping."""
     global_batch_size: Optional[int] = Field(default=None, gt=0)
     """Samples per optimizer step (default: all samples of a rollout / num_steps_per_rollout)."""
     num_steps_per_rollout: int = Field(default=1, gt=0)
+    """Optimizer steps per rollout (the rollout's samples split into that many global batches)."""
     max_tokens_per_micro_batch: int = Field(default=4096, gt=0)
     """Token budget of one packed micro-batch."""
     use_distributed_optimizer: bool = False
+    """Shard the optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
     use_rollout_logprobs: bool = False
     """Take old log-probs from the rollout instead of recomputing them."""
     save_interval: int = Field(default=1, gt=0)
+    """Publish a checkpoint (``checkpoints/N``) every this many rollouts (and after the last)."""
     keep_checkpoints: Optional[int] = Field(default=2, gt=0)
+    """Checkpoints kept (older ones are deleted; the initial checkpoint 0 is always kept); null keeps all."""
     seed: int = 1234
+    """Seed of the actor's initialisation and dropout."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrainSection":
@@ -204,25 +250,41 @@ class AlgorithmSection(Section):
 
     # choices and defaults come from the algorithm registry (one list, shared with the math)
     advantage_estimator: Literal[algo_registry.ESTIMATORS] = algo_registry.DEFAULT_ESTIMATOR  # type: ignore[valid-type]
+    """How rewards become advantages."""
     loss_type: Literal[algo_registry.LOSS_TYPES] = algo_registry.DEFAULT_LOSS_TYPE  # type: ignore[valid-type]
+    """policy_loss (PPO-style clipped surrogate) or sft_loss (negative log-likelihood of the responses)."""
     reward_normalization: Literal[algo_registry.REWARD_NORM_MODES] = algo_registry.DEFAULT_REWARD_NORM  # type: ignore[valid-type]
+    """Per-group reward normalization before the advantages: subtract the group mean (and divide by
+    its std), or none."""
     eps_clip: float = Field(default=algo_registry.DEFAULT_EPS_CLIP, gt=0)
+    """PPO clip range: the ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]."""
     eps_clip_high: Optional[float] = Field(default=None, gt=0)
     """Upper clip (clip-higher); default ``eps_clip``."""
     eps_clip_c: Optional[float] = Field(default=None, gt=1)
     """Dual-clip constant (> 1); off when unset."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the loss."""
     use_kl_loss: bool = False
+    """Add a KL loss against the reference model (model.ref_path)."""
     kl_loss_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL loss."""
     kl_loss_type: Literal[algo_registry.KL_TYPES] = algo_registry.DEFAULT_KL_LOSS_TYPE  # type: ignore[valid-type]
+    """KL estimator of the KL loss."""
     kl_coef: float = Field(default=0.0, ge=0)
     """KL penalty folded into the reward (reinforce++)."""
     gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount of the per-token returns (reinforce++ estimators)."""
     use_tis: bool = False
+    """Truncated importance sampling: weight the loss by the trainer/engine probability ratio, clamped
+    to [tis_clip_low, tis_clip]."""
     tis_clip: float = Field(default=algo_registry.DEFAULT_TIS_CLIP, gt=0)
+    """Upper clamp of the TIS weights."""
     tis_clip_low: float = Field(default=algo_registry.DEFAULT_TIS_CLIP_LOW, ge=0)
+    """Lower clamp of the TIS weights."""
     use_opd: bool = False
+    """On-policy distillation: add the reverse KL to the teacher's log-probs (rollout.teacher_urls)."""
     opd_kl_coef: float = Field(default=algo_registry.DEFAULT_OPD_KL_COEF, ge=0)
+    """Weight of the on-policy distillation term."""
     calculate_per_token_loss: bool = False
     """Reduce the loss per token over the batch instead of per-sample mean."""
 
@@ -231,31 +293,42 @@ class SyncSection(Section):
     """Weight handoff from the trainer to the engines."""
 
     transport: Literal["disk", "distributed"] = "disk"
+    """disk: engines load ``weights/N`` themselves; distributed: broadcast over a process group."""
     bucket_size_mb: int = Field(default=512, gt=0)
+    """Distributed transport: most megabytes per broadcast bucket."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend for the distributed transport (auto: NCCL on GPU, gloo on CPU)."""
     master_addr: str = "127.0.0.1"
+    """Distributed transport: this host's address as the engines reach it."""
     master_port: int = Field(default=0, ge=0, le=65535)
+    """Distributed transport: port of the weight-update group (0 = a free port)."""
     verify: bool = False
     """After each sync read sampled tensors back from every engine and compare them with the trainer's."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How engines pause for the update (SGLang's /pause_generation modes)."""
     timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds a sync may take."""
     keep_weights: Optional[int] = Field(default=2, gt=0)
+    """Published ``weights/N`` kept (older ones are deleted); null keeps all."""
 
 
 class LoggingSection(Section):
     """Console, TensorBoard and metrics.jsonl."""
 
     log_interval: int = Field(default=1, gt=0)
+    """Not used yet: every optimizer step is logged and recorded."""
     tensorboard: bool = True
+    """Also write TensorBoard event files under ``RUN/tensorboard/STAGE``."""
     progress: Literal["auto", "on", "off"] = "auto"
+    """Progress bars on stderr (rollout, train, convert, export, sync, eval): auto shows them only when
+    stderr is a terminal, and leaves the finished bar on screen."""
 
 
 class SlimectlConfig(Section):
     """The whole resolved configuration of a run."""
 
     config_version: int = CONFIG_VERSION
+    """Version of the config schema (this slimectl reads 1)."""
     name: Optional[str] = None
     """Free-form run name shown by ``slimectl status``."""
     model: ModelSection = Field(default_factory=ModelSection)

@@ -17,7 +17,7 @@ def setup_logging(verbosity: int = 0) -> None:
     root = logging.getLogger("slimectl")
     root.setLevel(level)
     if not any(getattr(h, "_slimectl_console", False) for h in root.handlers):
-        h = logging.StreamHandler(sys.stderr)
+        h = _ConsoleHandler(sys.stderr)
         h.setFormatter(logging.Formatter("%(message)s" if verbosity <= 0 else _FMT, "%H:%M:%S"))
         h._slimectl_console = True  # type: ignore[attr-defined]
         root.addHandler(h)
@@ -26,6 +26,22 @@ def setup_logging(verbosity: int = 0) -> None:
             if getattr(h, "_slimectl_console", False):
                 h.setLevel(level)
     root.propagate = False
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """The console handler: while a progress bar is on screen, each line goes through ``tqdm.write``,
+    which lifts the bars, prints the line and draws them again below it (a plain write would land
+    on the bar's line and leave pieces of it around)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm_mod = sys.modules.get("tqdm")  # no bar can be open before tqdm is imported
+        if tqdm_mod is None or not getattr(tqdm_mod.tqdm, "_instances", None):  # only shown bars are listed
+            super().emit(record)
+            return
+        try:
+            tqdm_mod.tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # pragma: no cover - as logging.StreamHandler does
+            self.handleError(record)
 
 
 class _StageLogHandler(logging.Handler):
@@ -124,12 +140,24 @@ class StageLog:
             self._saved = None
 
 
-def progress(iterable: Iterable[Any] | None = None, mode: str = "auto", **kwargs: Any):
-    """A tqdm bar on stderr, off when stderr is not a TTY (``mode`` auto) or when ``off``."""
+def _is_tty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+def progress(iterable: Iterable[Any] | None = None, mode: str = "auto", file: Any = None, **kwargs: Any):
+    """The one progress bar of every stage (rollout groups, train steps, convert/export tensors, sync
+    buckets, eval groups): tqdm on ``file`` (stderr). ``mode`` is ``logging.progress``: auto shows it
+    only when the stream is a terminal, so logs and pipes stay clean; on always; off never. A bar
+    that is shown stays on screen when it ends (``leave``), so the last figures remain readable."""
     from tqdm import tqdm
 
-    disable = mode == "off" or (mode == "auto" and not sys.stderr.isatty())
-    return tqdm(iterable, file=sys.stderr, disable=disable, dynamic_ncols=True, **kwargs)
+    stream = sys.stderr if file is None else file
+    shown = mode == "on" or (mode == "auto" and _is_tty(stream))
+    kwargs.setdefault("leave", True)
+    return tqdm(iterable, file=stream, disable=not shown, dynamic_ncols=True, **kwargs)
 
 
 def quiet_hf_progress() -> None:

@@ -163,13 +163,12 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
             load_megatron_checkpoint(model, it_dir)
 
             def write(dest: Path) -> dict:
-                n = sum(1 for _ in model.parameters())
-                with bar(total=n, mode=progress, desc="export", unit="tensor") as pbar:
+                # one tick per HF tensor written (a fused Megatron parameter gives several)
+                with bar(mode=progress, desc="export", unit=" tensors") as pbar:
                     def tensors():
                         for item in model_to_hf_tensors(model, arch):
                             yield item
-                            pbar.update(0)
-                        pbar.update(n)
+                            pbar.update(1)
 
                     index = write_safetensors_sharded(tensors(), dest, shard_bytes, dtype=torch_dtype(dtype))
                 copy_hf_aux_files(hf_aux, dest)

@@ -45,6 +45,10 @@ def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dic
             "lr": cfg.train.lr,
             "sync_transport": cfg.sync.transport,
         }
+        n, source = effective_num_rollout(run, cfg.rollout.num_rollout)
+        out["config"]["num_rollout"] = n
+        out["config"]["num_rollout_frozen"] = cfg.rollout.num_rollout
+        out["config"]["num_rollout_from"] = source
     except SlimectlError as exc:
         out["name"] = None
         out["config_error"] = str(exc)
@@ -58,6 +62,9 @@ def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dic
     produced = arts["rollouts"]["count"]
     out["rollouts_pending"] = len([i for i in run.rollouts.ids() if i >= cursor.next])
     out["rollouts_produced"] = produced
+    out["training"] = {"trained": len(cursor.consumed), "trained_through": cursor.next - 1 if cursor.next else None,
+                       "next_to_train": cursor.next,
+                       "num_rollout": out["config"]["num_rollout"] if "config" in out else None}
     engines = []
     for rec in run.engines.list():
         alive = rec.alive()
@@ -90,6 +97,28 @@ def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dic
     return out
 
 
+def effective_num_rollout(run: RunDir, frozen: int) -> tuple[int, str]:
+    """``rollout.num_rollout`` as the run now has it, and where that comes from: the frozen
+    ``config.yaml``, unless a later ``slimectl rl``/``rollout`` ran with another value (saved in
+    ``configs/STAGE.yaml``), which is how a run is extended."""
+    import yaml
+
+    best, value, source = (run.path / "config.yaml"), frozen, "config.yaml"
+    newest = best.stat().st_mtime if best.is_file() else 0.0
+    for stage in ("rl", "rollout"):
+        p = run.path / "configs" / f"{stage}.yaml"
+        try:
+            mtime = p.stat().st_mtime
+            if mtime <= newest:
+                continue
+            n = (yaml.safe_load(p.read_text()) or {}).get("rollout", {}).get("num_rollout")
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        if isinstance(n, int):
+            newest, value, source = mtime, n, f"configs/{stage}.yaml" if n != frozen else "config.yaml"
+    return value, source
+
+
 def _fmt_metric(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -112,21 +141,47 @@ def format_status(st: dict[str, Any]) -> str:
         )
     else:
         lines.append(f"config     ERROR: {st.get('config_error')}")
-    a = st["artifacts"]
-
-    def latest(kind: str) -> str:
-        return f"{a[kind]['count']} (latest {a[kind]['latest']})" if a[kind]["count"] else "none"
-
-    lines.append(f"rollouts   {latest('rollouts')}; consumed by train: {st['consumed']['train']['count']} "
-                 f"(next {st['consumed']['train']['next']}), pending {st['rollouts_pending']}")
-    lines.append(f"checkpoint {latest('checkpoints')}")
-    lines.append(f"weights    {latest('weights')}")
-    lines.append(f"evals      {latest('evals')}")
+    a, t = st["artifacts"], st["training"]
+    target = t["num_rollout"]
+    if c and c.get("num_rollout_from", "config.yaml") != "config.yaml":
+        lines.append(f"extended   to {target} rollouts by the last `slimectl {c['num_rollout_from'][8:-5]}` "
+                     f"(--set rollout.num_rollout; config.yaml says {c['num_rollout_frozen']})")
+    of = f" of {target}" if target is not None else ""
+    if t["trained_through"] is None:
+        lines.append(f"training   nothing trained yet (0{of} rollouts); next to train: rollout 0")
+    elif target is not None and t["next_to_train"] >= target:
+        lines.append(f"training   done: trained through rollout {t['trained_through']} ({t['trained']}{of} rollouts)")
+    else:
+        lines.append(f"training   trained through rollout {t['trained_through']} ({t['trained']}{of} rollouts); "
+                     f"next to train: rollout {t['next_to_train']}")
+    r = a["rollouts"]
+    if r["count"]:
+        pending = st["rollouts_pending"]
+        which = f"rollouts 0-{r['latest']}" if r["count"] == r["latest"] + 1 > 1 else f"newest {r['latest']}"
+        lines.append(f"rollouts   {r['count']} generated ({which}); "
+                     + (f"{pending} waiting to be trained" if pending else "none waiting to be trained"))
+    else:
+        lines.append("rollouts   none generated yet")
+    k = a["checkpoints"]
+    if k["count"]:
+        what = ("the initial policy (converted)" if k["latest"] == 0 else
+                f"the policy after training on rollouts 0-{k['latest'] - 1}" if k["latest"] > 1 else
+                "the policy after training on rollout 0")
+        lines.append(f"checkpoint newest {k['latest']}: {what}; {k['count']} kept")
+    else:
+        lines.append("checkpoint none yet")
+    w = a["weights"]
+    lines.append(f"weights    newest published version {w['latest']} (what engines sync to); {w['count']} kept"
+                 if w["count"] else "weights    none published yet (engines serve the initial model, version 0)")
+    e = a["evals"]
+    lines.append(f"evals      newest at weight version {e['latest']}; {e['count']} kept" if e["count"]
+                 else "evals      none yet")
     if st["engines"]:
         for e in st["engines"]:
             lines.append(
-                f"engine     {e['id']} {e['url']} [{e['backend']}] pid {e['pid']}@{e['host']} "
-                f"v={e['weight_version']} {e.get('health', e['process'])}"
+                f"engine     {e['id']} {e['url']} [{e['backend']}] pid {e['pid']}@{e['host']}: serving weight version "
+                f"{e['weight_version']}{_behind(e['weight_version'], a['weights']['latest'])}; "
+                f"health {e.get('health', e['process'])}"
             )
     else:
         lines.append("engines    none registered")
@@ -137,6 +192,15 @@ def format_status(st: dict[str, Any]) -> str:
         shown = ", ".join(f"{k}={_fmt_metric(v)}" for k, v in m.items() if k not in ("time",))
         lines.append(f"metrics    {stage}: {shown}")
     return "\n".join(lines)
+
+
+def _behind(version: Any, newest: int | None) -> str:
+    try:
+        v = int(version)
+    except (TypeError, ValueError):
+        return ""
+    newest = newest or 0
+    return f" ({newest - v} behind the newest, {newest})" if v < newest else " (the newest)" if v == newest else ""
 
 
 def status_json(st: dict[str, Any]) -> str:

@@ -245,6 +245,10 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
             log.info("resuming at rollout %d, %d to go", next_id, len(todo))
             tb = run.tensorboard_dir("train") if cfg.logging.tensorboard else None
             trained: list[int] = []
+            from slimectl.contract.logs import progress
+
+            bar = stack.enter_context(progress(total=len(todo) * cfg.train.num_steps_per_rollout, desc="train",
+                                               unit="step", mode=cfg.logging.progress if rank0 else "off"))
             with (MetricsWriter(run.metrics_path("train"), tb) if rank0 else NullMetrics()) as metrics:
                 for n, rid in enumerate(todo):
                     lock.check()
@@ -261,7 +265,8 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
                             break
                         raise SlimectlError(f"rollouts/{rid:06d} is not published yet; run "
                                             f"`slimectl rollout -r {run.path}` or use --follow to wait for it")
-                    trainer.train_rollout(rid, art, metrics, publish_weights=False, last=n == len(todo) - 1)
+                    bar.update(len(trainer.train_rollout(rid, art, metrics, publish_weights=False,
+                                                         last=n == len(todo) - 1)))
                     trained.append(rid)
             return TrainResult(trained, trainer.next_rollout, trainer.next_rollout)
 

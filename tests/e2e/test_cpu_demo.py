@@ -1,4 +1,5 @@
-"""README command 1 (examples/cpu_demo.py) end to end: SFT warm start, rl for 400 rollouts, eval, plot."""
+"""README command 1 (examples/cpu_demo.py): the demo's full defaults resolve (a dry run, no training),
+and the demo end to end (SFT warm start, `slimectl rl`, eval, plot) with the reward rising."""
 
 from __future__ import annotations
 
@@ -7,24 +8,60 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from slimectl.contract.rundir import RunDir
 from tests.helpers import ROOT
 
+DEMO = ROOT / "examples" / "cpu_demo.py"
 
-pytestmark = pytest.mark.slow
+# The demo's arguments for the end-to-end test. Still empty, i.e. the README's full demo: 100 SFT steps
+# + 400 rollouts at lr 6e-4, seeds 0/1/2 measured +0.26/+0.29/+0.24 (issue #7 note), ~206 s on 2 cores.
+# A shorter setting goes here (e.g. ["--sft-steps", "N", "--set", "rollout.num_rollout=R",
+# "--set", "rollout.eval_interval=E", "--set", "train.lr=X"], with QUICK_ROLLOUTS = R and QUICK_EVALS the
+# multiples of E up to R) once its rise is measured >= 0.2 with margin on seeds 0/1/2. Tried so far (seed 0
+# unless noted, on a machine loaded by a parallel test suite, so no usable wall times):
+#   --sft-steps 30, 120 rollouts, lr 1.5e-3 linear: warm-start reward ~0.05, still ~0.05 at rollout 82 (stopped)
+#   --sft-steps 50, 60 rollouts, lr 3e-3 constant: reward ~0.05, flat for 19 rollouts (stopped)
+#   100 SFT steps, 80 rollouts, lr 2e-3 constant: 0.53 at rollout 0, collapsed to 0.00 by rollout 16 (stopped)
+#   100 SFT steps, 120 rollouts, eval_interval 60, lr 1e-3 linear, save_interval 120: seed 0 +0.285
+#     (0.206 -> 0.491; 409 s at load 7), seed 1 +0.223 (0.350 -> 0.572; 145 s at load ~2: SFT 19 s, RL
+#     78 s, the rest start-ups, eval, plot): too thin a margin, and nowhere near 60 s
+QUICK: list[str] = []
+QUICK_ROLLOUTS = 400
+QUICK_EVALS = [100, 200, 300, 400]
 
 
+def test_the_demo_defaults_resolve_without_running(tmp_path):
+    """`cpu_demo.py --dry-run`: the warm start's and the RL run's configs as `slimectl init/rl --dry-run`
+    resolve them from the demo's own arguments — the README's full demo — and nothing is written."""
+    run = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, str(DEMO), str(run), "--dry-run"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warm, rl = yaml.safe_load_all(proc.stdout)
+    assert warm["name"] == "cpu-demo-warmstart" and warm["algorithm"]["loss_type"] == "sft_loss"
+    assert (warm["rollout"]["num_rollout"], warm["rollout"]["batch_size"], warm["train"]["save_interval"]) == (100, 64, 100)
+    assert warm["model"]["path"] == str(run) + "-warmstart/models/tiny-qwen2" and warm["train"]["seed"] == 1234
+    assert rl["name"] == "cpu-demo" and rl["model"]["path"] == str(run) + "-warmstart/weights/000100"
+    assert (rl["rollout"]["num_rollout"], rl["rollout"]["eval_interval"], rl["train"]["lr"]) == (400, 100, 6e-4)
+    assert rl["rollout"]["seed"] == rl["data"]["seed"] == 42 and rl["train"]["seed"] == 1234
+    assert rl["algorithm"]["advantage_estimator"] == "grpo" and rl["engine"]["backend"] == "embedded"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
 def test_the_demo_runs_rl_end_to_end_and_reward_rises(tmp_path):
-    """README command 1's job (examples/cpu_demo.py): SFT warm start, `slimectl rl` for 400
-    rollouts, eval, plot — and the mean reward of the last 20% of rollouts beats the first 20%."""
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "cpu_demo.py"), str(tmp_path / "demo")],
-                          capture_output=True, text=True, timeout=900)
+    """README command 1's job (examples/cpu_demo.py with QUICK): SFT warm start, `slimectl rl` for
+    QUICK_ROLLOUTS rollouts, eval, plot — and the mean reward of the last 20% of rollouts beats the
+    first 20% by 0.2."""
+    proc = subprocess.run([sys.executable, str(DEMO), str(tmp_path / "demo"), *QUICK],
+                          capture_output=True, text=True, timeout=1500)  # ~210 s alone; more beside the other xdist worker
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunDir.open(tmp_path / "demo")
-    assert run.cursor("train").read().consumed == list(range(400))
-    assert run.evals.ids() == [100, 200, 300, 400] and run.engines.list() == []
+    assert run.cursor("train").read().consumed == list(range(QUICK_ROLLOUTS))
+    assert run.evals.ids() == QUICK_EVALS and run.engines.list() == []
     first, last = map(float, re.search(r"first 20% of rollouts ([\d.]+), last 20% ([\d.]+)", proc.stdout).groups())
-    assert last >= first + 0.2, proc.stdout[-1500:]  # seeds 0/1/2 measured +0.26/+0.29/+0.24 (issue #7 note)
+    assert last >= first + 0.2, proc.stdout[-1500:]
     png = run.path / "plots" / "curves.png"
     assert proc.stdout.strip().splitlines()[-1] == str(png) and png.stat().st_size > 10_000

@@ -33,10 +33,16 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(models, tmp_path_factory):
-    log = tmp_path_factory.mktemp("engine-log") / "engine.log"
+def engine_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine-log") / "engine.log"
+
+
+@pytest.fixture(scope="module")
+def engine(models, engine_log):
+    log = engine_log
+    # SLIMECTL_DECODE_LOG_INTERVAL: a throughput line every 4 decode steps (default 40), so short requests log one
     proc, url = start_engine(models["a"], log, "--admin-api-key-env", "SLIMECTL_TEST_TOKEN", "--weight-version", "v0",
-                             env={"SLIMECTL_TEST_TOKEN": TOKEN})
+                             env={"SLIMECTL_TEST_TOKEN": TOKEN, "SLIMECTL_DECODE_LOG_INTERVAL": "4"})
     try:
         wait_healthy(url)
     except Exception:
@@ -270,6 +276,21 @@ def test_concurrent_requests_through_the_async_client(engine):
     outs, again = asyncio.run(run())
     assert len(outs) == 32 and all(o["meta_info"]["completion_tokens"] >= 1 for o in outs)
     assert outs[3]["output_ids"] == again["output_ids"]  # a seeded request does not depend on its batch mates
+
+
+def test_engine_log_has_sglang_style_throughput_lines(engine, engine_log):
+    import re
+
+    status, body = call(engine, "POST", "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
+        "max_new_tokens": 9, "temperature": 0, "ignore_eos": True}})
+    assert status == 200 and body["meta_info"]["completion_tokens"] == 9
+    text = engine_log.read_text()
+    assert re.search(r"Prefill batch\. #new-seq: 1, #new-token: 3, #cached-token: 0, token usage: \d+\.\d\d, "
+                     r"#running-req: \d+, #queue-req: \d+", text), text[-2000:]
+    decode = re.findall(r"Decode batch\. #running-req: (\d+), #token: (\d+), token usage: \d+\.\d\d, "
+                        r"gen throughput \(token/s\): (\d+\.\d\d), #queue-req: \d+", text)
+    assert decode, text[-2000:]
+    assert any(int(run) >= 1 and int(tok) > 3 and float(rate) > 0 for run, tok, rate in decode), decode
 
 
 def test_client_errors_name_the_engine():

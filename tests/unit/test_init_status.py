@@ -143,7 +143,15 @@ def test_status_shows_artifacts_cursor_engines_locks_metrics(cli, run_dir):
     assert health["e0"] == "ok" and health["e1"].startswith("unreachable")
     assert st["running"]["serve"]["stale"] is False
     assert st["last_metrics"]["train"]["train/loss"] == 0.5
-    assert "rollouts   3 (latest 2); consumed by train: 2 (next 2), pending 1" in text.output
+    lines = text.output.splitlines()
+    assert "training   trained through rollout 1 (2 of 10 rollouts); next to train: rollout 2" in lines
+    assert "rollouts   3 generated (rollouts 0-2); 1 waiting to be trained" in lines
+    assert "checkpoint newest 1: the policy after training on rollout 0; 1 kept" in lines
+    assert "weights    none published yet (engines serve the initial model, version 0)" in lines
+    assert any(line.startswith("engine     e0 ") and line.endswith("serving weight version 3; health ok")
+               for line in lines), lines
+    assert not any(line.startswith("extended") for line in lines)
+    assert st["training"] == {"trained": 2, "trained_through": 1, "next_to_train": 2, "num_rollout": 10}
     assert "serve      running" in text.output and "train/loss=0.5" in text.output
 
 
@@ -164,3 +172,36 @@ def test_init_with_tiny_model_builds_and_status_shows_it(cli, tmp_path):
     assert again.exit_code == 0  # idempotent, nothing rebuilt
     clash = cli("init", tmp_path / "r2", "--tiny-model", "qwen2", "--set", "model.path=/x")
     assert clash.exit_code == 2 and "conflicts with model.path" in clash.output
+
+
+def test_status_shows_an_extended_run_and_engines_behind(cli, run_dir):
+    import os
+
+    for i in range(3):
+        with run_dir.rollouts.publish(i, meta={"weight_version": i}) as d:
+            (d / "samples.jsonl").write_text("{}\n")
+        with run_dir.weights.publish(i + 1) as d:
+            (d / "model.safetensors").write_bytes(b"x")
+    with run_dir.checkpoints.publish(3) as d:
+        (d / "model.bin").write_bytes(b"x")
+    with run_dir.lock("train") as lock:
+        for i in range(3):
+            run_dir.cursor("train").commit(i, lock=lock)
+    run_dir.engines.register(EngineRecord(url="http://127.0.0.1:9", backend="embedded", id="e0", weight_version="1"))
+    base = run_dir.config()
+    assert base.rollout.num_rollout == 10
+    # `slimectl rl -r RUN --set rollout.num_rollout=12` extends the run: its effective config is saved last
+    saved = run_dir.save_stage_config("rl", run_dir.stage_config("rl", ["rollout.num_rollout=12"]))
+    later = (run_dir.path / "config.yaml").stat().st_mtime + 1
+    os.utime(saved, (later, later))
+    res = cli("status", "-r", run_dir.path, "--no-probe")
+    st = json.loads(cli("status", "-r", run_dir.path, "--no-probe", "--json").output)
+    lines = res.output.splitlines()
+    assert "extended   to 12 rollouts by the last `slimectl rl` (--set rollout.num_rollout; config.yaml says 10)" in lines
+    assert "training   trained through rollout 2 (3 of 12 rollouts); next to train: rollout 3" in lines
+    assert any("12 rollouts x" in line for line in lines if line.startswith("algorithm"))
+    assert "checkpoint newest 3: the policy after training on rollouts 0-2; 1 kept" in lines
+    assert "weights    newest published version 3 (what engines sync to); 3 kept" in lines
+    assert any("serving weight version 1 (2 behind the newest, 3)" in line for line in lines), lines
+    assert st["config"]["num_rollout"] == 12 and st["config"]["num_rollout_frozen"] == 10
+    assert st["training"]["num_rollout"] == 12

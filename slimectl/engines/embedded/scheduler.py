@@ -43,6 +43,8 @@ Sampling is in :mod:`~slimectl.engines.embedded.sampling`, weight updates in
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import os
 import threading
 import time
 from collections import deque
@@ -58,6 +60,13 @@ from slimectl.engines.embedded.weights import WeightUpdates
 
 __all__ = ["BatchRunner", "GenRequest", "GenResult", "SamplingParams"]
 
+log = logging.getLogger("slimectl.engine")
+
+#: Decode steps between two "Decode batch." throughput lines in the engine log (SGLang's
+#: ``--decode-log-interval``, default 40); this environment variable overrides it.
+DECODE_LOG_INTERVAL_ENV = "SLIMECTL_DECODE_LOG_INTERVAL"
+DEFAULT_DECODE_LOG_INTERVAL = 40
+
 
 class BatchRunner(WeightUpdates):
     """Continuous-batching generation over a transformers causal LM, in a background thread."""
@@ -71,6 +80,7 @@ class BatchRunner(WeightUpdates):
         weight_version: str = "default",
         num_threads: int | None = None,
         max_prefill_tokens: int = 8192,
+        decode_log_interval: int | None = None,
     ):
         torch_dtype = model_dtype(dtype)
         if not is_int(max_batch_size) or max_batch_size < 1:
@@ -111,6 +121,10 @@ class BatchRunner(WeightUpdates):
         self._stats = {"prefill_forwards": 0, "decode_forwards": 0, "generated_tokens": 0,
                        "num_running_reqs": 0, "num_used_tokens": 0}
         self._tok_times: deque[tuple[float, int]] = deque(maxlen=64)
+        if decode_log_interval is None:
+            decode_log_interval = int(os.environ.get(DECODE_LOG_INTERVAL_ENV) or DEFAULT_DECODE_LOG_INTERVAL)
+        self.decode_log_interval = max(1, int(decode_log_interval))
+        self._last_log = (time.perf_counter(), 0)  # (time, generated tokens) at the last decode log line
 
     # -------------------------------------------------------------------------------- info
     @property
@@ -439,6 +453,8 @@ class BatchRunner(WeightUpdates):
     def _prefill(self, seqs: list[RunningRequest]) -> None:
         """One left-padded forward over the new prompts; sample their first tokens, merge them."""
         n = len(seqs)
+        if not any(not r.done for r in self._rows):  # the engine was idle: the throughput clock starts now
+            self._last_log = (time.perf_counter(), self._stats["generated_tokens"])
         width = max(s.prompt_len for s in seqs)
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         pad = torch.empty(n, dtype=torch.long)
@@ -456,6 +472,13 @@ class BatchRunner(WeightUpdates):
         hidden = self._forward(ids, positions, mask[:, None], kv)
         kv.end = width
         self._stats["prefill_forwards"] += 1
+        if log.isEnabledFor(logging.INFO):
+            with self._cv:
+                queued = len(self._waiting)
+            running = sum(1 for r in self._rows if not r.done)
+            log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
+                     "#running-req: %d, #queue-req: %d", n, sum(s.prompt_len for s in seqs),
+                     self._token_usage(), running, queued)
 
         version = self._weight_version
         for i, s in enumerate(seqs):
@@ -538,8 +561,28 @@ class BatchRunner(WeightUpdates):
                 dead.append(i)
         self._stats["generated_tokens"] += produced
         self._tok_times.append((time.perf_counter(), self._stats["generated_tokens"]))
+        if self._stats["decode_forwards"] % self.decode_log_interval == 0:
+            self._log_decode(produced)
         if dead:
             self._retire(dead)
+
+    def _token_usage(self) -> float:
+        used = sum(r.cache_len for r in self._rows if not r.done)
+        return used / (self.max_batch_size * self.max_context)
+
+    def _log_decode(self, running: int) -> None:
+        """SGLang's periodic decode line: running requests, cached tokens, token usage and the
+        generation throughput since the previous line."""
+        if not log.isEnabledFor(logging.INFO):
+            return
+        now, total = time.perf_counter(), self._stats["generated_tokens"]
+        t0, n0 = self._last_log
+        self._last_log = (now, total)
+        with self._cv:
+            queued = len(self._waiting)
+        log.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+                 "#queue-req: %d", running, sum(r.cache_len for r in self._rows if not r.done), self._token_usage(),
+                 (total - n0) / (now - t0) if now > t0 else 0.0, queued)
 
     # -- per-token bookkeeping --------------------------------------------------------------------
     def _finish(self, s: RunningRequest, reason: dict | None, error: BaseException | None = None) -> None:

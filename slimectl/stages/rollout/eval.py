@@ -83,6 +83,7 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
 
 async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list[str], tok,
                       version: int) -> tuple[dict[str, dict[str, float]], dict[str, list[list[Sample]]]]:
+    from slimectl.contract.logs import progress
     from slimectl.stages.rollout.generate import EnginePool, default_generate, load_function, run_group
     from slimectl.rewards import close_shared_remotes
     from slimectl.stages.rollout.stage import _sampling_params, make_reward_fn
@@ -110,7 +111,13 @@ async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list
                                       metadata={**row.metadata, "row": row.row, "eval": name,
                                                 "sampling_seed": (r.seed * 7919 + version) * 65_537 + g * r.eval_n_samples + j})
                                for j in range(r.eval_n_samples)])
-            done = await asyncio.gather(*(run_group(args, grp, params, generate_fn, reward_fn) for grp in groups))
+            with progress(total=len(groups), mode=cfg.logging.progress, desc=f"eval {name}", unit="group") as bar:
+                async def one(grp):
+                    res = await run_group(args, grp, params, generate_fn, reward_fn)
+                    bar.update(1)
+                    return res
+
+                done = await asyncio.gather(*(one(grp) for grp in groups))
             all_samples[name] = [res.samples for res in done]
             results[name] = dataset_metrics(all_samples[name], r.eval_pass_k, r.reward_key)
     finally:

@@ -166,7 +166,10 @@ class DistributedTransport(WeightTransport):
         if self.pg is None:
             await self.connect(clients)
         await asyncio.gather(*(c.begin_weight_update() for c in clients.values()))
+        from slimectl.contract.logs import progress
+
         moved = 0
+        bar = progress(mode=self.progress, desc=f"sync v{source.version}", unit=" buckets")
         try:
             for bucket, last in buckets(source.iter_tensors(), self.cfg.bucket_size_mb << 20):
                 names = [n for n, _ in bucket]
@@ -185,7 +188,9 @@ class DistributedTransport(WeightTransport):
                         raise f.exception()
                 await asyncio.gather(*calls, sent)
                 moved += sum(t.numel() * t.element_size() for _, t in bucket) * (self.world_size - 1)
+                bar.update(1)
         finally:
+            bar.close()
             await asyncio.gather(*(c.end_weight_update() for c in clients.values()), return_exceptions=True)
         return moved
 

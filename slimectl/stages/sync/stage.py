@@ -127,6 +127,7 @@ def run_sync(run: RunDir, cfg: SlimectlConfig, version: int | None = None, trans
             targets = engine_targets(run, engine_urls)
             token = os.environ.get(cfg.engine.token_env) or None
             tr = make_transport(kind, cfg.sync)
+            tr.progress = cfg.logging.progress
 
             async def go() -> SyncResult:
                 clients = {t.url: EngineClient(t.url, token=token, timeout=cfg.sync.timeout_s) for t in targets}

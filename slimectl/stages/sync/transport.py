@@ -25,6 +25,7 @@ class WeightTransport(ABC):
     """
 
     name: str = ""
+    progress: str = "auto"  # logging.progress, for transports that move weights in steps (buckets)
 
     async def connect(self, clients: dict) -> None:  # noqa: B027 - optional hook
         """Prepare the transport for ``clients`` ({url: EngineClient})."""
