@@ -21,7 +21,8 @@ from slimectl.contract.samples import SAMPLES_FILE, read_samples
 from slimectl.fixtures import pretrained
 from tests.helpers import ROOT, post, slimectl_in_process, start_serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+# under pytest-xdist one worker runs the module: one build of the cached model at a time
+pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.xdist_group("real_model")]
 
 RECIPE = ROOT / "examples" / "real_model" / "config.yaml"
 NAME = "smollm2-135m"
