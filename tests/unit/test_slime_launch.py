@@ -1,0 +1,134 @@
+"""slime launch scripts -> slimectl config (slimectl.contract.slime_launch), on scripts written in the
+style of slime's scripts/run-*.sh (tests/data/slime_scripts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slimectl.contract.config import build_config
+from slimectl.contract.errors import ConfigError
+from slimectl.contract.slime_launch import (SLIME_DEFAULTS, parse_launch_script, translate_slime_args,
+                                            translate_slime_script)
+from tests.helpers import ROOT
+
+SCRIPTS = ROOT / "tests" / "data" / "slime_scripts"
+
+
+def flags_of(tr, kind="unmapped"):
+    return {flag for flag, _ in getattr(tr, kind)}
+
+
+def test_colocated_grpo_script_behind_ray_job_submit():
+    tr = translate_slime_script(SCRIPTS / "run-qwen3-4B-grpo.sh")
+    d = tr.data
+    assert d["model"]["path"] == "/root/Qwen3-4B"  # ${BASE} expanded inside an array
+    assert d["data"] == {"apply_chat_template": True, "shuffle": True, "label_key": "label", "input_key": "prompt",
+                         "prompt_data": "/root/dapo-math-17k/dapo-math-17k.jsonl",
+                         "eval_data": {"aime": "/root/aime-2024/aime-2024.jsonl"}}
+    r = d["rollout"]
+    assert (r["num_rollout"], r["batch_size"], r["n_samples_per_prompt"], r["max_response_len"]) == (3000, 32, 8, 8192)
+    assert (r["temperature"], r["reward"], r["eval_interval"], r["eval_n_samples"]) == (0.8, "deepscaler", 20, 16)
+    a = d["algorithm"]
+    assert (a["advantage_estimator"], a["use_kl_loss"], a["kl_loss_type"], a["eps_clip_high"]) == ("grpo", True, "low_var_kl", 0.28)
+    t = d["train"]
+    # 8 GPUs at TP 2 -> DP 4; the script's own optimizer flags win over Megatron's defaults
+    assert (t["tp"], t["pp"], t["dp"], t["global_batch_size"], t["max_tokens_per_micro_batch"]) == (2, 1, 4, 256, 9216)
+    assert (t["weight_decay"], t["adam_beta2"], t["lr_decay_style"], t["save_interval"]) == (0.1, 0.98, "constant", 20)
+    e = d["engine"]
+    assert (e["backend"], e["tp_size"], e["num_engines"], e["mem_fraction_static"], e["offload_during_train"]) == \
+        ("sglang", 2, 4, 0.7, True)  # colocated: the 8 actor GPUs hold 4 engines of 2
+    assert d["sync"]["transport"] == "disk"
+    # commented-out flags are not read; the multi-line JSON string and `ray start` do not confuse the parser
+    assert "--hf-checkpoint" not in flags_of(tr) and "--runtime-env-json" not in flags_of(tr)
+    assert {"--load", "--save", "--ref-load", "--attention-backend", "--recompute-granularity"} <= flags_of(tr, "ignored")
+    assert any("models/qwen3-4B.sh was not found" in n for n in tr.notes)
+    assert build_config(d)  # a valid slimectl config as it stands
+
+
+def test_async_script_with_a_sourced_model_file_and_quoted_arrays():
+    tr = translate_slime_script(SCRIPTS / "run-qwen2.5-1.5B-async.sh")
+    d = tr.data
+    assert d["rollout"]["async_mode"] == "one_step_off"  # train_async.py
+    assert d["model"] == {"path": "/data/models/Qwen2.5-1.5B-Instruct", "dtype": "bf16"}
+    assert d["data"]["eval_data"] == {"gsm8k": "/data/gsm8k/test.parquet", "math500": "/data/gsm8k/math500.jsonl@[0:200]"}
+    assert (d["data"]["seed"], d["rollout"]["seed"], d["data"]["input_key"]) == (7, 7, "question")
+    r = d["rollout"]
+    assert r["reward"] == "my_rewards.gsm8k:reward_fn"  # slime's dotted path -> module:function
+    assert r["dynamic_filter"] == "nonzero_std" and r["stop"] == ["</answer>", "Question:"]
+    assert (r["over_sampling_batch_size"], r["partial_rollout"], r["concurrency_per_engine"]) == (96, True, 256)
+    assert (d["algorithm"]["advantage_estimator"], d["algorithm"]["use_tis"]) == ("gspo", True)
+    assert d["algorithm"]["kl_loss_type"] == SLIME_DEFAULTS["algorithm.kl_loss_type"] == "k1"  # slime's default
+    t = d["train"]
+    assert (t["pp"], t["dp"], t["lr_warmup_steps"], t["lr_decay_style"], t["seed"], t["use_rollout_logprobs"]) == \
+        (2, 4, 10, "cosine", 3407, True)
+    assert (t["adam_beta2"], t["weight_decay"]) == (0.999, 0.01)  # Megatron's defaults, not slimectl's
+    assert d["engine"]["num_engines"] == 8 and d["engine"]["sglang_args"] == {"context-length": 4096,
+                                                                               "enable-dp-attention": True}
+    assert d["sync"] == {"transport": "distributed", "backend": "nccl", "bucket_size_mb": 1024}
+    # MODEL_ARGS came from models/qwen2.5-1.5B.sh (sourced with `.`): read and dropped on purpose
+    assert {"--num-layers", "--hidden-size", "--num-query-groups"} <= flags_of(tr, "ignored")
+    assert "--router-policy" in flags_of(tr)
+    assert build_config(d)
+
+
+def test_inline_command_lists_what_it_cannot_map_with_the_reason():
+    tr = translate_slime_script(SCRIPTS / "run-llama-reinforce.sh")
+    why = dict(tr.unmapped)
+    assert "ifbench" in why["--rm-type"] and "last_number" in why["--rm-type"]
+    assert "rows // rollout.batch_size" in why["--num-epoch"]
+    assert why["--some-flag-from-the-future"] == "no slimectl equivalent"
+    assert "context" in why["--context-parallel-size"]  # CP 2 is not silently dropped
+    a = tr.data["algorithm"]
+    assert (a["advantage_estimator"], a["reward_normalization"], a["gamma"], a["kl_loss_type"]) == \
+        ("reinforce_plus_plus", "none", 0.99, "k3")
+    assert tr.data["model"]["path"] == "./Llama-3.2-1B-Instruct"
+    assert "not mapped" in tr.report() and "--some-flag-from-the-future" in tr.report()
+
+
+def test_slime_defaults_apply_when_the_script_does_not_set_them():
+    tr = translate_slime_args(["--hf-checkpoint", "/m", "--rollout-batch-size", "4", "--rollout-max-response-len", "64"])
+    d = tr.data
+    assert (d["data"]["apply_chat_template"], d["data"]["shuffle"], d["rollout"]["n_samples_per_prompt"]) == (False, False, 1)
+    assert d["algorithm"]["kl_loss_type"] == "k1" and d["train"]["adam_beta2"] == 0.999
+    assert d["train"]["dp"] == 8 and d["sync"]["transport"] == "distributed"  # slime's default 8 GPUs, not colocated
+    cfg = build_config(d)
+    assert cfg.rollout.batch_size == 4
+
+
+def test_grpo_std_normalisation_switch_and_flag_with_equals_sign():
+    assert translate_slime_args(["--disable-grpo-std-normalization"]).data["algorithm"]["reward_normalization"] == "group_mean"
+    both = translate_slime_args(["--disable-rewards-normalization", "--disable-grpo-std-normalization"])
+    assert both.data["algorithm"]["reward_normalization"] == "none"
+    assert translate_slime_args(["--lr=3e-6"]).data["train"]["lr"] == 3e-6
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--rollout-batch-size", "many"], "--rollout-batch-size 'many': not a int"),
+    (["--lr"], "--lr takes one value, got 0"),
+    (["--eval-prompt-data", "aime"], "--eval-prompt-data takes NAME PATH pairs"),
+])
+def test_bad_values_name_the_flag(argv, needle):
+    with pytest.raises(ConfigError, match="slime flag") as err:
+        translate_slime_args(argv)
+    assert needle in str(err.value)
+
+
+def test_scripts_that_are_not_slime_launches_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_launch_script(tmp_path / "nope.sh")
+    other = tmp_path / "other.sh"
+    other.write_text("#!/bin/bash\necho hello\npython3 serve.py --port 1\n")
+    with pytest.raises(ConfigError, match=r"no `python3 train.py \.\.\.`"):
+        parse_launch_script(other)
+    binary = tmp_path / "bin.sh"
+    binary.write_bytes(b"\xff\xfe\x00train.py")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        parse_launch_script(binary)
+
+
+def test_unset_variables_are_reported_not_guessed(tmp_path):
+    s = tmp_path / "run.sh"
+    s.write_text('ARGS=(--hf-checkpoint $MODEL_DIR --num-rollout ${N:-12})\npython train.py "${ARGS[@]}"\n')
+    argv, name, notes = parse_launch_script(s)
+    assert argv == ["--hf-checkpoint", "$MODEL_DIR", "--num-rollout", "12"] and name == "train.py"
+    assert any("MODEL_DIR" in n for n in notes)
