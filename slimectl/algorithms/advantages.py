@@ -35,13 +35,20 @@ All returned advantages are exactly 0 where ``mask == 0``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from slimectl.algorithms.kl import KLType, compute_approx_kl
 from slimectl.algorithms.opd import apply_opd_kl
-from slimectl.algorithms.reduce import masked
-from slimectl.algorithms.registry import DEFAULT_OPD_KL_COEF, ESTIMATORS, GROUP_ESTIMATORS, check_choice
+from slimectl.algorithms.reduce import from_list, masked, response_lengths, to_list
+from slimectl.algorithms.registry import (
+    DEFAULT_OPD_KL_COEF,
+    ESTIMATORS,
+    GROUP_ESTIMATORS,
+    check_choice,
+    default_normalize_advantages,
+)
 
 WHITEN_EPS = 1e-8
 
@@ -239,6 +246,9 @@ def compute_advantages(
     teacher_log_probs: torch.Tensor | None = None,
     opd_kl_coef: float = DEFAULT_OPD_KL_COEF,
     eps: float = WHITEN_EPS,
+    custom_advantage_function: Callable[[Any, dict], None] | None = None,
+    args: Any = None,
+    lengths: list[int] | None = None,
 ) -> AdvantageResult:
     """slime's ``compute_advantages_and_returns`` order: estimator -> OPD -> whitening.
 
@@ -246,26 +256,34 @@ def compute_advantages(
     KL reward (vs ``ref_log_probs``) and are the student side of OPD (vs ``teacher_log_probs``;
     OPD is on when ``teacher_log_probs`` is given). ``normalize_advantages=None`` picks slime's
     requirement: on for both REINFORCE++ variants, off for grpo/gspo/cispo.
+
+    ``custom_advantage_function`` (slime ``--custom-advantage-function-path``) replaces the
+    estimator with slime's signature ``fn(args, rollout_data) -> None``: ``rollout_data`` holds
+    per-sample lists (``rewards`` floats; ``log_probs``, ``ref_log_probs``, ``kl``, ``loss_masks``
+    tensors; ``response_lengths``, ``total_lengths``) and the function sets ``advantages`` and
+    ``returns`` (per-sample tensors). OPD and whitening follow, as in slime. ``lengths``: each
+    row's response length (default: up to its last loss token).
     """
     check_choice("advantage estimator", estimator, ESTIMATORS)
     resp = mask if response_mask is None else response_mask
     r = _sample_rewards(rewards, mask)
     dtype = _float_dtype(r, log_probs)
     kl = _token_kl(log_probs, ref_log_probs, kl_coef, kl_type, resp, dtype)
-    if estimator in GROUP_ESTIMATORS:
+    whiten_default = default_normalize_advantages(estimator)
+    if custom_advantage_function is not None:
+        adv, returns = _custom_advantages(custom_advantage_function, args, r, mask, kl, log_probs, ref_log_probs,
+                                          lengths, dtype)
+    elif estimator in GROUP_ESTIMATORS:
         adv = grpo_advantages(r.to(dtype), mask)
         returns = adv.clone()
-        whiten_default = False
     elif estimator == "reinforce_plus_plus":
         returns = reinforce_plus_plus_returns(r, mask, log_probs, ref_log_probs, kl_coef, gamma, kl_type, response_mask)
         adv = masked(returns, mask)
-        whiten_default = True
     else:
         adv = reinforce_plus_plus_baseline_advantages(
             r, mask, log_probs, ref_log_probs, kl_coef, kl_type, None, response_mask, normalize=False
         )
         returns = adv.clone()
-        whiten_default = True
     reverse_kl = None
     if teacher_log_probs is not None:
         if log_probs is None:
@@ -274,3 +292,26 @@ def compute_advantages(
     if whiten_default if normalize_advantages is None else normalize_advantages:
         adv = whiten_advantages(adv, mask, eps)
     return AdvantageResult(advantages=adv, returns=returns, kl=kl, opd_reverse_kl=reverse_kl)
+
+
+def _custom_advantages(fn, args, rewards, mask, kl, log_probs, ref_log_probs, lengths, dtype):
+    """Call slime's advantage hook on per-sample lists; returns padded ``(advantages, returns)``."""
+    n = lengths if lengths is not None else response_lengths(mask)
+    data: dict[str, Any] = {
+        "rewards": [float(v) for v in rewards.tolist()],
+        "loss_masks": to_list(mask.to(torch.int32), n),
+        "response_lengths": list(n),
+        "total_lengths": list(n),
+        "kl": to_list(kl, n),
+    }
+    if log_probs is not None:
+        data["log_probs"] = to_list(log_probs.detach(), n)
+    if ref_log_probs is not None:
+        data["ref_log_probs"] = to_list(ref_log_probs.detach(), n)
+    fn(args, data)
+    for key in ("advantages", "returns"):
+        if key not in data or len(data[key]) != mask.shape[0]:
+            raise ValueError(f"the custom advantage function must set rollout_data[{key!r}] to one tensor per sample")
+    like = torch.zeros((), dtype=dtype, device=mask.device)
+    T = mask.shape[-1]
+    return masked(from_list(data["advantages"], T, like), mask), from_list(data["returns"], T, like)

@@ -3,10 +3,19 @@
 slime's ``policy_loss_function`` / ``sft_loss_function`` in one pure function::
 
     pg      = PPO clip (clip-higher, dual clip) | GSPO (sequence ratio) | CISPO     # by estimator
-    pg     *= clamp(exp(trainer_old_lp - rollout_lp), tis_clip_low, tis_clip)      # use_tis
-    loss    = reduce(pg)                      (loss_type sft_loss: -reduce(log_probs))
+    pg     *= opsm_keep                                                              # use_opsm
+    pg     *= clamp(exp(trainer_old_lp - rollout_lp), tis_clip_low, tis_clip)      # use_tis (tis_mode
+              (or the IcePop mask, or custom_tis_function(args, pg_loss=..., ...))   #  / custom hook)
+    loss    = reduce(pg)   (custom_pg_loss_reducer: its reducer)  (sft_loss: -reduce(log_probs))
     loss   -= entropy_coef * reduce(entropy)                                         # entropy_coef != 0
-    loss   += kl_loss_coef * reduce(approx_kl(log_probs, ref_lp, kl_loss_type))      # use_kl_loss
+    loss   += kl_loss_coef * reduce(approx_kl(log_probs, ref_lp, kl_loss_type      # use_kl_loss
+                                               [, ratio = exp(lp - old_lp)]))         # use_unbiased_kl
+    (loss_type custom_loss: custom_loss_function(args, batch, logits, sum_of_sample_mean))
+
+Custom hooks take slime's signatures and its concatenated per-sample layout (``x.split(response_lengths)``);
+slime's reducers return a *sum* over the micro-batch's samples (or tokens) that its trainer divides by
+the step's sample (token) count, so the hooks' results are divided here by the micro-batch's sample
+count (``loss_token_count`` per token) to stay in this module's mean-per-micro-batch convention.
 
 ``reduce`` is the configured reduction (``sample_mean`` or ``token_mean``, :mod:`.reduce`).
 Metrics (detached 0-dim tensors, slime's names under ``train/``): ``loss``, ``pg_loss``,
@@ -20,29 +29,59 @@ micro-batch's share of the global batch; nothing here knows about Megatron or mi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
 from slimectl.algorithms.kl import kl_loss
 from slimectl.algorithms.opd import opd_reverse_kl
-from slimectl.algorithms.policy_loss import cispo_policy_loss, entropy_bonus, gspo_policy_loss, ppo_policy_loss, sft_loss
-from slimectl.algorithms.reduce import reduce_masked, reduction_mode
+from slimectl.algorithms.policy_loss import (
+    cispo_policy_loss,
+    entropy_bonus,
+    gspo_policy_loss,
+    opsm_mask,
+    ppo_policy_loss,
+    sft_loss,
+)
+from slimectl.algorithms.reduce import (
+    from_concat,
+    loss_token_count,
+    masked,
+    reduce_masked,
+    reduction_mode,
+    response_lengths,
+    sum_of_sample_mean_fn,
+    to_concat,
+    to_list,
+)
 from slimectl.algorithms.registry import (
     DEFAULT_EPS_CLIP,
     DEFAULT_ESTIMATOR,
     DEFAULT_KL_LOSS_TYPE,
     DEFAULT_LOSS_TYPE,
+    DEFAULT_OPSM_DELTA,
     DEFAULT_TIS_CLIP,
     DEFAULT_TIS_CLIP_LOW,
+    DEFAULT_TIS_MODE,
     ESTIMATORS,
     KL_TYPES,
     LOSS_TYPES,
     REDUCTION_MODES,
+    TIS_MODES,
     check_choice,
 )
 from slimectl.algorithms.tis import apply_tis, compute_tis_weights, logprob_abs_diff
+
+
+class SlimeArgs:
+    """A plain attribute bag standing in for slime's ``args`` namespace when calling its hooks."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+    def __repr__(self) -> str:
+        return f"SlimeArgs({self.__dict__})"
 
 
 @dataclass(frozen=True)
@@ -60,28 +99,63 @@ class ObjectiveConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: str = DEFAULT_KL_LOSS_TYPE
+    use_unbiased_kl: bool = False
     use_tis: bool = False
     tis_clip: float = DEFAULT_TIS_CLIP
     tis_clip_low: float = DEFAULT_TIS_CLIP_LOW
+    tis_mode: str = DEFAULT_TIS_MODE
+    use_opsm: bool = False
+    opsm_delta: float = DEFAULT_OPSM_DELTA
     use_opd: bool = False
     reduction: str = "sample_mean"
+    custom_tis_function: Callable | None = field(default=None, compare=False)
+    """slime ``--custom-tis-function-path``: ``fn(args, *, pg_loss, train_log_probs, rollout_log_probs,
+    loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics)``."""
+    custom_pg_loss_reducer: Callable | None = field(default=None, compare=False)
+    """slime ``--custom-pg-loss-reducer-function-path``: ``fn(total_lengths, response_lengths, loss_masks,
+    calculate_per_token_loss) -> reducer``."""
+    custom_loss_function: Callable | None = field(default=None, compare=False)
+    """slime ``--custom-loss-function-path`` (``loss_type: custom_loss``): ``fn(args, batch, logits,
+    sum_of_sample_mean) -> (loss, metrics)``."""
 
     def __post_init__(self) -> None:
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("tis_mode", self.tis_mode, TIS_MODES)
+        if self.loss_type == "custom_loss" and self.custom_loss_function is None:
+            raise ValueError("loss_type custom_loss needs custom_loss_function")
         check_choice("advantage estimator", self.advantage_estimator, ESTIMATORS)
         check_choice("kl_loss_type", self.kl_loss_type, KL_TYPES)
         check_choice("reduction mode", self.reduction, REDUCTION_MODES)
 
     @classmethod
     def from_section(cls, algo: Any) -> "ObjectiveConfig":
-        """From the config's ``algorithm`` section (read by attribute, so no config import here)."""
+        """From the config's ``algorithm`` section (read by attribute, so no config import here); its
+        custom hooks are imported by the section's own ``load_hooks()`` (``contract/imports.py``)."""
+        hooks = algo.load_hooks() if hasattr(algo, "load_hooks") else {}
         return cls(
             loss_type=algo.loss_type, advantage_estimator=algo.advantage_estimator,
             eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, eps_clip_c=algo.eps_clip_c,
             entropy_coef=algo.entropy_coef, use_kl_loss=algo.use_kl_loss, kl_loss_coef=algo.kl_loss_coef,
-            kl_loss_type=algo.kl_loss_type, use_tis=algo.use_tis, tis_clip=algo.tis_clip,
-            tis_clip_low=algo.tis_clip_low, use_opd=algo.use_opd,
+            kl_loss_type=algo.kl_loss_type, use_unbiased_kl=getattr(algo, "use_unbiased_kl", False),
+            use_tis=algo.use_tis, tis_clip=algo.tis_clip, tis_clip_low=algo.tis_clip_low,
+            tis_mode=getattr(algo, "tis_mode", DEFAULT_TIS_MODE), use_opsm=getattr(algo, "use_opsm", False),
+            opsm_delta=getattr(algo, "opsm_delta", DEFAULT_OPSM_DELTA), use_opd=algo.use_opd,
             reduction=reduction_mode(algo.calculate_per_token_loss),
+            custom_tis_function=hooks.get("custom_tis_function"),
+            custom_pg_loss_reducer=hooks.get("custom_pg_loss_reducer"),
+            custom_loss_function=hooks.get("custom_loss_function"),
+        )
+
+    def slime_args(self) -> "SlimeArgs":
+        """The ``args`` slime's hooks read, under slime's names."""
+        return SlimeArgs(
+            loss_type=self.loss_type, advantage_estimator=self.advantage_estimator, eps_clip=self.eps_clip,
+            eps_clip_high=self.eps_clip if self.eps_clip_high is None else self.eps_clip_high,
+            eps_clip_c=self.eps_clip_c, entropy_coef=self.entropy_coef, use_kl_loss=self.use_kl_loss,
+            kl_loss_coef=self.kl_loss_coef, kl_loss_type=self.kl_loss_type, use_unbiased_kl=self.use_unbiased_kl,
+            use_tis=self.use_tis, tis_clip=self.tis_clip, tis_clip_low=self.tis_clip_low, use_opsm=self.use_opsm,
+            opsm_delta=self.opsm_delta, use_opd=self.use_opd,
+            calculate_per_token_loss=self.reduction == "token_mean",
         )
 
     @property
@@ -113,6 +187,17 @@ class ObjectiveBatch:
     """The engine's log-probs of the sampled tokens: TIS denominator and the mismatch metric."""
     teacher_log_probs: torch.Tensor | None = None
     """On-policy distillation: the teacher's log-probs (the ``opd_reverse_kl`` metric)."""
+    response_lengths: list[int] | None = None
+    """Each row's response length (slime's ``response_lengths`` for the hooks); default: up to the last
+    loss token of the row."""
+    total_lengths: list[int] | None = None
+    """Prompt + response lengths for the hooks; default: ``response_lengths``."""
+    logits: torch.Tensor | None = None
+    """The micro-batch's logits, when the caller has them, for a custom loss (``None`` otherwise)."""
+
+    def lengths(self) -> tuple[list[int], list[int]]:
+        resp = self.response_lengths if self.response_lengths is not None else response_lengths(self.mask)
+        return resp, (self.total_lengths if self.total_lengths is not None else list(resp))
 
 
 def _need(batch: ObjectiveBatch, field: str, why: str) -> torch.Tensor:
@@ -133,9 +218,60 @@ def _policy_loss(cfg: ObjectiveConfig, batch: ObjectiveBatch):
     return ppo_policy_loss(batch.log_probs, old, adv, batch.mask, eps_clip_c=cfg.eps_clip_c, **clip)
 
 
+def _hook_denominator(cfg: ObjectiveConfig, mask: torch.Tensor) -> torch.Tensor:
+    """What turns slime's per-micro-batch *sum* (of sample means, or of tokens) into this module's mean."""
+    if cfg.reduction == "token_mean":
+        return loss_token_count(mask)
+    return torch.tensor(float(max(mask.shape[0], 1)))
+
+
+def _custom_tis(cfg: ObjectiveConfig, batch: ObjectiveBatch, pg_tok: torch.Tensor, metrics: dict, mode: str):
+    """Call slime's TIS hook on the concatenated layout; returns the padded pg_loss with the hook's
+    modified masks applied (rejected tokens 0; the denominators stay the original loss masks', as slime)."""
+    mask = batch.mask
+    resp, total = batch.lengths()
+    T = mask.shape[-1]
+    pg, masks, tis_metrics = cfg.custom_tis_function(
+        args=cfg.slime_args(), pg_loss=to_concat(pg_tok, resp),
+        train_log_probs=to_list(_need(batch, "trainer_old_log_probs", "use_tis").detach(), resp),
+        rollout_log_probs=to_list(_need(batch, "rollout_log_probs", "use_tis").detach(), resp),
+        loss_masks=to_list(mask, resp), total_lengths=total, response_lengths=resp)
+    new_mask = torch.zeros_like(mask)
+    for i, m in enumerate(masks):
+        new_mask[i, : len(m)] = torch.as_tensor(m).to(mask.dtype)
+    for k, v in tis_metrics.items():
+        v = torch.as_tensor(v)
+        val = reduce_masked(from_concat(v.detach().reshape(-1), resp, T), mask, mode) if v.numel() == sum(resp) else v
+        metrics[f"train/{k}"] = val.detach().to(pg_tok.dtype).reshape(())
+    return masked(from_concat(pg, resp, T), new_mask * mask)
+
+
+def _custom_loss(cfg: ObjectiveConfig, batch: ObjectiveBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """slime's ``custom_loss``: ``fn(args, batch, logits, sum_of_sample_mean)`` with slime's batch keys
+    (per-sample lists) plus ``cur_log_probs`` / ``entropy`` (the current policy's, with gradient)."""
+    mask = batch.mask
+    resp, total = batch.lengths()
+    per = {
+        "log_probs": batch.old_log_probs, "advantages": batch.advantages, "ref_log_probs": batch.ref_log_probs,
+        "rollout_log_probs": batch.rollout_log_probs, "teacher_log_probs": batch.teacher_log_probs,
+        "cur_log_probs": batch.log_probs, "entropy": batch.entropy,
+    }
+    sbatch: dict[str, Any] = {k: to_list(v, resp) for k, v in per.items() if v is not None}
+    sbatch.update(loss_masks=to_list(mask, resp), response_lengths=resp, total_lengths=total)
+    som = sum_of_sample_mean_fn(mask, resp, cfg.reduction == "token_mean")
+    loss, log = cfg.custom_loss_function(cfg.slime_args(), sbatch, batch.logits, som)
+    denom = _hook_denominator(cfg, mask).to(loss.dtype)
+    metrics = {f"train/{k}": torch.as_tensor(v).detach().float().reshape(()) / denom for k, v in log.items()}
+    loss = loss / denom
+    metrics["train/loss"] = loss.detach()
+    return loss, metrics
+
+
 def compute_objective(cfg: ObjectiveConfig, batch: ObjectiveBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, metrics)`` for one micro-batch: the scalar to backpropagate and detached 0-dim metrics."""
     mode, mask = cfg.reduction, batch.mask
+    if cfg.loss_type == "custom_loss":
+        return _custom_loss(cfg, batch)
     metrics: dict[str, torch.Tensor] = {}
     if cfg.sft:
         loss = sft_loss(batch.log_probs, mask, mode)
@@ -143,21 +279,34 @@ def compute_objective(cfg: ObjectiveConfig, batch: ObjectiveBatch) -> tuple[torc
     else:
         out = _policy_loss(cfg, batch)
         pg_tok = out.pg_loss
-        if cfg.use_tis:
+        if cfg.use_opsm:
+            opsm = opsm_mask(batch.log_probs, _need(batch, "old_log_probs", "use_opsm"),
+                             _need(batch, "advantages", "use_opsm"), mask, cfg.opsm_delta)
+            pg_tok = pg_tok * opsm.keep
+            metrics["train/opsm_clipfrac"] = reduce_masked(opsm.dropped, mask, mode)
+        if cfg.use_tis and cfg.custom_tis_function is not None:
+            pg_tok = _custom_tis(cfg, batch, pg_tok, metrics, mode)
+        elif cfg.use_tis:
             tis = compute_tis_weights(_need(batch, "trainer_old_log_probs", "use_tis"),
                                       _need(batch, "rollout_log_probs", "use_tis"), mask,
-                                      tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low)
+                                      tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low, mode=cfg.tis_mode)
             pg_tok = apply_tis(pg_tok, tis)
             metrics.update({f"train/{k}": v for k, v in tis.metrics(mode).items()})
-        loss = reduce_masked(pg_tok, mask, mode)
+        if cfg.custom_pg_loss_reducer is not None:
+            resp, total = batch.lengths()
+            reducer = cfg.custom_pg_loss_reducer(total, resp, to_list(mask, resp), mode == "token_mean")
+            loss = reducer(to_concat(pg_tok, resp)) / _hook_denominator(cfg, mask).to(pg_tok.dtype)
+        else:
+            loss = reduce_masked(pg_tok, mask, mode)
         metrics["train/pg_loss"] = loss.detach()
         metrics["train/pg_clipfrac"] = reduce_masked(out.clipfrac.detach(), mask, mode)
         metrics["train/ppo_kl"] = reduce_masked(out.ppo_kl.detach(), mask, mode)
     if cfg.entropy_coef:
         loss = loss + entropy_bonus(_need(batch, "entropy", "entropy_coef"), mask, cfg.entropy_coef, mode)
     if cfg.use_kl_loss:
+        unbiased_old = _need(batch, "old_log_probs", "use_unbiased_kl").detach() if cfg.use_unbiased_kl else None
         kl = kl_loss(batch.log_probs, _need(batch, "ref_log_probs", "use_kl_loss").detach(), mask, cfg.kl_loss_type,
-                     reduction=mode)
+                     old_log_probs=unbiased_old, reduction=mode)
         loss = loss + cfg.kl_loss_coef * kl
         metrics["train/kl_loss"] = kl.detach()
     if cfg.use_opd and not cfg.sft:

@@ -171,6 +171,38 @@ def cispo_policy_loss(
     )
 
 
+@dataclass
+class OPSMOutput:
+    """Off-policy sequence masking (slime ``compute_opsm_mask``)."""
+
+    keep: torch.Tensor  # [B, T] 1.0 = kept, 0.0 = masked out (multiply pg_loss by it)
+    dropped: torch.Tensor  # [B, T] 1.0 on the valid tokens OPSM masked
+    seq_kl: torch.Tensor  # [B] each sample's mean old_lp - lp over its valid tokens
+
+
+def opsm_mask(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    opsm_delta: float,
+) -> OPSMOutput:
+    """OPSM (slime ``--use-opsm``, ``--opsm-delta``): per sample ``seq_kl = sum_t (old_lp - lp) m / max(sum_t m, 1)``;
+    a token is masked when ``A_t < 0`` and ``seq_kl > opsm_delta``; ``keep = 1 - that``.
+
+    A sequence that has drifted from the policy that sampled it and was bad is not pushed down any
+    further. No gradient flows through the mask. slime's ``opsm_clipfrac`` metric is each sample's
+    masked fraction of its tokens, averaged over samples: ``reduce(dropped)``.
+    """
+    with torch.no_grad():
+        lp = log_probs.detach()
+        diff = masked(old_log_probs.detach().to(lp.dtype) - lp, mask)
+        seq_kl = diff.sum(-1) / mask.to(lp.dtype).sum(-1).clamp_min(1)
+        drop = (advantages.detach() < 0) & (seq_kl.unsqueeze(-1) > opsm_delta)
+        drop = masked(drop.to(lp.dtype), mask)
+        return OPSMOutput(keep=1.0 - drop, dropped=drop, seq_kl=seq_kl)
+
+
 def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``log softmax(logits / temperature)[token]`` for ``logits [..., V]`` and ``tokens [...]``
     (slime always divides by ``--rollout-temperature`` first)."""

@@ -17,8 +17,11 @@ Two modes:
     step's samples; a sample whose mask is all zero contributes 0 but still counts in that
     denominator, and it does here too.
 ``"token_mean"`` (slime ``--calculate-per-token-loss``)
-    ``sum_{i,t} x*m / max(sum_{i,t} m, 1)``: every valid token weighs the same, so long samples
-    weigh more.
+    ``sum_{i,t} x*m / sum_i max(sum_t m[i,t], 1)``: every valid token weighs the same, so long
+    samples weigh more. A fully masked sample counts as **one** token in the denominator, exactly as
+    slime's ``num_tokens = sum(clamp_min(loss_mask.sum(), 1))`` does (chosen on purpose to match
+    slime: a step that happens to hold an empty sample gives the same loss in both; the empty
+    sample adds 0 to the numerator). :func:`loss_token_count` is that denominator.
 
 (Newer slime can pass per-rollout denominators when one rollout fans out into several samples;
 that variant is not modelled here.)
@@ -67,10 +70,70 @@ def sample_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_sample_mean(x, mask).mean()
 
 
+def loss_token_count(mask: torch.Tensor) -> torch.Tensor:
+    """slime's per-token denominator: ``sum_i max(sum_t m[i,t], 1)`` (an empty sample counts 1)."""
+    return _as_2d(mask).float().sum(-1).clamp_min(1).sum()
+
+
 def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum over all valid tokens / number of valid tokens (``--calculate-per-token-loss``)."""
-    total = mask.to(x.dtype).sum() if x.is_floating_point() else mask.float().sum()
-    return masked_sum(x, mask) / total.clamp_min(1)
+    """Sum over all valid tokens / :func:`loss_token_count` (``--calculate-per-token-loss``)."""
+    total = loss_token_count(mask)
+    return masked_sum(x, mask) / (total.to(x.dtype) if x.is_floating_point() else total)
+
+
+def response_lengths(mask: torch.Tensor) -> list[int]:
+    """Each row's length up to its last ``mask == 1`` position (0 for a fully masked row): the
+    ``response_lengths`` slime's hooks receive when the caller gives none."""
+    m = _as_2d(mask).bool()
+    T = m.shape[-1]
+    last = (T - 1) - m.flip(-1).to(torch.int64).argmax(-1)
+    return [int(v) + 1 if bool(a) else 0 for v, a in zip(last.tolist(), m.any(-1).tolist())]
+
+
+def to_concat(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Padded ``[B, T]`` -> slime's concatenated layout ``cat(x[i, :lengths[i]])``."""
+    rows = _as_2d(x)
+    return torch.cat([rows[i, :n] for i, n in enumerate(lengths)]) if lengths else rows.new_zeros(0)
+
+
+def to_list(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """Padded ``[B, T]`` -> slime's per-sample list ``[x[i, :lengths[i]]]``."""
+    rows = _as_2d(x)
+    return [rows[i, :n] for i, n in enumerate(lengths)]
+
+
+def from_list(parts: list[torch.Tensor], T: int, like: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample 1-D tensors -> padded ``[B, T]`` (zeros after each part)."""
+    dtype = like.dtype if like is not None else (parts[0].dtype if parts else torch.float32)
+    out = torch.zeros(len(parts), T, dtype=dtype, device=None if like is None else like.device)
+    for i, p in enumerate(parts):
+        p = torch.as_tensor(p).reshape(-1)
+        if p.numel() > T:
+            raise ValueError(f"sample {i}: {p.numel()} values for a row of {T}")
+        out[i, : p.numel()] = p.to(dtype)
+    return out
+
+
+def from_concat(flat: torch.Tensor, lengths: list[int], T: int) -> torch.Tensor:
+    """slime's concatenated layout -> padded ``[B, T]`` (the inverse of :func:`to_concat`)."""
+    if flat.numel() != sum(lengths):
+        raise ValueError(f"{flat.numel()} values for response lengths summing to {sum(lengths)}")
+    return from_list(list(flat.split(lengths)), T, like=flat) if lengths else flat.reshape(0, T)
+
+
+def sum_of_sample_mean_fn(mask: torch.Tensor, lengths: list[int], calculate_per_token_loss: bool):
+    """slime's ``get_sum_of_sample_mean`` closure over the concatenated layout: the *sum* of each
+    sample's masked mean, or (per-token) the masked *sum*; slime's trainer later divides by the
+    number of samples (tokens). Used to call custom losses and reducers with slime's signature."""
+    masks = to_list(mask.float(), lengths)
+
+    def sum_of_sample_mean(x: torch.Tensor) -> torch.Tensor:
+        parts = x.split(lengths)
+        if calculate_per_token_loss:
+            return sum((p * m).sum() for p, m in zip(parts, masks))
+        return sum((p * m).sum() / torch.clamp_min(m.sum(), 1) for p, m in zip(parts, masks))
+
+    return sum_of_sample_mean
 
 
 def reduce_masked(x: torch.Tensor, mask: torch.Tensor, mode: ReductionMode = "sample_mean") -> torch.Tensor:

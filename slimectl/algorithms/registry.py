@@ -19,12 +19,19 @@ REDUCTION_MODES: tuple[str, ...] = ("sample_mean", "token_mean")
 #: ``algorithm.reward_normalization`` (:func:`slimectl.algorithms.rewards.normalize_group_rewards`).
 REWARD_NORM_MODES: tuple[str, ...] = ("group_mean_std", "group_mean", "none")
 #: ``algorithm.loss_type`` (:func:`slimectl.algorithms.objective.compute_objective`).
-LOSS_TYPES: tuple[str, ...] = ("policy_loss", "sft_loss")
+LOSS_TYPES: tuple[str, ...] = ("policy_loss", "sft_loss", "custom_loss")
+#: ``algorithm.tis_mode``: ``truncate`` clamps the TIS weight (slime ``vanilla_tis_function``), ``mask`` zeroes
+#: tokens whose weight leaves the range (slime ``icepop_function``).
+TIS_MODES: tuple[str, ...] = ("truncate", "mask")
 
 DEFAULT_ESTIMATOR = "grpo"
 DEFAULT_LOSS_TYPE = "policy_loss"
-DEFAULT_REWARD_NORM = "group_mean_std"
-DEFAULT_KL_LOSS_TYPE = "low_var_kl"
+#: ``algorithm.reward_normalization: null`` means slime's rule for the estimator (:func:`default_reward_norm`).
+DEFAULT_REWARD_NORM = None
+DEFAULT_KL_LOSS_TYPE = "k1"
+DEFAULT_TIS_MODE = "truncate"
+#: OPSM: a sequence with a negative advantage is masked when its mean ``old_lp - lp`` exceeds this.
+DEFAULT_OPSM_DELTA = 1e-4
 #: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]`` (``eps_clip_high`` defaults to ``eps_clip``).
 DEFAULT_EPS_CLIP = 0.2
 #: Truncated importance sampling clamp ``[tis_clip_low, tis_clip]``.
@@ -32,6 +39,21 @@ DEFAULT_TIS_CLIP = 2.0
 DEFAULT_TIS_CLIP_LOW = 0.0
 #: On-policy distillation: ``A_t -= opd_kl_coef * (log pi_student - log pi_teacher)``.
 DEFAULT_OPD_KL_COEF = 1.0
+
+
+def default_reward_norm(estimator: str) -> str:
+    """slime's reward post-processing for an estimator with its default flags: group mean+std for
+    grpo/gspo/cispo, the group mean for reinforce_plus_plus_baseline, none for reinforce_plus_plus."""
+    if estimator in GROUP_ESTIMATORS:
+        return "group_mean_std"
+    if estimator == "reinforce_plus_plus_baseline":
+        return "group_mean"
+    return "none"
+
+
+def default_normalize_advantages(estimator: str) -> bool:
+    """slime's whitening for an estimator: required (on) for both REINFORCE++ variants, off otherwise."""
+    return estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 def check_choice(kind: str, value: str, choices: tuple[str, ...]) -> str:

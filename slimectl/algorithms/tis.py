@@ -12,6 +12,11 @@ engine's, per token::
     tis_abs      = |tis - 1|
     pg_loss      = pg_loss * tis_weights                       # before reduction
 
+``mode="mask"`` (slime ``icepop_function``) keeps the raw ratio inside ``[tis_clip_low, tis_clip]``
+and gives weight 0 outside it (the token is dropped instead of truncated)::
+
+    tis_weights  = where(tis_clip_low <= tis <= tis_clip, tis, 0)
+
 The weights carry no gradient (slime builds them from stored / detached log-probs).
 ``train_rollout_logprob_abs_diff = reduce(|train_lp - rollout_lp|)`` is the headline mismatch
 metric; here two KL estimates of ``KL(pi_rollout || pi_train)`` are reported too.
@@ -25,7 +30,7 @@ import torch
 
 from slimectl.algorithms.kl import compute_approx_kl
 from slimectl.algorithms.reduce import ReductionMode, masked, reduce_masked
-from slimectl.algorithms.registry import DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW
+from slimectl.algorithms.registry import DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW, DEFAULT_TIS_MODE, TIS_MODES, check_choice
 
 
 @dataclass
@@ -54,14 +59,19 @@ def compute_tis_weights(
     *,
     tis_clip: float = DEFAULT_TIS_CLIP,
     tis_clip_low: float = DEFAULT_TIS_CLIP_LOW,
+    mode: str = DEFAULT_TIS_MODE,
 ) -> TISOutput:
-    """Vanilla token-level TIS weights (see the module docstring)."""
+    """Token-level TIS weights: ``truncate`` (vanilla) or ``mask`` (IcePop); see the module docstring."""
+    check_choice("tis mode", mode, TIS_MODES)
     if tis_clip_low > tis_clip:
         raise ValueError(f"tis_clip_low {tis_clip_low} > tis_clip {tis_clip}")
     with torch.no_grad():
         log_ratio = masked(old_log_probs.detach() - rollout_log_probs.detach().to(old_log_probs.dtype), mask)
         tis = log_ratio.exp()
-        weights = tis.clamp(min=tis_clip_low, max=tis_clip)
+        if mode == "truncate":
+            weights = tis.clamp(min=tis_clip_low, max=tis_clip)
+        else:
+            weights = torch.where((tis >= tis_clip_low) & (tis <= tis_clip), tis, torch.zeros_like(tis))
         clipfrac = (weights != tis).to(tis.dtype)
         return TISOutput(
             weights=masked(weights, mask),

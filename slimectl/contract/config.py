@@ -246,16 +246,21 @@ class TrainSection(Section):
 
 
 class AlgorithmSection(Section):
-    """Advantages, policy loss and regularisers."""
+    """Advantages, policy loss and regularisers (``docs/algorithms.md``: each formula and its slime flag)."""
 
     # choices and defaults come from the algorithm registry (one list, shared with the math)
     advantage_estimator: Literal[algo_registry.ESTIMATORS] = algo_registry.DEFAULT_ESTIMATOR  # type: ignore[valid-type]
     """How rewards become advantages."""
     loss_type: Literal[algo_registry.LOSS_TYPES] = algo_registry.DEFAULT_LOSS_TYPE  # type: ignore[valid-type]
-    """policy_loss (PPO-style clipped surrogate) or sft_loss (negative log-likelihood of the responses)."""
-    reward_normalization: Literal[algo_registry.REWARD_NORM_MODES] = algo_registry.DEFAULT_REWARD_NORM  # type: ignore[valid-type]
+    """policy_loss (PPO-style clipped surrogate), sft_loss (negative log-likelihood of the responses) or
+    custom_loss (``custom_loss_function``)."""
+    reward_normalization: Optional[Literal[algo_registry.REWARD_NORM_MODES]] = algo_registry.DEFAULT_REWARD_NORM  # type: ignore[valid-type]
     """Per-group reward normalization before the advantages: subtract the group mean (and divide by
-    its std), or none."""
+    its std), or none. Default (null): slime's rule for the estimator — group_mean_std for
+    grpo/gspo/cispo, group_mean for reinforce_plus_plus_baseline, none for reinforce_plus_plus."""
+    normalize_advantages: Optional[bool] = None
+    """Whiten the advantages over all loss tokens of the rollout (slime ``--normalize-advantages``).
+    Default (null): on for both reinforce_plus_plus estimators (slime requires it), off otherwise."""
     eps_clip: float = Field(default=algo_registry.DEFAULT_EPS_CLIP, gt=0)
     """PPO clip range: the ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]."""
     eps_clip_high: Optional[float] = Field(default=None, gt=0)
@@ -263,30 +268,99 @@ class AlgorithmSection(Section):
     eps_clip_c: Optional[float] = Field(default=None, gt=1)
     """Dual-clip constant (> 1); off when unset."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus in the loss."""
+    """Weight of the entropy bonus: the loss gets ``- entropy_coef * mean entropy``."""
     use_kl_loss: bool = False
-    """Add a KL loss against the reference model (model.ref_path)."""
+    """Add a KL loss against the reference model (model.ref_path); also what builds the reference model."""
     kl_loss_coef: float = Field(default=0.0, ge=0)
     """Weight of the KL loss."""
     kl_loss_type: Literal[algo_registry.KL_TYPES] = algo_registry.DEFAULT_KL_LOSS_TYPE  # type: ignore[valid-type]
-    """KL estimator of the KL loss."""
+    """KL estimator of the KL loss and of the kl_coef reward penalty (slime's default k1)."""
+    use_unbiased_kl: bool = False
+    """Multiply the KL loss per token by ``pi_theta / pi_old`` (DeepSeek-V3.2; slime ``--use-unbiased-kl``)."""
     kl_coef: float = Field(default=0.0, ge=0)
-    """KL penalty folded into the reward (reinforce++)."""
+    """KL penalty folded into the reward (reinforce_plus_plus estimators; needs use_kl_loss for the reference)."""
     gamma: float = Field(default=1.0, ge=0, le=1)
     """Discount of the per-token returns (reinforce++ estimators)."""
     use_tis: bool = False
     """Truncated importance sampling: weight the loss by the trainer/engine probability ratio, clamped
     to [tis_clip_low, tis_clip]."""
+    tis_mode: Literal[algo_registry.TIS_MODES] = algo_registry.DEFAULT_TIS_MODE  # type: ignore[valid-type]
+    """truncate: clamp the TIS weight into [tis_clip_low, tis_clip]; mask: weight 0 for tokens whose ratio
+    leaves that range (slime's icepop_function)."""
     tis_clip: float = Field(default=algo_registry.DEFAULT_TIS_CLIP, gt=0)
     """Upper clamp of the TIS weights."""
     tis_clip_low: float = Field(default=algo_registry.DEFAULT_TIS_CLIP_LOW, ge=0)
     """Lower clamp of the TIS weights."""
+    custom_tis_function: Optional[str] = None
+    """``module:function`` replacing the TIS weighting, slime's signature
+    ``fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kw) -> (pg_loss, loss_masks, metrics)``
+    (needs use_tis)."""
+    use_opsm: bool = False
+    """Off-policy sequence masking: drop sequences with a negative advantage whose mean ``old_lp - lp``
+    exceeds opsm_delta (slime ``--use-opsm``)."""
+    opsm_delta: float = Field(default=algo_registry.DEFAULT_OPSM_DELTA, ge=0)
+    """OPSM threshold on the sequence's mean ``old_lp - lp``."""
     use_opd: bool = False
     """On-policy distillation: add the reverse KL to the teacher's log-probs (rollout.teacher_urls)."""
     opd_kl_coef: float = Field(default=algo_registry.DEFAULT_OPD_KL_COEF, ge=0)
     """Weight of the on-policy distillation term."""
     calculate_per_token_loss: bool = False
     """Reduce the loss per token over the batch instead of per-sample mean."""
+    custom_loss_function: Optional[str] = None
+    """``module:function`` of loss_type custom_loss, slime's signature
+    ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)``."""
+    custom_advantage_function: Optional[str] = None
+    """``module:function`` replacing the advantage estimator, slime's signature ``fn(args, rollout_data) -> None``
+    (sets ``rollout_data["advantages"]`` and ``["returns"]``)."""
+    custom_pg_loss_reducer: Optional[str] = None
+    """``module:function`` building the pg_loss reducer, slime's signature
+    ``fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer``."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "AlgorithmSection":
+        problem = algorithm_conflict(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def load_hooks(self) -> dict[str, Any]:
+        """The custom functions this section names, imported (``contract/imports.py``), by field name."""
+        from slimectl.contract.imports import import_object
+
+        out: dict[str, Any] = {}
+        for key in ("custom_tis_function", "custom_loss_function", "custom_advantage_function",
+                    "custom_pg_loss_reducer"):
+            spec = getattr(self, key)
+            if spec:
+                out[key] = import_object(spec, f"algorithm.{key}", ConfigError, callable_as="a function")
+        return out
+
+
+def algorithm_conflict(a: "AlgorithmSection") -> str | None:
+    """The first contradictory combination of algorithm keys, as one line naming both keys; else None."""
+    if a.kl_coef > 0 and a.advantage_estimator in algo_registry.GROUP_ESTIMATORS:
+        return (f"algorithm.kl_coef = {a.kl_coef} does nothing with algorithm.advantage_estimator = "
+                f"{a.advantage_estimator} (its advantages ignore the KL reward); use kl_loss_coef instead")
+    if a.kl_coef > 0 and not a.use_kl_loss:
+        return (f"algorithm.kl_coef = {a.kl_coef} needs algorithm.use_kl_loss: true (it builds the reference model "
+                f"the KL penalty is measured against; keep kl_loss_coef 0 for a reward penalty only)")
+    if a.kl_coef > 0 and a.kl_loss_coef > 0:
+        return (f"algorithm.kl_coef = {a.kl_coef} and algorithm.kl_loss_coef = {a.kl_loss_coef} are both set; "
+                f"use one KL (slime refuses both): the reward penalty or the KL loss")
+    if a.use_unbiased_kl and not a.use_kl_loss:
+        return "algorithm.use_unbiased_kl: true needs algorithm.use_kl_loss: true (it reweights the KL loss)"
+    if a.tis_clip_low > a.tis_clip:
+        return f"algorithm.tis_clip_low = {a.tis_clip_low} is above algorithm.tis_clip = {a.tis_clip}"
+    if a.custom_tis_function and not a.use_tis:
+        return "algorithm.custom_tis_function is set but algorithm.use_tis is false; set use_tis: true"
+    if (a.loss_type == "custom_loss") != bool(a.custom_loss_function):
+        return ("algorithm.loss_type = custom_loss needs algorithm.custom_loss_function (module:function)"
+                if a.loss_type == "custom_loss" else
+                f"algorithm.custom_loss_function is set but algorithm.loss_type = {a.loss_type}; set loss_type: custom_loss")
+    if a.loss_type == "sft_loss" and (a.use_tis or a.use_opsm or a.custom_pg_loss_reducer):
+        key = "use_tis" if a.use_tis else "use_opsm" if a.use_opsm else "custom_pg_loss_reducer"
+        return f"algorithm.{key} acts on the policy loss, but algorithm.loss_type = sft_loss"
+    return None
 
 
 class SyncSection(Section):
@@ -493,6 +567,9 @@ def _format_validation_error(err: ValidationError, origin: str) -> str:
         msg = e["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
+        if kind == "value_error" and msg.startswith(f"{loc}."):  # a section's cross-key check names its keys
+            problems.append(msg)
+            continue
         if kind == "literal_error":
             expected = e.get("ctx", {}).get("expected", "")
             msg = f"must be one of {expected}"

@@ -11,7 +11,7 @@ Resolution order for one sample (slime's ``rm_hub.async_rm``):
    name (``boxed_f1``); ``boxed_math`` is plain ``math``, which grades the last box anyway.
 
 Names: ``math``, ``deepscaler``, ``dapo`` (returns a dict: use ``reward_key="score"``), ``f1``,
-``gpqa``, ``last_number``, ``random``, ``remote`` (alias ``remote_rm``; ``remote=`` client, else ``rm_url=``, else
+``gpqa``, ``last_number``, ``gsm8k`` (the number after ``####``), ``random``, ``remote`` (alias ``remote_rm``; ``remote=`` client, else ``rm_url=``, else
 ``args.rm_url``). Anything else is a :class:`RewardConfigError`.
 
 Custom functions (``"package.module:function"`` or slime's ``"package.module.function"``)::
@@ -37,7 +37,7 @@ from .boxed import last_boxed
 from .dapo import grade_dapo
 from .errors import RewardConfigError, RewardError, one_line
 from .math_grader import grade_deepscaler, grade_math
-from .numeric import grade_last_number
+from .numeric import grade_gsm8k, grade_last_number
 from .remote import RemoteRewardModel, shared_remote
 from .text import grade_f1, grade_gpqa, grade_random
 
@@ -69,6 +69,7 @@ GRADERS: dict[str, Callable[[str, Any, dict, Any], float | dict]] = {
     "f1": lambda r, lab, md, s: grade_f1(r, lab),
     "gpqa": lambda r, lab, md, s: grade_gpqa(r, lab, metadata=md),
     "last_number": lambda r, lab, md, s: grade_last_number(r, lab),
+    "gsm8k": lambda r, lab, md, s: grade_gsm8k(r, lab),
     "random": _random,
 }
 REMOTE_NAMES = ("remote", "remote_rm")

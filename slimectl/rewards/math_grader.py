@@ -11,6 +11,11 @@ DeepScaleR / Hendrycks MATH) and ``deepscaler.py::get_deepscaler_rule_based_rewa
    plain fractions must match exactly (an unreduced ``2/4`` does not earn ``1/2``);
    ``strict=False`` lifts both rules. Tuples/intervals are compared element-wise, brackets included.
 
+Deliberate differences from slime (``docs/rewards.md``): ``6 \text{ and } 8`` is the list ``6,8``;
+``32, 349`` (comma and space) is a list, not the number 32349; ``28 percent`` is ``28\%``;
+``\geq``/``\ge``/``≥`` are ``>=`` (and ``x >= 5`` is no longer cut to ``5`` as an ``x =`` prefix);
+a decimal of 6+ fractional digits equals a constant it rounds or truncates (``0.0833333333333333`` = ``1/12``).
+
 Sympy never sees raw model text: :func:`_to_python` turns a short (<= :data:`MAX_SYMPY_CHARS`)
 normalised answer into a whitelisted expression (numbers, + - * / ** and parentheses, ``sqrt``,
 ``pi``, a few functions, at most two one-letter variables, bounded exponents), parses it with an
@@ -42,7 +47,7 @@ _UNIT_WORDS = (  # may touch the number: "5cm"
     "millimeters?", "km", "kilometers?", "meters?", "metres?", "inch(?:es)?", "ft", "feet", "foot", "yards?",
     "miles?", "mph", "seconds?", "sec", "minutes?", "min", "hours?", "hrs?", "days?", "weeks?", "months?",
     "years?", "dollars?", "cents?", "pounds?", "lbs?", "kg", "grams?", "liters?", "ml", "points?", "ways",
-    "people", "students", "integers?",
+    "people", "students", "integers?", "percent", "per cent", "pct",
 )
 _SHORT_UNITS = ("m", "s", "g", "in")  # need a space: "5 m" is metres, "5m" may be 5*m
 _TRAILING_UNIT = re.compile(
@@ -61,6 +66,15 @@ _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d{1,3})?")
 _INT = re.compile(r"-?\d+")
 _SLASH_FRAC = re.compile(r"(-?)(\d+)/(\d+)")
 _PLAIN_FRAC = re.compile(r"-?\\frac\{\d+\}\{\d+\}")
+_AND_LIST = re.compile(r"\s*,?\s+and\s+")  # "6 and 8", "2, 3, and 4" (after \text{ and } is unwrapped)
+_GE = re.compile(r"\\(?:geq?|geqslant)(?![A-Za-z])|≥")
+_LE = re.compile(r"\\(?:leq?|leqslant)(?![A-Za-z])|≤")
+_NE = re.compile(r"\\(?:neq?)(?![A-Za-z])|≠")
+_BARE_EQ = re.compile(r"(?<![<>!=])=(?!=)")
+#: A decimal with at least this many fractional digits earns a constant it is the rounding or the
+#: truncation of (``0.0833333333333333`` earns ``1/12``); shorter ones stay exact (``0.333`` != ``1/3``).
+LONG_DECIMAL_DIGITS = 6
+_LONG_DECIMAL = re.compile(r"-?\d+\.(\d{%d,})" % LONG_DECIMAL_DIGITS)
 
 
 def _canonical_number(s: str) -> str:
@@ -106,16 +120,19 @@ def normalize_answer(answer: Any) -> str:
         if s == before:
             break
     s = _INNER_TEXT.sub(r"\1", s)
-    parts = s.split("=")
+    s = _AND_LIST.sub(",", s)  # "6 \text{ and } 8" is the list 6,8
+    s = _NE.sub("!=", _LE.sub("<=", _GE.sub(">=", s)))
+    parts = _BARE_EQ.split(s)  # "x = 5" -> "5"; "x >= 5" stays an inequality
     if len(parts) == 2 and len(parts[0].strip()) <= 2:
         s = parts[1]
+    list_commas = bool(re.search(r",\s", s))  # "32, 349" is a list of two numbers, not 32349
     s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
     s = _FRAC_SHORT_2.sub(r"\\frac{\1}{\2}", s)
     s = _FRAC_SHORT_1.sub(r"\\frac{\1}{", s)
     s = _FRAC_SHORT_DEN.sub(r"\1{\2}", s)
     s = s.replace(" ", "").rstrip(".")
     s = _LEADING_DOT.sub(r"\g<1>0.\2", s)
-    if _THOUSANDS.fullmatch(s):
+    if _THOUSANDS.fullmatch(s) and not list_commas:
         s = s.replace(",", "")
     if _NUMBER.fullmatch(s):
         s = _canonical_number(s)
@@ -302,7 +319,37 @@ def _equivalent(given: str, truth: str, strict: bool) -> bool:
             return False  # an integer answer must be that integer, written as one
         if _PLAIN_FRAC.fullmatch(given) and _PLAIN_FRAC.fullmatch(truth):
             return False  # unreduced or different fractions
+    for dec, other in ((given, truth), (truth, given)):
+        if _LONG_DECIMAL.fullmatch(dec):
+            return _long_decimal_close(dec, other)
     return _sympy_equal(given, truth)
+
+
+def _long_decimal_close(dec: str, other: str) -> bool:
+    """A long decimal vs a constant expression: equal within one unit of the decimal's last digit."""
+    try:
+        po = _to_python(other)
+        if po is None:
+            return False
+        import sympy
+
+        b = _parse(po)
+        if not isinstance(b, sympy.Expr) or b.free_symbols:
+            return False
+        digits = len(_LONG_DECIMAL.fullmatch(dec).group(1))
+        v = sympy.N(b, 60)
+        if not v.is_real or not v.is_finite:
+            return False
+        from decimal import ROUND_DOWN, ROUND_HALF_UP, localcontext
+
+        with localcontext() as ctx:
+            ctx.prec = 80
+            exact = Decimal(str(v))
+            unit = Decimal(1).scaleb(-digits)
+            want = Decimal(dec)
+            return want in (exact.quantize(unit, ROUND_HALF_UP), exact.quantize(unit, ROUND_DOWN))
+    except Exception:
+        return False
 
 
 def answers_match(given: Any, truth: Any, *, strict: bool = True) -> bool:

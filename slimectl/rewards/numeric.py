@@ -36,3 +36,33 @@ def grade_last_number(response: str | None, label: Any) -> float:
     if truth is None or given is None:
         return 0.0
     return 1.0 if given == truth else 0.0
+
+
+_GSM8K = re.compile(r"####\s*\$?\s*(-?[0-9][0-9.,]*)")
+
+
+def gsm8k_answer(text: Any) -> Decimal | None:
+    """The number after the last ``####`` of ``text`` (commas, ``$`` and a trailing full stop dropped)."""
+    if text is None:
+        return None
+    found = _GSM8K.findall(str(text))
+    if not found:
+        return None
+    try:
+        return Decimal(found[-1].replace(",", "").rstrip("."))
+    except InvalidOperation:
+        return None
+
+
+def grade_gsm8k(response: str | None, label: Any) -> float:
+    """The ``gsm8k`` grader (GSM8K's own format, as verl's strict ``gsm8k`` reward): 1.0 if the number
+    after the last ``#### `` of the response equals the label's number, else 0.0.
+
+    The label may be the bare answer (``42``, ``1,000``) or a full GSM8K solution ending in
+    ``#### 42``. A response without ``####`` scores 0.0 (the format is part of the task); numbers are
+    compared as numbers (``#### 42.0`` earns ``42``, ``#### 1,000`` earns ``1000``)."""
+    truth = gsm8k_answer(label) if label is not None and "####" in str(label) else last_number(label)
+    given = gsm8k_answer(response)
+    if truth is None or given is None:
+        return 0.0
+    return 1.0 if given == truth else 0.0

@@ -502,8 +502,9 @@ def test_reduction_ignores_padding_and_counts_empty_samples():
     mask = M([[1, 1, 0], [0, 0, 0]])
     # row0 mean 3; the empty row contributes 0 but still counts: (3 + 0)/2 = 1.5
     close(sample_mean(x, mask), 1.5)
-    # token mean: (2+4)/2 = 3
-    close(token_mean(x, mask), 3.0)
+    # token mean, slime's count (issue 18 item 5): the empty sample counts one token, (2+4)/(2+1) = 2
+    close(token_mean(x, mask), 2.0)
+    close(token_mean(x, M([[1, 1, 0], [0, 0, 1]])), (2 + 4 + 7) / 3)
     # 1-D input is one sample: (2+4)/2
     close(sample_mean(T([2.0, 4.0, 100.0]), M([1, 1, 0])), 3.0)
 

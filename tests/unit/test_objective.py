@@ -224,11 +224,13 @@ def test_config_from_the_algorithm_section():
     cfg = ObjectiveConfig.from_section(AlgorithmSection(
         advantage_estimator="gspo", eps_clip=0.1, eps_clip_high=0.3, eps_clip_c=3.0, entropy_coef=0.01,
         use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k2", use_tis=True, tis_clip=1.5, tis_clip_low=0.1,
-        use_opd=True, calculate_per_token_loss=True, loss_type="sft_loss"))
+        use_opd=True, calculate_per_token_loss=True, use_unbiased_kl=True, tis_mode="mask", use_opsm=True,
+        opsm_delta=0.01))
     assert cfg == ObjectiveConfig(
-        loss_type="sft_loss", advantage_estimator="gspo", eps_clip=0.1, eps_clip_high=0.3, eps_clip_c=3.0,
+        advantage_estimator="gspo", eps_clip=0.1, eps_clip_high=0.3, eps_clip_c=3.0,
         entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k2", use_tis=True, tis_clip=1.5,
-        tis_clip_low=0.1, use_opd=True, reduction="token_mean")
+        tis_clip_low=0.1, use_opd=True, reduction="token_mean", use_unbiased_kl=True, tis_mode="mask",
+        use_opsm=True, opsm_delta=0.01)
     with pytest.raises(ValueError, match="expected one of grpo, gspo, cispo"):
         ObjectiveConfig(advantage_estimator="ppo")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -238,8 +240,10 @@ def test_config_from_the_algorithm_section():
 def test_config_choices_come_from_the_registry():
     fields = AlgorithmSection.model_fields
     for key, names in (("advantage_estimator", ESTIMATORS), ("kl_loss_type", KL_TYPES),
-                       ("reward_normalization", REWARD_NORM_MODES), ("loss_type", LOSS_TYPES)):
+                       ("loss_type", LOSS_TYPES)):
         assert typing.get_args(fields[key].annotation) == names, key
+    literal, none = typing.get_args(fields["reward_normalization"].annotation)  # Optional: null = slime's rule
+    assert typing.get_args(literal) == REWARD_NORM_MODES and none is type(None)
     assert build_config({"algorithm": {"advantage_estimator": "cispo"}}).algorithm.advantage_estimator == "cispo"
     with pytest.raises(ConfigError) as err:
         build_config({"algorithm": {"advantage_estimator": "ppo"}})

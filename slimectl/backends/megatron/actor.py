@@ -39,7 +39,8 @@ from torch.nn.utils.rnn import pad_sequence
 import slimectl.backends.megatron  # noqa: F401  (quiets megatron's import-time notices about missing TE/Apex)
 from slimectl.algorithms.advantages import compute_advantages
 from slimectl.algorithms.objective import ObjectiveBatch, ObjectiveConfig, compute_objective
-from slimectl.algorithms.rewards import normalize_rewards_by_group
+from slimectl.algorithms.reduce import loss_token_count
+from slimectl.algorithms.rewards import normalize_rewards_by_group, reward_norm_mode_for
 from slimectl.backends.megatron.logprobs import compute_log_probs
 from slimectl.backends.megatron.packing import MicroBatch, pack_samples
 from slimectl.contract.errors import ConfigError
@@ -424,7 +425,8 @@ class MegatronActor:
         adv_rows: list[torch.Tensor] | None = None
         if not sft:
             raw = torch.tensor([s.reward_value(reward_key) for s in samples], dtype=torch.float32)
-            rewards = normalize_rewards_by_group(raw, [s.group_index for s in samples], algo.reward_normalization)
+            norm = reward_norm_mode_for(algo.advantage_estimator, configured=algo.reward_normalization)
+            rewards = normalize_rewards_by_group(raw, [s.group_index for s in samples], norm)
             res = compute_advantages(
                 algo.advantage_estimator, rewards, _pad(masks),
                 log_probs=_pad(train_old),
@@ -433,6 +435,9 @@ class MegatronActor:
                 # on-policy distillation: A_t -= coef * (log pi_student - log pi_teacher), after the
                 # estimator and before REINFORCE++'s whitening (slime's order)
                 teacher_log_probs=_pad(teacher_lp) if teacher_lp is not None else None, opd_kl_coef=algo.opd_kl_coef,
+                normalize_advantages=algo.normalize_advantages, args=self.objective.slime_args(),
+                custom_advantage_function=getattr(algo, "load_hooks", dict)().get("custom_advantage_function"),
+                lengths=[s.response_length for s in samples],
             )
             adv_rows = [res.advantages[i, : samples[i].response_length] for i in range(n)]
 
@@ -475,7 +480,7 @@ class MegatronActor:
         batch and scaled for DDP's averaging) and its weighted metric contributions. ``step_size``:
         the global batch's samples (per-sample mean) or loss tokens (per-token mean)."""
         batch = rows.batch(gidx, log_probs=_pad([r.log_probs for r in res]), entropy=_pad([r.entropy for r in res]))
-        share = len(gidx) if self.objective.reduction == "sample_mean" else float(batch.mask.sum())
+        share = len(gidx) if self.objective.reduction == "sample_mean" else float(loss_token_count(batch.mask))
         w = share / step_size
         loss, metrics = compute_objective(self.objective, batch)
         # DDP averages gradients over data-parallel ranks; w is relative to the global batch.
@@ -489,7 +494,7 @@ class MegatronActor:
         if self.objective.reduction == "sample_mean":
             step_size = float(len(idx))
         else:
-            step_size = max(float(sum(rows.mask[i].sum() for i in idx)), 1.0)
+            step_size = float(sum(loss_token_count(rows.mask[i]) for i in idx))  # an empty sample counts 1
         acc: dict[str, float] = {}
         n_tokens = sum(mb.num_tokens for mb, _ in layout)
 
