@@ -564,6 +564,21 @@ def translate_slime_args(argv: list[str], script_name: str = "train.py") -> Slim
         else:
             t.unmapped.append((flag, "no slimectl equivalent"))
 
+    # ---- flags slime reads only together with another one (slimectl refuses them alone)
+    a = t.data.get("algorithm", {})
+    if a.get("custom_loss_function") and a.get("loss_type") != "custom_loss":
+        del a["custom_loss_function"]
+        t.ignored.append(("--custom-loss-function-path", "slime calls it only with --loss-type custom_loss"))
+    if a.get("custom_tis_function") and not a.get("use_tis"):
+        del a["custom_tis_function"]
+        t.ignored.append(("--custom-tis-function-path", "slime calls it only with --use-tis"))
+    from slimectl.algorithms.registry import GROUP_ESTIMATORS
+
+    if a.get("kl_coef") and a.get("advantage_estimator", "grpo") in GROUP_ESTIMATORS:
+        del a["kl_coef"]
+        t.ignored.append(("--kl-coef", f"the {a.get('advantage_estimator', 'grpo')} advantages do not use the KL "
+                                       "reward penalty (use --kl-loss-coef)"))
+
     # ---- the GPU layout
     nodes = int(_one("--actor-num-nodes", seen["--actor-num-nodes"])) if "--actor-num-nodes" in seen else 1
     per_node = (int(_one("--actor-num-gpus-per-node", seen["--actor-num-gpus-per-node"]))

@@ -132,3 +132,16 @@ def test_unset_variables_are_reported_not_guessed(tmp_path):
     argv, name, notes = parse_launch_script(s)
     assert argv == ["--hf-checkpoint", "$MODEL_DIR", "--num-rollout", "12"] and name == "train.py"
     assert any("MODEL_DIR" in n for n in notes)
+
+
+def test_flags_slime_reads_only_with_another_are_dropped_with_the_reason():
+    tr = translate_slime_args(["--custom-loss-function-path", "pkg.mod.loss", "--kl-coef", "0.05",
+                               "--custom-tis-function-path", "pkg.mod.tis"])
+    why = dict(tr.ignored)
+    assert "--loss-type custom_loss" in why["--custom-loss-function-path"]
+    assert "--use-tis" in why["--custom-tis-function-path"] and "grpo" in why["--kl-coef"]
+    assert build_config(tr.data)  # the config slimectl would refuse is not produced
+    kept = translate_slime_args(["--loss-type", "custom_loss", "--custom-loss-function-path", "pkg.mod.loss",
+                                 "--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.05", "--use-kl-loss"])
+    a = kept.data["algorithm"]
+    assert (a["custom_loss_function"], a["kl_coef"]) == ("pkg.mod:loss", 0.05)
