@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "sync": "slimectl.commands.sync:sync_cmd",
     "export": "slimectl.commands.export:export_cmd",
     "rl": "slimectl.commands.rl:rl_cmd",
+    "extend": "slimectl.commands.extend:extend_cmd",
     "inspect": "slimectl.commands.inspect:inspect_cmd",
     "plot": "slimectl.commands.plot:plot_cmd",
     "harness": "slimectl.commands.harness:harness_cmd",
@@ -108,6 +109,7 @@ def cli(ctx: click.Context, run_dir: str | None, verbose: int, quiet: int) -> No
       slimectl train -r RUN --follow           train on each rollout exactly once
       slimectl sync -r RUN                     push new weights to the engines
       slimectl status -r RUN                   see where the run stands
+      slimectl extend -r RUN --num-rollout N   make the run longer (any stage)
 
     Set SLIMECTL_DEBUG=1 for tracebacks on errors.
     """

@@ -41,7 +41,7 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     \b
     Examples:
       slimectl rl --config examples/cpu_demo.yaml -r runs/demo
-      slimectl rl -r runs/demo --set rollout.num_rollout=60      # go on for longer
+      slimectl extend -r runs/demo --num-rollout 60 && slimectl rl -r runs/demo   # go on for longer
       slimectl rl -r runs/demo --launcher ray --address auto     # engines and trainer as Ray actors
     """
     from slimectl.orchestration.loop import make_launcher

@@ -8,7 +8,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimectl.contract.config import SlimectlConfig, build_config, load_config
+from slimectl.contract.config import SlimectlConfig, build_config, load_config, with_extension
 from slimectl.contract.dataspec import data_spec_path
 from slimectl.contract.errors import ConfigError, UsageError
 from slimectl.contract.logs import StageLog, quiet_hf_progress
@@ -123,7 +123,8 @@ def init_or_resume(stage: str, config_path: str | Path | None, run_path: str | P
     With ``config_path`` the run is initialized as ``slimectl init`` does (default directory
     ``runs/NAME``; rerunning the same command finds it unchanged and resumes it, rebuilding no
     tiny model); without, ``run_path`` must be an initialized run and ``overrides`` apply to
-    ``stage``'s sections. The effective config is saved as ``configs/STAGE.yaml``. With
+    ``stage``'s sections; ``rollout.num_rollout`` is the one ``slimectl extend`` recorded unless an
+    override sets it. The effective config is saved as ``configs/STAGE.yaml``. With
     ``dry_run`` nothing is written and the run is None.
     """
     if config_path is None and run_path is None:
@@ -141,7 +142,7 @@ def init_or_resume(stage: str, config_path: str | Path | None, run_path: str | P
     elif tiny_model is not None:
         raise UsageError("--tiny-model needs --config (it builds the model of a new run)")
     run = RunDir.open(run_path)
-    cfg = run.stage_config(stage, list(overrides))
+    cfg = with_extension(run.stage_config(stage, list(overrides)), run.path, overrides)
     if dry_run:
         return None, cfg
     run.save_stage_config(stage, cfg)
