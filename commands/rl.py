@@ -36,7 +36,8 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
 
     With --config the run directory is initialized first (as `slimectl init`; the default run
     directory is runs/NAME); rerunning the same command resumes where the last run stopped.
-    Ctrl-C stops every stage cleanly. Prints the trained rollout ids and the final weight version.
+    Ctrl-C stops every stage cleanly and prints the command that resumes the run (exit code 130;
+    143 for SIGTERM). Prints the trained rollout ids and the final weight version.
 
     \b
     Examples:
@@ -55,20 +56,21 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     import threading
 
     from slimectl.orchestration.loop import run_rl
-    from slimectl.orchestration.signals import InterruptOnSignal
+    from slimectl.orchestration.signals import InterruptOnSignal, StageInterrupted
 
+    # The first SIGINT/SIGTERM stops every stage cleanly; the root group prints the command that
+    # resumes the run (this one, every option kept) and exits 128 + the signal.
     signals = InterruptOnSignal(threading.Event()).install()
-    interrupted = click.ClickException(f"interrupted; rerun `slimectl rl -r {run.path}` to resume")
     try:
         res = run_rl(run, cfg, engine_urls, stop=signals.stop, critical=signals.deferred, launcher=placer)
     except KeyboardInterrupt:
-        raise interrupted from None
+        raise StageInterrupted(signals.signal) from None
     except Exception:
         if signals.signal is None:
             raise
-        raise interrupted from None  # whatever the interrupt broke on its way out
+        raise StageInterrupted(signals.signal) from None  # whatever the interrupt broke on its way out
     if signals.signal is not None:
-        raise interrupted
+        raise StageInterrupted(signals.signal)
     from slimectl.commands._stage import format_ids
 
     click.echo(f"trained rollouts {format_ids(res.trained)}; weight version {res.weight_version}; {res.seconds:.1f} s")
