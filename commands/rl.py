@@ -46,10 +46,10 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
       slimectl rl -r runs/demo --launcher ray --address auto     # engines and trainer as Ray actors
     """
     from slimectl.orchestration.loop import make_launcher
-    from slimectl.stages.init import init_or_resume
+    from slimectl.orchestration.preflight import prepare_rl
 
     placer = make_launcher(launcher, address, colocate)
-    run, cfg = init_or_resume("rl", config_path, resolve_run_dir(ctx, run_dir), overrides, tiny_model, dry_run)
+    run, cfg = prepare_rl(config_path, resolve_run_dir(ctx, run_dir), overrides, tiny_model, dry_run)
     if run is None:
         click.echo(cfg.to_yaml(), nl=False)
         return

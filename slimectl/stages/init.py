@@ -117,12 +117,12 @@ def frozen_tiny_model(path: str | Path) -> str | None:
 
 def init_or_resume(stage: str, config_path: str | Path | None, run_path: str | Path | None,
                    overrides: list[str] | tuple[str, ...] = (), tiny_model: str | None = None,
-                   dry_run: bool = False) -> tuple[RunDir | None, SlimectlConfig]:
+                   dry_run: bool = False, pretrained: str | None = None) -> tuple[RunDir | None, SlimectlConfig]:
     """The run ``stage`` (``rl``) works in, initialized first when a config is given, and its config.
 
     With ``config_path`` the run is initialized as ``slimectl init`` does (default directory
     ``runs/NAME``; rerunning the same command finds it unchanged and resumes it, rebuilding no
-    tiny model); without, ``run_path`` must be an initialized run and ``overrides`` apply to
+    tiny model; ``pretrained`` as ``init --pretrained``, built once into the cache); without, ``run_path`` must be an initialized run and ``overrides`` apply to
     ``stage``'s sections; ``rollout.num_rollout`` is the one ``slimectl extend`` recorded unless an
     override sets it. The effective config is saved as ``configs/STAGE.yaml``. With
     ``dry_run`` nothing is written and the run is None.
@@ -135,12 +135,15 @@ def init_or_resume(stage: str, config_path: str | Path | None, run_path: str | P
             run_path = Path("runs") / (cfg.name or Path(config_path).stem)
         if tiny_model is None:
             tiny_model = frozen_tiny_model(run_path)  # a rerun of the command that built it
-        result = init_run(run_path, config_path, overrides, tiny_model=tiny_model, dry_run=dry_run)
+        result = init_run(run_path, config_path, overrides, tiny_model=tiny_model, dry_run=dry_run,
+                          pretrained=pretrained)
         if dry_run:
             return None, result.config
         overrides = ()  # frozen into the run's config by init
     elif tiny_model is not None:
         raise UsageError("--tiny-model needs --config (it builds the model of a new run)")
+    elif pretrained is not None:
+        raise UsageError(f"--pretrained {pretrained} needs --config (it sets the model of a new run)")
     run = RunDir.open(run_path)
     cfg = with_extension(run.stage_config(stage, list(overrides)), run.path, overrides)
     if dry_run:
