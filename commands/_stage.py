@@ -21,6 +21,9 @@ def open_stage(ctx: click.Context, stage: str, run_dir: str | None, overrides: t
         click.echo(cfg.to_yaml(), nl=False)
         return None
     run.save_stage_config(stage, cfg)
+    from slimectl.contract.metrics import configure_wandb
+
+    configure_wandb(cfg, run.path)  # logging.wandb: this stage's metrics go to W&B too
     return run, cfg
 
 

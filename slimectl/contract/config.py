@@ -322,6 +322,18 @@ class LoggingSection(Section):
     progress: Literal["auto", "on", "off"] = "auto"
     """Progress bars on stderr (rollout, train, convert, export, sync, eval): auto shows them only when
     stderr is a terminal, and leaves the finished bar on screen."""
+    wandb: bool = False
+    """Also log every metric to Weights & Biases, under the same names as TensorBoard (one W&B run per
+    stage, grouped by the run's name); needs ``pip install 'slimectl[wandb]'`` (without it: one warning)."""
+    wandb_project: str = "slimectl"
+    """W&B project of the runs."""
+    wandb_entity: Optional[str] = None
+    """W&B entity (user or team); null: W&B's default."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline writes the W&B runs under ``wandb_dir`` only (upload later with ``wandb sync``); online
+    streams them to the W&B server (needs ``wandb login``)."""
+    wandb_dir: str = "wandb"
+    """Where W&B writes its files; a relative path is under the run directory."""
 
 
 class SlimectlConfig(Section):

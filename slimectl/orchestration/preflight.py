@@ -39,4 +39,7 @@ def prepare_rl(config_path: str | Path | None, run_path: str | Path | None, over
     run, cfg = init_or_resume("rl", config_path, run_path, overrides, tiny_model, pretrained=pretrained)
     if not checked:
         check_train_sizes(cfg)
+    from slimectl.contract.metrics import configure_wandb
+
+    configure_wandb(cfg, run.path)  # logging.wandb: every stage's metrics go to W&B too
     return run, cfg

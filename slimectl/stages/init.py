@@ -99,6 +99,11 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
             ensure_pretrained(pretrained)
         _check_inputs(cfg)
         run, outcome = RunDir.create(run.path, cfg, force=force)
+        if cfg.logging.wandb:
+            from slimectl.contract.metrics import WANDB_MISSING, wandb_available
+
+            if not wandb_available():
+                log.warning(WANDB_MISSING)
         log.debug("run directory %s: %s (config %s)", run.path, outcome, cfg.fingerprint()[:12])
         stage_log.write_to(run.log_path("init"))
         return InitResult(cfg, run, outcome)
