@@ -10,15 +10,20 @@ from slimectl.commands._options import resolve_run_dir
 def open_stage(ctx: click.Context, stage: str, run_dir: str | None, overrides: tuple[str, ...] | list[str],
                dry_run: bool):
     """Return (run, config) for ``stage`` with its --set overrides, having saved the effective config
-    under RUN/configs/STAGE.yaml — or None after printing the config when ``dry_run``."""
+    under RUN/configs/STAGE.yaml — or None after printing the config when ``dry_run``. The run's
+    length is the one ``slimectl extend`` recorded, unless this invocation sets it."""
+    from slimectl.contract.config import with_extension
     from slimectl.contract.rundir import RunDir
 
     run = RunDir.open(resolve_run_dir(ctx, run_dir))
-    cfg = run.stage_config(stage, list(overrides))
+    cfg = with_extension(run.stage_config(stage, list(overrides)), run.path, overrides)
     if dry_run:
         click.echo(cfg.to_yaml(), nl=False)
         return None
     run.save_stage_config(stage, cfg)
+    from slimectl.contract.metrics import configure_wandb
+
+    configure_wandb(cfg, run.path)  # logging.wandb: this stage's metrics go to W&B too
     return run, cfg
 
 

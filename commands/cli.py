@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "sync": "slimectl.commands.sync:sync_cmd",
     "export": "slimectl.commands.export:export_cmd",
     "rl": "slimectl.commands.rl:rl_cmd",
+    "extend": "slimectl.commands.extend:extend_cmd",
     "inspect": "slimectl.commands.inspect:inspect_cmd",
     "plot": "slimectl.commands.plot:plot_cmd",
     "harness": "slimectl.commands.harness:harness_cmd",
@@ -38,6 +39,33 @@ class CliError(click.ClickException):
     def __init__(self, message: str, exit_code: int = 1):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class Interrupted(click.ClickException):
+    """Ctrl-C/SIGTERM stopped the command: one line with the command that resumes it (no "Error:")."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file: Any = None) -> None:
+        if self.message:
+            click.echo(self.message, err=True, file=file)
+
+
+def invoked_argv(ctx: click.Context) -> list[str]:
+    """The command line of this invocation after the program name: the root options given on the
+    command line (-r, -v, -q), then the subcommand and its arguments exactly as typed."""
+    out: list[str] = []
+    src = click.core.ParameterSource.COMMANDLINE
+    if ctx.params.get("run_dir") and ctx.get_parameter_source("run_dir") == src:
+        out += ["-r", str(ctx.params["run_dir"])]
+    for name, flag in (("verbose", "-v"), ("quiet", "-q")):
+        out += [flag] * int(ctx.params.get(name) or 0)
+    protected = getattr(ctx, "_protected_args", None)
+    if protected is None:  # click < 8.2
+        protected = ctx.protected_args
+    return out + [*protected, *ctx.args]
 
 
 def debug_enabled() -> bool:
@@ -66,13 +94,22 @@ class LazyGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         from slimectl.contract.errors import SlimectlError
 
+        argv = invoked_argv(ctx)  # before click consumes the subcommand's arguments
         try:
             return super().invoke(ctx)
         except SlimectlError as exc:
             if debug_enabled():
                 raise
             raise CliError(str(exc), exc.exit_code) from None
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, KeyboardInterrupt):
+        except KeyboardInterrupt as exc:
+            from slimectl.orchestration.signals import interrupted_exit_code, resume_hint
+            from slimectl.orchestration.torchrun import under_torchrun
+
+            if debug_enabled():
+                raise
+            # Under torchrun the launching command (ours, or the user's torchrun) is what resumes.
+            raise Interrupted("" if under_torchrun() else resume_hint(argv), interrupted_exit_code(exc)) from None
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as exc:  # an unexpected failure: one line, traceback only on request
             if debug_enabled():
@@ -108,8 +145,10 @@ def cli(ctx: click.Context, run_dir: str | None, verbose: int, quiet: int) -> No
       slimectl train -r RUN --follow           train on each rollout exactly once
       slimectl sync -r RUN                     push new weights to the engines
       slimectl status -r RUN                   see where the run stands
+      slimectl extend -r RUN --num-rollout N   make the run longer (any stage)
 
-    Set SLIMECTL_DEBUG=1 for tracebacks on errors.
+    Exit codes: 2 for usage, config and input errors, 1 for runtime errors, 130 after Ctrl-C
+    (which prints the command that resumes the stage). Set SLIMECTL_DEBUG=1 for tracebacks on errors.
     """
     from slimectl.contract.logs import setup_logging
 

@@ -396,6 +396,18 @@ class LoggingSection(Section):
     progress: Literal["auto", "on", "off"] = "auto"
     """Progress bars on stderr (rollout, train, convert, export, sync, eval): auto shows them only when
     stderr is a terminal, and leaves the finished bar on screen."""
+    wandb: bool = False
+    """Also log every metric to Weights & Biases, under the same names as TensorBoard (one W&B run per
+    stage, grouped by the run's name); needs ``pip install 'slimectl[wandb]'`` (without it: one warning)."""
+    wandb_project: str = "slimectl"
+    """W&B project of the runs."""
+    wandb_entity: Optional[str] = None
+    """W&B entity (user or team); null: W&B's default."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline writes the W&B runs under ``wandb_dir`` only (upload later with ``wandb sync``); online
+    streams them to the W&B server (needs ``wandb login``)."""
+    wandb_dir: str = "wandb"
+    """Where W&B writes its files; a relative path is under the run directory."""
 
 
 class SlimectlConfig(Section):
@@ -655,3 +667,39 @@ def config_diff(a: SlimectlConfig, b: SlimectlConfig) -> list[str]:
 
     fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
     return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
+
+
+# ---------------------------------------------------------------------------- extensions
+#: ``RUN/extend.json``: the run's length after ``slimectl extend`` (docs/run-directory.md, "Extending a run").
+EXTEND_FILE = "extend.json"
+
+
+def read_extension(run_path: str | Path) -> dict[str, Any] | None:
+    """The extension record of the run at ``run_path``, or None when the run was never extended."""
+    p = Path(run_path) / EXTEND_FILE
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{p} is unreadable ({exc}); rewrite it with `slimectl extend -r {run_path} --num-rollout N`")
+    n = data.get("num_rollout") if isinstance(data, dict) else None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"{p} has no valid num_rollout; rewrite it with `slimectl extend -r {run_path} --num-rollout N`")
+    return data
+
+
+def _sets_key(overrides: list[str] | tuple[str, ...], key: str) -> bool:
+    return any(o.partition("=")[0].strip() == key for o in overrides)
+
+
+def with_extension(cfg: SlimectlConfig, run_path: str | Path,
+                   overrides: list[str] | tuple[str, ...] = ()) -> SlimectlConfig:
+    """``cfg`` (a run's frozen config with a stage's ``--set`` overrides) with ``rollout.num_rollout``
+    as ``slimectl extend`` last set it; a ``--set rollout.num_rollout`` of this very invocation wins."""
+    ext = read_extension(run_path)
+    if ext is None or _sets_key(overrides, "rollout.num_rollout") or ext["num_rollout"] == cfg.rollout.num_rollout:
+        return cfg
+    data = cfg.to_dict()
+    data["rollout"]["num_rollout"] = ext["num_rollout"]
+    return build_config(data, origin=f"run config extended by {Path(run_path) / EXTEND_FILE}")

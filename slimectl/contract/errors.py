@@ -28,6 +28,11 @@ class RunDirError(SlimectlError):
     """The run directory is missing, of an unknown version, or in an inconsistent state."""
 
 
+class RunDirInputError(RunDirError, UsageError):
+    """The run directory given is missing or not one, or refuses what the invocation asks of it
+    (a different config, a hand-edited config.yaml): fixed by changing the command (exit code 2)."""
+
+
 class ArtifactNotFound(RunDirError):
     """An artifact that should be READY is not there."""
 

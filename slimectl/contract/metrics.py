@@ -1,19 +1,28 @@
-"""Per-stage metrics: one JSON line per step in ``metrics/STAGE.jsonl`` plus TensorBoard.
+"""Per-stage metrics: one JSON line per step in ``metrics/STAGE.jsonl`` plus TensorBoard, and
+optionally Weights & Biases (``logging.wandb``), all under the same names.
 
 Metric names follow slime's namespaces (``rollout/…``, ``train/…``, ``perf/…``, ``eval/…``).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
+
+log = logging.getLogger("slimectl.metrics")
 
 
 class MetricsWriter:
+    """``metrics/STAGE.jsonl`` (STAGE: the file's stem), TensorBoard under ``tensorboard_dir``, and the
+    process's other sink for STAGE (W&B, see :func:`configure_wandb`), each record under the same names."""
+
     def __init__(self, jsonl_path: str | Path, tensorboard_dir: str | Path | None = None):
         self.path = Path(jsonl_path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -23,6 +32,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter  # heavy: only for stages that log
 
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+        self._sink = sink_for(self.path.stem)
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         record = {"step": step, "time": round(time.time(), 3)}
@@ -36,10 +46,18 @@ class MetricsWriter:
         # which readers skip.
         self._f.write(json.dumps(record, sort_keys=False) + "\n")
         self._f.flush()
+        scalars = {k: v for k, v in record.items()
+                   if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            for k, v in record.items():
-                if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._sink is not None and scalars:
+            try:
+                self._sink.log(step, scalars)
+            except Exception as exc:  # an optional sink never stops a stage
+                log.warning("could not log metrics to %s (%s); metrics/%s.jsonl has them", self._sink, exc,
+                            self.path.stem)
+                self._sink = None
         return record
 
     def close(self) -> None:
@@ -57,6 +75,118 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------------- other sinks (W&B)
+class MetricSink(Protocol):
+    """Somewhere else a stage's metrics go: ``log`` gets the numeric metrics of one step."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: stage name -> its sink (None: none); set per process by :func:`set_sink_factory`.
+_factory: Callable[[str], MetricSink | None] | None = None
+_sinks: dict[str, MetricSink | None] = {}
+
+
+def set_sink_factory(factory: Callable[[str], MetricSink | None] | None) -> None:
+    """Send the metrics of every :class:`MetricsWriter` opened from now on in this process to
+    ``factory(stage)`` as well (one sink per stage, kept until exit: a stage that opens a writer per
+    rollout still logs into one sink); None stops that. Closes the sinks of the previous factory."""
+    global _factory
+    close_sinks()
+    _factory = factory
+
+
+def sink_for(stage: str) -> MetricSink | None:
+    if _factory is None:
+        return None
+    if stage not in _sinks:
+        try:
+            _sinks[stage] = _factory(stage)
+        except Exception as exc:  # an optional sink never stops a stage
+            log.warning("metrics of %s go to metrics/%s.jsonl and TensorBoard only: %s", stage, stage, exc)
+            _sinks[stage] = None
+    return _sinks[stage]
+
+
+@atexit.register
+def close_sinks() -> None:
+    while _sinks:
+        _, sink = _sinks.popitem()
+        if sink is not None:
+            try:
+                sink.close()
+            except Exception as exc:
+                log.warning("closing %s: %s", sink, exc)
+
+
+@dataclass
+class WandbSettings:
+    project: str = "slimectl"
+    entity: str | None = None
+    mode: str = "offline"
+    dir: Path = Path("wandb")
+    group: str = "run"
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+class WandbSink:
+    """One W&B run per stage (name ``GROUP-STAGE``, grouped by the slimectl run), logged at the
+    stage's own steps, as TensorBoard keeps one event directory per stage."""
+
+    def __init__(self, stage: str, settings: WandbSettings):
+        import wandb
+
+        settings.dir.mkdir(parents=True, exist_ok=True)
+        self.stage = stage
+        self.run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode,
+                              dir=str(settings.dir), group=settings.group, job_type=stage,
+                              name=f"{settings.group}-{stage}", config=settings.config, reinit="create_new",
+                              settings=wandb.Settings(silent=True, console="off"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step, commit=True)  # written now, not when the next step comes
+
+    def close(self) -> None:
+        self.run.finish()
+
+    def __repr__(self) -> str:
+        return f"W&B run {self.run.name}"
+
+
+WANDB_MISSING = ("logging.wandb is on but wandb is not installed: metrics go to metrics/STAGE.jsonl and TensorBoard only; "
+                 "pip install 'slimectl[wandb]', or --set logging.wandb=false")
+
+
+def wandb_available() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("wandb") is not None
+    except (ImportError, ValueError):  # a broken or stubbed module
+        return False
+
+
+def configure_wandb(config: Any, run_path: str | Path) -> bool:
+    """Set this process's sink from a run config's ``logging`` section: W&B runs when
+    ``logging.wandb`` (under ``logging.wandb_dir``, relative to ``run_path``), else none. Returns
+    whether W&B is on; warns (one line) when it is asked for but wandb is not installed."""
+    lg = config.logging
+    if not lg.wandb:
+        set_sink_factory(None)
+        return False
+    if not wandb_available():
+        log.warning(WANDB_MISSING)
+        set_sink_factory(None)
+        return False
+    settings = WandbSettings(project=lg.wandb_project, entity=lg.wandb_entity, mode=lg.wandb_mode,
+                             dir=Path(run_path) / lg.wandb_dir, group=config.name or Path(run_path).name,
+                             config=config.to_dict())
+    set_sink_factory(lambda stage: WandbSink(stage, settings))
+    return True
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

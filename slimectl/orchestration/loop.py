@@ -88,7 +88,8 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
         trainer = launcher.start_trainer(run, cfg, stack)
         start = result.weight_version = trainer.weight_version  # version N = trained on rollouts 0..N-1
         if start >= n_total:
-            log.info("all %d rollouts are trained; nothing to do", n_total)
+            log.info("all %d rollouts are trained; nothing to do (to go on: slimectl extend -r %s --num-rollout N)",
+                     n_total, run.path)
             return result
         engines = launcher.start_engines(run, cfg, engine_urls, stack)
         log.info("resuming at rollout %d, %d to go (%s loop, %s sync, %d engine(s))", start, n_total - start,

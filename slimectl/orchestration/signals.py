@@ -148,3 +148,30 @@ class InterruptOnSignal:
             if not self._depth and self._pending:
                 self._pending = False
                 raise KeyboardInterrupt
+
+
+# ---------------------------------------------------------------------------- interrupted commands
+#: The exit status of a command stopped by SIGINT (Ctrl-C), as a shell reports a process killed by it.
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+
+
+class StageInterrupted(KeyboardInterrupt):
+    """A stage stopped cleanly on ``signum`` (SIGINT or SIGTERM); the CLI exits ``128 + signum``."""
+
+    def __init__(self, signum: int | None = None):
+        super().__init__(signum)
+        self.signum = int(signum) if signum else int(signal.SIGINT)
+
+
+def interrupted_exit_code(exc: BaseException) -> int:
+    """``128 + signum``: 130 for Ctrl-C (a plain KeyboardInterrupt), 143 for SIGTERM."""
+    return 128 + getattr(exc, "signum", int(signal.SIGINT))
+
+
+def resume_hint(argv: Sequence[str], prog: str = "slimectl") -> str:
+    """``interrupted; resume with: slimectl rl -r RUN --set train.lr=1e-3``: the command line that was
+    interrupted (``argv`` after the program name, every option kept), quoted for a POSIX shell. Every
+    stage resumes from the run directory, so the same command picks up where it stopped."""
+    import shlex
+
+    return f"interrupted; resume with: {shlex.join([prog, *map(str, argv)])}"

@@ -8,7 +8,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimectl.contract.config import SlimectlConfig, build_config, load_config
+from slimectl.contract.config import SlimectlConfig, build_config, load_config, with_extension
 from slimectl.contract.dataspec import data_spec_path
 from slimectl.contract.errors import ConfigError, UsageError
 from slimectl.contract.logs import StageLog, quiet_hf_progress
@@ -99,6 +99,11 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
             ensure_pretrained(pretrained)
         _check_inputs(cfg)
         run, outcome = RunDir.create(run.path, cfg, force=force)
+        if cfg.logging.wandb:
+            from slimectl.contract.metrics import WANDB_MISSING, wandb_available
+
+            if not wandb_available():
+                log.warning(WANDB_MISSING)
         log.debug("run directory %s: %s (config %s)", run.path, outcome, cfg.fingerprint()[:12])
         stage_log.write_to(run.log_path("init"))
         return InitResult(cfg, run, outcome)
@@ -117,13 +122,14 @@ def frozen_tiny_model(path: str | Path) -> str | None:
 
 def init_or_resume(stage: str, config_path: str | Path | None, run_path: str | Path | None,
                    overrides: list[str] | tuple[str, ...] = (), tiny_model: str | None = None,
-                   dry_run: bool = False) -> tuple[RunDir | None, SlimectlConfig]:
+                   dry_run: bool = False, pretrained: str | None = None) -> tuple[RunDir | None, SlimectlConfig]:
     """The run ``stage`` (``rl``) works in, initialized first when a config is given, and its config.
 
     With ``config_path`` the run is initialized as ``slimectl init`` does (default directory
     ``runs/NAME``; rerunning the same command finds it unchanged and resumes it, rebuilding no
-    tiny model); without, ``run_path`` must be an initialized run and ``overrides`` apply to
-    ``stage``'s sections. The effective config is saved as ``configs/STAGE.yaml``. With
+    tiny model; ``pretrained`` as ``init --pretrained``, built once into the cache); without, ``run_path`` must be an initialized run and ``overrides`` apply to
+    ``stage``'s sections; ``rollout.num_rollout`` is the one ``slimectl extend`` recorded unless an
+    override sets it. The effective config is saved as ``configs/STAGE.yaml``. With
     ``dry_run`` nothing is written and the run is None.
     """
     if config_path is None and run_path is None:
@@ -134,14 +140,17 @@ def init_or_resume(stage: str, config_path: str | Path | None, run_path: str | P
             run_path = Path("runs") / (cfg.name or Path(config_path).stem)
         if tiny_model is None:
             tiny_model = frozen_tiny_model(run_path)  # a rerun of the command that built it
-        result = init_run(run_path, config_path, overrides, tiny_model=tiny_model, dry_run=dry_run)
+        result = init_run(run_path, config_path, overrides, tiny_model=tiny_model, dry_run=dry_run,
+                          pretrained=pretrained)
         if dry_run:
             return None, result.config
         overrides = ()  # frozen into the run's config by init
     elif tiny_model is not None:
         raise UsageError("--tiny-model needs --config (it builds the model of a new run)")
+    elif pretrained is not None:
+        raise UsageError(f"--pretrained {pretrained} needs --config (it sets the model of a new run)")
     run = RunDir.open(run_path)
-    cfg = run.stage_config(stage, list(overrides))
+    cfg = with_extension(run.stage_config(stage, list(overrides)), run.path, overrides)
     if dry_run:
         return None, cfg
     run.save_stage_config(stage, cfg)

@@ -99,12 +99,21 @@ def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dic
 
 def effective_num_rollout(run: RunDir, frozen: int) -> tuple[int, str]:
     """``rollout.num_rollout`` as the run now has it, and where that comes from: the frozen
-    ``config.yaml``, unless a later ``slimectl rl``/``rollout`` ran with another value (saved in
-    ``configs/STAGE.yaml``), which is how a run is extended."""
+    ``config.yaml``, or ``extend.json`` (``slimectl extend``), unless a later ``slimectl rl``/``rollout``
+    ran with another value of its own (``--set rollout.num_rollout``, saved in ``configs/STAGE.yaml``)."""
     import yaml
+
+    from slimectl.contract.config import EXTEND_FILE, read_extension
 
     best, value, source = (run.path / "config.yaml"), frozen, "config.yaml"
     newest = best.stat().st_mtime if best.is_file() else 0.0
+    try:
+        ext = read_extension(run.path)
+    except SlimectlError:
+        ext = None
+    if ext is not None:
+        newest = max(newest, (run.path / EXTEND_FILE).stat().st_mtime)
+        value, source = ext["num_rollout"], EXTEND_FILE if ext["num_rollout"] != frozen else "config.yaml"
     for stage in ("rl", "rollout"):
         p = run.path / "configs" / f"{stage}.yaml"
         try:
@@ -114,7 +123,7 @@ def effective_num_rollout(run: RunDir, frozen: int) -> tuple[int, str]:
             n = (yaml.safe_load(p.read_text()) or {}).get("rollout", {}).get("num_rollout")
         except (OSError, yaml.YAMLError, AttributeError):
             continue
-        if isinstance(n, int):
+        if isinstance(n, int) and n != value:
             newest, value, source = mtime, n, f"configs/{stage}.yaml" if n != frozen else "config.yaml"
     return value, source
 
@@ -143,8 +152,12 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"config     ERROR: {st.get('config_error')}")
     a, t = st["artifacts"], st["training"]
     target = t["num_rollout"]
-    if c and c.get("num_rollout_from", "config.yaml") != "config.yaml":
-        lines.append(f"extended   to {target} rollouts by the last `slimectl {c['num_rollout_from'][8:-5]}` "
+    source = c.get("num_rollout_from", "config.yaml") if c else "config.yaml"
+    if source == "extend.json":
+        lines.append(f"extended   to {target} rollouts by `slimectl extend` (extend.json; config.yaml says "
+                     f"{c['num_rollout_frozen']})")
+    elif source != "config.yaml":
+        lines.append(f"extended   to {target} rollouts by the last `slimectl {source[8:-5]}` "
                      f"(--set rollout.num_rollout; config.yaml says {c['num_rollout_frozen']})")
     of = f" of {target}" if target is not None else ""
     if t["trained_through"] is None:

@@ -130,7 +130,7 @@ def plan_training(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = Non
         if allow_empty:
             return []
         raise UsageError(f"nothing to train: all {cfg.rollout.num_rollout} rollouts (rollout.num_rollout) are trained; "
-                         f"raise rollout.num_rollout or pass --allow-empty")
+                         f"extend the run with `slimectl extend -r {run.path} --num-rollout N` or pass --allow-empty")
     if check_published and not follow and not run.rollouts.exists(todo[0]):
         raise SlimectlError(f"rollouts/{todo[0]:06d} is not published yet; run `slimectl rollout -r {run.path}` "
                             f"or use --follow to wait for it")

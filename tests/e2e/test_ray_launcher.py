@@ -158,7 +158,7 @@ def test_sigterm_stops_the_actors_cleanly(tmp_path, cluster):
     where = placement(run, driver.proc.pid)
     driver.proc.send_signal(signal.SIGTERM)
     rc, _, err = driver.finish(timeout=120)
-    assert rc == 1 and "interrupted; rerun `slimectl rl -r" in err, err[-3000:]
+    assert rc == 143 and "interrupted; resume with: slimectl rl -c" in err, err[-3000:]  # 128 + SIGTERM
     assert run.engines.list() == [] and not list((run.path / "locks").glob("*.lock"))  # unregistered, released
     assert wait_gone([where["trainer"], where["engine_actor"], where["engine"]]) == []
 

@@ -94,7 +94,7 @@ def test_next_stops_at_the_runs_end_with_a_line(tmp_path, setup, cli, caplog):
     assert res.exit_code == 0 and res.stdout == "" and run.rollouts.ids() == [0]
     assert warnings(caplog) == [
         f"the run is complete: all 1 rollouts (rollout.num_rollout) are published, so there is no rollout 1 to make; "
-        f"to go on, raise rollout.num_rollout (slimectl rl -r {run.path} --set rollout.num_rollout=N)"]
+        f"to go on, extend the run: slimectl extend -r {run.path} --num-rollout N"]
     # raising the limit is the way on
     res = cli("rollout", "-r", run.path, "--next", "--set", "rollout.num_rollout=2")
     assert res.exit_code == 0 and run.rollouts.ids() == [0, 1]

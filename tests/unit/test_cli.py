@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import ROOT, run_py
 from slimectl.commands.cli import COMMANDS, cli as root
 
-EXPECTED = ["init", "status", "convert", "serve", "rollout", "train", "sync", "export", "rl", "inspect", "plot", "harness"]
+EXPECTED = ["init", "status", "convert", "serve", "rollout", "train", "sync", "export", "rl", "extend", "inspect", "plot", "harness"]
 
 
 def test_command_table_is_complete_and_importable():
@@ -87,12 +87,15 @@ def test_missing_run_dir_is_a_usage_error(cli):
 
 
 def test_runtime_error_is_one_line_without_traceback_and_debug_shows_it(tmp_path):
-    missing = str(tmp_path / "nope")
+    newer = tmp_path / "newer"  # a run of a newer slimectl: a runtime error (exit 1); a missing one is exit 2
+    newer.mkdir()
+    (newer / "run.json").write_text(json.dumps({"contract": "slimectl-run-directory", "contract_version": 99}))
+    missing = str(newer)
     plain = subprocess.run([sys.executable, "-m", "slimectl", "status", "-r", missing], capture_output=True, text=True,
                            cwd=ROOT, env={"PATH": "/usr/bin:/bin", "SLIMECTL_DEBUG": "0"})
     assert plain.returncode == 1
     assert plain.stderr.strip().count("\n") == 0, plain.stderr
-    assert "does not exist" in plain.stderr and missing in plain.stderr and "Traceback" not in plain.stderr
+    assert "upgrade slimectl" in plain.stderr and missing in plain.stderr and "Traceback" not in plain.stderr
     debug = subprocess.run([sys.executable, "-m", "slimectl", "status", "-r", missing], capture_output=True, text=True,
                            cwd=ROOT, env={"PATH": "/usr/bin:/bin", "SLIMECTL_DEBUG": "1"})
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "RunDirError" in debug.stderr

@@ -69,7 +69,7 @@ def test_bad_hf_input(cli, llama, tmp_path, case):
     src = make(llama, tmp_path)
     out = tmp_path / "out"
     res = cli("convert", "--hf", src, "--out", out)
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == (2 if case in ("missing-dir", "not-hf") else 1), res.output  # input errors exit 2
     assert needle in res.output, res.output
     assert "Traceback" not in res.output and res.output.strip().count("\n") == 0
     assert not out.exists()

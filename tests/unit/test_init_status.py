@@ -39,7 +39,7 @@ def test_init_is_idempotent_and_refuses_a_different_config(cli, tmp_path, fake_m
     assert cli(*args).exit_code == 0
     assert cli(*args).exit_code == 0
     res = cli(*args, "--set", "train.lr=1")
-    assert res.exit_code == 1 and "different config (changed: train.lr)" in res.output
+    assert res.exit_code == 2 and "different config (changed: train.lr)" in res.output
     assert cli(*args, "--set", "train.lr=1", "--force").exit_code == 0
     assert RunDir.open(tmp_path / "r").config().train.lr == 1
 
@@ -49,7 +49,7 @@ def test_force_never_replaces_the_config_of_a_run_with_artifacts(cli, run_dir):
         (d / "x").write_text("1")
     model = run_dir.config().model.path
     res = cli("init", run_dir.path, "--set", f"model.path={model}", "--set", "train.lr=1", "--force")
-    assert res.exit_code == 1 and "already has artifacts (1 rollouts)" in res.output
+    assert res.exit_code == 2 and "already has artifacts (1 rollouts)" in res.output
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,7 @@ def test_init_refuses_a_foreign_non_empty_directory(cli, tmp_path, fake_model):
     d.mkdir()
     (d / "thesis.tex").write_text("precious")
     res = cli("init", d, "--set", f"model.path={fake_model}")
-    assert res.exit_code == 1 and "not a slimectl run directory" in res.output
+    assert res.exit_code == 2 and "not a slimectl run directory" in res.output
     assert (d / "thesis.tex").read_text() == "precious" and not (d / "run.json").exists()
 
 
@@ -98,7 +98,7 @@ def test_hand_edited_config_is_detected(cli, run_dir):
     assert res.exit_code == 0  # status still shows the run...
     assert "edited by hand" in res.output  # ...and says what is wrong with it
     res = cli("train", "-r", run_dir.path, "--dry-run")
-    assert res.exit_code == 1 and "edited by hand" in res.output
+    assert res.exit_code == 2 and "edited by hand" in res.output
 
 
 class _Health(BaseHTTPRequestHandler):

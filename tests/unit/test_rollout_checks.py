@@ -175,12 +175,12 @@ def test_next_stops_at_the_runs_limit_with_a_line_and_exit_0(run_dir, cli, caplo
     assert res.exit_code == 0 and res.stdout == ""  # no artifact path to print
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
         f"the run is complete: all 2 rollouts (rollout.num_rollout) are published, so there is no rollout 2 to make; "
-        f"to go on, raise rollout.num_rollout (slimectl rl -r {run_dir.path} --set rollout.num_rollout=N)"]
+        f"to go on, extend the run: slimectl extend -r {run_dir.path} --num-rollout N"]
     res = cli("rollout", "-r", run_dir.path, "--id", "5", "--set", "rollout.num_rollout=2",
               "--set", "data.prompt_data=/nonexistent.jsonl")
     assert res.exit_code == 2 and res.output.strip().splitlines()[-1] == (
-        f"Error: rollout 5 is past the run's end: rollout.num_rollout = 2 (ids 0-1); to go on, raise "
-        f"rollout.num_rollout (slimectl rl -r {run_dir.path} --set rollout.num_rollout=N)")
+        f"Error: rollout 5 is past the run's end: rollout.num_rollout = 2 (ids 0-1); to go on, extend the run: "
+        f"slimectl extend -r {run_dir.path} --num-rollout N")
 
 
 # ------------------------------------------------------------------------ zero reward spread

@@ -191,10 +191,10 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
     d = Path(model_dir)
     if not d.is_dir():
-        raise SlimectlError(f"HF model directory {d} does not exist")
+        raise UsageError(f"HF model directory {d} does not exist")
     p = d / "config.json"
     if not p.is_file():
-        raise SlimectlError(f"{d} has no config.json; pass an HF model directory (save_pretrained output)")
+        raise UsageError(f"{d} has no config.json; pass an HF model directory (save_pretrained output)")
     try:
         cfg = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

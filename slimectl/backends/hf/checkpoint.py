@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from slimectl.contract.errors import SlimectlError
+from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.backends.hf.arch import CheckpointMismatch, ModelArch, expected_hf_shapes
 from slimectl.backends.hf.dtypes import SAFETENSORS_DTYPES
 
@@ -125,7 +125,7 @@ class HFCheckpoint:
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
-            raise HFCheckpointError(f"HF model directory {self.dir} does not exist")
+            raise UsageError(f"HF model directory {self.dir} does not exist")
         index = self.dir / INDEX
         if index.is_file():
             try:

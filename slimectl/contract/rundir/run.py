@@ -11,7 +11,7 @@ from typing import Any
 
 from slimectl import __version__
 from slimectl.contract.config import STAGE_SECTIONS, SlimectlConfig, apply_overrides, build_config, config_diff
-from slimectl.contract.errors import RunDirError, UsageError
+from slimectl.contract.errors import RunDirError, RunDirInputError, UsageError
 from slimectl.contract.logs import StageLog
 from slimectl.contract.rundir.artifacts import (
     CONTRACT,
@@ -52,9 +52,9 @@ class RunDir:
             raise UsageError("no run directory given; pass -r/--run-dir RUN or set SLIMECTL_RUN_DIR")
         run = cls(path)
         if not run.path.is_dir():
-            raise RunDirError(f"run directory {run.path} does not exist; create it with `slimectl init {path} --config CFG`")
+            raise RunDirInputError(f"run directory {run.path} does not exist; create it with `slimectl init {path} --config CFG`")
         if not run.initialized:
-            raise RunDirError(f"{run.path} is not a slimectl run directory (no {RUN_FILE}); create it with `slimectl init`")
+            raise RunDirInputError(f"{run.path} is not a slimectl run directory (no {RUN_FILE}); create it with `slimectl init`")
         info = run.info()
         if info.get("contract") != CONTRACT:
             raise RunDirError(f"{run.path / RUN_FILE} is not a {CONTRACT} file")
@@ -81,13 +81,13 @@ class RunDir:
             changed = config_diff(old, config)
             if not force:
                 shown = ", ".join(changed[:6]) + (" ..." if len(changed) > 6 else "")
-                raise RunDirError(
+                raise RunDirInputError(
                     f"{run.path} already holds a different config (changed: {shown}); use a new run directory, "
                     f"override per stage with --set, or pass --force to replace the config"
                 )
             produced = {k: run.artifacts(k).ids() for k in KINDS}
             if any(produced.values()):
-                raise RunDirError(
+                raise RunDirInputError(
                     f"{run.path} already has artifacts ({', '.join(f'{len(v)} {k}' for k, v in produced.items() if v)}); "
                     f"its config cannot be replaced, even with --force: start a new run directory"
                 )
@@ -106,10 +106,10 @@ class RunDir:
         if not path.exists():
             return
         if not path.is_dir():
-            raise RunDirError(f"{path} exists and is not a directory; choose another run directory")
+            raise RunDirInputError(f"{path} exists and is not a directory; choose another run directory")
         foreign = sorted(e for e in os.listdir(path) if e not in LAYOUT_DIRS + LAYOUT_FILES)
         if foreign:
-            raise RunDirError(
+            raise RunDirInputError(
                 f"{path} is not empty and not a slimectl run directory (it holds {', '.join(foreign[:3])}); "
                 f"choose a new or empty directory"
             )
@@ -148,7 +148,7 @@ class RunDir:
         cfg = build_config(data, origin=f"run config {self.path / CONFIG_FILE}")
         expected = self.info().get("config_fingerprint")
         if expected and cfg.fingerprint() != expected:
-            raise RunDirError(
+            raise RunDirInputError(
                 f"{self.path / CONFIG_FILE} was edited by hand after init (fingerprint mismatch); "
                 f"restore it, or use --set overrides per stage"
             )

@@ -249,7 +249,7 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
         with run.lock("rollout") as lock:
             rid = next_rollout_id(run) if rollout_id is None else rollout_id
             n = cfg.rollout.num_rollout
-            extend = f"raise rollout.num_rollout (slimectl rl -r {run.path} --set rollout.num_rollout=N)"
+            extend = f"extend the run: slimectl extend -r {run.path} --num-rollout N"
             if rid >= n and rollout_id is None:
                 log.warning("the run is complete: all %d rollouts (rollout.num_rollout) are published, so there is no "
                             "rollout %d to make; to go on, %s", n, rid, extend)
