@@ -101,6 +101,26 @@ def test_hand_edited_config_is_detected(cli, run_dir):
     assert res.exit_code == 2 and "edited by hand" in res.output
 
 
+def test_a_run_made_before_a_config_key_was_added_still_opens(cli, run_dir):
+    """A newer slimectl adds keys with defaults: the run's frozen file lacks them, and that is not an edit."""
+    import hashlib
+
+    p = run_dir.path / "config.yaml"
+    data = yaml.safe_load(p.read_text())
+    del data["logging"]["wandb"], data["algorithm"]["use_unbiased_kl"]  # as an older slimectl wrote it
+    p.write_text(yaml.safe_dump(data, sort_keys=False))
+    info = json.loads((run_dir.path / "run.json").read_text())
+    info["config_fingerprint"] = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    (run_dir.path / "run.json").write_text(json.dumps(info))
+    cfg = RunDir.open(run_dir.path).config()
+    assert cfg.logging.wandb is False and cfg.algorithm.use_unbiased_kl is False  # today's defaults filled in
+    res = cli("train", "-r", run_dir.path, "--dry-run")
+    assert res.exit_code == 0, res.output
+    p.write_text(p.read_text().replace("lr: 1.0e-06", "lr: 0.5"))  # a real edit is still caught
+    res = cli("train", "-r", run_dir.path, "--dry-run")
+    assert res.exit_code == 2 and "edited by hand" in res.output
+
+
 class _Health(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         self.send_response(200 if self.path == "/health" else 404)
