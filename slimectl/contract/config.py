@@ -635,12 +635,22 @@ def _absolutize(data: dict[str, Any], base: Path) -> None:
         data["data"]["eval_data"] = {k: _absolute(v, base) if isinstance(v, str) and v else v for k, v in evals.items()}
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SlimectlConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict[str, Any] | None = None, base_origin: str = "config") -> SlimectlConfig:
     """The one config loader (``slimectl init``, ``rl --config``): a YAML file (or the defaults when
     ``path`` is None), then ``--set`` overrides (later ones win), relative paths made absolute
-    (file paths against the file's folder, --set paths against the current directory), validated."""
+    (file paths against the file's folder, --set paths against the current directory), validated.
+    ``base`` is config data made elsewhere (``init --from-slime``) in place of a file; its relative
+    paths are taken against the current directory, as the shell that ran it would."""
     data: dict[str, Any] = {}
     origin = "config"
+    if base is not None:
+        if path is not None:
+            raise ConfigError(f"--config {path} and {base_origin} both give the config; pass one of them")
+        data = json.loads(json.dumps(base))
+        origin = base_origin
+        build_config(data, origin)
+        _absolutize(data, Path.cwd())
     if path is not None:
         data = load_yaml_file(path)
         origin = f"config file {path}"

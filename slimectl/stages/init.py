@@ -7,6 +7,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slimectl.contract.config import SlimectlConfig, build_config, load_config, with_extension
 from slimectl.contract.dataspec import data_spec_path
@@ -21,6 +22,7 @@ class InitResult:
     config: SlimectlConfig
     run: RunDir | None
     outcome: str  # created | unchanged | config-replaced | dry-run
+    translation: Any = None  # the SlimeTranslation of --from-slime
 
 
 def _check_inputs(cfg: SlimectlConfig) -> None:
@@ -45,10 +47,20 @@ def _check_inputs(cfg: SlimectlConfig) -> None:
 
 def init_run(run_path: str | Path, config_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
              tiny_model: str | None = None, force: bool = False, dry_run: bool = False,
-             pretrained: str | None = None) -> InitResult:
+             pretrained: str | None = None, from_slime: str | Path | None = None) -> InitResult:
     """Resolve the config, optionally build a tiny offline model into the run (or a real pretrained
-    one into the shared cache, ``slimectl.fixtures.pretrained``), and freeze it."""
-    cfg = load_config(config_path, overrides)
+    one into the shared cache, ``slimectl.fixtures.pretrained``), and freeze it. ``from_slime``: the
+    config comes from a slime launch script (``slimectl.contract.slime_launch``); what it could not
+    map is in the result's ``translation``."""
+    translation = None
+    if from_slime is not None:
+        from slimectl.contract.slime_launch import translate_slime_script
+
+        translation = translate_slime_script(from_slime)
+        cfg = load_config(config_path, overrides, base=translation.data,
+                          base_origin=f"--from-slime {from_slime}")
+    else:
+        cfg = load_config(config_path, overrides)
     run = RunDir(run_path)
     if pretrained is not None:
         from slimectl.fixtures.pretrained import model_dir
@@ -73,7 +85,7 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
         data["model"]["path"] = str(target)
         cfg = build_config(data)
     if dry_run:
-        return InitResult(cfg, None, "dry-run")
+        return InitResult(cfg, None, "dry-run", translation)
     with StageLog() as stage_log:  # held until the run directory exists
         if tiny_model is not None:
             from slimectl.fixtures.tiny_models import build_tiny_model
@@ -106,7 +118,7 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
                 log.warning(WANDB_MISSING)
         log.debug("run directory %s: %s (config %s)", run.path, outcome, cfg.fingerprint()[:12])
         stage_log.write_to(run.log_path("init"))
-        return InitResult(cfg, run, outcome)
+        return InitResult(cfg, run, outcome, translation)
 
 
 def frozen_tiny_model(path: str | Path) -> str | None:

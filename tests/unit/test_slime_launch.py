@@ -7,6 +7,7 @@ import pytest
 
 from slimectl.contract.config import build_config
 from slimectl.contract.errors import ConfigError
+from slimectl.contract.rundir import RunDir
 from slimectl.contract.slime_launch import (SLIME_DEFAULTS, parse_launch_script, translate_slime_args,
                                             translate_slime_script)
 from tests.helpers import ROOT
@@ -145,3 +146,36 @@ def test_flags_slime_reads_only_with_another_are_dropped_with_the_reason():
                                  "--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.05", "--use-kl-loss"])
     a = kept.data["algorithm"]
     assert (a["custom_loss_function"], a["kl_coef"]) == ("pkg.mod:loss", 0.05)
+
+
+def test_init_from_slime_freezes_the_translation_and_prints_what_it_left_out(cli, tmp_path, fake_model, monkeypatch):
+    """`slimectl init RUN --from-slime LAUNCH.sh`: the slime user's first command."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "MODEL=./model\n"
+        "ARGS=(\n  --hf-checkpoint $MODEL\n  --prompt-data ./train.jsonl --label-key label\n"
+        "  --rollout-batch-size 2 --n-samples-per-prompt 4 --rollout-max-response-len 32 --num-rollout 6\n"
+        "  --advantage-estimator reinforce_plus_plus_baseline --use-opsm --opsm-delta 1e-3\n"
+        "  --router-policy round_robin\n)\n"
+        "python3 train.py --actor-num-nodes 1 --actor-num-gpus-per-node 1 --colocate ${ARGS[@]}\n")
+    res = cli("init", "--dry-run", "--from-slime", script)
+    assert res.exit_code == 0, res.output
+    assert "--router-policy" in res.stderr and "not mapped" in res.stderr
+    cfg = yaml.safe_load(res.stdout)
+    assert cfg["model"]["path"] == str(fake_model)  # ./model against the current directory, as bash would
+    assert cfg["data"]["prompt_data"] == str(tmp_path / "train.jsonl")
+    assert (cfg["rollout"]["batch_size"], cfg["rollout"]["n_samples_per_prompt"], cfg["rollout"]["num_rollout"]) == (2, 4, 6)
+    assert (cfg["algorithm"]["use_opsm"], cfg["algorithm"]["opsm_delta"]) == (True, 1e-3)
+    assert (cfg["train"]["dp"], cfg["engine"]["num_engines"], cfg["engine"]["offload_during_train"]) == (1, 1, True)
+    res = cli("init", tmp_path / "run", "--from-slime", script, "--set", "engine.backend=embedded")
+    assert res.exit_code == 0, res.output
+    frozen = RunDir.open(tmp_path / "run").config()
+    assert frozen.engine.backend == "embedded" and frozen.algorithm.advantage_estimator == "reinforce_plus_plus_baseline"
+    res = cli("init", tmp_path / "other", "--from-slime", script, "--config", script)
+    assert res.exit_code == 2 and "pass one of them" in res.output
+    res = cli("init", tmp_path / "other", "--from-slime", tmp_path / "missing.sh")
+    assert res.exit_code == 2 and "missing.sh does not exist" in res.output
