@@ -141,5 +141,20 @@ def pytest_terminal_summary(terminalreporter, config):
         tr.write_line(f"  {d:<22} {n:5d} {cpu:8.1f} {wall:8.1f}")
     total = sum(r["cpu"] for r in recs)
     tr.write_line(f"  {'total':<22} {len(recs):5d} {total:8.1f}   (2 cores: >= {total / 2:.0f} s wall)")
-    if config.cache is not None:
+    if getattr(config, "cache", None) is not None:  # absent under -p no:cacheprovider
         config.cache.set("slimectl/cpu_times", recs)
+
+
+@pytest.fixture(scope="session")
+def clean_rl_run(tmp_path_factory):
+    """One finished `slimectl rl` run of helpers.write_config's small config with 2 rollouts (tiny Qwen2,
+    in-process), shared by the tests that only read it (tests/e2e: the by-hand stages and the Ray
+    launcher compare their runs with it). Returns (RunDir, its cfg.yaml)."""
+    from slimectl.contract.rundir import RunDir
+    from tests.helpers import slimectl_in_process, write_config
+
+    d = tmp_path_factory.mktemp("clean-rl-run")
+    cfg = write_config(d, rollout={"num_rollout": 2})
+    res = slimectl_in_process("rl", "-c", cfg, "-r", d / "run", "--tiny-model", "qwen2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return RunDir.open(d / "run"), cfg
