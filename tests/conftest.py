@@ -65,3 +65,96 @@ def pytest_collection_modifyitems(items):
         return _ORDER.get(rel.parts[0], 1) if len(rel.parts) > 1 else 1
 
     items.sort(key=rank, reverse=bool(os.environ.get("PYTEST_XDIST_WORKER")))
+
+
+# --- CPU seconds per test ---------------------------------------------------------------------------------
+# Two cores give at most 2 CPU-s per wall second, so CPU seconds (this process's own + its reaped
+# children's) are the figure that decides the suite's time on 2 cores. Each phase (setup, call,
+# teardown) is measured here and carried to the controller in the test's user_properties (they
+# travel with the reports under pytest-xdist too); the summary prints the costliest tests and the
+# totals per directory, and the figures are kept in the pytest cache (key slimectl/cpu_times).
+# A child counts once reaped: Ray's cluster counts in the teardown of the test that ends its module.
+
+_CPU_KEY = "cpu_times"
+_cpu_records: list[dict] = []
+
+
+def _cpu_now() -> tuple[float, float, float]:
+    import resource
+    import time
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.monotonic(), me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def _measured(item):
+    t0, self0, kids0 = _cpu_now()
+    yield
+    t1, self1, kids1 = _cpu_now()
+    props = dict(item.user_properties).get(_CPU_KEY) or {"wall": 0.0, "self": 0.0, "children": 0.0}
+    props = {"wall": props["wall"] + t1 - t0, "self": props["self"] + self1 - self0,
+             "children": props["children"] + kids1 - kids0}
+    item.user_properties[:] = [p for p in item.user_properties if p[0] != _CPU_KEY] + [(_CPU_KEY, props)]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _measured(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _measured(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _measured(item)
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "teardown" or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # an xdist worker sends its reports on: the controller (or a plain run) collects
+    props = dict(report.user_properties).get(_CPU_KEY)
+    if props:
+        _cpu_records.append({"nodeid": report.nodeid, **{k: round(v, 2) for k, v in props.items()},
+                             "cpu": round(props["self"] + props["children"], 2)})
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not _cpu_records:
+        return
+    tr = terminalreporter
+    recs = sorted(_cpu_records, key=lambda r: -r["cpu"])
+    tr.section("CPU seconds per test (this process + reaped children)")
+    tr.write_line(f"{'cpu_s':>8} {'self_s':>8} {'child_s':>8} {'wall_s':>8}  test")
+    for r in recs[:15]:
+        tr.write_line(f"{r['cpu']:8.1f} {r['self']:8.1f} {r['children']:8.1f} {r['wall']:8.1f}  {r['nodeid']}")
+    dirs: dict[str, list[float]] = {}
+    for r in recs:
+        parts = r["nodeid"].split("::")[0].split("/")
+        d = "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+        tot = dirs.setdefault(d, [0, 0.0, 0.0])
+        tot[0], tot[1], tot[2] = tot[0] + 1, tot[1] + r["cpu"], tot[2] + r["wall"]
+    tr.write_line("per directory:  tests    cpu_s   wall_s (summed over tests)")
+    for d, (n, cpu, wall) in sorted(dirs.items(), key=lambda kv: -kv[1][1]):
+        tr.write_line(f"  {d:<22} {n:5d} {cpu:8.1f} {wall:8.1f}")
+    total = sum(r["cpu"] for r in recs)
+    tr.write_line(f"  {'total':<22} {len(recs):5d} {total:8.1f}   (2 cores: >= {total / 2:.0f} s wall)")
+    if getattr(config, "cache", None) is not None:  # absent under -p no:cacheprovider
+        config.cache.set("slimectl/cpu_times", recs)
+
+
+@pytest.fixture(scope="session")
+def clean_rl_run(tmp_path_factory):
+    """One finished `slimectl rl` run of helpers.write_config's small config with 2 rollouts (tiny Qwen2,
+    in-process), shared by the tests that only read it (tests/e2e: the by-hand stages and the Ray
+    launcher compare their runs with it). Returns (RunDir, its cfg.yaml)."""
+    from slimectl.contract.rundir import RunDir
+    from tests.helpers import slimectl_in_process, write_config
+
+    d = tmp_path_factory.mktemp("clean-rl-run")
+    cfg = write_config(d, rollout={"num_rollout": 2})
+    res = slimectl_in_process("rl", "-c", cfg, "-r", d / "run", "--tiny-model", "qwen2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return RunDir.open(d / "run"), cfg

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from slimectl.contract.rundir import RunDir
-from tests.helpers import ARITH, ROOT, free_port, read_jsonl
+from tests.helpers import ARITH, ROOT, free_port, read_jsonl, slimectl_in_process
 
 RECIPE = ROOT / "examples" / "multinode"
 SERVE_ADDR = "127.0.0.2"  # the serve "host"; train and sync live on 127.0.0.1
@@ -37,9 +37,8 @@ def init_run(tmp_path: Path, num_rollout: int, *sets: str) -> RunDir:
            "logging": {"tensorboard": False}}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    res = subprocess.run([sys.executable, "-m", "slimectl", "init", str(tmp_path / "run"), "-c", str(path),
-                          "--tiny-model", "qwen2", *[x for s in sets for x in ("--set", s)]],
-                         capture_output=True, text=True, timeout=120)
+    res = slimectl_in_process("init", tmp_path / "run", "-c", path, "--tiny-model", "qwen2",
+                              *[x for s in sets for x in ("--set", s)])  # in-process: no interpreter start to pay
     assert res.returncode == 0, res.stderr[-2000:]
     return RunDir.open(tmp_path / "run")
 

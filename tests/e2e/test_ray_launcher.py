@@ -100,7 +100,7 @@ def wait_gone(pids, timeout=30.0) -> list[int]:
 
 
 @pytest.mark.slow
-def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_killed(tmp_path, cluster):
+def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_killed(tmp_path, cluster, clean_rl_run):
     cfg = write_config(tmp_path, rollout={"num_rollout": 2})
     path = tmp_path / "run"
     ray_args = ("--launcher", "ray", "--address", cluster.address)
@@ -131,9 +131,8 @@ def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_kille
     assert wait_gone([where2["trainer"], where2["engine_actor"], where2["engine"]]) == []
 
     # 3. the same run directory as the local launcher makes from the same config
-    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "local", "--tiny-model", "qwen2")
-    assert res.returncode == 0, res.stderr[-3000:]
-    local = RunDir.open(tmp_path / "local")
+    local, local_cfg = clean_rl_run  # `rl` on the local launcher (made once, shared read-only)
+    assert local_cfg.read_text() == cfg.read_text()
     for kind in ("rollouts", "checkpoints", "weights"):
         assert getattr(run, kind).ids() == getattr(local, kind).ids(), kind
     for stage in ("rollout", "train", "sync", "rl"):
@@ -206,9 +205,29 @@ def test_placement_layout_colocated_shares_bundles_disaggregated_separates_them(
         placement_layout(num_engines=1, trainer_ranks=1, colocate=True, trainer_gpus=1, engine_gpus=2)
 
 
+@pytest.fixture(scope="module")
+def one_rank_reference(tmp_path_factory):
+    """The one-rank local run a two-rank Ray run is compared with, made once per sync transport for
+    the module (tp and pp share the distributed one: the same config, so the same run)."""
+    runs: dict[str, RunDir] = {}
+
+    def get(sections: dict) -> RunDir:
+        key = sections["sync"]["transport"]
+        if key not in runs:
+            d = tmp_path_factory.mktemp(f"one-rank-{key}")
+            cfg1 = write_config(d, train={"lr": 1e-3}, **sections)  # the same config, one trainer rank
+            local = slimectl_in_process("rl", "-c", cfg1, "-r", d / "local", "--tiny-model", "qwen2")
+            assert local.returncode == 0, local.stderr[-3000:]
+            runs[key] = RunDir.open(d / "local")
+        return runs[key]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("split,transport", [("tp", "distributed"), ("pp", "distributed"), ("dp", "disk")])
-def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, cluster, split, transport):
+def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, cluster, one_rank_reference, split,
+                                                                  transport):
     """train.tp=2, pp=2 or dp=2 under Ray: two trainer actors, one per node (the colocated group's
     two bundles), form one torch.distributed job. Rank 0 holds the lock and writes the run
     directory; rank 1 joins the training, the publishing of weights/N (disk) or the TP gathers /
@@ -236,10 +255,7 @@ def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, clus
     train = read_jsonl(run.metrics_path("train"))
     assert [r["step"] for r in train] == [1, 2]  # one record per step: rank 1 logs nothing
 
-    cfg1 = write_config(tmp_path, train={"lr": 1e-3}, **sections)  # the same config, one trainer rank
-    local = slimectl_in_process("rl", "-c", cfg1, "-r", tmp_path / "local", "--tiny-model", "qwen2")
-    assert local.returncode == 0, local.stderr[-3000:]
-    ref = RunDir.open(tmp_path / "local")
+    ref = one_rank_reference(sections)
     assert [run.rollouts.get(i).meta["reward_mean"] for i in (0, 1)] == \
            [ref.rollouts.get(i).meta["reward_mean"] for i in (0, 1)]
     for got, want in zip(train, read_jsonl(ref.metrics_path("train")), strict=True):

@@ -59,13 +59,9 @@ def test_rl_one_step_off_async_with_distributed_sync(tmp_path):
     assert "rollout 3: reward" in rollout_log and "(rollout 2)" not in rollout_log
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("marker", ["rollout 1:", "step 2 ", "rl 2/4"])
-def test_kill_9_then_rerun_trains_each_rollout_once(tmp_path, marker):
-    """kill -9 right after `marker` on stderr: during train ("rollout 1:" = rollout 1 just published),
-    during publish/sync ("step 2 " = step done), during the next rollout ("rl 2/4")."""
-    cfg = write_config(tmp_path, rollout={"num_rollout": 4})
-    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "rl", "-c", str(cfg), "-r", str(tmp_path / "run"),
+def _rl_until(cfg, path, marker: str, sig: int) -> tuple[subprocess.Popen, list[str]]:
+    """`slimectl rl` as a subprocess, sent SIG right after MARKER appears on its stderr, waited for."""
+    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "rl", "-c", str(cfg), "-r", str(path),
                              "--tiny-model", "qwen2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     seen = []
     deadline = time.monotonic() + 300
@@ -76,25 +72,50 @@ def test_kill_9_then_rerun_trains_each_rollout_once(tmp_path, marker):
                 break
             seen.append(line)
             if marker in line:
-                proc.kill()
+                proc.send_signal(sig)
                 break
+        if sig != signal.SIGKILL:  # (after kill -9 an orphaned engine may hold the pipe open a while)
+            seen.extend(proc.stderr)  # the rest, until the process closes it
+        proc.wait(timeout=120)
     finally:
         proc.kill()
         proc.wait()
     assert any(marker in x for x in seen), "".join(seen)[-3000:]
-    run = RunDir.open(tmp_path / "run")
-    deadline = time.monotonic() + 20
-    while engine_pids(run) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert engine_pids(run) == []  # the engine noticed its parent died
-    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run")
+    return proc, seen
+
+
+@pytest.mark.slow
+def test_kill_9_at_three_points_then_sigterm_each_rerun_resumes_and_trains_each_rollout_once(tmp_path):
+    """One run, stopped four times (one driver start each instead of four runs from scratch):
+    kill -9 right after a marker on stderr during train ("rollout 1:" = rollout 1 just published),
+    during publish/sync ("step 3 " = step done), during the next rollout ("rl 4/6"), each rerun
+    resuming where the last left off; then SIGTERM ("rl 5/6"), which stops every stage cleanly
+    (exit 143 with the command that resumes it, options kept; no engine, no lock). The last rerun finishes, every rollout trained once."""
+    cfg = write_config(tmp_path, rollout={"num_rollout": 6})
+    path = tmp_path / "run"
+    for i, marker in enumerate(["rollout 1:", "step 3 ", "rl 4/6"]):
+        proc, seen = _rl_until(cfg, path, marker, signal.SIGKILL)
+        assert proc.returncode == -signal.SIGKILL, "".join(seen)[-3000:]
+        assert i == 0 or any("resuming at rollout" in x for x in seen), "".join(seen)[-3000:]
+        run = RunDir.open(path)
+        deadline = time.monotonic() + 20
+        while engine_pids(run) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert engine_pids(run) == [], marker  # the engine noticed its parent died
+    proc, seen = _rl_until(cfg, path, "rl 5/6", signal.SIGTERM)
+    assert proc.returncode == 143, "".join(seen)[-3000:]  # 128 + SIGTERM
+    assert f"interrupted; resume with: slimectl rl -c {cfg} -r {path} --tiny-model qwen2" in "".join(seen)
+    assert run.engines.list() == [] and engine_pids(run) == []
+    assert not list((run.path / "locks").glob("*.lock"))
+    assert run.cursor("train").read().next < 6  # stopped before the end
+    res = slimectl_in_process("rl", "-c", cfg, "-r", path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming at rollout" in res.stderr
-    assert_trained_once(run, 4)
+    assert_trained_once(run, 6)
     assert engine_pids(run) == []
 
 
-def test_stages_by_hand_make_the_same_artifacts_as_rl(tmp_path):
+def test_stages_by_hand_make_the_same_artifacts_as_rl(tmp_path, clean_rl_run):
 
     cfg = write_config(tmp_path, rollout={"num_rollout": 2})
     assert slimectl_in_process("init", tmp_path / "hand", "-c", cfg, "--tiny-model", "qwen2").returncode == 0
@@ -114,9 +135,8 @@ def test_stages_by_hand_make_the_same_artifacts_as_rl(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "rl", "--tiny-model", "qwen2")
-    assert res.returncode == 0, res.stderr[-2000:]
-    auto = RunDir.open(tmp_path / "rl")
+    auto, auto_cfg = clean_rl_run  # `rl` from scratch on the same config (made once, shared read-only)
+    assert auto_cfg.read_text() == cfg.read_text()
     for kind in ("rollouts", "checkpoints", "weights"):
         assert (auto.path / kind).is_dir() and (hand.path / kind).is_dir()
     from safetensors.torch import load_file
@@ -181,29 +201,6 @@ def test_rl_refuses_bad_input(tmp_path):
     cfg = write_config(tmp_path, rollout={"async_mode": "two_step"})
     res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
     assert res.returncode == 2 and "rollout.async_mode" in res.stderr
-
-
-@pytest.mark.slow
-def test_sigterm_stops_every_stage_cleanly_and_rerun_resumes(tmp_path):
-    cfg = write_config(tmp_path, rollout={"num_rollout": 4})
-    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "rl", "-c", str(cfg), "-r", str(tmp_path / "run"),
-                             "--tiny-model", "qwen2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    err = []
-    for line in proc.stderr:
-        err.append(line)
-        if "rl 1/4" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    err.extend(proc.stderr)  # the rest, until the process closes it
-    proc.wait(timeout=120)
-    assert proc.returncode == 143, "".join(err)[-3000:]  # 128 + SIGTERM
-    assert f"interrupted; resume with: slimectl rl -c {cfg} -r {tmp_path / 'run'} --tiny-model qwen2" in "".join(err)
-    run = RunDir.open(tmp_path / "run")
-    assert run.engines.list() == [] and engine_pids(run) == []
-    assert not list((run.path / "locks").glob("*.lock"))
-    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert_trained_once(run, 4)
 
 
 def test_on_policy_distillation_takes_teacher_log_probs_and_shapes_advantages(tmp_path):
