@@ -72,3 +72,46 @@ def test_a_stage_start_removes_dead_writers_debris_and_status_lists_the_live_one
     assert len(said) == 1 and ".staging/checkpoints.000004.deadbeef" in said[0] and "freed" in said[0], rec.lines
     assert re.search(r"\(3\.\d KB freed\)", said[0]), said  # the 3000-byte shard and the writer record
     assert [d["name"] for d in collect_status(run_dir, probe=False)["staging_in_use"]] == ["rollouts.000002.cafe"]
+
+
+# ----------------------------------------------------------------------------- dataset specs and files
+
+ARITH = Path(__file__).resolve().parents[2] / "examples" / "data" / "arith.jsonl"
+
+
+def test_a_bad_eval_slice_fails_at_init_naming_its_key(cli, fake_model, tmp_path):
+    res = cli("init", tmp_path / "run", "--set", f"model.path={fake_model}",
+              "--set", f'data.eval_data={{"arith": "{ARITH}@[0:x]"}}')
+    assert res.exit_code == 2, res.output
+    assert f"data.eval_data.arith = {ARITH}@[0:x]: the row slice @[0:x] is not [a:b]" in res.output, res.output
+    assert res.output.strip().count("\n") == 0 and not (tmp_path / "run" / "run.json").exists()
+    res = cli("init", tmp_path / "run2", "--set", f"model.path={fake_model}", "--set", f"data.prompt_data={ARITH}@[1:2:3]")
+    assert res.exit_code == 2 and "data.prompt_data = " in res.output and "row slice @[1:2:3]" in res.output, res.output
+
+
+def test_one_slice_parser_for_data_and_eval(tmp_path):
+    from slimectl.contract.dataspec import DataSpecError, parse_data_spec
+    from slimectl.stages.rollout.data import DatasetError, load_prompts
+
+    assert parse_data_spec("a.jsonl@[2:-1]") == ("a.jsonl", slice(2, -1), "@[2:-1]")
+    assert parse_data_spec("a.jsonl") == ("a.jsonl", slice(None), "")
+    with pytest.raises(DataSpecError, match=r"data.eval_data.x = a.jsonl@\[0:x\]: the row slice"):
+        parse_data_spec("a.jsonl@[0:x]", "data.eval_data.x")
+    with pytest.raises(DataSpecError, match="data.eval_data.x"):
+        load_prompts(f"{ARITH}@[a:b]", "prompt", key="data.eval_data.x")
+    with pytest.raises(DatasetError, match=r"data.eval_data.x = .*@\[5:2\]: the row slice @\[5:2\] selects no rows"):
+        load_prompts(f"{ARITH}@[5:2]", "prompt", key="data.eval_data.x")
+    with pytest.raises(DatasetError, match=r"does not exist; check data.eval_data.x"):
+        load_prompts(str(tmp_path / "none.jsonl"), key="data.eval_data.x")
+
+
+def test_a_non_utf8_dataset_line_is_named(tmp_path):
+    from slimectl.stages.rollout.data import DatasetError, load_prompts
+
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"input": "ok", "label": "1"}\n{"input": "caf\xe9", "label": "2"}\n')
+    with pytest.raises(DatasetError) as err:
+        load_prompts(str(p))
+    assert f"{p} line 2: not UTF-8 text (byte 0xe9 at column 15)" in str(err.value), err.value
+    rows, skipped = load_prompts(str(p), skip_bad_rows=True)
+    assert [r.prompt for r in rows] == ["ok"] and skipped == 1
