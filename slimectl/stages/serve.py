@@ -263,8 +263,9 @@ class EngineGroup:
             self._register(f"external-{i}", url.rstrip("/"), None, version)
 
     def _register(self, name: str, url: str, pid: int | None, version: str = INITIAL_WEIGHT_VERSION) -> None:
+        extra = {"log": str(self.run.path / "logs" / f"{name}.log")} if pid is not None else {}  # for "its process died"
         rec = self.run.engines.register(EngineRecord(url=url, backend=self.backend, pid=pid, weight_version=version,
-                                                     id=f"{name}-{os.getpid()}"))
+                                                     id=f"{name}-{os.getpid()}", extra=extra))
         self.engines.append(ServedEngine(rec.id, url, self.backend, pid))
         log.info("engine %s ready at %s (%s)", rec.id, url, self.backend)
 

@@ -115,3 +115,83 @@ def test_a_non_utf8_dataset_line_is_named(tmp_path):
     assert f"{p} line 2: not UTF-8 text (byte 0xe9 at column 15)" in str(err.value), err.value
     rows, skipped = load_prompts(str(p), skip_bad_rows=True)
     assert [r.prompt for r in rows] == ["ok"] and skipped == 1
+
+
+# ----------------------------------------------------------------------------- an engine dying mid-rollout
+
+_SILENT_ENGINE = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 0))
+s.listen(256)
+print(s.getsockname()[1], flush=True)
+held = []
+while True:
+    held.append(s.accept()[0])  # takes the requests, never answers: they are in flight when it dies
+"""
+
+
+def test_an_engine_that_dies_mid_rollout_is_named_once_with_its_log(run_dir):
+    import asyncio
+    import gc
+    import signal
+    from types import SimpleNamespace
+
+    from slimectl.contract.rundir.registry import EngineRecord
+    from slimectl.contract.samples import Sample
+    from slimectl.engines.client import EngineError
+    from slimectl.stages.rollout.generate import EnginePool, default_generate, generate_batch
+
+    proc = subprocess.Popen([sys.executable, "-c", _SILENT_ENGINE], stdout=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+        log_path = run_dir.path / "logs" / "engine-0.log"
+        run_dir.engines.register(EngineRecord(url=url, backend="embedded", pid=proc.pid, id="engine-0-1",
+                                              extra={"log": str(log_path)}))
+        rec, logger = _Records(), logging.getLogger("slimectl")
+        rec.setLevel(logging.WARNING)
+        logger.addHandler(rec)
+        unretrieved: list[str] = []
+
+        async def main():
+            asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx["message"]))
+            pool = EnginePool([url], registry=run_dir.engines)
+            args = SimpleNamespace(pool=pool)
+            groups = [[Sample(group_index=g, index=2 * g + j, rollout_id=0, tokens=[5, 6, 7], prompt="p")
+                       for j in range(2)] for g in range(16)]
+
+            async def reward(samples):
+                return None
+
+            async def kill_when_in_flight():
+                while pool.inflight[url] < 32:
+                    await asyncio.sleep(0.02)
+                os.kill(proc.pid, signal.SIGKILL)
+                await asyncio.to_thread(proc.wait)
+
+            killer = asyncio.ensure_future(kill_when_in_flight())
+            try:
+                with pytest.raises(EngineError) as err:
+                    await generate_batch(args, lambda: groups, 16, {"max_new_tokens": 4}, default_generate, reward, None,
+                                         max_rounds=1)
+            finally:
+                await killer
+                await pool.close()
+            message = str(err.value)
+            del err  # its traceback holds the finished tasks; collected, an unretrieved one would complain
+            gc.collect()
+            return message
+
+        try:
+            message = asyncio.run(main())
+            gc.collect()
+        finally:
+            logger.removeHandler(rec)
+    finally:
+        proc.kill()
+        proc.wait()
+    said = f"engine engine-0-1 at {url}: its process (pid {proc.pid}) died; its log: {log_path}"
+    assert said in message, message
+    assert len(rec.lines) == 1 and said in rec.lines[0], rec.lines  # once, not once per request in flight
+    assert not [m for m in unretrieved if "never retrieved" in m], unretrieved
