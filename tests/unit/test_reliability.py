@@ -195,3 +195,68 @@ def test_an_engine_that_dies_mid_rollout_is_named_once_with_its_log(run_dir):
     assert said in message, message
     assert len(rec.lines) == 1 and said in rec.lines[0], rec.lines  # once, not once per request in flight
     assert not [m for m in unretrieved if "never retrieved" in m], unretrieved
+
+
+# ----------------------------------------------------------------------------- the harness's event loop
+
+
+def _tiny_chat_tokenizer():
+    """A real (fast) tokenizer with a chat template, built in milliseconds: whitespace words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<|im_end|>", "hello", "world", "user:"])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>")
+    tok.chat_template = "{% for m in messages %}user: {{ m['content'] }} {% endfor %}"
+    return tok
+
+
+class _ThreadRecorder:
+    """The tokenizer, recording which thread renders and encodes (it delegates everything)."""
+
+    def __init__(self, tok):
+        self._tok, self.threads = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def apply_chat_template(self, *args, **kwargs):
+        import threading
+
+        self.threads.append(("render", threading.get_ident()))
+        return self._tok.apply_chat_template(*args, **kwargs)
+
+    def encode(self, *args, **kwargs):
+        import threading
+
+        self.threads.append(("encode", threading.get_ident()))
+        return self._tok.encode(*args, **kwargs)
+
+
+def test_the_harness_tokenises_long_messages_off_the_event_loop():
+    import asyncio
+    import threading
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from slimectl.agents.harness import Harness
+    from slimectl.stages.rollout.generate import EnginePool
+
+    tok = _ThreadRecorder(_tiny_chat_tokenizer())
+
+    async def main():
+        loop_thread = threading.get_ident()
+        pool = EnginePool(["http://127.0.0.1:9"])  # nothing listens: the request fails after tokenising
+        harness = Harness(pool, tok, "tiny")
+        async with TestClient(TestServer(harness.app)) as client:
+            resp = await client.post("/sessions/s1/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "hello world " * 50_000}]})
+            assert resp.status >= 500, await resp.text()  # no engine: but the prompt was tokenised first
+        await pool.close()
+        return loop_thread
+
+    loop_thread = asyncio.run(main())
+    assert {what for what, _ in tok.threads} == {"render", "encode"}, tok.threads
+    assert all(ident != loop_thread for _, ident in tok.threads), "tokenised on the event loop"
