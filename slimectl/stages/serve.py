@@ -156,6 +156,10 @@ class EngineGroup:
             self.model_path, self.weight_version = self._resolve_weights()
             if not self.model_path or not Path(self.model_path).is_dir():
                 raise UsageError(f"model.path = {self.model_path}: no such model directory for the engines")
+            if not self.token and ec.host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning("engines listen on %s without a token: anyone who can reach them can replace or read their "
+                            "weights; set %s (engine.token_env) to require one", ec.host or "all interfaces",
+                            ec.token_env)
             self._check_ports()
         try:
             if self.backend == "external":

@@ -187,6 +187,10 @@ def test_admin_endpoints_need_the_token(engine):
     assert status == 401 and "admin token" in body["error"]["message"]
     status, _ = call(engine, "POST", "/pause_generation", {"mode": "in_place"}, token="wrong")
     assert status == 401
+    status, _ = call(engine, "POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2}, token=None)
+    assert status == 401  # reading the weights out is an admin call too
+    status, body = call(engine, "POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2})
+    assert status == 200 and body, body
     status, _ = call(engine, "POST", "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}}, token=None)
     assert status == 200  # generation itself is open
 

@@ -260,3 +260,45 @@ def test_the_harness_tokenises_long_messages_off_the_event_loop():
     loop_thread = asyncio.run(main())
     assert {what for what, _ in tok.threads} == {"render", "encode"}, tok.threads
     assert all(ident != loop_thread for _, ident in tok.threads), "tokenised on the event loop"
+
+
+# ----------------------------------------------------------------------------- smaller ones (bug 9)
+
+
+def test_the_buffer_and_import_refuse_a_negative_group_index():
+    from slimectl.contract.errors import SlimectlError
+    from slimectl.contract.samples import Sample
+    from slimectl.stages.rollout.importer import check_sample
+
+    s = Sample(group_index=-3, index=0, rollout_id=0, tokens=[5, 6, 7], prompt="p")
+    s.append_response_tokens([8], [-0.1], True, {})
+    s.reward = 1.0
+    with pytest.raises(SlimectlError, match="trajectory 0: group_index must be >= 0, got -3"):
+        check_sample("trajectory 0", s, None, None)
+    s.group_index = 3
+    check_sample("trajectory 0", s, None, None)
+
+
+def test_serve_on_all_interfaces_without_a_token_warns(run_dir, fake_model, monkeypatch):
+    import socket
+
+    from slimectl.contract.config import apply_overrides, build_config
+    from slimectl.contract.errors import UsageError
+    from slimectl.stages.serve import EngineGroup
+
+    with socket.socket() as held:  # engine.port is taken: start() stops right after its checks
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = run_dir.config()
+        cfg = build_config(apply_overrides(cfg.to_dict(), ["engine.host=0.0.0.0", f"engine.port={port}"]), "test")
+        monkeypatch.delenv(cfg.engine.token_env, raising=False)
+        rec, logger = _Records(), logging.getLogger("slimectl")
+        logger.addHandler(rec)
+        try:
+            with pytest.raises(UsageError, match="already in use"):
+                EngineGroup(run_dir, cfg).start()
+        finally:
+            logger.removeHandler(rec)
+    warned = [line for line in rec.lines if "without a token" in line]
+    assert len(warned) == 1 and "0.0.0.0" in warned[0] and cfg.engine.token_env in warned[0], rec.lines

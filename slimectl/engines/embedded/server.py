@@ -42,6 +42,7 @@ ADMIN_PATHS = {
     "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update", "/update_weight_version",
     "/pause_generation", "/continue_generation", "/abort_request", "/flush_cache",
     "/release_memory_occupation", "/resume_memory_occupation",
+    "/get_weights_by_name",  # reads the weights out: not for anyone who can reach the port
 }
 
 
