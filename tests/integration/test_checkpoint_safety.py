@@ -64,6 +64,19 @@ def test_a_pickle_payload_in_metadata_is_refused_and_runs_nothing(ckpt, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_a_pickle_payload_in_common_pt_is_refused_and_runs_nothing(ckpt, tmp_path):
+    import torch
+
+    d = _copy(ckpt, tmp_path)
+    marker = tmp_path / "PWNED"
+    torch.save({"checkpoint_version": 3.0, "x": _Payload(marker)}, d / "release" / "common.pt")
+    res = slimectl_in_process("export", "--checkpoint", d, "--out", tmp_path / "out")
+    line = _one_error_line(res)
+    assert res.returncode == 2, line
+    assert f"{d / 'release'}: refused to load" in line, line
+    assert not marker.exists()
+
+
 def test_a_pickle_payload_in_a_byte_item_is_not_run():
     # torch's DefaultLoadPlanner.load_bytes (RNG states, optimizer groups inside *.distcp) used
     # torch.load(weights_only=False); now it is weights_only for the whole process.

@@ -629,6 +629,15 @@ def _load_failure(it_dir, exc: BaseException) -> SlimectlError:
     for err in causes:
         if isinstance(err, SlimectlError):
             return err
+    import pickle
+
+    for err in causes:
+        if isinstance(err, pickle.UnpicklingError) and "weights only" in str(err).lower():
+            return UnsafeCheckpoint(
+                f"{it_dir}: refused to load: a file there holds objects other than tensors and plain values "
+                f"({str(err).strip().splitlines()[0][:200]}; slimectl runs no code from checkpoints); the checkpoint "
+                f"is damaged or malicious: get it again from a source you trust, or re-create it with "
+                f"`slimectl convert`/`train`")
     real = [e for e in causes if not type(e).__name__.startswith("CheckpointException")] or causes
     return MegatronCheckpointError(
         f"cannot load the torch_dist checkpoint {it_dir}: {_first_line(real[-1])}; "
