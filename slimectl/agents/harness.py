@@ -111,6 +111,7 @@ class Harness:
         self._out_groups: dict[Any, int] = {}
         self._write_lock = asyncio.Lock()
         self._publish_lock = asyncio.Lock()
+        self._tok_thread = None  # created on first use (see _off_loop)
         self.app = web.Application(middlewares=[self._middleware], client_max_size=64 * 2**20)
         r = self.app.router
         r.add_get("/health", self.health)
@@ -157,6 +158,15 @@ class Harness:
             raise HarnessError(400, "the request body must be a JSON object")
         return body
 
+    async def _off_loop(self, fn, *args):
+        """``fn(*args)`` in the harness's tokenizer thread: one at a time (a fast tokenizer must not
+        be used from two threads at once), never on the event loop."""
+        if self._tok_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._tok_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-harness-tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(self._tok_thread, fn, *args)
+
     def _decode(self, ids: list[int]) -> str:
         # Special tokens are kept so the text round-trips through the chat template exactly.
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -200,7 +210,9 @@ class Harness:
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise HarnessError(400, "'tools' must be a list of tool definitions", param="tools")
-        text = self._render(messages, tools or None)
+        # Rendering and tokenising a long conversation takes seconds: do it off the event loop, so
+        # other sessions (and /health) are served meanwhile.
+        text = await self._off_loop(self._render, messages, tools or None)
 
         sess = self.sessions.get(sid)
         if sess is None:
@@ -212,10 +224,10 @@ class Harness:
             seg, cut, matched = self._continuation(sess, text)
             if seg is not None:
                 kept = seg.sample.tokens[: len(seg.sample.tokens) - cut]
-                observed = self._encode(text[matched:])
+                observed = await self._off_loop(self._encode, text[matched:])
                 input_ids = kept + observed
             else:
-                input_ids = self._encode(text)
+                input_ids = await self._off_loop(self._encode, text)
             out = await self._generate(input_ids, params)
             reply = self._split(out["output_ids"], out["meta_info"].get("finish_reason") or {})
             meta = out["meta_info"]
@@ -545,7 +557,7 @@ def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path,
 
     async def main() -> None:
         pool = EnginePool([u.rstrip("/") for u in engine_urls], token=engine_token)
-        runner = None
+        runner = harness = None
         try:
             harness = Harness(pool, tokenizer, name, api_key=api_key, out_path=out_path, run=run, config=config,
                               default_max_tokens=default_max_tokens, overwrite=overwrite)
@@ -569,6 +581,8 @@ def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path,
         finally:
             if runner is not None:
                 await runner.cleanup()
+            if harness is not None and harness._tok_thread is not None:
+                harness._tok_thread.shutdown(wait=False)
             await pool.close()
 
     asyncio.run(main())

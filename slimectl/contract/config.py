@@ -617,9 +617,9 @@ PATH_KEYS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _absolute(value: str, base: Path) -> str:
-    """``value`` (a path, or a dataset spec ``path@[a:b]``) made absolute against ``base``."""
-    path, _, rows = parse_data_spec(value)
+def _absolute(value: str, base: Path, key: str | None = None) -> str:
+    """``value`` (a path, or a dataset spec ``path@[a:b]``; ``key`` names it in errors) made absolute against ``base``."""
+    path, _, rows = parse_data_spec(value, key)
     p = Path(os.path.expanduser(path))
     return value if p.is_absolute() else str((base / p).resolve()) + rows
 
@@ -629,10 +629,10 @@ def _absolutize(data: dict[str, Any], base: Path) -> None:
     for section, key in PATH_KEYS:
         sec = data.get(section)
         if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key]:
-            sec[key] = _absolute(sec[key], base)
+            sec[key] = _absolute(sec[key], base, f"{section}.{key}")
     evals = data["data"].get("eval_data") if isinstance(data.get("data"), dict) else None
     if isinstance(evals, dict):
-        data["data"]["eval_data"] = {k: _absolute(v, base) if isinstance(v, str) and v else v for k, v in evals.items()}
+        data["data"]["eval_data"] = {k: _absolute(v, base, f"data.eval_data.{k}") if isinstance(v, str) and v else v for k, v in evals.items()}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),

@@ -28,7 +28,8 @@ class EngineClient:
     """``async with EngineClient(url) as c: await c.generate(...)``."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 600.0, retries: int = 3,
-                 backoff: float = 0.5, session: aiohttp.ClientSession | None = None):
+                 backoff: float = 0.5, session: aiohttp.ClientSession | None = None,
+                 retry_log_level: int = logging.WARNING):
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
@@ -36,6 +37,7 @@ class EngineClient:
         self.backoff = backoff
         self._session = session
         self._own_session = session is None
+        self.retry_log_level = retry_log_level  # a pool that reports failures itself asks for DEBUG
 
     async def __aenter__(self) -> "EngineClient":
         return self
@@ -71,7 +73,8 @@ class EngineClient:
                                    error=EngineError, status=resp.status)
 
         def on_retry(n: int, exc: BaseException, delay: float) -> None:
-            log.warning("engine %s: %s on %s %s; retrying in %.1f s", self.url, type(exc).__name__, method, path, delay)
+            log.log(self.retry_log_level, "engine %s: %s on %s %s; retrying in %.1f s", self.url, type(exc).__name__,
+                    method, path, delay)
 
         attempts = self.retries + 1
         try:

@@ -156,6 +156,10 @@ class EngineGroup:
             self.model_path, self.weight_version = self._resolve_weights()
             if not self.model_path or not Path(self.model_path).is_dir():
                 raise UsageError(f"model.path = {self.model_path}: no such model directory for the engines")
+            if not self.token and ec.host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning("engines listen on %s without a token: anyone who can reach them can replace or read their "
+                            "weights; set %s (engine.token_env) to require one", ec.host or "all interfaces",
+                            ec.token_env)
             self._check_ports()
         try:
             if self.backend == "external":
@@ -263,8 +267,9 @@ class EngineGroup:
             self._register(f"external-{i}", url.rstrip("/"), None, version)
 
     def _register(self, name: str, url: str, pid: int | None, version: str = INITIAL_WEIGHT_VERSION) -> None:
+        extra = {"log": str(self.run.path / "logs" / f"{name}.log")} if pid is not None else {}  # for "its process died"
         rec = self.run.engines.register(EngineRecord(url=url, backend=self.backend, pid=pid, weight_version=version,
-                                                     id=f"{name}-{os.getpid()}"))
+                                                     id=f"{name}-{os.getpid()}", extra=extra))
         self.engines.append(ServedEngine(rec.id, url, self.backend, pid))
         log.info("engine %s ready at %s (%s)", rec.id, url, self.backend)
 

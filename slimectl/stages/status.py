@@ -88,6 +88,7 @@ def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dic
         if holder is not None:
             locks[stage] = {k: holder.get(k) for k in ("host", "pid", "acquired", "heartbeat_age_s", "stale")}
     out["running"] = locks
+    out["staging_in_use"] = run.staging_in_use()  # leftovers not provably dead (a live or unknown writer)
     metrics = {}
     for p in sorted((run.path / "metrics").glob("*.jsonl")):
         rec = last_metrics(p)
@@ -201,6 +202,8 @@ def format_status(st: dict[str, Any]) -> str:
     for stage, h in st["running"].items():
         state = "STALE" if h["stale"] else "running"
         lines.append(f"{stage:<10} {state}: pid {h['pid']}@{h['host']} since {h['acquired']} (heartbeat {h['heartbeat_age_s']} s ago)")
+    lines += [f"staging    .staging/{d['name']}: {d['bytes']} bytes, writer {d['stage']} pid {d['pid']}@{d['host']} "
+              f"not provably dead (removed at a stage's start once it is)" for d in st.get("staging_in_use", [])]
     for stage, m in st["last_metrics"].items():
         shown = ", ".join(f"{k}={_fmt_metric(v)}" for k, v in m.items() if k not in ("time",))
         lines.append(f"metrics    {stage}: {shown}")

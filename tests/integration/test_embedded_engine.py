@@ -161,11 +161,36 @@ def test_error_bodies_and_unknown_routes(engine):
     assert status == 200 and len(body["output_ids"]) == 2
 
 
+def test_an_oversized_body_is_413_and_the_engine_keeps_serving(engine):
+    import urllib.error
+    import urllib.request
+
+    from slimectl.engines.embedded.server import MAX_BODY_BYTES
+
+    body = b'{"text": "' + b"a" * (MAX_BODY_BYTES + 1024) + b'"}'
+    req = urllib.request.Request(engine + "/generate", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            status, answer = resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        status, answer = exc.code, json.loads(exc.read() or b"null")
+    except (ConnectionResetError, BrokenPipeError, urllib.error.URLError) as exc:
+        raise AssertionError(f"the engine dropped the connection instead of answering 413: {exc}") from None
+    assert status == 413 and f"larger than the engine's limit of {MAX_BODY_BYTES} bytes" in answer["error"]["message"], answer
+    status, out = call(engine, "POST", "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert status == 200 and len(out["output_ids"]) == 2
+
+
 def test_admin_endpoints_need_the_token(engine):
     status, body = call(engine, "POST", "/update_weights_from_disk", {"model_path": "/x"}, token=None)
     assert status == 401 and "admin token" in body["error"]["message"]
     status, _ = call(engine, "POST", "/pause_generation", {"mode": "in_place"}, token="wrong")
     assert status == 401
+    status, _ = call(engine, "POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2}, token=None)
+    assert status == 401  # reading the weights out is an admin call too
+    status, body = call(engine, "POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2})
+    assert status == 200 and body, body
     status, _ = call(engine, "POST", "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}}, token=None)
     assert status == 200  # generation itself is open
 

@@ -353,31 +353,60 @@ class ArtifactStore:
             self.remove(i)
         return doomed
 
-    def cleanup_incomplete(self) -> list[int]:
-        """Remove renamed-but-unmarked artifacts whose writer is dead (a crash between steps 3 and 5)."""
+    def cleanup_incomplete(self, sizes: dict[int, int] | None = None) -> list[int]:
+        """Remove renamed-but-unmarked artifacts whose writer is dead (a crash between steps 3 and 5).
+        ``sizes`` (if given) receives each removed one's bytes."""
         removed = []
         for i, p in self._scan():
             if (p / READY).is_file():
                 continue
             if not writer_alive(self._read_writer(p), p, self.stale_after):
+                if sizes is not None:
+                    sizes[i] = dir_bytes(p)
                 self.remove(i)
                 removed.append(i)
         return removed
 
 
-def cleanup_staging(staging_root: Path, stale_after: float = DEFAULT_STALE_AFTER_S) -> list[str]:
-    """Delete staging and trash directories left behind by writers that are gone."""
-    removed: list[str] = []
+def dir_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (what removing it frees); 0 when it is gone."""
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def scan_staging(staging_root: Path, stale_after: float = DEFAULT_STALE_AFTER_S) -> list[dict[str, Any]]:
+    """Every directory in ``.staging/``: name, path, bytes, its writer (stage, host, pid) and
+    whether that writer is provably gone (``dead``: a dead pid on this host, or nothing changed
+    for ``stale_after`` seconds; ``trash.*`` directories are always removable)."""
+    out: list[dict[str, Any]] = []
     try:
-        entries = list(os.scandir(staging_root))
+        entries = sorted(os.scandir(staging_root), key=lambda e: e.name)
     except FileNotFoundError:
-        return removed
+        return out
     for e in entries:
-        p = Path(e.path)
-        if not e.is_dir():
+        if not e.is_dir(follow_symlinks=False):
             continue
-        info = ArtifactStore._read_writer(p)
-        if e.name.startswith("trash.") or not writer_alive(info, p, stale_after):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(e.name)
+        p = Path(e.path)
+        info = ArtifactStore._read_writer(p) or {}
+        out.append({"name": e.name, "path": str(p), "bytes": dir_bytes(p), "stage": info.get("stage"),
+                    "host": info.get("host"), "pid": info.get("pid"), "started": info.get("started"),
+                    "dead": e.name.startswith("trash.") or not writer_alive(info or None, p, stale_after)})
+    return out
+
+
+def cleanup_staging(staging_root: Path, stale_after: float = DEFAULT_STALE_AFTER_S) -> list[dict[str, Any]]:
+    """Delete staging and trash directories left behind by writers that are gone; returns what
+    was removed (:func:`scan_staging` entries, with their sizes)."""
+    removed: list[dict[str, Any]] = []
+    for entry in scan_staging(staging_root, stale_after):
+        if entry["dead"]:
+            shutil.rmtree(entry["path"], ignore_errors=True)
+            if not os.path.exists(entry["path"]):
+                removed.append(entry)
     return removed

@@ -67,7 +67,7 @@ class StageLock:
     """``with StageLock(locks_dir, "train"):`` — at most one live ``train`` per run directory."""
 
     def __init__(self, locks_dir: str | Path, stage: str, stale_after: float = DEFAULT_STALE_AFTER_S,
-                 heartbeat_interval: float = DEFAULT_HEARTBEAT_S):
+                 heartbeat_interval: float = DEFAULT_HEARTBEAT_S, on_acquire=None):
         if heartbeat_interval >= stale_after:
             raise ValueError("heartbeat_interval must be shorter than stale_after")
         self.dir = Path(locks_dir)
@@ -75,6 +75,7 @@ class StageLock:
         self.path = self.dir / f"{stage}.lock"
         self.stale_after = stale_after
         self.heartbeat_interval = heartbeat_interval
+        self.on_acquire = on_acquire  # called with the stage name once the lock is ours (RunDir: cleanup)
         self.token: str | None = None
         self._lost = threading.Event()
         self._stop = threading.Event()
@@ -110,6 +111,8 @@ class StageLock:
             if self._try_create():
                 try:
                     self._start_heartbeat()
+                    if self.on_acquire is not None:
+                        self.on_acquire(self.stage)
                 except BaseException:  # e.g. Ctrl-C right here: never leave our lock file behind
                     self.release()
                     raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,15 @@ from slimectl.contract.rundir.artifacts import (
     KINDS,
     ArtifactStore,
     cleanup_staging,
+    scan_staging,
     utcnow,
 )
 from slimectl.contract.rundir.atomic import atomic_write_json, atomic_write_text, hostname, read_json
 from slimectl.contract.rundir.cursor import ConsumptionCursor
 from slimectl.contract.rundir.locks import StageLock
 from slimectl.contract.rundir.registry import EngineRegistry
+
+log = logging.getLogger("slimectl.rundir")
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
@@ -193,6 +197,8 @@ class RunDir:
         return self.artifacts("evals")
 
     def lock(self, stage: str, **kwargs: Any) -> StageLock:
+        """The stage's lock; taking it first removes the leftovers of dead writers (:meth:`cleanup`)."""
+        kwargs.setdefault("on_acquire", self._cleanup_at_start)
         return StageLock(self.path / "locks", stage, **kwargs)
 
     def cursor(self, consumer: str, source: str = "rollouts") -> ConsumptionCursor:
@@ -215,11 +221,45 @@ class RunDir:
     def tensorboard_dir(self, stage: str) -> Path:
         return self.path / "tensorboard" / stage
 
-    def cleanup(self) -> dict[str, list]:
-        """Remove leftovers of dead writers: staging dirs and renamed-but-unmarked artifacts."""
-        out: dict[str, list] = {"staging": cleanup_staging(self.path / STAGING)}
+    def cleanup(self, announce: bool = False) -> dict[str, list]:
+        """Remove leftovers of dead writers: staging dirs and renamed-but-unmarked artifacts.
+
+        Every stage runs it when it takes its lock (:meth:`lock`); with ``announce`` it logs what
+        it removed and how many bytes that freed. Returns ``{"staging": [names], KIND: [ids]}``.
+        """
+        staging = cleanup_staging(self.path / STAGING)
+        out: dict[str, list] = {"staging": [e["name"] for e in staging]}
+        freed = sum(e["bytes"] for e in staging)
+        names = [f"{STAGING}/{e['name']}" for e in staging]
         for kind in KINDS:
-            removed = self.artifacts(kind).cleanup_incomplete()
+            sizes: dict[int, int] = {}
+            removed = self.artifacts(kind).cleanup_incomplete(sizes)
             if removed:
                 out[kind] = removed
+                freed += sum(sizes.values())
+                names += [f"{kind}/{i:06d} (incomplete)" for i in removed]
+        if announce and names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            log.info("removed %d leftover(s) of dead writers in %s: %s (%s freed)", len(names), self.path, shown,
+                     format_bytes(freed))
         return out
+
+    def staging_in_use(self) -> list[dict[str, Any]]:
+        """Staging directories whose writer cannot be proven dead (a live writer, or another host's
+        that changed recently, or one that left no record yet): what ``status`` lists."""
+        return [{k: e[k] for k in ("name", "bytes", "stage", "host", "pid", "started")}
+                for e in scan_staging(self.path / STAGING) if not e["dead"]]
+
+    def _cleanup_at_start(self, stage: str) -> None:
+        try:
+            self.cleanup(announce=True)
+        except (OSError, RunDirError) as exc:  # never a reason not to run the stage
+            log.warning("%s: could not clean up leftovers in %s: %s", stage, self.path / STAGING, exc)
+
+
+def format_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"

@@ -42,6 +42,7 @@ ADMIN_PATHS = {
     "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update", "/update_weight_version",
     "/pause_generation", "/continue_generation", "/abort_request", "/flush_cache",
     "/release_memory_occupation", "/resume_memory_occupation",
+    "/get_weights_by_name",  # reads the weights out: not for anyone who can reach the port
 }
 
 
@@ -61,6 +62,10 @@ EMBEDDING_INFO = {
 
 class BadRequest(Exception):
     pass
+
+
+MAX_BODY_BYTES = 64 * 2**20
+"""The largest request body the engine reads (a bigger one is answered 413, as the buffer does)."""
 
 
 def _err(status: int, message: str) -> web.Response:
@@ -92,7 +97,7 @@ class EmbeddedEngine:
         self.in_weight_update = False
         self.started = time.time()
         self.dtype = dtype
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=64 * 2**20)
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
@@ -129,6 +134,9 @@ class EmbeddedEngine:
             return web.json_response({"detail": "Not Found"}, status=404)
         except web.HTTPMethodNotAllowed:
             return web.json_response({"detail": "Method Not Allowed"}, status=405)
+        except web.HTTPRequestEntityTooLarge:  # an HTTPException: without this it would be a 500
+            return _err(413, f"request body is larger than the engine's limit of {MAX_BODY_BYTES} bytes; "
+                             f"send fewer or shorter prompts per request")
         except BadRequest as exc:
             return _err(400, str(exc))
         except Exception as exc:  # keep serving; report the failure to this one client

@@ -45,15 +45,25 @@ class PromptRow:
     prompt_text: str = ""
 
 
-def _read_rows(path: Path) -> list[tuple[int, Any]]:
-    """(line or row number, raw record) pairs; JSON syntax errors carry their line number."""
+def _read_rows(path: Path, key: str = "data.prompt_data") -> list[tuple[int, Any]]:
+    """(line or row number, raw record) pairs; JSON syntax errors carry their line number.
+
+    Lines are read as bytes and decoded one by one, so a line that is not UTF-8 is an error naming
+    the file and the line (a bad row like any other), not a decoder's byte offset."""
     if not path.is_file():
-        raise DatasetError(f"prompt dataset {path} does not exist; check data.prompt_data")
+        raise DatasetError(f"prompt dataset {path} does not exist; check {key}")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         out = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, raw_line in enumerate(f, 1):
+                try:
+                    line = raw_line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    out.append((lineno, DatasetError(
+                        f"{path} line {lineno}: not UTF-8 text (byte {raw_line[exc.start]:#04x} at column "
+                        f"{exc.start + 1}); re-save the file as UTF-8")))
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -109,17 +119,22 @@ def _check_keys(path: Path, raw: list[tuple[int, Any]], input_key: str, label_ke
 
 def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "label", metadata_key: str = "metadata",
                  tools_key: str = "tools", skip_bad_rows: bool = False, label_needed_by: str | None = None,
-                 label_maybe_used_by: str | None = None) -> tuple[list[PromptRow], int]:
+                 label_maybe_used_by: str | None = None, key: str = "data.prompt_data") -> tuple[list[PromptRow], int]:
     """Load a dataset spec; returns (rows, number of skipped bad rows).
 
     ``label_needed_by`` names the reward when it grades against a label: then a row without one
     is a bad row, and a file where no row has ``label_key`` is an error listing the keys it has.
     ``label_maybe_used_by`` names a reward that may read the label (custom, remote): a file with
-    no ``label_key`` at all only gets a warning.
+    no ``label_key`` at all only gets a warning. ``key`` is the config key holding ``spec``
+    (``data.prompt_data``, ``data.eval_data.NAME``), named in errors about the spec itself.
     """
-    file, sl, _ = parse_data_spec(spec)
+    file, sl, rows_part = parse_data_spec(spec, key)
     path = Path(file)
-    raw = _read_rows(path)[sl]
+    all_rows = _read_rows(path, key)
+    raw = all_rows[sl]
+    if rows_part and not raw:
+        raise DatasetError(f"{key} = {spec}: the row slice {rows_part} selects no rows of {path} ({len(all_rows)} "
+                           f"rows); fix the slice")
     _check_keys(path, raw, input_key, label_key, label_needed_by, label_maybe_used_by)
     rows: list[PromptRow] = []
     skipped = 0
@@ -154,7 +169,7 @@ def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "l
                 raise DatasetError(f"{msg} (or pass --skip-bad-rows to skip and count such rows)") from None
             skipped += 1
     if not rows:
-        raise DatasetError(f"prompt dataset {spec} has no usable rows")
+        raise DatasetError(f"prompt dataset {spec} ({key}) has no usable rows")
     return rows, skipped
 
 

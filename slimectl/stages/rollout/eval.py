@@ -62,7 +62,7 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
         d = cfg.data
         datasets = {}
         for name, spec in d.eval_data.items():
-            rows, _ = load_prompt_rows(cfg, spec)
+            rows, _ = load_prompt_rows(cfg, spec, key=f"data.eval_data.{name}")
             rows, _ = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
             datasets[name] = rows
         results, samples = asyncio.run(_eval_async(cfg, datasets, engine_urls, tok, version))

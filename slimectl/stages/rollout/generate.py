@@ -32,15 +32,22 @@ log = logging.getLogger("slimectl.rollout")
 
 
 class EnginePool:
+    """``registry`` (the run's :class:`~slimectl.contract.rundir.registry.EngineRegistry`) lets the
+    pool say that an engine's *process* died, and where its log is, instead of only that it stopped
+    answering. Each engine's failure is reported once, however many requests were in flight."""
+
     def __init__(self, urls: list[str], token: str | None = None, concurrency_per_engine: int = 64,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, registry=None):
         if not urls:
             raise SlimectlError("no engines registered; start them with `slimectl serve -r RUN` or pass --engine-url")
-        self.clients = {u: EngineClient(u, token=token, timeout=timeout, retries=1, backoff=0.2) for u in urls}
+        self.clients = {u: EngineClient(u, token=token, timeout=timeout, retries=1, backoff=0.2,
+                                        retry_log_level=logging.DEBUG) for u in urls}
         self.inflight = {u: 0 for u in urls}
         self.sems = {u: asyncio.Semaphore(concurrency_per_engine) for u in urls}
         self.dead: set[str] = set()
+        self.why: dict[str, str] = {}
         self.requests = {u: 0 for u in urls}
+        self.registry = registry
 
     def alive(self) -> list[str]:
         return [u for u in self.clients if u not in self.dead]
@@ -48,8 +55,35 @@ class EnginePool:
     def _pick(self) -> str:
         alive = self.alive()
         if not alive:
-            raise EngineError(f"every engine failed ({', '.join(self.clients)}); check `slimectl status` and the engine logs")
+            why = "; ".join(self.why.get(u, u) for u in self.clients)
+            raise EngineError(f"every engine failed ({why}); check `slimectl status` and the engine logs")
         return min(alive, key=lambda u: (self.inflight[u], self.requests[u]))
+
+    def _describe_failure(self, url: str, exc: BaseException) -> str:
+        """'engine ID at URL: its process (pid N) died; its log: PATH', or the connection error."""
+        rec = None
+        if self.registry is not None:
+            try:
+                rec = next((r for r in self.registry.list() if r.url.rstrip("/") == url.rstrip("/")), None)
+            except (OSError, SlimectlError):
+                rec = None
+        if rec is not None and rec.alive() is False:
+            where = rec.extra.get("log") if isinstance(rec.extra, dict) else None
+            return (f"engine {rec.id} at {url}: its process (pid {rec.pid}) died"
+                    + (f"; its log: {where}" if where else ""))
+        return f"engine {url}: {exc}"
+
+    def mark_dead(self, url: str, exc: BaseException) -> None:
+        """Take ``url`` out of the pool, saying why once (later failures of requests already in
+        flight there are only logged at DEBUG)."""
+        if url in self.dead:
+            log.debug("engine %s: another request in flight failed (%s)", url, exc)
+            return
+        self.dead.add(url)
+        self.why[url] = self._describe_failure(url, exc)
+        rest = len(self.alive())
+        log.warning("%s; %s", self.why[url],
+                    f"retrying its requests on the {rest} other engine(s)" if rest else "no engine left")
 
     async def generate(self, **body: Any) -> dict[str, Any]:
         """POST /generate on the least-loaded live engine; fail over on connection errors."""
@@ -65,8 +99,7 @@ class EnginePool:
             except EngineError as exc:
                 if exc.status is not None:  # the engine answered: a bad request, not a dead engine
                     raise
-                log.warning("engine %s failed (%s); marking it dead and retrying elsewhere", url, exc)
-                self.dead.add(url)
+                self.mark_dead(url, exc)
             finally:
                 self.inflight[url] -= 1
 
@@ -80,8 +113,7 @@ class EnginePool:
             try:
                 out[u] = await self.clients[u].weight_version()
             except EngineError as exc:
-                log.warning("engine %s: cannot read weight version (%s)", u, exc)
-                self.dead.add(u)
+                self.mark_dead(u, exc)
         return out
 
     async def close(self) -> None:
@@ -214,8 +246,15 @@ async def generate_batch(args: SimpleNamespace, supply: Callable[[], list[list[S
                 pending = {asyncio.ensure_future(run_group(args, g, sampling_params, generate_fn, reward_fn))
                            for g in supply()}
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            # Retrieve every finished group's outcome before raising the first failure (the
+            # failure of every engine propagates from here): an exception left unretrieved is
+            # printed as "Task exception was never retrieved" when the task is collected.
+            failed = [t for t in done if not t.cancelled() and t.exception() is not None]
             for t in done:
-                take(t.result())  # the failure of every engine propagates from here
+                if t not in failed:
+                    take(t.result())
+            if failed:
+                raise failed[0].exception()
     finally:
         if pending:
             counts["aborted"] = len(pending)

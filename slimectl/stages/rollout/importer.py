@@ -123,6 +123,8 @@ def check_sample(where: str, s: Sample, vocab_size: int | None, reward_key: str 
         raise bad(str(exc)) from None
     if s.group_index is None:
         raise bad("group_index is missing (samples of one prompt share a group_index)")
+    if s.group_index < 0:
+        raise bad(f"group_index must be >= 0, got {s.group_index}")
     try:
         value = s.reward_value(reward_key)
     except (SlimectlError, KeyError, TypeError, ValueError) as exc:

@@ -68,15 +68,16 @@ def label_requirement(cfg: SlimectlConfig) -> tuple[str | None, str | None]:
     return (reward if needed else None), (reward if needed is None else None)
 
 
-def load_prompt_rows(cfg: SlimectlConfig, spec: str, skip_bad_rows: bool | None = None):
-    """``load_prompts`` with the run's data keys and the label the configured reward needs."""
+def load_prompt_rows(cfg: SlimectlConfig, spec: str, skip_bad_rows: bool | None = None, key: str = "data.prompt_data"):
+    """``load_prompts`` with the run's data keys and the label the configured reward needs
+    (``key``: the config key holding ``spec``, for its errors)."""
     from slimectl.stages.rollout.data import load_prompts
 
     d = cfg.data
     needed_by, maybe_by = label_requirement(cfg)
     return load_prompts(spec, d.input_key, d.label_key, d.metadata_key, d.tools_key,
                         d.skip_bad_rows if skip_bad_rows is None else skip_bad_rows,
-                        label_needed_by=needed_by, label_maybe_used_by=maybe_by)
+                        label_needed_by=needed_by, label_maybe_used_by=maybe_by, key=key)
 
 
 def check_prompt_data(cfg: SlimectlConfig) -> None:
@@ -84,8 +85,9 @@ def check_prompt_data(cfg: SlimectlConfig) -> None:
     tokenizing: what ``slimectl rl`` runs before it starts any engine. Raises :class:`DatasetError` (exit 2)."""
     if cfg.data.prompt_data is None:
         raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
-    for spec in (cfg.data.prompt_data, *cfg.data.eval_data.values()):
-        load_prompt_rows(cfg, spec)
+    load_prompt_rows(cfg, cfg.data.prompt_data)
+    for name, spec in cfg.data.eval_data.items():
+        load_prompt_rows(cfg, spec, key=f"data.eval_data.{name}")
 
 
 def max_staleness(cfg: SlimectlConfig) -> int:
@@ -363,7 +365,7 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
     r = cfg.rollout
     token = os.environ.get(cfg.engine.token_env) or None
     pool = EnginePool(urls, token=token, concurrency_per_engine=r.concurrency_per_engine,
-                      timeout=cfg.engine.request_timeout_s)
+                      timeout=cfg.engine.request_timeout_s, registry=run.engines)
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=rid,
                            rollout_max_response_len=r.max_response_len, n_samples_per_prompt=r.n_samples_per_prompt,
                            reward_key=r.reward_key, mask_offpolicy=r.mask_offpolicy_in_partial_rollout)
