@@ -4,9 +4,9 @@ Megatron's local ``DotProductAttention`` scores every query against every key of
 row (``[heads, T, T]``) and masks the cross-sequence blocks away with a dense ``[T, T]`` mask, so
 time and memory grow with the square of the pack. :class:`SegmentAttention` is that module with
 one change: while :func:`packed_segments` is active (``forward_micro_batch`` sets it from the
-micro-batch's sequence boundaries) it runs ``scaled_dot_product_attention(is_causal=True)`` on each
-sequence alone — ``sum(len_i^2)`` scores instead of ``T^2``, no mask tensor at all, a fused
-flash/efficient kernel where torch has one (CPU and CUDA). RoPE is applied before (by absolute row
+micro-batch's sequence boundaries) it attends causally within each sequence alone — ``sum(len_i^2)``
+scores instead of ``T^2``, no ``[T, T]`` mask, Megatron's arithmetic on one ``[heads, len_i, len_i]``
+block per sequence (thread-count independent, see ``_causal``). RoPE is applied before (by absolute row
 position); scores depend only on query-key distance, so each sequence gets what it would alone.
 
 Without segments (a plain ``model(ids, pos, mask)`` call) it is Megatron's module unchanged.
@@ -69,17 +69,32 @@ class SegmentAttention(DotProductAttention):
             key = key.repeat_interleave(groups, dim=2)
             value = value.repeat_interleave(groups, dim=2)
         # [s, 1, h, d] -> [h, s, d]
-        q, k, v = (t[:, 0].transpose(0, 1) for t in (query, key, value))
-        p = self.attention_dropout.p if self.training else 0.0
-        outs, start = [], 0
-        for n in seg:
-            end = start + n
-            outs.append(torch.nn.functional.scaled_dot_product_attention(
-                q[:, start:end], k[:, start:end], v[:, start:end], dropout_p=p, is_causal=True,
-                scale=self.softmax_scale))
-            start = end
-            SCORES.scores += heads * n * n
+        q, k, v = (t[:, 0].transpose(0, 1).contiguous() for t in (query, key, value))
+        ctx = self._causal(q, k, v, seg)  # [h, s, d]
+        SCORES.scores += heads * sum(n * n for n in seg)
         SCORES.calls += 1
-        ctx = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [h, s, d]
         # [h, s, d] -> [s, 1, h * d]
         return ctx.transpose(0, 1).reshape(sq, 1, self.hidden_size_per_partition)
+
+    def _causal(self, q, k, v, seg: Sequence[int]):
+        """Causal attention of each sequence alone: ``[h, s, d]`` in and out, one ``[h, n, n]``
+        block per sequence (``sum(n^2)`` scores per head): scaled ``baddbmm``, masked softmax,
+        ``bmm`` — Megatron's arithmetic. The softmax is spelled out: torch's fused SDPA and its CPU
+        softmax backward sum differently with the number of threads; these ops do not, so a run
+        resumed in another process (another thread count) trains bit for bit the same."""
+        outs, start = [], 0
+        for n in seg:
+            qs, ks, vs = q[:, start:start + n], k[:, start:start + n], v[:, start:start + n]
+            start += n
+            scores = torch.baddbmm(qs.new_empty(qs.shape[0], n, n), qs, ks.transpose(1, 2), beta=0.0,
+                                   alpha=self.softmax_scale)
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+            e = (scores - scores.detach().amax(dim=-1, keepdim=True)).exp()  # the diagonal is always finite
+            probs = e / e.sum(dim=-1, keepdim=True)
+            if self.training and self.attention_dropout.p > 0:
+                from megatron.core import tensor_parallel
+
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    probs = self.attention_dropout(probs)
+            outs.append(torch.bmm(probs, vs))
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
