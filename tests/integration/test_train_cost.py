@@ -28,6 +28,12 @@ def test_logprobs_match_the_whole_row_path(result):
     assert d["grad"] <= 1e-5 * max(1.0, d["grad_scale"])
 
 
+def test_gradients_do_not_depend_on_the_thread_count(result):
+    """A run resumed in another process (another thread count) must train bit for bit the same
+    (the kill -9 tests): torch's fused SDPA / CPU softmax backward would not."""
+    assert result["threads"]["bit_equal"]
+
+
 def test_logits_never_whole(result):
     """Forward and backward hold at most one chunk of [rows, V] logits, never the pack's [T, V]."""
     d = result["logits"]

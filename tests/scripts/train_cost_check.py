@@ -111,6 +111,19 @@ def main() -> None:
                      "T_times_V": mb.length * padded, "N_times_V": res["logprobs"]["n_response"] * padded,
                      "chunk_elements": chunk}
 
+    # ------------------------------------------------------------ gradients independent of the thread count
+    long_mb = pack_samples([sample(200, 100, i) for i in range(3)], 10_000)[0]
+    threads = torch.get_num_threads()
+    per_threads = []
+    for n_threads in (1, 2):
+        torch.set_num_threads(n_threads)
+        model.zero_grad(set_to_none=True)
+        sum(r.log_probs.sum() + r.entropy.sum() for r in compute_log_probs(model, long_mb, arch.vocab_size, 1.0, True)
+            ).backward()
+        per_threads.append([p.grad.detach().clone() for p in model.parameters()])
+    torch.set_num_threads(threads)
+    res["threads"] = {"bit_equal": all(torch.equal(a, b) for a, b in zip(*per_threads))}
+
     # ------------------------------------------------------------ doubling the pack at a fixed length
     from slimectl.backends.megatron import logprobs as lp_mod
 
