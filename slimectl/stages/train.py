@@ -192,28 +192,43 @@ class Trainer:
         self.lock.check()
         samples = read_samples(art.file(SAMPLES_FILE))
         steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key)
+        version = rid + 1
+        save = version % self.cfg.train.save_interval == 0 or last
+        phases: dict[str, float] = {}
+        if save or publish_weights:
+            phases = self.publish(rid, version, checkpoint=save, weights=True)
+        if steps:  # the rollout's publishing phases go with its last step (slime's names)
+            steps[-1].update(phases)
         for m in steps if self.rank0 else ():
             rec = {k: v for k, v in m.items() if k != "train/step"}
             rec["train/rollout_id"] = rid
             metrics.log(self.actor.step, rec)
-            log.info("step %d (rollout %d): loss %.4f, pg_clipfrac %.3f, ppo_kl %.2e, grad_norm %.3f, lr %.2e, "
-                     "%.0f ms", self.actor.step, rid, m.get("train/loss", float("nan")), m.get("train/pg_clipfrac", 0.0),
-                     m.get("train/ppo_kl", 0.0), m.get("train/grad_norm", 0.0), m.get("train/lr", 0.0),
-                     1e3 * m.get("perf/train_time", 0.0))
-        version = rid + 1
-        save = version % self.cfg.train.save_interval == 0 or last
-        if save or publish_weights:
-            self.publish(rid, version, checkpoint=save, weights=True)
+            log.info("step %d (rollout %d): loss %.4f, pg_clipfrac %.3f, ppo_kl %.2e, grad_norm %.3f, lr %.2e, %s",
+                     self.actor.step, rid, m.get("train/loss", float("nan")), m.get("train/pg_clipfrac", 0.0),
+                     m.get("train/ppo_kl", 0.0), m.get("train/grad_norm", 0.0), m.get("train/lr", 0.0), phase_line(m))
         if self.rank0:
             self.cursor.commit(rid, {"weight_version": version}, lock=self.lock)
         _barrier()
         self.next_rollout = version
         return steps
 
-    def publish(self, rid: int, version: int, checkpoint: bool = True, weights: bool = True) -> None:
-        _publish(self.run, self.actor, self.arch, self.padded, self.cfg, rid, version, checkpoint, weights)
+    def publish(self, rid: int, version: int, checkpoint: bool = True, weights: bool = True) -> dict[str, float]:
+        """Publish checkpoints/VERSION and/or weights/VERSION; their times (``perf/save_time``,
+        ``perf/update_weights_time``)."""
+        phases = _publish(self.run, self.actor, self.arch, self.padded, self.cfg, rid, version, checkpoint, weights)
         if checkpoint:
             self.last_published = version
+        return phases
+
+
+PHASES = (("perf/log_probs_time", "log-probs"), ("perf/ref_log_probs_time", "ref log-probs"),
+          ("perf/actor_train_time", "train"), ("perf/save_time", "save"), ("perf/update_weights_time", "weights"))
+"""A step's phases as slime names them (metrics) and as the step line says them."""
+
+
+def phase_line(m: dict) -> str:
+    """``"log-probs 0.00 s, train 1.21 s, save 0.52 s"``: the phases a step's metrics ``m`` timed."""
+    return ", ".join(f"{label} {m[key]:.2f} s" for key, label in PHASES if key in m)
 
 
 def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, follow: bool = False,
@@ -272,8 +287,9 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
 
 
 def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: int, version: int,
-             checkpoint: bool = True, weights: bool = True) -> None:
-    """checkpoints/VERSION (model + optimizer) and/or weights/VERSION (HF safetensors).
+             checkpoint: bool = True, weights: bool = True) -> dict[str, float]:
+    """checkpoints/VERSION (model + optimizer) and/or weights/VERSION (HF safetensors); returns
+    their seconds as ``perf/save_time`` and ``perf/update_weights_time`` (only those published).
 
     Collective under torchrun: every rank saves its shards into the staging directory rank 0
     opened (and joins the TP gather of the HF tensors); rank 0 alone seals and publishes.
@@ -281,11 +297,17 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
     from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
     from slimectl.backends.hf.checkpoint import write_safetensors_sharded
 
+    import time
+
     rank0 = launch_rank() == 0
     hf_src = Path(cfg.model.path)
     meta = {"source": "train", "next_rollout": rid + 1, "weight_version": version, "actor_step": actor.step}
+    phases: dict[str, float] = {}
+    t = time.perf_counter()
     if checkpoint:
         _publish_checkpoint(run, actor, arch, padded, cfg, meta, version, hf_src, rank0)
+        phases["perf/save_time"] = time.perf_counter() - t
+    t = time.perf_counter()
     if weights:
         tensors = actor.hf_state_dict()  # collective under TP
         if rank0:
@@ -294,6 +316,7 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
                 write_safetensors_sharded(tensors.items(), staging)
                 copy_hf_aux_files(hf_src, staging)
         del tensors
+        phases["perf/update_weights_time"] = time.perf_counter() - t
     if rank0:
         if cfg.train.keep_checkpoints:
             run.checkpoints.prune(cfg.train.keep_checkpoints, protect={0})
@@ -302,6 +325,7 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
         log.info("published %s", " and ".join(f"{k}/{version:06d}" for k, on in (("checkpoints", checkpoint),
                                                                                    ("weights", weights)) if on))
     _barrier()
+    return phases
 
 
 def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, meta: dict, version: int,

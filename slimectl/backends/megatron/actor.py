@@ -4,7 +4,9 @@ slime's GRPO path (``actor.train_actor`` + ``loss.py``), in one process per rank
 
 1. rewards -> per-group normalization (``algorithm.reward_normalization``; a group is every
    sample sharing a ``group_index``; samples without one form one group);
-2. old log-probs: recomputed with the current weights (no grad), or the rollout's
+2. old log-probs: the first optimizer step's are its own training forward's, detached (ratio
+   exactly 1, no extra forward); later steps of the rollout (``num_steps_per_rollout > 1``) get
+   them recomputed with the weights before the first update (no grad) — or the rollout's
    (``train.use_rollout_logprobs``); ref log-probs from a frozen copy when ``use_kl_loss``;
 3. per-token advantages over the response tokens (:func:`slimectl.algorithms.advantages.compute_advantages`);
 4. ``train.num_steps_per_rollout`` optimizer steps, each over one global batch packed into
@@ -304,7 +306,7 @@ class MegatronActor:
 
         def step(data_iterator, chunk):
             mb, gidx = next(data_iterator)
-            return forward_micro_batch(chunk, mb), functools.partial(loss_fn, mb, gidx)
+            return forward_micro_batch(chunk, mb, hidden=True), functools.partial(loss_fn, mb, gidx)
 
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter(layout), model=[model], num_microbatches=len(layout),
@@ -330,10 +332,10 @@ class MegatronActor:
                 for r, g in zip(compute_log_probs(model, mb, self.arch.vocab_size, temperature, False, self.tp_group), gidx):
                     out[g] = r.log_probs.detach()
             return out
-        from slimectl.backends.megatron.logprobs import log_probs_from_output
+        from slimectl.backends.megatron.logprobs import log_probs_from_hidden
 
         def collect(mb, gidx, output):
-            res = log_probs_from_output(output, mb, self.arch.vocab_size, temperature, False, self.tp_group)
+            res = log_probs_from_hidden(model, output, mb, self.arch.vocab_size, temperature, False, self.tp_group)
             return output.new_zeros(()), {g: r.log_probs.detach() for g, r in zip(gidx, res)}
 
         for part in self._run_schedule(model, layout, collect, forward_only=True):
@@ -402,19 +404,31 @@ class MegatronActor:
 
         # Old / ref log-probs with the training layout (so the first step's ratio is exactly 1).
         # With use_rollout_logprobs the engine's are the old ones: recompute only when TIS needs both.
+        # The first optimizer step's old log-probs are its own training forward's, detached (the
+        # weights have not moved yet): no forward for them, ratio exactly 1, ppo_kl exactly 0 (as TRL
+        # with num_iterations=1). Only later steps of the rollout get a recompute, before the first
+        # update — and every step when the advantages need the old log-probs up front (KL reward, OPD).
         need_old = not sft and (not tcfg.use_rollout_logprobs or algo.use_tis)
+        adv_needs_old = need_old and not tcfg.use_rollout_logprobs and (algo.kl_coef != 0 or teacher_lp is not None)
+        recompute = [need_old and (k > 0 or adv_needs_old) for k in range(len(layouts))]
         old_lp: list[torch.Tensor | None] = [None] * n
         ref_lp: list[torch.Tensor | None] = [None] * n
         self.module.eval()
+        t_old = t_ref = 0.0
         with torch.no_grad():
-            for layout in layouts:
-                if need_old:
-                    for g, t in self._layout_log_probs(self.module, layout, rollout_temperature).items():
-                        old_lp[g] = t
+            for layout, again in zip(layouts, recompute):
+                if again:
+                    t = time.perf_counter()
+                    for g, lp in self._layout_log_probs(self.module, layout, rollout_temperature).items():
+                        old_lp[g] = lp
+                    t_old += time.perf_counter() - t
                 if self.ref_model is not None:
-                    for g, t in self._layout_log_probs(self.ref_model, layout, rollout_temperature).items():
-                        ref_lp[g] = t
+                    t = time.perf_counter()
+                    for g, lp in self._layout_log_probs(self.ref_model, layout, rollout_temperature).items():
+                        ref_lp[g] = lp
+                    t_ref += time.perf_counter() - t
         # Every rank sees every sample's: merged over data-parallel ranks, then from the last stage.
+        # (None left for the first step's samples: their training forward fills them.)
         old_lp, ref_lp = self._pp_share((self._dp_merge(old_lp), self._dp_merge(ref_lp)))
         self.module.train()
         train_old = old_lp
@@ -429,7 +443,7 @@ class MegatronActor:
             rewards = normalize_rewards_by_group(raw, [s.group_index for s in samples], norm)
             res = compute_advantages(
                 algo.advantage_estimator, rewards, _pad(masks),
-                log_probs=_pad(train_old),
+                log_probs=_pad(train_old) if all(t is not None for t in train_old) else None,
                 ref_log_probs=_pad(ref_lp) if self.ref_model is not None else None,
                 kl_coef=algo.kl_coef, kl_type=algo.kl_loss_type, gamma=algo.gamma,
                 # on-policy distillation: A_t -= coef * (log pi_student - log pi_teacher), after the
@@ -445,7 +459,12 @@ class MegatronActor:
             mask=masks, old=None if sft else train_old, advantages=adv_rows,
             ref=ref_lp if self.ref_model is not None else None,
             trainer_old=old_lp if need_old else None, rollout=rollout_lp, teacher=teacher_lp)
-        return [self._train_step(layout, idx, rows, rollout_temperature) for layout, idx in zip(layouts, batches)]
+        steps = [self._train_step(layout, idx, rows, rollout_temperature) for layout, idx in zip(layouts, batches)]
+        # slime's names: the rollout's no-grad passes, reported with its first step
+        steps[0]["perf/log_probs_time"] = t_old
+        if self.ref_model is not None:
+            steps[0]["perf/ref_log_probs_time"] = t_ref
+        return steps
 
     def _dp_merge(self, per_sample: list) -> list:
         """Fill the entries other data-parallel ranks computed (each rank computed its own share)."""
@@ -479,7 +498,7 @@ class MegatronActor:
         """The loss to backpropagate for one micro-batch (already weighted by its share of the global
         batch and scaled for DDP's averaging) and its weighted metric contributions. ``step_size``:
         the global batch's samples (per-sample mean) or loss tokens (per-token mean)."""
-        batch = rows.batch(gidx, log_probs=_pad([r.log_probs for r in res]), entropy=_pad([r.entropy for r in res]))
+        batch = rows.batch(gidx, [r.log_probs for r in res], entropy=_pad([r.entropy for r in res]))
         share = len(gidx) if self.objective.reduction == "sample_mean" else float(loss_token_count(batch.mask))
         w = share / step_size
         loss, metrics = compute_objective(self.objective, batch)
@@ -512,10 +531,11 @@ class MegatronActor:
         else:
             from megatron.core.distributed import finalize_model_grads
 
-            from slimectl.backends.megatron.logprobs import log_probs_from_output
+            from slimectl.backends.megatron.logprobs import log_probs_from_hidden
 
             def loss_fn(mb, gidx, output):
-                res = log_probs_from_output(output, mb, self.arch.vocab_size, temperature, True, self.tp_group)
+                res = log_probs_from_hidden(self.model, output, mb, self.arch.vocab_size, temperature, True,
+                                            self.tp_group)
                 loss, part = self._micro_batch_loss(res, gidx, rows, step_size)
                 return loss * len(layout), part  # the schedule divides by the number of micro-batches
 
@@ -536,7 +556,8 @@ class MegatronActor:
         m.update({"train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                   "train/lr": lr, "train/update_successful": float(bool(ok)),
                   "train/num_micro_batches": float(len(layout)), "train/step": float(self.step),
-                  "perf/train_time": dt, "perf/tokens_per_s": n_tokens / dt if dt > 0 else 0.0})
+                  "perf/train_time": dt, "perf/actor_train_time": dt,
+                  "perf/tokens_per_s": n_tokens / dt if dt > 0 else 0.0})
         return m
 
 
@@ -553,11 +574,15 @@ class _SampleRows:
     rollout: list[torch.Tensor] | None
     teacher: list[torch.Tensor] | None
 
-    def batch(self, gidx: list[int], log_probs: torch.Tensor, entropy: torch.Tensor) -> ObjectiveBatch:
+    def batch(self, gidx: list[int], log_probs: list[torch.Tensor], entropy: torch.Tensor) -> ObjectiveBatch:
+        """``log_probs``: this micro-batch's per-sample training log-probs (in ``gidx`` order); an old
+        log-prob left ``None`` (the rollout's first step, not recomputed) is their detached value."""
         def pad(per_sample):
-            return None if per_sample is None else _pad([per_sample[g] for g in gidx])
+            if per_sample is None:
+                return None
+            return _pad([lp.detach() if per_sample[g] is None else per_sample[g] for g, lp in zip(gidx, log_probs)])
 
-        return ObjectiveBatch(log_probs=log_probs, entropy=entropy, mask=pad(self.mask), old_log_probs=pad(self.old),
+        return ObjectiveBatch(log_probs=_pad(log_probs), entropy=entropy, mask=pad(self.mask), old_log_probs=pad(self.old),
                               advantages=pad(self.advantages), ref_log_probs=pad(self.ref),
                               trainer_old_log_probs=pad(self.trainer_old), rollout_log_probs=pad(self.rollout),
                               teacher_log_probs=pad(self.teacher))

@@ -13,19 +13,33 @@ temperature in fp32. Under TP > 1 the log-softmax and entropy are computed vocab
 ``reduce_from_tensor_model_parallel_region`` (forward all-reduce, backward identity), so the
 result is differentiable and every TP rank gets the same values and correct local gradients.
 
+Logits only where they are used: :func:`forward_micro_batch` stops at the final hidden states
+(``hidden=True``) and :func:`log_probs_from_hidden` applies the LM head to the response positions
+only, in chunks of at most ``LOGITS_CHUNK_ELEMENTS`` logits, each chunk under activation
+checkpointing — neither the forward nor the backward ever holds a ``[T, V]`` (or ``[N, V]``)
+fp32 tensor whole, only ``[chunk, V_local]``.
+
+Attention runs per packed sequence (:mod:`slimectl.backends.megatron.attention`):
+:func:`forward_micro_batch` passes no mask, only the micro-batch's sequence boundaries.
+
 Only the last pipeline stage has logits: under pipeline parallelism the actor runs
-:func:`forward_micro_batch` inside Megatron's schedule and :func:`log_probs_from_output` on the
-last stage.
+:func:`forward_micro_batch` inside Megatron's schedule and :func:`log_probs_from_hidden` on the
+last stage. :func:`log_probs_from_output` takes full logits (a plain ``model(...)`` call).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from slimectl.backends.megatron.packing import MicroBatch
+
+
+LOGITS_CHUNK_ELEMENTS = 1 << 22
+"""At most this many logits (fp32: 16 MiB) exist at once per chunk of response positions."""
 
 
 @dataclass
@@ -127,7 +141,8 @@ def response_positions(micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Ten
 
 
 def compute_log_probs(model, micro_batch: MicroBatch, vocab_size: int, temperature: float = 1.0,
-                      with_entropy: bool = False, tp_group=None) -> list[SeqLogProbs]:
+                      with_entropy: bool = False, tp_group=None,
+                      chunk_elements: int | None = None) -> list[SeqLogProbs]:
     """Forward ``micro_batch`` through ``model`` and return, per packed sequence (in
     ``micro_batch.seqs`` order), fp32 log-probs of its response tokens (and their entropy).
 
@@ -135,17 +150,94 @@ def compute_log_probs(model, micro_batch: MicroBatch, vocab_size: int, temperatu
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    out = forward_micro_batch(model, micro_batch)
-    return log_probs_from_output(out, micro_batch, vocab_size, temperature, with_entropy, tp_group)
+    hidden = forward_micro_batch(model, micro_batch, hidden=True)
+    return log_probs_from_hidden(model, hidden, micro_batch, vocab_size, temperature, with_entropy, tp_group,
+                                 chunk_elements)
 
 
-def forward_micro_batch(model, micro_batch: MicroBatch) -> torch.Tensor:
-    """The model's output for one packed micro-batch (logits on the last pipeline stage, hidden
-    states on the others — a pipeline schedule passes those on)."""
+def gpt_model(model):
+    """The GPTModel inside wrappers (Megatron's DDP, Float16Module: ``.module``)."""
+    while not hasattr(model, "output_layer") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def _without_head(gpt):
+    """GPTModel returns its final (normed) hidden states ``[S, B, H]`` instead of logits."""
+    saved = gpt.post_process
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = saved
+
+
+def forward_micro_batch(model, micro_batch: MicroBatch, hidden: bool = False) -> torch.Tensor:
+    """The model's output for one packed micro-batch: logits on the last pipeline stage (its final
+    hidden states ``[S, 1, H]`` with ``hidden=True``, for :func:`log_probs_from_hidden`), hidden
+    states on the others — a pipeline schedule passes those on. Attention is causal per packed
+    sequence (no ``[T, T]`` mask is built)."""
+    from slimectl.backends.megatron.attention import packed_segments
+
     device = next(model.parameters()).device
-    mask = micro_batch.attention_mask
-    return model(micro_batch.input_ids.to(device), micro_batch.position_ids.to(device),
-                 mask.to(device) if mask is not None else None)
+    gpt = gpt_model(model)
+    head_off = _without_head(gpt) if hidden and gpt.post_process else contextlib.nullcontext()
+    with packed_segments(micro_batch.segment_lengths), head_off:
+        return model(micro_batch.input_ids.to(device), micro_batch.position_ids.to(device), None)
+
+
+def output_weight(model) -> torch.Tensor:
+    """The LM head's weight (this rank's vocab shard; the embedding when they are tied)."""
+    gpt = gpt_model(model)
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def log_probs_from_hidden(model, hidden: torch.Tensor, micro_batch: MicroBatch, vocab_size: int,
+                          temperature: float = 1.0, with_entropy: bool = False, tp_group=None,
+                          chunk_elements: int | None = None) -> list[SeqLogProbs]:
+    """Per-sequence log-probs (and entropy) from the last stage's final hidden states ``[S, 1, H]``:
+    the LM head over the response positions only, ``chunk_elements`` logits at a time (default
+    ``LOGITS_CHUNK_ELEMENTS``), each chunk recomputed in the backward rather than kept."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    weight = output_weight(model)
+    rows, targets, counts = response_positions(micro_batch)
+    h = hidden[:, 0] if hidden.dim() == 3 else hidden
+    h = h.index_select(0, rows.to(h.device))  # [N, H]
+    targets = targets.to(h.device)
+    group = _tp_group(tp_group)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        h = copy_to_tensor_model_parallel_region(h, group=group)  # backward: sum over the vocab shards
+
+    def head(h_c, w, t_c):
+        lp, ent = vocab_parallel_log_probs(torch.nn.functional.linear(h_c, w), t_c, vocab_size, temperature,
+                                           with_entropy, group)
+        return (lp, ent) if with_entropy else (lp,)
+
+    step = max(1, (chunk_elements or LOGITS_CHUNK_ELEMENTS) // max(1, weight.shape[0]))
+    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    parts = []
+    for i in range(0, h.shape[0], step):
+        args = (h[i:i + step], weight, targets[i:i + step])
+        if grad:
+            from torch.utils.checkpoint import checkpoint
+
+            parts.append(checkpoint(head, *args, use_reentrant=False))
+        else:
+            parts.append(head(*args))
+    if parts:
+        lp = torch.cat([p[0] for p in parts])
+        ent = torch.cat([p[1] for p in parts]) if with_entropy else None
+    else:
+        lp = h.new_zeros(0, dtype=torch.float32)
+        ent = h.new_zeros(0, dtype=torch.float32) if with_entropy else None
+    return [SeqLogProbs(s.sample_index, lp_i, ent_i) for s, lp_i, ent_i in zip(
+        micro_batch.seqs, lp.split(counts), ent.split(counts) if ent is not None else [None] * len(counts))]
 
 
 def log_probs_from_output(out: torch.Tensor, micro_batch: MicroBatch, vocab_size: int, temperature: float = 1.0,

@@ -1,8 +1,11 @@
 """Pack whole sequences into micro-batches under a token budget (first-fit decreasing).
 
-Every micro-batch is one row ``[1, L]`` holding several sequences back to back. The attention
-mask (Megatron local-spec convention: bool ``[1, 1, L, L]``, True = masked) is block-diagonal
-causal, so no sequence attends to another; position ids restart at 0 for each sequence.
+Every micro-batch is one row ``[1, L]`` holding several sequences back to back, and its sequence
+boundaries (``segment_lengths``, the padding tail a segment of its own): the model attends causally
+within each (``attention.SegmentAttention``, cost linear in the number of sequences), so no
+sequence attends to another; position ids restart at 0 for each sequence. The equivalent dense
+mask (Megatron local-spec convention: bool ``[1, 1, L, L]``, True = masked, block-diagonal causal)
+is built only when asked for (``MicroBatch.attention_mask``).
 
 Note on RoPE: Megatron's GPTModel ignores ``position_ids`` for rotary embeddings and rotates by
 the absolute row position. RoPE attention scores depend only on the distance between query and
@@ -46,11 +49,23 @@ class MicroBatch:
     """``[1, L]`` int64."""
     position_ids: torch.Tensor
     """``[1, L]`` int64, restarting at 0 for each sequence (and for the padding tail)."""
-    attention_mask: torch.Tensor
-    """``[1, 1, L, L]`` bool, True = masked (block-diagonal causal)."""
+    segment_lengths: list[int]
+    """Lengths of the row's causal segments, in order (the sequences, then any padding tail)."""
     seqs: list[PackedSeq] = field(default_factory=list)
     num_tokens: int = 0
     """Real (non-padding) tokens."""
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """``[1, 1, L, L]`` bool, True = masked (block-diagonal causal): built on demand, O(L^2) —
+        the model's forward does not need it (see ``segment_lengths``)."""
+        seg = torch.repeat_interleave(torch.arange(len(self.segment_lengths)), torch.tensor(self.segment_lengths))
+        return block_causal_mask(seg)
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 ``[n_segments + 1]`` cumulative segment offsets (varlen / THD kernels' layout)."""
+        return torch.tensor([0, *self.segment_lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
     @property
     def length(self) -> int:
@@ -122,23 +137,20 @@ def pack_samples(samples: Sequence[Any], max_tokens_per_micro_batch: int, pad_mu
     for bin_ in first_fit_decreasing(lengths, max_tokens_per_micro_batch):
         ids: list[int] = []
         pos: list[int] = []
-        seg: list[int] = []
         seqs = []
-        for k, i in enumerate(sorted(bin_)):
+        for i in sorted(bin_):
             tokens, resp = parsed[i]
             seqs.append(PackedSeq(i, len(ids), len(tokens) - resp, resp))
             ids.extend(tokens)
             pos.extend(range(len(tokens)))
-            seg.extend([k] * len(tokens))
         n = len(ids)
         L = -(-n // pad_multiple) * pad_multiple
         ids.extend([pad_token_id] * (L - n))
         pos.extend(range(L - n))
-        seg.extend([-1] * (L - n))
         out.append(MicroBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).view(1, L),
             position_ids=torch.tensor(pos, dtype=torch.long).view(1, L),
-            attention_mask=block_causal_mask(torch.tensor(seg, dtype=torch.long)),
+            segment_lengths=[s.length for s in seqs] + ([L - n] if L > n else []),
             seqs=seqs,
             num_tokens=n,
         ))

@@ -50,14 +50,20 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
                     init: bool = True):
     """The GPTModel of this rank's pipeline stage (local layer spec: no Transformer Engine needed).
 
-    ``init=False`` skips random initialisation (weights are about to be loaded).
+    Its core attention is :class:`~slimectl.backends.megatron.attention.SegmentAttention`: causal
+    attention per packed sequence (no ``[T, T]`` mask) inside ``forward_micro_batch``, Megatron's
+    ``DotProductAttention`` otherwise (same parameters: none). ``init=False`` skips random
+    initialisation (weights are about to be loaded).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     cfg = transformer_config(arch, tp, pp, dtype, init)
+    from slimectl.backends.megatron.attention import SegmentAttention
+
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    spec.submodules.self_attention.submodules.core_attention = SegmentAttention
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
