@@ -18,10 +18,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional
+import types
+from collections.abc import Hashable
+from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 import slimectl.algorithms.registry as algo_registry
 from slimectl.contract.dataspec import parse_data_spec
@@ -36,7 +38,26 @@ class Section(BaseModel):
     The docstring under each field is its description (``Field.description``), which
     ``docs/config.md`` is generated from (``python -m slimectl.contract.config_doc``)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
+        """``batch_size: true`` is a mistake, not 1 (pydantic would take it as 1)."""
+        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError("must be a number, not true/false")
+        return value
+
+
+def _is_number(annotation: Any) -> bool:
+    """Whether a field holds an int or float (possibly Optional): a boolean there is refused."""
+    if annotation in (int, float):
+        return True
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = get_args(annotation)
+        return bool not in args and any(a in (int, float) for a in args)
+    return False
 
 
 class ModelSection(Section):
@@ -471,13 +492,26 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 # --------------------------------------------------------------------------- loading
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, with errors that name the file (and line, for syntax errors)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist; pass an existing YAML file to --config")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -51,6 +51,7 @@ def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dic
         out["config"]["num_rollout_from"] = source
     except SlimectlError as exc:
         out["name"] = None
+        out.pop("config", None)  # a bad extend.json (read last) leaves the run's length unknown
         out["config_error"] = str(exc)
     arts: dict[str, Any] = {}
     for kind in KINDS:
@@ -108,10 +109,7 @@ def effective_num_rollout(run: RunDir, frozen: int) -> tuple[int, str]:
 
     best, value, source = (run.path / "config.yaml"), frozen, "config.yaml"
     newest = best.stat().st_mtime if best.is_file() else 0.0
-    try:
-        ext = read_extension(run.path)
-    except SlimectlError:
-        ext = None
+    ext = read_extension(run.path)  # a bad extend.json: status shows it as the config's error
     if ext is not None:
         newest = max(newest, (run.path / EXTEND_FILE).stat().st_mtime)
         value, source = ext["num_rollout"], EXTEND_FILE if ext["num_rollout"] != frozen else "config.yaml"

@@ -219,6 +219,9 @@ class HFCheckpoint:
             if name not in self._where:
                 raise CheckpointMismatch(f"{self.dir}: tensor {name} is missing (config.json implies shape {list(shape)})")
             got = self.shape(name)
+            if not self.dtype(name).is_floating_point:
+                raise CheckpointMismatch(f"{self.dir}: tensor {name} is {str(self.dtype(name)).replace('torch.', '')}, "
+                                         f"not floating point; these are not model weights")
             if got != shape:
                 raise CheckpointMismatch(
                     f"{self.dir}: tensor {name} has shape {list(got)} but config.json implies {list(shape)}; "

@@ -22,6 +22,10 @@ from slimectl.contract.rundir.artifacts import format_id, utcnow
 from slimectl.contract.rundir.locks import StageLock
 
 
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass
 class CursorState:
     consumer: str
@@ -56,6 +60,8 @@ class ConsumptionCursor:
             return CursorState(self.consumer, self.source)
         raw = read_json(self.path)
         try:
+            if not isinstance(raw["consumed"], list) or not all(_is_id(i) for i in [raw["next"], *raw["consumed"]]):
+                raise ValueError("next and consumed must be rollout ids (integers >= 0)")
             state = CursorState(
                 consumer=raw["consumer"], source=raw["source"], next=int(raw["next"]),
                 consumed=[int(i) for i in raw["consumed"]], data=dict(raw.get("data") or {}),

@@ -126,6 +126,11 @@ class StageLock:
                 self._steal(info)
                 continue
             if not wait or (deadline is not None and time.monotonic() >= deadline):
+                if info.get("pid") is None:  # empty or garbage: no slimectl writes such a lock (link(2) of a whole record)
+                    raise LockHeld(
+                        f"lock {self.path} holds no lock record (empty or not JSON, written {info['heartbeat_age_s']:.0f} s "
+                        f"ago); if no {self.stage} is running, delete it (it is taken over once {self.stale_after:.0f} s old)"
+                    )
                 raise LockHeld(
                     f"stage {self.stage!r} is already running in this run directory: pid {info.get('pid')} on "
                     f"{info.get('host')} since {info.get('acquired')} (heartbeat {info['heartbeat_age_s']:.0f} s ago); "

@@ -150,6 +150,9 @@ class RunDir:
         """The frozen config of the run (checked against run.json's fingerprint)."""
         from slimectl.contract.config import load_yaml_file
 
+        if not (self.path / CONFIG_FILE).is_file():
+            raise RunDirError(f"{self.path / CONFIG_FILE} is missing; the run directory is damaged (restore the file, "
+                              f"or start a new run with `slimectl init`)")
         data = load_yaml_file(self.path / CONFIG_FILE)
         cfg = build_config(data, origin=f"run config {self.path / CONFIG_FILE}")
         expected = self.info().get("config_fingerprint")

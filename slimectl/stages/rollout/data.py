@@ -159,7 +159,11 @@ def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "l
                                    f"{label_needed_by!r} grades against; this row has keys: {', '.join(map(str, rec))}")
             meta = rec.get(metadata_key) or {}
             if isinstance(meta, str):
-                meta = json.loads(meta)
+                try:
+                    meta = json.loads(meta)
+                except json.JSONDecodeError as exc:
+                    raise DatasetError(f"{path} {unit} {lineno}: {metadata_key!r} is a string but not JSON ({exc.msg}); "
+                                       f"give an object") from None
             if not isinstance(meta, dict):
                 raise DatasetError(f"{path} {unit} {lineno}: {metadata_key!r} must be an object")
             rows.append(PromptRow(row=len(rows), prompt=prompt, label=label, metadata=meta, tools=rec.get(tools_key)))
@@ -171,6 +175,21 @@ def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "l
     if not rows:
         raise DatasetError(f"prompt dataset {spec} ({key}) has no usable rows")
     return rows, skipped
+
+
+def load_tokenizer(cfg):
+    """The tokenizer of ``model.tokenizer_path`` (or ``model.path``); a directory without one is one
+    line naming the key (transformers' own error is a multi-line ValueError or OSError)."""
+    from transformers import AutoTokenizer
+
+    key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    path = cfg.model.tokenizer_path or cfg.model.path
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UsageError(f"{key} = {path}: cannot load a tokenizer there ({why}); point {key} at an HF model "
+                         f"directory with tokenizer files") from None
 
 
 def tokenize_prompts(rows: list[PromptRow], tokenizer, apply_chat_template: bool = True,

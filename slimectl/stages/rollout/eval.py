@@ -48,17 +48,15 @@ def dataset_metrics(groups: list[list[Sample]], ks: list[int], reward_key: str |
 def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[str]) -> dict[str, float]:
     """Evaluate the engines' current weights (weight version ``version``) on every eval dataset."""
     with run.stage_log("eval"):
-        from transformers import AutoTokenizer
-
         from slimectl.contract.logs import quiet_hf_progress
         from slimectl.contract.metrics import MetricsWriter
-        from slimectl.stages.rollout.data import tokenize_prompts
+        from slimectl.stages.rollout.data import load_tokenizer, tokenize_prompts
         from slimectl.stages.rollout.stage import load_prompt_rows
 
         if not cfg.data.eval_data:
             return {}
         quiet_hf_progress()
-        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        tok = load_tokenizer(cfg)
         d = cfg.data
         datasets = {}
         for name, spec in d.eval_data.items():

@@ -21,7 +21,7 @@ from typing import Any
 
 from slimectl.contract.config import SlimectlConfig
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
-from slimectl.stages.rollout.data import PromptSource, tokenize_prompts
+from slimectl.stages.rollout.data import PromptSource, load_tokenizer, tokenize_prompts
 from slimectl.stages.rollout.generate import EnginePool, default_generate, generate_batch, load_function, nonzero_std
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, write_samples
@@ -265,12 +265,10 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
             buffered = _buffer(run, rid) if cfg.rollout.partial_rollout else []
             d = cfg.data
             rows, bad = load_prompt_rows(cfg, d.prompt_data, skip_bad_rows)  # before the tokenizer and any engine
-            from transformers import AutoTokenizer
-
             from slimectl.contract.logs import quiet_hf_progress
 
             quiet_hf_progress()
-            tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            tok = load_tokenizer(cfg)
             rows, too_long = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
             source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=state)
             urls = _engine_urls(run, engine_urls)
