@@ -57,6 +57,10 @@ RESERVED_METADATA = ("session_id", "segment", "num_segments", "segment_start", "
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "top_logprobs": None}
 
 
+MAX_BODY_BYTES = 64 * 2**20
+"""The largest request body the harness reads (a bigger one is answered 413)."""
+
+
 class HarnessError(Exception):
     """A request the harness refuses: answered as an OpenAI-style error object."""
 
@@ -87,7 +91,7 @@ class Harness:
 
     def __init__(self, pool, tokenizer, model_name: str, api_key: str | None = None,
                  out_path: str | Path | None = None, run=None, config=None, default_max_tokens: int | None = None,
-                 overwrite: bool = False):
+                 overwrite: bool = False, max_body_bytes: int = MAX_BODY_BYTES):
         if getattr(tokenizer, "chat_template", None) is None:
             raise UsageError(f"the tokenizer of {model_name} has no chat template; the harness renders messages with it")
         if (run is None) != (config is None):
@@ -105,6 +109,7 @@ class Harness:
         self.run, self.config = run, config
         self.default_max_tokens = default_max_tokens
         self.sessions: dict[str, Session] = {}
+        self._in_flight: dict[str, int] = {}  # requests of each session being answered
         self.finish_order: list[Session] = []
         self.created = int(time.time())
         self._out_lines: list[str] = []
@@ -112,7 +117,8 @@ class Harness:
         self._write_lock = asyncio.Lock()
         self._publish_lock = asyncio.Lock()
         self._tok_thread = None  # created on first use (see _off_loop)
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=64 * 2**20)
+        self.max_body_bytes = max_body_bytes
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/v1/models", self.models)
@@ -140,6 +146,9 @@ class Harness:
                                "/v1/models, /sessions/ID/finish, /sessions, /publish and /health")
         except web.HTTPMethodNotAllowed:
             return _error(405, f"{request.method} is not allowed on {request.path}")
+        except web.HTTPRequestEntityTooLarge:  # an HTTPException: without this it would be a 500
+            return _error(413, f"request body is larger than the harness's limit of {self.max_body_bytes} bytes; "
+                               f"send a shorter conversation", code="request_too_large")
         except Exception as exc:  # keep serving; report the failure to this one client
             log.exception("request %s failed", request.path)
             return _error(500, f"{type(exc).__name__}: {exc}")
@@ -217,6 +226,18 @@ class Harness:
         sess = self.sessions.get(sid)
         if sess is None:
             sess = self.sessions[sid] = Session(sid)
+        self._in_flight[sid] = self._in_flight.get(sid, 0) + 1
+        try:
+            return await self._complete(sess, sid, body, messages, params, text)
+        finally:
+            self._in_flight[sid] -= 1
+            if not self._in_flight[sid]:
+                del self._in_flight[sid]
+                if not sess.segments and self.sessions.get(sid) is sess:
+                    del self.sessions[sid]  # a refused first request leaves no empty session behind
+
+    async def _complete(self, sess: Session, sid: str, body: dict[str, Any], messages: list[dict[str, Any]],
+                        params: dict[str, Any], text: str) -> web.Response:
         async with sess.lock:  # one request at a time per session: each extends what came before
             if sess.finished:
                 raise HarnessError(409, f"session {sid!r} is finished; use a new session id for a new episode",

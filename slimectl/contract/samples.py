@@ -133,7 +133,10 @@ class Sample:
             raise ValueError(f"unknown Sample fields: {sorted(unknown)}")
         d = dict(d)
         if "status" in d:
-            d["status"] = Status(d["status"])
+            try:
+                d["status"] = Status(d["status"])
+            except ValueError:
+                raise ValueError(f"status {d['status']!r} is not one of {', '.join(s.value for s in Status)}") from None
         return cls(**d)
 
 

@@ -423,6 +423,9 @@ class RolloutBuffer:
                                                         "available_groups": len(free) - len(chosen)}}}
 
     def _lease(self, lease_id: Any) -> Lease:
+        if not isinstance(lease_id, str) or not lease_id:
+            raise Rejected(400, "bad_request", f"lease must be the lease id (a string) that the batch answer gave, "
+                                               f"got {lease_id!r}")
         self.expire(time.time())
         lease = self.leases.get(lease_id) if isinstance(lease_id, str) else None
         if lease is None:

@@ -81,7 +81,7 @@ class EmbeddedEngine:
 
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "fp32",
                  max_batch_size: int = 64, weight_version: str = "default", admin_token: str | None = None,
-                 num_threads: int | None = None, nonce: str | None = None):
+                 num_threads: int | None = None, nonce: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
         """``nonce``: reported as ``slimectl_nonce`` in ``/get_server_info``, so the launcher can tell
         this engine from another server that answers on the same port."""
         from slimectl.engines.embedded.scheduler import BatchRunner
@@ -97,7 +97,8 @@ class EmbeddedEngine:
         self.in_weight_update = False
         self.started = time.time()
         self.dtype = dtype
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
+        self.max_body_bytes = max_body_bytes
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
@@ -135,7 +136,7 @@ class EmbeddedEngine:
         except web.HTTPMethodNotAllowed:
             return web.json_response({"detail": "Method Not Allowed"}, status=405)
         except web.HTTPRequestEntityTooLarge:  # an HTTPException: without this it would be a 500
-            return _err(413, f"request body is larger than the engine's limit of {MAX_BODY_BYTES} bytes; "
+            return _err(413, f"request body is larger than the engine's limit of {self.max_body_bytes} bytes; "
                              f"send fewer or shorter prompts per request")
         except BadRequest as exc:
             return _err(400, str(exc))

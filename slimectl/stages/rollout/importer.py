@@ -125,6 +125,11 @@ def check_sample(where: str, s: Sample, vocab_size: int | None, reward_key: str 
         raise bad("group_index is missing (samples of one prompt share a group_index)")
     if s.group_index < 0:
         raise bad(f"group_index must be >= 0, got {s.group_index}")
+    if s.index is not None and s.index < 0:
+        raise bad(f"index must be >= 0, got {s.index}")
+    raw = s.reward.get(reward_key) if isinstance(s.reward, dict) and reward_key else s.reward
+    if isinstance(raw, bool):
+        raise bad(f"reward must be a number, not {str(raw).lower()}")
     try:
         value = s.reward_value(reward_key)
     except (SlimectlError, KeyError, TypeError, ValueError) as exc:
