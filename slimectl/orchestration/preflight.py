@@ -36,6 +36,10 @@ def prepare_rl(config_path: str | Path | None, run_path: str | Path | None, over
     checked = check_train_sizes(cfg)
     if dry_run:
         return None, cfg
+    if cfg.data.prompt_data is not None:  # a bad dataset must not leave a new run directory behind
+        from slimectl.stages.rollout.stage import check_prompt_data
+
+        check_prompt_data(cfg)
     run, cfg = init_or_resume("rl", config_path, run_path, overrides, tiny_model, pretrained=pretrained)
     if not checked:
         check_train_sizes(cfg)

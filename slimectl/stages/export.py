@@ -32,6 +32,13 @@ class ExportResult:
 
 
 def _parse_size(text: str | int) -> int:
+    size = _parse_size_text(text)
+    if size < 1:
+        raise UsageError(f"--max-shard-size {text!r}: a shard must be allowed at least 1 byte (e.g. 5GB)")
+    return size
+
+
+def _parse_size_text(text: str | int) -> int:
     if isinstance(text, int):
         return text
     t = text.strip().upper()
@@ -45,6 +52,35 @@ def _parse_size(text: str | int) -> int:
         return int(t)
     except ValueError:
         raise UsageError(f"--max-shard-size {text!r}: expected a size like 5GB, 500MB or 1048576") from None
+
+
+def _read_meta_and_arch(checkpoint, iteration, read_checkpoint_meta, arch_from_meta):
+    """``read_checkpoint_meta`` and ``arch_from_meta``, with a malformed slimectl_checkpoint.json one
+    line naming it (not a KeyError/TypeError from deep inside)."""
+    from slimectl.backends.megatron.checkpoint import META, MegatronCheckpointError
+
+    root = Path(checkpoint)
+    meta_p = root / META if (root / META).is_file() or not (root.parent / META).is_file() else root.parent / META
+
+    def damaged(why: str) -> MegatronCheckpointError:
+        return MegatronCheckpointError(f"{meta_p} {why}; the checkpoint is damaged (re-create it with `slimectl convert` "
+                                       f"or pick another one)")
+
+    try:
+        meta, it_dir, it = read_checkpoint_meta(checkpoint, iteration)
+    except UnicodeDecodeError:
+        raise damaged("is not UTF-8 JSON") from None
+    except AttributeError:  # reads .get of what should be an object
+        raise damaged("does not hold a JSON object") from None
+    if not isinstance(meta, dict):
+        raise damaged("does not hold a JSON object")
+    if not isinstance(meta.get("arch"), dict):
+        raise damaged("has no 'arch' object (the model's shape)")
+    try:
+        arch = arch_from_meta(meta)
+    except TypeError as exc:
+        raise damaged(f"has a malformed 'arch' ({exc})") from None
+    return meta, it_dir, it, arch
 
 
 EXPORTS_DIR = "exports"
@@ -140,9 +176,8 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
     shard_bytes = _parse_size(max_shard_size)
     checkpoint, megatron_iteration, run, artifact_id = resolve_export_source(checkpoint, run_dir, checkpoint_id,
                                                                              iteration)
-    meta, it_dir, it = read_checkpoint_meta(checkpoint, megatron_iteration)
+    meta, it_dir, it, arch = _read_meta_and_arch(checkpoint, megatron_iteration, read_checkpoint_meta, arch_from_meta)
     checkpoint = it_dir.parent  # the root, also when given the torch_dist directory inside it
-    arch = arch_from_meta(meta)
     src_dtype = meta.get("dtype", "fp32")
     dtype = dtype or src_dtype
     if out is None:

@@ -15,6 +15,8 @@ tests/integration/test_bad_inputs.py.
 | set       | --set syntax, unknown keys, types, stage sections                        | SET |
 | dataset   | missing/empty/non-UTF-8 files, bad JSON lines, keys, types, parquet, slices | DATASET |
 | hf        | HF model dirs: config.json, safetensors, index, *.bin pickles           | HF |
+| torch_dist| checkpoint roots: slimectl_checkpoint.json, trackers, iterations, export options | CKPT |
+| convert   | convert's options                                                       | CONVERT_ARGS |
 | rundir    | not a run dir, foreign dir, run.json, config.yaml, extend.json, cursors, locks, READY | RUNDIR |
 """
 
@@ -29,7 +31,12 @@ import pytest
 
 # ---------------------------------------------------------------------------------------------- the table
 # (id, argv with {T} {RUN} {MODEL} {HF} {R:name} placeholders, exit code, texts the one Error line holds)
-# Files the argv names are made by FILES (config/dataset/model files) and RUNS (run directories).
+# Files the argv names are made by the world fixture (config/dataset/model files, run directories).
+
+TRACKER = "latest_checkpointed_iteration.txt"
+ARCH = {"family": "llama", "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_attention_heads": 4,
+        "num_kv_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "qkv_bias": False, "qk_norm": False, "dtype": "fp32"}
 
 CONFIG = [
     # config files given to `init NEW --config FILE`: exit 2 and NEW is not created
@@ -123,6 +130,12 @@ SET = [
     ("set-stage-dry-run", "train -r {RUN} --dry-run --set train.adam_beta2=2", 2, ["train.adam_beta2 = 2"]),
     ("rl-config-and-bad-set", "rl -c {T}/c/ok.yaml -r {T}/new --set train.lr=x --dry-run", 2, ["train.lr = \"x\""]),
     ("rl-bad-config", "rl -c {T}/c/unkkey.yaml -r {T}/new", 2, ["unkkey.yaml", "rollout.batch_sise"]),
+    ("rl-missing-dataset", "rl -c {T}/c/rl-nodata.yaml -r {T}/new", 2, ["{T}/d/none.jsonl", "data.prompt_data"]),
+    ("rl-bad-dataset", "rl -c {T}/c/rl-baddata.yaml -r {T}/new", 2, ["badjson.jsonl line 2", "invalid JSON"]),
+    ("rl-bad-eval-dataset", "rl -c {T}/c/rl-badeval.yaml -r {T}/new", 2, ["noinput.jsonl", "key 'input'"]),
+    ("rl-no-model", "rl -c {T}/c/rl-nomodel.yaml -r {T}/new", 2, ["model.path is not set"]),
+    ("rl-set-contradiction", "rl -c {T}/c/ok.yaml -r {T}/new --set algorithm.use_unbiased_kl=true", 2, ["use_kl_loss"]),
+    ("rl-into-foreign-dir", "rl -c {T}/c/ok.yaml -r {T}/c", 2, ["{T}/c"]),
 ]
 
 DATASET = [
@@ -215,8 +228,52 @@ HF = [
 ]
 
 
-def _cursor_bad(run: Path) -> None:
-    (run / "cursors" / "train.json").write_text("{garbage")
+CKPT = [
+    # (id, the checkpoint root's files (name -> content; DIR: a directory), export options, exit code, texts)
+    # through `export --checkpoint {T}/ck/ID --out {T}/o-ID`. Only what fails before Megatron starts:
+    # payload pickles and damaged shards, .metadata and trackers are in test_checkpoint_safety.py.
+    ("ck-is-a-file", "FILE", "", 2, ["{T}/ck/ck-is-a-file' is a file"]),
+    ("ck-meta-garbage", {"slimectl_checkpoint.json": "{oops"}, "", 1, ["slimectl_checkpoint.json is not valid JSON"]),
+    ("ck-meta-non-utf8", {"slimectl_checkpoint.json": b'{"arch": "\xff"}'}, "", 1, ["slimectl_checkpoint.json is not UTF-8"]),
+    ("ck-meta-list", {"slimectl_checkpoint.json": "[1, 2]", "state/metadata.json": "{}"}, "", 1,
+     ["slimectl_checkpoint.json does not hold a JSON object"]),
+    ("ck-meta-no-arch", {"slimectl_checkpoint.json": "{}", TRACKER: "release", "release/metadata.json": "{}"}, "", 1,
+     ["slimectl_checkpoint.json", "'arch'"]),
+    ("ck-meta-bad-arch", {"slimectl_checkpoint.json": '{"arch": {"family": "llama", "colour": 1}}', TRACKER: "release",
+                          "release/metadata.json": "{}"}, "", 1, ["slimectl_checkpoint.json", "arch"]),
+    ("ck-meta-arch-list", {"slimectl_checkpoint.json": '{"arch": [1]}', TRACKER: "release",
+                           "release/metadata.json": "{}"}, "", 1, ["slimectl_checkpoint.json", "arch"]),
+    ("ck-no-tracker", {"slimectl_checkpoint.json": "{}", "release": "DIR"}, "", 2,
+     ["has no latest_checkpointed_iteration.txt", "--iteration N"]),
+    ("ck-tracker-empty", {"slimectl_checkpoint.json": "{}", TRACKER: ""}, "", 1, ["latest_checkpointed_iteration.txt holds ''"]),
+    ("ck-tracker-negative", {"slimectl_checkpoint.json": "{}", TRACKER: "-3"}, "", 1, ["holds '-3'"]),
+    ("ck-tracker-missing-iteration", {"slimectl_checkpoint.json": "{}", TRACKER: "7"}, "", 2,
+     ["iter_0000007 is not a complete torch_dist checkpoint", "iterations present: none"]),
+    ("ck-release-without-metadata", {"slimectl_checkpoint.json": "{}", TRACKER: "release", "release": "DIR"}, "", 2,
+     ["release is not a complete torch_dist checkpoint"]),
+    ("ck-iteration-absent", {"slimectl_checkpoint.json": "{}", TRACKER: "release", "release/metadata.json": "{}"},
+     "--iteration 5", 2, ["iter_0000005 is not a complete", "iterations present: release"]),
+    ("ck-train-state-incomplete", {"slimectl_checkpoint.json": '{"iteration": 3}', "state": "DIR"}, "", 1,
+     ["state is not a complete torch_dist checkpoint"]),
+    ("ck-train-other-iteration", {"slimectl_checkpoint.json": '{"iteration": 3}', "state": "DIR"}, "--iteration 4", 2,
+     ["holds iteration 3 only"]),
+    ("ck-dtype", {"slimectl_checkpoint.json": "{}"}, "--dtype fp8", 2, ["'--dtype'", "'fp8' is not one of"]),
+    ("ck-shard-size-zero", {"slimectl_checkpoint.json": "{}"}, "--max-shard-size 0", 2, ["--max-shard-size"]),
+    ("ck-shard-size-negative", {"slimectl_checkpoint.json": "{}"}, "--max-shard-size -5GB", 2, ["--max-shard-size"]),
+    ("ck-out-not-empty", {"slimectl_checkpoint.json": json.dumps({"arch": ARCH}), TRACKER: "release",
+                          "release/metadata.json": "{}"},
+     "OUT={T}/c", 2, ["{T}/c", "--force"]),
+]
+
+CONVERT_ARGS = [
+    # (id, argv, exit code, texts): convert's own options, on the clean tiny llama
+    ("cv-tp-zero", "convert --hf {T}/hf-clean --out {T}/o-cv --tp 0", 2, ["--tp"]),
+    ("cv-pp-word", "convert --hf {T}/hf-clean --out {T}/o-cv --pp two", 2, ["--pp"]),
+    ("cv-dtype", "convert --hf {T}/hf-clean --out {T}/o-cv --dtype fp8", 2, ["'--dtype'", "'fp8' is not one of"]),
+    ("cv-out-is-file", "convert --hf {T}/hf-clean --out {T}/c/list.yaml", 2, ["{T}/c/list.yaml"]),
+    ("cv-no-out", "convert --hf {T}/hf-clean", 2, ["--out"]),
+    ("cv-into-foreign-run", "convert --hf {T}/hf-clean -r {T}/c", 2, ["{T}/c is not a slimectl run directory"]),
+]
 
 
 RUNDIR = [
@@ -445,6 +502,11 @@ def world(tmp_path_factory):
     for _, name, content, _ in CONFIG:
         _write(t / name, content)
     _write(t / "c" / "ok.yaml", f"model: {{path: {model}}}\n")
+    _write(t / "c" / "rl-nodata.yaml", f"model: {{path: {model}}}\ndata: {{prompt_data: {t}/d/none.jsonl}}\n")
+    _write(t / "c" / "rl-baddata.yaml", f"model: {{path: {model}}}\ndata: {{prompt_data: {t}/d/badjson.jsonl}}\n")
+    _write(t / "c" / "rl-badeval.yaml", f"model: {{path: {model}}}\ndata: {{prompt_data: {t}/d/ok.jsonl, "
+                                        f"eval_data: {{arith: {t}/d/noinput.jsonl}}}}\n")
+    _write(t / "c" / "rl-nomodel.yaml", f"data: {{prompt_data: {t}/d/ok.jsonl}}\n")
     (t / "emptydir").mkdir()
     for _, name, content, _, _ in DATASET:
         if content == "OK":
@@ -458,6 +520,14 @@ def world(tmp_path_factory):
     for cid, how, _ in HF:
         shutil.copytree(hf, t / "hf" / cid)
         _damage_hf(t / "hf" / cid, how)
+    for cid, files, _, _, _ in CKPT:
+        d = t / "ck" / cid
+        if files == "FILE":
+            _write(d, "not a directory")
+            continue
+        d.mkdir(parents=True)
+        for name, content in files.items():
+            _write(d / name, content)
     run = str(init_run(t / "run", overrides=[f"model.path={model}"]).run.path)
     runs = {}
     for name, damage in RUNS.items():
@@ -563,6 +633,20 @@ def test_hf_checkpoint(world, cid, how, needles):
     run_case(world, f"convert --hf {{T}}/hf/{cid} --out {{T}}/o-{cid}", code, needles, None, new=f"{{T}}/o-{cid}")
 
 
+@pytest.mark.parametrize("cid, files, opts, code, needles", CKPT, ids=[c[0] for c in CKPT])
+def test_torch_dist_checkpoint(world, cid, files, opts, code, needles):
+    out = f"{{T}}/o-{cid}"
+    if opts.startswith("OUT="):
+        out, opts = opts[4:], ""
+    run_case(world, f"export --checkpoint {{T}}/ck/{cid} --out {out} {opts}", code, needles, None,
+             new=None if out == "{T}/c" else out)
+
+
+@pytest.mark.parametrize("cid, argv, code, needles", CONVERT_ARGS, ids=[c[0] for c in CONVERT_ARGS])
+def test_convert_options(world, cid, argv, code, needles):
+    run_case(world, argv, code, needles, None, new="{T}/o-cv")
+
+
 @pytest.mark.parametrize("cid, run, argv, code, needles", RUNDIR, ids=[c[0] for c in RUNDIR])
 def test_run_directory(world, cid, run, argv, code, needles):
     path = str(world["runs"].get(run) or run)
@@ -572,4 +656,4 @@ def test_run_directory(world, cid, run, argv, code, needles):
 
 
 def test_the_corpus_is_large_enough():
-    assert len(CONFIG) + len(SET) + len(DATASET) + len(HF) + len(RUNDIR) >= 150
+    assert len(CONFIG) + len(SET) + len(DATASET) + len(HF) + len(CKPT) + len(CONVERT_ARGS) + len(RUNDIR) >= 150
