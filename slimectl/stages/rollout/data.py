@@ -187,7 +187,7 @@ def load_tokenizer(cfg):
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        why = " ".join(str(exc).split())[:160] or type(exc).__name__
         raise UsageError(f"{key} = {path}: cannot load a tokenizer there ({why}); point {key} at an HF model "
                          f"directory with tokenizer files") from None
 
