@@ -17,9 +17,9 @@ import difflib
 import hashlib
 import json
 import os
-from pathlib import Path
 import types
 from collections.abc import Hashable
+from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
@@ -498,8 +498,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: merged keys may be overridden, by YAML's rules
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, Hashable) and key in seen:
+            if not isinstance(key, Hashable):
+                continue  # refused by SafeLoader itself, with its own message
+            if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)

@@ -657,3 +657,12 @@ def test_run_directory(world, cid, run, argv, code, needles):
 
 def test_the_corpus_is_large_enough():
     assert len(CONFIG) + len(SET) + len(DATASET) + len(HF) + len(CKPT) + len(CONVERT_ARGS) + len(RUNDIR) >= 150
+
+
+def test_yaml_anchors_and_merge_keys_still_load(tmp_path):
+    """The duplicate-key check leaves YAML's merge keys alone (an explicit key overrides a merged one)."""
+    from slimectl.contract.config import load_yaml_file
+
+    p = tmp_path / "anchors.yaml"
+    p.write_text("base: &b {lr: 0.1, seed: 3}\ntrain:\n  <<: *b\n  lr: 0.2\n")
+    assert load_yaml_file(p)["train"] == {"lr": 0.2, "seed": 3}
