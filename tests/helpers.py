@@ -119,6 +119,86 @@ def run_script_in_process(script: Path, *argv: str, env: dict[str, str] | None =
     return subprocess.CompletedProcess([str(script), *map(str, argv)], 0, out.getvalue(), "")
 
 
+class RankWorker:
+    """N torchrun ranks kept alive to run tests/scripts jobs one after another (tests/scripts/rank_worker.py).
+
+    ``run(SCRIPT, *ARGV)`` answers like ``torchrun --nproc_per_node N SCRIPT ARGV`` would (stdout of
+    every rank in rank order, return code 0 or 1, the ranks' tracebacks as stderr) but the ranks'
+    interpreter, torch/megatron imports and gloo group are paid once, not per call. The ranks start
+    on the first run; a job that fails or times out stops them (a rank may be stuck in a collective)
+    and the next run starts fresh ones. Multi-rank *CLI* launches (slimectl's own torchrun relaunch)
+    still go through :func:`slimectl`.
+    """
+
+    def __init__(self, nproc: int, root: Path):
+        self.nproc, self.root = nproc, Path(root)
+        self.proc: subprocess.Popen | None = None
+        self.launches = 0
+        self.jobs = Path()
+        self.next_job = 0
+        self.cpu_log: list[tuple[str, list[str], float]] = []  # (script, argv, CPU seconds of all ranks)
+        self.proc_rc: int | None = None
+        self._log = None
+
+    def start(self) -> None:
+        self.launches += 1
+        self.jobs = self.root / f"launch-{self.launches}"
+        self.jobs.mkdir(parents=True)
+        self.next_job = 0
+        self._log = open(self.jobs / "worker.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(self.nproc), "--master_addr",
+             "127.0.0.1", "--master_port", str(free_port()), str(SCRIPTS / "rank_worker.py"), str(self.jobs)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+
+    def log_tail(self) -> str:
+        return (self.jobs / "worker.log").read_text()[-3000:] if (self.jobs / "worker.log").is_file() else ""
+
+    def run(self, script, *argv, env: dict[str, str] | None = None, timeout: float = 300,
+            check: bool = True) -> subprocess.CompletedProcess:
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        i, self.next_job = self.next_job, self.next_job + 1
+        job = {"script": str(script), "argv": [str(a) for a in argv], "env": env or {}}
+        tmp = self.jobs / f".job-{i}.tmp"
+        tmp.write_text(json.dumps(job))
+        tmp.rename(self.jobs / f"job-{i}.json")
+        outs = [self.jobs / f"job-{i}.rank{r}.json" for r in range(self.nproc)]
+        deadline = time.monotonic() + timeout
+        while not all(o.exists() for o in outs):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.stop(force=True)
+                raise AssertionError(f"rank worker: job {job} got no answer (worker exit {self.proc_rc}): {tail}")
+            time.sleep(0.02)
+        answers = [json.loads(o.read_text()) for o in outs]
+        errors = [a["error"] for a in answers if a["error"]]
+        res = subprocess.CompletedProcess(["torchrun", str(script), *job["argv"]], 1 if errors else 0,
+                                          "".join(a["stdout"] for a in answers), "\n".join(errors))
+        self.cpu_log.append((Path(script).name, job["argv"], sum(a["cpu_s"] for a in answers)))
+        if errors:
+            self.stop(force=True)  # the other rank may wait in a collective forever
+            if check:
+                raise AssertionError(f"rank worker: {script} {job['argv']} failed:\n{res.stderr[-3000:]}")
+        return res
+
+    def stop(self, force: bool = False) -> None:
+        """End the ranks (reaped here, so their CPU time counts for the test that ends them)."""
+        if self.proc is None:
+            return
+        (self.jobs / "stop").write_text("")
+        try:
+            self.proc.wait(timeout=0 if force else 30)
+        except subprocess.TimeoutExpired:
+            import signal
+
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc_rc, self.proc = self.proc.returncode, None
+        self._log.close()
+        (self.root / "cpu.json").write_text(json.dumps(self.cpu_log))  # CPU seconds per job, for the curious
+
+
 def start_engine(model: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """An embedded engine server subprocess on a free port (weight version 0 unless ARGS set one): (proc, url)."""
     port = free_port()

@@ -16,6 +16,8 @@ import pytest
 
 from tests.helpers import slimectl_in_process
 
+pytestmark = pytest.mark.xdist_group("checkpoint_safety")  # xdist: one worker, fixtures built once
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:

@@ -1,7 +1,8 @@
 """slimectl convert / export on tiny random Llama, Qwen2 and Qwen3 models (real megatron-core, gloo).
 
 One module fixture converts every family at TP=1 (in this process, tests.helpers.run_script_in_process)
-and at TP=2 (torchrun, 2 ranks; Llama through the CLI, which launches torchrun itself). The tests then check the round trip,
+and at TP=2 (two ranks: Llama through the CLI, which launches torchrun itself; the rest, and the
+two-rank logits checks, in the session's long-lived two_ranks worker). The tests then check the round trip,
 logits parity at TP=1/TP=2, and resharding a TP=2 checkpoint to TP=1 and PP=2.
 """
 
@@ -9,28 +10,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ENV, SCRIPTS, free_port, run_script_in_process, slimectl, slimectl_in_process
+from tests.helpers import SCRIPTS, run_script_in_process, slimectl, slimectl_in_process
+
+pytestmark = pytest.mark.xdist_group("two_ranks")  # xdist: one worker, one two_ranks launch
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 TOL = 1e-4
-
-
-def py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def torchrun(n: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return py("-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
-              "--master_port", str(free_port()), *args, timeout=timeout)
 
 
 def results(proc: subprocess.CompletedProcess) -> list[dict]:
@@ -56,7 +47,7 @@ COPIED: dict[str, list[int]] = {}
 
 
 @pytest.fixture(scope="module")
-def converted(models, tmp_path_factory) -> dict[tuple[str, int], Path]:
+def converted(models, tmp_path_factory, two_ranks) -> dict[tuple[str, int], Path]:
     root = tmp_path_factory.mktemp("mcore")
     ckpts = {(fam, 1): root / f"tp1-{fam}" for fam in FAMILIES}
     ckpts.update({(fam, 2): root / f"tp2-{fam}" for fam in FAMILIES})
@@ -67,7 +58,7 @@ def converted(models, tmp_path_factory) -> dict[tuple[str, int], Path]:
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert cli.stdout.strip() == str(ckpts[("llama", 2)])
     pairs = [str(x) for fam in ("qwen2", "qwen3") for x in (models[fam], ckpts[(fam, 2)])]
-    torchrun(2, str(SCRIPTS / "convert_batch.py"), "2", "1", *pairs)
+    two_ranks.run(SCRIPTS / "convert_batch.py", "2", "1", *pairs)
     return ckpts
 
 
@@ -149,12 +140,12 @@ def test_a_sharded_hf_checkpoint_converts_to_the_same_tensors(models, converted,
                         checkpoint_tensors(tmp_path / "out", tmp_path), "llama: sharded vs single file")
 
 
-def test_tp2_and_pp2_conversions_hold_the_tp1_tensors(models, converted, tmp_path):
+def test_tp2_and_pp2_conversions_hold_the_tp1_tensors(models, converted, tmp_path, two_ranks):
     # A checkpoint's tensors are global: converting with TP=2 (column shards copied, row-parallel
     # shards written from memory) or PP=2 (the tied output layer of the last stage read, not
     # copied) must give exactly the TP=1 tensors.
     pairs = [str(x) for fam in ("llama", "qwen2") for x in (models[fam], tmp_path / f"pp2-{fam}")]
-    torchrun(2, str(SCRIPTS / "convert_batch.py"), "1", "2", *pairs)
+    two_ranks.run(SCRIPTS / "convert_batch.py", "1", "2", *pairs)
     for fam in ("llama", "qwen2"):
         ref = checkpoint_tensors(converted[(fam, 1)], tmp_path)
         assert_same_tensors(ref, checkpoint_tensors(tmp_path / f"pp2-{fam}", tmp_path), f"{fam}: pp2 vs tp1")
@@ -199,16 +190,16 @@ def test_logits_parity_tp1(models, converted):
     check(results(run_script_in_process(SCRIPTS / "mcore_logits.py", "1", "1", *parity_pairs(models, converted, 1))), 3, 1, 1)
 
 
-def test_logits_parity_tp2(models, converted):
-    check(results(torchrun(2, str(SCRIPTS / "mcore_logits.py"), "2", "1", *parity_pairs(models, converted, 2))), 3, 2, 1)
+def test_logits_parity_tp2(models, converted, two_ranks):
+    check(results(two_ranks.run(SCRIPTS / "mcore_logits.py", "2", "1", *parity_pairs(models, converted, 2))), 3, 2, 1)
 
 
 def test_tp2_checkpoint_resharded_to_tp1(models, converted):
     check(results(run_script_in_process(SCRIPTS / "mcore_logits.py", "1", "1", *parity_pairs(models, converted, 2))), 3, 1, 1)
 
 
-def test_tp2_checkpoint_resharded_to_pp2(models, converted):
-    check(results(torchrun(2, str(SCRIPTS / "mcore_logits.py"), "1", "2", *parity_pairs(models, converted, 2))), 3, 1, 2)
+def test_tp2_checkpoint_resharded_to_pp2(models, converted, two_ranks):
+    check(results(two_ranks.run(SCRIPTS / "mcore_logits.py", "1", "2", *parity_pairs(models, converted, 2))), 3, 1, 2)
 
 
 def test_export_cli_and_dtype(converted, tmp_path):

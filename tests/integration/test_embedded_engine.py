@@ -15,6 +15,8 @@ import pytest
 
 from tests.helpers import ROOT, free_port, start_engine, wait_healthy
 
+pytestmark = pytest.mark.xdist_group("embedded_engine")  # xdist: one worker, fixtures built once
+
 FIXTURES = ROOT.parent / "shared" / "reference" / "sglang-protocol"
 if not FIXTURES.is_dir():  # CI lays shared/ beside the clone
     FIXTURES = Path(os.environ.get("SLIMECTL_SHARED", "/work/shared")) / "reference" / "sglang-protocol"

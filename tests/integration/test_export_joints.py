@@ -16,6 +16,8 @@ from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, write_samples
 from tests.helpers import slimectl_in_process
 
+pytestmark = pytest.mark.xdist_group("export_joints")  # xdist: one worker, fixtures built once
+
 
 def _samples(rid: int) -> list[Sample]:
     out = []

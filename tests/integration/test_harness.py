@@ -20,6 +20,8 @@ from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample
 from tests.helpers import ENV, free_port, start_engine, wait_healthy
 
+pytestmark = pytest.mark.xdist_group("harness")  # xdist: one worker, fixtures built once
+
 KEY = "harness-test-key"
 Q1, Q2, Q3 = "What is 2 + 3?", "And 4 + 4?", "Thanks. What is 7 * 6?"
 

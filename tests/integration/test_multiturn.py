@@ -30,6 +30,8 @@ from slimectl.agents.tools.python_tool import PythonTool
 from slimectl.contract.samples import Sample, Status, read_samples, write_samples
 from tests.helpers import ROOT, start_engine, wait_healthy
 
+pytestmark = pytest.mark.xdist_group("multiturn")  # xdist: one worker, fixtures built once
+
 EXAMPLE = ROOT / "examples" / "tool_math"
 
 

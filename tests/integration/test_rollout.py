@@ -15,6 +15,8 @@ from slimectl.contract.rundir import EngineRecord, RunDir
 from slimectl.contract.samples import SAMPLES_FILE, Status, read_samples
 from tests.helpers import start_engine, wait_healthy
 
+pytestmark = pytest.mark.xdist_group("rollout")  # xdist: one worker, fixtures built once
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

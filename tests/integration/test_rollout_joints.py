@@ -14,6 +14,8 @@ from slimectl.contract.rundir import EngineRecord, RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
 from tests.helpers import slimectl_in_process, start_engine, wait_healthy
 
+pytestmark = pytest.mark.xdist_group("rollout_joints")  # xdist: one worker, fixtures built once
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

@@ -16,6 +16,8 @@ import torch
 from slimectl.contract.rundir import RunDir
 from tests.helpers import post, slimectl_in_process, start_engine, start_serve, wait_healthy, write_config
 
+pytestmark = pytest.mark.xdist_group("serve_joints")  # xdist: one worker, fixtures built once
+
 PROBE = "model.layers.0.self_attn.q_proj.weight"  # a tensor training changes
 
 

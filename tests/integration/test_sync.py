@@ -14,6 +14,8 @@ from slimectl.stages.sync.distributed import buckets
 from slimectl.stages.sync.verify import compare, pick_names
 from tests.helpers import post, slimectl_in_process, start_serve
 
+pytestmark = pytest.mark.xdist_group("sync")  # xdist: one worker, fixtures built once
+
 
 def greedy(url, ids=(5, 6, 7, 8)):
     """(output ids + their log-probs rounded to 5 digits, weight version): a fingerprint of the weights."""

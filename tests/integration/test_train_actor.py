@@ -2,7 +2,8 @@
 
 The one-rank check (tests/scripts/train_actor_check.py) runs once in this process
 (tests.helpers.run_script_in_process: Megatron's CPU shim applied once per session) and several
-tests share its RESULT; the two-rank checks go through torchrun.
+tests share its RESULT; the two-rank checks (TP, DP, PP) run one after another on the session's
+long-lived two_ranks worker (tests/integration/conftest.py: one torchrun launch for all of them).
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -20,7 +19,9 @@ from slimectl.algorithms.rewards import normalize_rewards_by_group
 from slimectl.backends.megatron.actor import lr_scheduler
 from slimectl.contract.config import TrainSection, build_config
 from slimectl.contract.errors import ConfigError
-from tests.helpers import ENV, SCRIPTS, free_port, run_script_in_process
+from tests.helpers import SCRIPTS, run_script_in_process
+
+pytestmark = pytest.mark.xdist_group("two_ranks")  # xdist: one worker, one two_ranks launch
 
 SCRIPT = SCRIPTS / "train_actor_check.py"
 PROMPTS = ["one two three", "the cat sat on", "2 + 2 =", "why is the sky"]
@@ -123,15 +124,14 @@ def result(tmp_path_factory):
     return res
 
 
-def run_check(model_dir, samples_json, tp: int, dp: int = 1, pp: int = 1) -> dict:
+def run_check(model_dir, samples_json, tp: int, dp: int = 1, pp: int = 1, ranks=None) -> dict:
+    """The check on one rank (in this process) or on RANKS (the session's two_ranks worker)."""
     args = [str(SCRIPT), str(model_dir), str(samples_json), str(tp), str(pp)]
     if tp * dp * pp == 1:
         proc = run_script_in_process(*args)
     else:
-        args = ["-m", "torch.distributed.run", "--nproc_per_node", str(tp * dp * pp), "--master_addr", "127.0.0.1",
-                "--master_port", str(free_port()), *args]
-        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=ENV)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ranks.nproc == tp * dp * pp
+        proc = ranks.run(*args)
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     res = json.loads(line[len("RESULT "):])
     print(f"tp={tp} dp={dp} pp={pp}", {k: round(v["seconds"], 2) for k, v in res.items() if isinstance(v, dict)},
@@ -202,8 +202,8 @@ def test_two_steps_per_rollout_per_token_loss_and_schedule(result):
     assert all(m["train/entropy"] > 0 and m["train/grad_norm"] > 0 for m in ms)
 
 
-def test_tp2_matches_tp1(result):
-    tp2 = run_check(*result["_paths"], tp=2)
+def test_tp2_matches_tp1(result, two_ranks):
+    tp2 = run_check(*result["_paths"], tp=2, ranks=two_ranks)
     m1, m2 = result["grpo"]["step0"][0], tp2["grpo"]["step0"][0]
     assert m2["train/train_rollout_logprob_abs_diff"] <= 1e-4 and m2["train/kl_loss"] == 0.0
     assert abs(m2["train/ppo_kl"]) < 1e-6 and m2["train/pg_clipfrac"] == 0.0
@@ -215,13 +215,13 @@ def test_tp2_matches_tp1(result):
 
 
 @pytest.mark.parametrize("axis", ["dp", "pp"])
-def test_two_ranks_match_one(result, axis):
+def test_two_ranks_match_one(result, axis, two_ranks):
     """Two data-parallel ranks (each packing half of every global batch) or two pipeline stages
     (Megatron's 1F1B schedule over packed micro-batches of different lengths, tied embeddings
     split between first and last stage), torchrun over gloo, train exactly like one rank: same
     losses and metrics, gradient norm and resulting log-probs, and the whole model comes back to
     rank 0 as HF tensors."""
-    two = run_check(*result["_paths"], tp=1, **{axis: 2})
+    two = run_check(*result["_paths"], tp=1, **{axis: 2}, ranks=two_ranks)
     m1, m2 = result["grpo"]["step0"][0], two["grpo"]["step0"][0]
     for k in ("train/loss", "train/pg_loss", "train/kl_loss", "train/entropy", "train/ppo_kl", "train/pg_clipfrac",
               "train/train_rollout_logprob_abs_diff", "train/tis"):

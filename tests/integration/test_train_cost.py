@@ -13,6 +13,8 @@ import pytest
 
 from tests.helpers import SCRIPTS, run_script_in_process
 
+pytestmark = pytest.mark.xdist_group("train_cost")  # xdist: one worker, fixtures built once
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):

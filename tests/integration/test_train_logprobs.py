@@ -1,14 +1,13 @@
 """slimectl.train: sequence packing, and Megatron log-probs vs the rollout engine's (step-0 invariant).
 
 The one-rank script (tests/scripts/train_logprobs.py) runs in this process (tests.helpers.
-run_script_in_process, Megatron's CPU shim applied once per session); TP=2 goes through torchrun.
+run_script_in_process, Megatron's CPU shim applied once per session); TP=2 runs on the session's
+long-lived two_ranks worker (tests/integration/conftest.py).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,9 @@ import torch
 
 from slimectl.contract.samples import Sample
 from slimectl.backends.megatron.packing import pack_samples
-from tests.helpers import ENV, SCRIPTS, free_port, run_script_in_process
+from tests.helpers import SCRIPTS, run_script_in_process
+
+pytestmark = pytest.mark.xdist_group("two_ranks")  # xdist: one worker, one two_ranks launch
 
 SCRIPT = SCRIPTS / "train_logprobs.py"
 
@@ -116,15 +117,13 @@ def rollout(tmp_path_factory):
     return model_dir, path, samples
 
 
-def run_script(n_proc: int, tp: int, model_dir: Path, samples_json: Path, out: Path) -> dict:
+def run_script(ranks, tp: int, model_dir: Path, samples_json: Path, out: Path) -> dict:
+    """The script in this process (RANKS None) or on the session's two_ranks worker."""
     args = [str(SCRIPT), str(tp), str(model_dir), str(samples_json), str(BUDGET), str(out)]
-    if n_proc == 1:
+    if ranks is None:
         proc = run_script_in_process(*args)
     else:
-        args = ["-m", "torch.distributed.run", "--nproc_per_node", str(n_proc), "--master_addr", "127.0.0.1",
-                "--master_port", str(free_port()), *args]
-        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=ENV)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = ranks.run(*args)
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     return {**json.loads(line[len("RESULT "):]), **torch.load(out)}
 
@@ -132,7 +131,7 @@ def run_script(n_proc: int, tp: int, model_dir: Path, samples_json: Path, out: P
 @pytest.fixture(scope="module")
 def tp1(rollout, tmp_path_factory):
     model_dir, path, _ = rollout
-    return run_script(1, 1, model_dir, path, tmp_path_factory.mktemp("tp1") / "out.pt")
+    return run_script(None, 1, model_dir, path, tmp_path_factory.mktemp("tp1") / "out.pt")
 
 
 def max_diff(a: list[torch.Tensor], b: list) -> float:
@@ -157,9 +156,9 @@ def test_megatron_matches_rollout_logprobs_tp1(rollout, tp1):
     assert torch.isfinite(tp1["grad"]).all() and tp1["grad"].abs().sum() > 0
 
 
-def test_megatron_logprobs_tp2_match_tp1(rollout, tp1, tmp_path):
+def test_megatron_logprobs_tp2_match_tp1(rollout, tp1, tmp_path, two_ranks):
     model_dir, path, samples = rollout
-    tp2 = run_script(2, 2, model_dir, path, tmp_path / "out.pt")
+    tp2 = run_script(two_ranks, 2, model_dir, path, tmp_path / "out.pt")
     assert tp2["raw_logits_shape"] == [1, tp2["packed_len"], tp2["padded_vocab"] // 2]  # vocab-sharded
     assert tp2["layout"] == tp1["layout"]
     diffs = {"logprob_tp2_vs_tp1": max_diff(tp2["packed"], tp1["packed"]),

@@ -15,6 +15,8 @@ from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, write_samples
 from tests.helpers import ENV, slimectl, slimectl_in_process
 
+pytestmark = pytest.mark.xdist_group("train_stage")  # xdist: one worker, fixtures built once
+
 
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory):
@@ -64,10 +66,18 @@ def make_run(tmp_path, model, rollouts, n_published=3, *sets):
     return run
 
 
-def test_train_consumes_each_rollout_once_and_publishes(tmp_path, rollouts):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, rollouts):
+    """One uninterrupted one-rank train of the 3 rollouts (make_run's settings): checked by the first
+    test, and the reference the resume, kill -9 and two-rank runs must reproduce. (train, run)"""
     model, rolls = rollouts
-    run = make_run(tmp_path, model, rolls)
-    res = slimectl_in_process("train", "-r", run.path)
+    run = make_run(tmp_path_factory.mktemp("straight"), model, rolls)
+    return slimectl_in_process("train", "-r", run.path), run
+
+
+def test_train_consumes_each_rollout_once_and_publishes(straight, rollouts):
+    model, _ = rollouts
+    res, run = straight
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming at rollout 0, 3 to go" in res.stderr and "trained rollouts 0-2;" in res.stdout
     cur = run.cursor("train").read()
@@ -85,10 +95,10 @@ def test_train_consumes_each_rollout_once_and_publishes(tmp_path, rollouts):
     assert slimectl_in_process("train", "-r", run.path, "--allow-empty").returncode == 0
 
 
-def test_resume_is_bit_exact_and_trains_nothing_twice(tmp_path, rollouts):
+def test_resume_is_bit_exact_and_trains_nothing_twice(tmp_path, rollouts, straight):
     model, rolls = rollouts
-    straight = make_run(tmp_path / "a", model, rolls)
-    assert slimectl_in_process("train", "-r", straight.path).returncode == 0
+    res, straight = straight
+    assert res.returncode == 0, res.stderr[-3000:]
     split = make_run(tmp_path / "b", model, rolls)
     first = slimectl_in_process("train", "-r", split.path, "--max-rollouts", "2")
     assert first.returncode == 0, first.stderr[-2000:]
@@ -113,13 +123,13 @@ def test_missing_rollout_and_wrong_id(tmp_path, rollouts):
     assert res.returncode == 1 and "rollouts/000001 is not published yet" in res.stderr
 
 
-def test_kill_9_mid_training_then_rerun_trains_each_rollout_once(tmp_path, rollouts):
+def test_kill_9_mid_training_then_rerun_trains_each_rollout_once(tmp_path, rollouts, straight):
     import signal
     import time
 
     model, rolls = rollouts
-    straight = make_run(tmp_path / "a", model, rolls)
-    assert slimectl_in_process("train", "-r", straight.path).returncode == 0
+    res, straight = straight
+    assert res.returncode == 0, res.stderr[-3000:]
     run = make_run(tmp_path / "b", model, rolls)
     proc = subprocess.Popen([sys.executable, "-m", "slimectl", "train", "-r", str(run.path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
@@ -139,14 +149,14 @@ def test_kill_9_mid_training_then_rerun_trains_each_rollout_once(tmp_path, rollo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("axis", ["dp", "pp"])
-def test_train_under_torchrun_with_two_ranks_matches_one_process(tmp_path, rollouts, axis):
+def test_train_under_torchrun_with_two_ranks_matches_one_process(tmp_path, rollouts, straight, axis):
     """`slimectl train` with train.dp=2 (data parallel) or train.pp=2 (two pipeline stages)
     relaunches itself under torchrun (2 gloo ranks); rank 0 owns the run dir and, under PP, gets
     the last stage's tensors for the published weights. Same weights as one process, each rollout
     consumed once, and a one-rank rerun resumes from the two-rank checkpoint (resharded)."""
     model, rolls = rollouts
-    one = make_run(tmp_path / "one", model, rolls)
-    assert slimectl_in_process("train", "-r", one.path).returncode == 0
+    res, one = straight
+    assert res.returncode == 0, res.stderr[-3000:]
     two = make_run(tmp_path / "two", model, rolls, 3, f"train.{axis}=2")
     res = slimectl("train", "-r", two.path, "--max-rollouts", "2")
     assert res.returncode == 0, res.stderr[-3000:]
