@@ -7,7 +7,7 @@ invocation, excepted), no .staging debris, no lock left; a new run directory is 
 
 torch_dist checkpoints (payload pickles, damaged shards, bad trackers) are in
 tests/integration/test_checkpoint_safety.py; the servers' HTTP bodies in
-tests/integration/test_bad_inputs.py.
+tests/integration/test_bad_http_inputs.py.
 
 | group     | what                                                                    | cases |
 |-----------|-------------------------------------------------------------------------|-------|
