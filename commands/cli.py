@@ -95,6 +95,8 @@ class LazyGroup(click.Group):
         from slimectl.contract.errors import SlimectlError
 
         argv = invoked_argv(ctx)  # before click consumes the subcommand's arguments
+        # Judged before the command runs: a one-rank in-process trainer sets WORLD_SIZE/LOCAL_RANK itself.
+        torchrun_rank = "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
         try:
             return super().invoke(ctx)
         except SlimectlError as exc:
@@ -103,12 +105,11 @@ class LazyGroup(click.Group):
             raise CliError(str(exc), exc.exit_code) from None
         except KeyboardInterrupt as exc:
             from slimectl.orchestration.signals import interrupted_exit_code, resume_hint
-            from slimectl.orchestration.torchrun import under_torchrun
 
             if debug_enabled():
                 raise
             # Under torchrun the launching command (ours, or the user's torchrun) is what resumes.
-            raise Interrupted("" if under_torchrun() else resume_hint(argv), interrupted_exit_code(exc)) from None
+            raise Interrupted("" if torchrun_rank else resume_hint(argv), interrupted_exit_code(exc)) from None
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as exc:  # an unexpected failure: one line, traceback only on request
