@@ -95,8 +95,10 @@ class LazyGroup(click.Group):
         from slimectl.contract.errors import SlimectlError
 
         argv = invoked_argv(ctx)  # before click consumes the subcommand's arguments
+        from slimectl.orchestration.torchrun import under_torchrun  # light: os and the errors only
+
         # Judged before the command runs: a one-rank in-process trainer sets WORLD_SIZE/LOCAL_RANK itself.
-        torchrun_rank = "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+        torchrun_rank = under_torchrun()
         try:
             return super().invoke(ctx)
         except SlimectlError as exc:
