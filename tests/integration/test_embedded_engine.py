@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -21,6 +22,7 @@ FIXTURES = ROOT.parent / "shared" / "reference" / "sglang-protocol"
 if not FIXTURES.is_dir():  # CI lays shared/ beside the clone
     FIXTURES = Path(os.environ.get("SLIMECTL_SHARED", "/work/shared")) / "reference" / "sglang-protocol"
 TOKEN = "s3cret-token"
+ENGINE: dict = {}  # the module's engine process and log, so a hung call can ask it for its threads' stacks
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,7 @@ def engine(models, engine_log):
     except Exception:
         proc.kill()
         raise AssertionError(log.read_text()[-3000:])
+    ENGINE.update(proc=proc, log=log)
     yield url
     proc.terminate()
     try:
@@ -72,6 +75,8 @@ def call(url, method, path, body=None, token=TOKEN, timeout=60):
             status = resp.status
     except urllib.error.HTTPError as exc:
         raw, status = exc.read(), exc.code
+    except TimeoutError:
+        raise AssertionError(f"{method} {path} got no answer in {timeout} s; the engine's threads:\n{engine_stacks()}") from None
     try:
         return status, json.loads(raw) if raw.strip() else None
     except ValueError:
@@ -103,6 +108,16 @@ def same_shape(ours, theirs, where="$"):
         assert isinstance(ours, (int, float)) and not isinstance(ours, bool), f"{where}: expected number, got {ours!r}"
     elif isinstance(theirs, str):
         assert isinstance(ours, str), f"{where}: expected string, got {ours!r}"
+
+
+def engine_stacks() -> str:
+    """SIGUSR1 makes the engine write every thread's stack to its log (faulthandler); the log's tail."""
+    proc, log = ENGINE.get("proc"), ENGINE.get("log")
+    if proc is None or proc.poll() is not None:
+        return "(no engine running)"
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
+    return log.read_text(errors="replace")[-6000:]
 
 
 def fixture(name):
@@ -231,7 +246,7 @@ def test_update_weights_over_a_gloo_group(engine, models):
     box = {}
     t = threading.Thread(target=lambda: box.__setitem__("init", call(engine, "POST", "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": "g",
-        "backend": "gloo"})))
+        "backend": "gloo", "timeout": 90})))
     t.start()
     pg = init_custom_process_group("127.0.0.1", port, 0, 2, "g", "gloo", timeout_s=60)
     t.join()
@@ -271,6 +286,12 @@ def test_update_weights_over_a_gloo_group(engine, models):
     finally:
         assert call(engine, "POST", "/destroy_weights_update_group", {"group_name": "g"})[0] == 200
         destroy_group(pg)
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_engine_log(engine):
+    stacks = engine_stacks()
+    assert "Thread 0x" in stacks and "most recent call first" in stacks, stacks[-2000:]
+    assert call(engine, "GET", "/model_info")[0] == 200  # and the engine keeps serving
 
 
 def test_abort_returns_promptly_with_partial_output(engine):

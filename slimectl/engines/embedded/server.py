@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -527,6 +529,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="shut down when this process (the supervising slimectl) is gone, even after kill -9")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s embedded: %(message)s", stream=sys.stderr)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to the engine's log (a hung engine explains itself)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"}.get(args.dtype, args.dtype)
     token = os.environ.get(args.admin_api_key_env) if args.admin_api_key_env else None
     engine = EmbeddedEngine(args.model_path, args.host, args.port, dtype=dtype, max_batch_size=args.max_running_requests,
