@@ -81,7 +81,7 @@ def main() -> None:
     init = subprocess.run([sys.executable, "-m", "slimectl", "init", str(tmp / "run"), "--set", f"model.path={model}",
                            "--set", f"rollout.num_rollout={a.rollouts}", "--set", "train.save_interval=1",
                            "--set", "train.lr=1e-5", "--set", "logging.tensorboard=false"],
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=env, cwd=tmp)  # (cwd: slimectl from PYTHONPATH only)
     if init.returncode:
         sys.exit(init.stderr)
     run = RunDir.open(tmp / "run")
@@ -93,7 +93,8 @@ def main() -> None:
                    for i in range(a.samples)]
         with run.rollouts.publish(rid, meta={"weight_version": "0"}) as d:
             write_samples(samples, d / SAMPLES_FILE)
-    child = subprocess.run([sys.executable, "-c", CHILD, str(run.path)], capture_output=True, text=True, env=env)
+    child = subprocess.run([sys.executable, "-c", CHILD, str(run.path)], capture_output=True, text=True, env=env,
+                           cwd=tmp)
     line = [x for x in child.stdout.splitlines() if x.startswith("BENCH ")]
     if child.returncode or not line:
         sys.exit(child.stderr[-3000:] + child.stdout[-2000:])
@@ -115,7 +116,7 @@ def main() -> None:
         "critical_path_median_s": round(statistics.median(sum(r.get(k, 0.0) for k in keys[:3]) for r in later), 3),
         "checkpoint_write_s": [round(x, 3) for x in writes] or "(not logged: synchronous save inside save_time)",
         "train_wall_s": round(res["wall_s"], 2), "train_cpu_s": round(res["cpu_s"], 2),
-        "shape": vars(a), "slimectl": os.path.dirname(__import__("slimectl").__file__),
+        "shape": vars(a), "slimectl": os.path.dirname(__import__("slimectl").__file__),  # (the parent's; the child's: same PYTHONPATH)
         "when": time.strftime("%H:%M:%S"), **({"run": str(run.path)} if a.keep else {}),
     }))
     if not a.keep:
