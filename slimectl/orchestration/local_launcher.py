@@ -112,6 +112,7 @@ class InProcessTrainer:
         self.run, self.cfg, self.stack = run, cfg, stack
         self.disk = cfg.sync.transport == "disk"
         self.trainer = Trainer(run, cfg, stack.enter_context(run.lock("train")))
+        stack.callback(self.trainer.close)  # a checkpoint still being written is published before the lock goes
         self.loop = self.clients = self.transport = self.metrics = None
 
     @property

@@ -74,6 +74,88 @@ def _barrier() -> None:
 STATE_DIR = "state"
 
 
+class CheckpointWriter:
+    """Writes the trainer's checkpoints off the critical path: one background thread, one save at
+    a time, in order.
+
+    A save is handed over as a job (write the torch_dist files into a staging directory, seal it
+    with its READY manifest, rename it into place) and runs while training goes on: the next
+    rollout, the weight sync, the next forward and backward. The job writes the live parameters
+    and Adam moments (no copy of them); the actor's next optimizer step — the only thing that
+    changes them — waits for it first (``MegatronActor.before_update`` is :meth:`wait`). A save
+    that is still running when the next one is handed over is waited for: saves never overlap.
+    What must follow a save (the cursor commit that depends on it) is queued behind it
+    (:meth:`then`), so a checkpoint is published, and the cursor advanced, only once it is whole.
+    A failed save removes its staging directory (``ArtifactStore.publish``) and its error is
+    raised on the training thread at the next wait; so are the jobs queued behind it skipped.
+
+    ``background=False`` (several trainer ranks: the save's collectives must stay on the training
+    thread, in step with the other ranks) runs every job inline, as before.
+    """
+
+    def __init__(self, background: bool = True):
+        self.background = background
+        self._pool = None
+        self._pending = None  # the Future of the last job handed over
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None
+
+    def wait(self) -> float:
+        """Block until every job handed over is done (raising the first failure); seconds waited."""
+        fut = self._pending
+        if fut is None:
+            return 0.0
+        import time
+
+        t = time.perf_counter()
+        try:
+            fut.result()
+        finally:
+            if fut.done():  # (interrupted while it runs: still pending, close() waits for it again)
+                self._pending = None
+        return time.perf_counter() - t
+
+    def submit(self, job) -> float:
+        """Run ``job`` in the background once the previous one is done (inline without a
+        background thread); returns the seconds this call waited for the previous one."""
+        waited = self.wait()
+        if not self.background:
+            job()
+            return waited
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-save")
+        self._pending = self._pool.submit(job)
+        return waited
+
+    def then(self, job) -> None:
+        """Run ``job`` after the jobs handed over so far, and only if they succeed (inline when
+        there are none)."""
+        prev = self._pending
+        if prev is None:
+            job()
+            return
+
+        def after():
+            prev.result()  # (done: one worker runs jobs in order) a failed save fails what follows it
+            job()
+
+        self._pending = self._pool.submit(after)
+
+    def close(self) -> None:
+        """Finish the pending save (normal exit, SIGTERM, an error: a save already running is
+        finished, its checkpoint published); raises its failure."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
 @dataclass
 class TrainResult:
     trained: list[int]
@@ -175,6 +257,13 @@ class Trainer:
                                reason=f"training after checkpoint {last.id if last else 'initial'} was lost", lock=lock)
         self.next_rollout = next_id
         self.last_published = last.id if last is not None else 0
+        # One trainer process: checkpoints are written in the background (several ranks: inline).
+        self.writer = CheckpointWriter(background=t.tp * t.pp * self.actor.dp == 1)
+        self.actor.before_update = self.writer.wait
+
+    def close(self) -> None:
+        """Finish (publish) a checkpoint still being written; call before the train lock goes."""
+        self.writer.close()
 
     @property
     def weight_version(self) -> int:
@@ -206,8 +295,8 @@ class Trainer:
             log.info("step %d (rollout %d): loss %.4f, pg_clipfrac %.3f, ppo_kl %.2e, grad_norm %.3f, lr %.2e, %s",
                      self.actor.step, rid, m.get("train/loss", float("nan")), m.get("train/pg_clipfrac", 0.0),
                      m.get("train/ppo_kl", 0.0), m.get("train/grad_norm", 0.0), m.get("train/lr", 0.0), phase_line(m))
-        if self.rank0:
-            self.cursor.commit(rid, {"weight_version": version}, lock=self.lock)
+        if self.rank0:  # after the checkpoint that holds this rollout is published (a save in flight: behind it)
+            self.writer.then(lambda: self.cursor.commit(rid, {"weight_version": version}, lock=self.lock))
         _barrier()
         self.next_rollout = version
         return steps
@@ -215,15 +304,18 @@ class Trainer:
     def publish(self, rid: int, version: int, checkpoint: bool = True, weights: bool = True) -> dict[str, float]:
         """Publish checkpoints/VERSION and/or weights/VERSION; their times (``perf/save_time``,
         ``perf/update_weights_time``)."""
-        phases = _publish(self.run, self.actor, self.arch, self.padded, self.cfg, rid, version, checkpoint, weights)
+        phases = _publish(self.run, self.actor, self.arch, self.padded, self.cfg, rid, version, checkpoint, weights,
+                          self.writer)
         if checkpoint:
             self.last_published = version
         return phases
 
 
 PHASES = (("perf/log_probs_time", "log-probs"), ("perf/ref_log_probs_time", "ref log-probs"),
-          ("perf/actor_train_time", "train"), ("perf/save_time", "save"), ("perf/update_weights_time", "weights"))
-"""A step's phases as slime names them (metrics) and as the step line says them."""
+          ("perf/actor_train_time", "train"), ("perf/save_wait_time", "of which waiting for the last save"),
+          ("perf/save_time", "save"), ("perf/update_weights_time", "weights"))
+"""A step's phases as slime names them (metrics) and as the step line says them (``perf/save_time``: what
+the checkpoint held the training thread, its writing runs in the background)."""
 
 
 def phase_line(m: dict) -> str:
@@ -254,6 +346,7 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
         with ExitStack() as stack:
             lock = stack.enter_context(run.lock("train")) if rank0 else FollowerLock()
             trainer = Trainer(run, cfg, lock)  # also reconciles the cursor with the checkpoint
+            stack.callback(trainer.close)  # the last checkpoint is published before the lock goes
             next_id = trainer.next_rollout
             if not todo:
                 return TrainResult([], next_id, next_id)
@@ -287,15 +380,21 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
 
 
 def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: int, version: int,
-             checkpoint: bool = True, weights: bool = True) -> dict[str, float]:
+             checkpoint: bool = True, weights: bool = True, writer: CheckpointWriter | None = None
+             ) -> dict[str, float]:
     """checkpoints/VERSION (model + optimizer) and/or weights/VERSION (HF safetensors); returns
-    their seconds as ``perf/save_time`` and ``perf/update_weights_time`` (only those published).
+    the seconds they held the training thread as ``perf/save_time`` and ``perf/update_weights_time``
+    (only those published).
+
+    The checkpoint is handed to ``writer`` (:class:`CheckpointWriter`: written and published in the
+    background, ``perf/save_time`` is then the hand-over, including the wait for a previous save
+    still running); the weights are written here (the engines load them next), streamed from the
+    live parameters without a copy of the model.
 
     Collective under torchrun: every rank saves its shards into the staging directory rank 0
     opened (and joins the TP gather of the HF tensors); rank 0 alone seals and publishes.
     """
-    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
-    from slimectl.backends.hf.checkpoint import write_safetensors_sharded
+    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files, write_hf_weights
 
     import time
 
@@ -305,46 +404,63 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
     phases: dict[str, float] = {}
     t = time.perf_counter()
     if checkpoint:
-        _publish_checkpoint(run, actor, arch, padded, cfg, meta, version, hf_src, rank0)
+        _publish_checkpoint(run, actor, arch, padded, cfg, meta, version, hf_src, rank0,
+                            writer or CheckpointWriter(background=False))
         phases["perf/save_time"] = time.perf_counter() - t
     t = time.perf_counter()
     if weights:
-        tensors = actor.hf_state_dict()  # collective under TP
+        tensors = actor.iter_hf_tensors()  # collective under TP/PP; views of the parameters on rank 0
         if rank0:
             with run.weights.publish(version, meta={"source": "train", "rollout_id": rid, "weight_version": version},
                                      stage="train", overwrite=True) as staging:
-                write_safetensors_sharded(tensors.items(), staging)
+                write_hf_weights(tensors, staging)
                 copy_hf_aux_files(hf_src, staging)
+        else:
+            for _ in tensors:
+                pass
         del tensors
         phases["perf/update_weights_time"] = time.perf_counter() - t
-    if rank0:
-        if cfg.train.keep_checkpoints:
-            run.checkpoints.prune(cfg.train.keep_checkpoints, protect={0})
-        if cfg.sync.keep_weights:
-            run.weights.prune(cfg.sync.keep_weights)
-        log.info("published %s", " and ".join(f"{k}/{version:06d}" for k, on in (("checkpoints", checkpoint),
-                                                                                   ("weights", weights)) if on))
+        if rank0:
+            if cfg.sync.keep_weights:
+                run.weights.prune(cfg.sync.keep_weights)
+            log.info("published weights/%06d", version)
     _barrier()
     return phases
 
 
 def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, meta: dict, version: int,
-                        hf_src: Path, rank0: bool = True) -> None:
+                        hf_src: Path, rank0: bool, writer: CheckpointWriter) -> None:
+    """Hand checkpoints/VERSION to ``writer``: the state to save is taken now (the parameters and
+    Adam moments by reference: the next optimizer step waits for the writer), written and
+    published by the writer's job."""
     import json
+    import time
     from contextlib import ExitStack
 
-    from slimectl.backends.megatron.checkpoint import HF_DIR, META, copy_hf_aux_files
+    from slimectl.backends.megatron.checkpoint import HF_DIR, META, copy_hf_aux_files, save_torch_dist
 
     rid = meta["next_rollout"] - 1
-    with ExitStack() as stack:
-        staging = stack.enter_context(run.checkpoints.publish(version, meta=meta, stage="train", overwrite=True)) \
-            if rank0 else None
-        staging = Path(broadcast_from_rank0(str(staging) if rank0 else None))
-        actor.save_state(staging / STATE_DIR, {"next_rollout": rid + 1})  # collective: every rank's shards
-        _barrier()
+    writer.wait()  # a previous save still running: never two at once (and its state is the older one)
+    state = actor.state_to_save({"next_rollout": rid + 1})
+    info = {"format": "torch_dist", "arch": arch.to_dict(), "padded_vocab_size": padded, "dtype": cfg.model.dtype,
+            "saved_with": {"tp": cfg.train.tp, "pp": cfg.train.pp, "dp": cfg.train.dp}, "iteration": actor.step}
+
+    def job() -> None:
+        t = time.perf_counter()
+        with ExitStack() as stack:
+            staging = stack.enter_context(run.checkpoints.publish(version, meta=meta, stage="train", overwrite=True)) \
+                if rank0 else None
+            staging = Path(broadcast_from_rank0(str(staging) if rank0 else None))
+            (staging / STATE_DIR).mkdir(parents=True, exist_ok=True)
+            save_torch_dist(state, staging / STATE_DIR)  # collective: every rank's shards
+            _barrier()
+            if rank0:
+                (staging / META).write_text(json.dumps(info, indent=2))
+                copy_hf_aux_files(hf_src, staging / HF_DIR)
         if rank0:
-            (staging / META).write_text(json.dumps({
-                "format": "torch_dist", "arch": arch.to_dict(), "padded_vocab_size": padded, "dtype": cfg.model.dtype,
-                "saved_with": {"tp": cfg.train.tp, "pp": cfg.train.pp, "dp": cfg.train.dp}, "iteration": actor.step},
-                indent=2))
-            copy_hf_aux_files(hf_src, staging / HF_DIR)
+            if cfg.train.keep_checkpoints:
+                run.checkpoints.prune(cfg.train.keep_checkpoints, protect={0})
+            log.info("published checkpoints/%06d (%.2f s%s)", version, time.perf_counter() - t,
+                     ", in the background" if writer.background else "")
+
+    writer.submit(job)

@@ -135,6 +135,9 @@ class MegatronActor:
             self.ref_model.requires_grad_(False)
             self._sync_ref()
         self.step = 0  # optimizer steps taken
+        # Called before every optimizer step (the only in-place change of the parameters and the
+        # Adam moments): waits for a checkpoint still being written from them; returns seconds waited.
+        self.before_update = None
 
     # ------------------------------------------------------------------ weights
     @property
@@ -224,16 +227,29 @@ class MegatronActor:
     def save_state(self, it_dir, extra: dict[str, Any] | None = None) -> None:
         """Save model + optimizer (torch_dist, resharding-capable), every rank's RNG states and the
         actor's step counter (collective)."""
-        from slimectl.backends.megatron.checkpoint import CHECKPOINT_VERSION, save_torch_dist
+        from slimectl.backends.megatron.checkpoint import save_torch_dist
+
+        state = self.state_to_save(extra)
+        Path(it_dir).mkdir(parents=True, exist_ok=True)
+        save_torch_dist(state, it_dir)
+
+    def state_to_save(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What :meth:`save_state` writes, as of now: the sharded state dict (its tensors are the
+        live parameters and Adam moments, not copies), the RNG states, step and LR schedule copied.
+
+        A background writer may write it while training goes on *until the next optimizer step*,
+        the only thing that changes those tensors in place: :meth:`_train_step` calls
+        ``before_update`` (the writer's wait) first. No snapshot, so no second copy of the state."""
+        import copy
+
+        from slimectl.backends.megatron.checkpoint import CHECKPOINT_VERSION
 
         self._fill_empty_adam_state()
-        Path(it_dir).mkdir(parents=True, exist_ok=True)
         msd = self.module.sharded_state_dict(prefix="")
-        state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
-                 "rng_state": self._rng_object(self.rng_states()), "parallel_layout": self._layout,
-                 "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.step, "actor_step": self.step,
-                 "opt_param_scheduler": self.scheduler.state_dict(), **(extra or {})}
-        save_torch_dist(state, it_dir)
+        return {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
+                "rng_state": self._rng_object(self.rng_states()), "parallel_layout": self._layout,
+                "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.step, "actor_step": self.step,
+                "opt_param_scheduler": copy.deepcopy(self.scheduler.state_dict()), **copy.deepcopy(extra or {})}
 
     def load_state(self, it_dir) -> dict[str, Any]:
         """Load what :meth:`save_state` wrote (model, optimizer, step); returns the other saved keys.
@@ -545,6 +561,7 @@ class MegatronActor:
         if self.dp > 1:
             acc, n_tokens = self._dp_sum(acc, n_tokens)
         acc = self._pp_share(acc)
+        waited = self.before_update() if self.before_update is not None else 0.0  # a save still reading the state
         ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
         if ok:
@@ -558,6 +575,8 @@ class MegatronActor:
                   "train/num_micro_batches": float(len(layout)), "train/step": float(self.step),
                   "perf/train_time": dt, "perf/actor_train_time": dt,
                   "perf/tokens_per_s": n_tokens / dt if dt > 0 else 0.0})
+        if waited:
+            m["perf/save_wait_time"] = waited
         return m
 
 

@@ -194,6 +194,86 @@ def model_to_hf_tensors(model, arch: ModelArch, tp_group=None) -> Iterator[tuple
         yield from to_hf(arch, rule, full)
 
 
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def _write_safetensors_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file written from the tensors' own memory: the header, then each tensor's
+    bytes through the buffer protocol (``safetensors.torch.save_file`` first turns every tensor
+    into a ``bytes`` copy: a second copy of the shard in memory)."""
+    import os
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_hf_weights(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str | Path,
+                     max_shard_bytes: int = 5 * 2**30) -> dict[str, Any]:
+    """Write (HF name, tensor) pairs as HF safetensors shards (``model.safetensors``, or
+    ``model-0000i-of-0000N.safetensors`` + the index) without a second copy of the weights.
+
+    The tensors may be views of the live parameters (what :func:`model_to_hf_tensors` yields): they
+    are written from their own memory, never cloned; only a tensor that is not contiguous (a
+    converted QKV piece) is copied, one at a time per shard. Same files as
+    :func:`slimectl.backends.hf.checkpoint.write_safetensors_sharded`.
+    """
+    import os
+
+    from slimectl.backends.hf.checkpoint import INDEX, SINGLE
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts: list[list[str]] = []
+    buf: dict[str, torch.Tensor] = {}
+    buf_bytes = total = 0
+
+    def flush() -> None:
+        nonlocal buf, buf_bytes
+        if buf:
+            _write_safetensors_file(buf, out / f".part-{len(parts):05d}.safetensors")
+            parts.append(list(buf))
+            buf, buf_bytes = {}, 0
+
+    for name, t in tensors:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        size = t.numel() * t.element_size()
+        if buf and buf_bytes + size > max_shard_bytes:
+            flush()
+        buf[name] = t
+        buf_bytes += size
+        total += size
+    flush()
+    weight_map: dict[str, str] = {}
+    n = len(parts)
+    for i, names in enumerate(parts):
+        final = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(out / f".part-{i:05d}.safetensors", out / final)
+        weight_map.update({k: final for k in names})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    if n > 1:
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return index
+
+
 def _send_header(obj, dst: int, device=None) -> None:
     """A small JSON object over point-to-point (length, then bytes), on ``device`` (NCCL: the GPU)."""
     import torch.distributed as dist
@@ -347,10 +427,21 @@ def _write_in_this_process(request, source=None, failures: list | None = None):
     return request._replace(async_fn=write)
 
 
+def _cpu_shim_in_this_thread():
+    """The CPU shim's device rewriting for the calling thread (torch function modes are per thread:
+    a background checkpoint writer does not inherit the main thread's); nothing on a GPU build."""
+    from contextlib import nullcontext
+
+    from slimectl.backends.megatron import cpu_compat
+
+    return cpu_compat.CudaToCpuMode() if cpu_compat.applied() else nullcontext()
+
+
 def save_torch_dist(state: dict[str, Any], it_dir: str | Path, source=None) -> None:
     """``dist_checkpointing.save`` done synchronously, writing from this process (collective).
 
-    ``source``: unfilled parameters whose bytes are copied from the HF files (convert).
+    ``source``: unfilled parameters whose bytes are copied from the HF files (convert). May run on
+    a background thread (one trainer process: :class:`slimectl.stages.train.CheckpointWriter`).
     """
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
@@ -358,9 +449,10 @@ def save_torch_dist(state: dict[str, Any], it_dir: str | Path, source=None) -> N
     _use_in_process_results_queue()
     failures: list[BaseException] = []
     try:
-        request = dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA,
-                                          async_sharded_save=True)
-        _write_in_this_process(request, source, failures).execute_sync()
+        with _cpu_shim_in_this_thread():
+            request = dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA,
+                                              async_sharded_save=True)
+            _write_in_this_process(request, source, failures).execute_sync()
     except CheckpointException as exc:  # a BaseException: it would escape every `except Exception`
         raise _save_failure(it_dir, exc, failures) from None
     if source is not None:
