@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimectl.contract.errors import UsageError
+from slimectl.contract.faults import fault_point
 from slimectl.contract.logs import StageLog
 from slimectl.contract.rundir.atomic import check_output_dir, swap_dir_into_place
 
@@ -179,6 +180,7 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
             tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
             try:
                 index = write(tmp)
+                fault_point("export.written")
                 swap_dir_into_place(tmp, out)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

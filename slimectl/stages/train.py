@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
@@ -162,6 +163,7 @@ class Trainer:
         last, next_id = resume_point(run)
         if last is not None:
             self.actor.load_state(last.path / STATE_DIR)
+            fault_point("train.resumed")
         state = self.cursor.read()
         if not self.rank0:
             pass  # rank 0 reconciles the cursor; every rank derived next_id from the same checkpoint
@@ -208,6 +210,7 @@ class Trainer:
                      m.get("train/ppo_kl", 0.0), m.get("train/grad_norm", 0.0), m.get("train/lr", 0.0), phase_line(m))
         if self.rank0:
             self.cursor.commit(rid, {"weight_version": version}, lock=self.lock)
+            fault_point("train.cursor_committed")
         _barrier()
         self.next_rollout = version
         return steps
@@ -307,6 +310,7 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
     if checkpoint:
         _publish_checkpoint(run, actor, arch, padded, cfg, meta, version, hf_src, rank0)
         phases["perf/save_time"] = time.perf_counter() - t
+        fault_point("train.checkpoint_published")
     t = time.perf_counter()
     if weights:
         tensors = actor.hf_state_dict()  # collective under TP
@@ -317,6 +321,7 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
                 copy_hf_aux_files(hf_src, staging)
         del tensors
         phases["perf/update_weights_time"] = time.perf_counter() - t
+        fault_point("train.weights_published")
     if rank0:
         if cfg.train.keep_checkpoints:
             run.checkpoints.prune(cfg.train.keep_checkpoints, protect={0})
@@ -341,6 +346,7 @@ def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConf
             if rank0 else None
         staging = Path(broadcast_from_rank0(str(staging) if rank0 else None))
         actor.save_state(staging / STATE_DIR, {"next_rollout": rid + 1})  # collective: every rank's shards
+        fault_point("train.state_saved")
         _barrier()
         if rank0:
             (staging / META).write_text(json.dumps({
