@@ -71,3 +71,27 @@ def test_kills_the_process_at_the_nth_arrival(tmp_path):
     assert run.rollouts.ids() == [0] and run.rollouts.state(1) == "incomplete" and run.rollouts.state(2) == "absent"
     assert run.cleanup() == {"staging": [], "rollouts": [1]}
     assert run.rollouts.state(1) == "absent" and run.rollouts.get(0, verify="full").files["x"]["size"] == 1
+
+
+def test_a_killed_stage_leaves_no_lock_or_engine_record_after_the_next_stage_starts(tmp_path, run_dir):
+    """What the e2e audit found: a process killed holding locks (rl holds rl, train and serve) and
+    with a registered engine left both behind when the next stage never needed those locks (a rerun
+    with nothing to do). The next stage's start (RunDir.cleanup at its lock) now removes them."""
+    code = (
+        "import sys\n"
+        "from slimectl.contract.faults import fault_point\n"
+        "from slimectl.contract.rundir import RunDir\n"
+        "from slimectl.contract.rundir.registry import EngineRecord\n"
+        "run = RunDir.open(sys.argv[1])\n"
+        "run.lock('serve').acquire(); run.lock('rl').acquire()\n"
+        "run.engines.register(EngineRecord(url='http://127.0.0.1:9', backend='embedded'))\n"
+        "fault_point('train.cursor_committed')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(run_dir.path)], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(ROOT), ENV: "train.cursor_committed"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert sorted(p.name for p in (run_dir.path / "locks").glob("*.lock")) == ["rl.lock", "serve.lock"]
+    with run_dir.lock("rl"):  # the rerun: takes only its own lock
+        assert sorted(p.name for p in (run_dir.path / "locks").glob("*.lock")) == ["rl.lock"]
+        assert run_dir.engines.list() == []
+    assert not list((run_dir.path / "locks").glob("*.lock"))
