@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -151,6 +152,6 @@ def test_convert_and_export_killed_before_their_rename_then_rerun(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert _staging(run) == [] and sorted(p.name for p in (run.path / "exports").iterdir()) == ["000000"]
     assert not list((run.path / "locks").glob("*.lock"))
-    model = run.config().model.path
+    model = Path(run.config().model.path)
     a, b = (load_file(str(d / "model.safetensors")) for d in (run.path / "exports" / "000000", model))
     assert sorted(a) == sorted(b) and all((a[k] == b[k]).all() for k in a)  # the round trip is exact
