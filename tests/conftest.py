@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+# One thread per process, this one and every child (stage subprocesses, engines, the demo): the suite
+# runs two xdist workers on two cores, and a child that spreads over both while the other worker runs
+# busy-waits in OpenMP. The CPU demo cost 1190 CPU-s beside the suite with the default (two threads),
+# 358 CPU-s alone with one (same rewards). Set OMP_NUM_THREADS to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # `tests.helpers` importable under plain `pytest` too
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

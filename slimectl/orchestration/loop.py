@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from slimectl.contract.config import SlimectlConfig
 from slimectl.contract.errors import UsageError
+from slimectl.contract.faults import fault_point
 from slimectl.contract.rundir import RunDir
 
 log = logging.getLogger("slimectl.rl")
@@ -131,6 +132,7 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
                 art = ahead.result() if ahead is not None else rollout(rid)
                 t_rollout = time.perf_counter() - t0
                 ahead = pool.submit(rollout, rid + 1) if one_step_off and rid + 1 < n_total else None
+                fault_point("rl.rollout_in_flight") if ahead is not None else None
                 t1 = time.perf_counter()
                 offload = cfg.engine.offload_during_train and ahead is None
                 if offload:

@@ -149,7 +149,7 @@ def _save_into_run(run, model, arch, padded, dtype, tp, pp, hf_dir, force, info,
 
     meta = {"source": "convert", "hf": str(hf_dir), "tp": tp, "pp": pp, "dtype": dtype, "rollout_id": None}
     if info.rank == 0:
-        with run.checkpoints.publish(0, meta=meta, stage="convert", overwrite=force) as staging:
+        with run.lock("convert"), run.checkpoints.publish(0, meta=meta, stage="convert", overwrite=force) as staging:
             _broadcast(str(staging))
             save_megatron_checkpoint(model, staging, "release", arch, padded, dtype, tp, pp, hf_source=hf_dir,
                                      args=_megatron_args(arch, padded, tp, pp, dtype), source=source)

@@ -13,11 +13,14 @@ import json
 import logging
 import shutil
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from slimectl.contract.errors import UsageError
+from slimectl.contract.faults import fault_point
 from slimectl.contract.logs import StageLog
+from slimectl.contract.rundir.artifacts import WRITER_FILE
 from slimectl.contract.rundir.atomic import check_output_dir, swap_dir_into_place
 
 log = logging.getLogger("slimectl.export")
@@ -189,7 +192,9 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
     out = Path(out).absolute()
     check_output_dir(out, force)
     hf_aux = Path(checkpoint) / HF_DIR
-    with StageLog(run.log_path("export") if run is not None else None, enabled=run is not None):
+    in_run = run is not None and out.parent == (run.path / EXPORTS_DIR).absolute()
+    with StageLog(run.log_path("export") if run is not None else None, enabled=run is not None), \
+            (run.lock("export") if in_run else nullcontext()):
         info = init_parallel(tp=1, pp=1)
         try:
             if info.world_size != 1:
@@ -211,9 +216,11 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
                 return index
 
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+            tmp = _run_staging(run, out) if in_run else out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
             try:
                 index = write(tmp)
+                fault_point("export.written")
+                (tmp / WRITER_FILE).unlink(missing_ok=True)
                 swap_dir_into_place(tmp, out)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -225,6 +232,19 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
             return ExportResult(dest, it, len(index["weight_map"]), files)
         finally:
             shutdown_parallel()
+
+
+def _run_staging(run, out: Path) -> Path:
+    """Where ``export -r`` writes ``RUN/exports/N`` before renaming it into place: a directory in the
+    run's ``.staging`` with its writer recorded, so a killed export's files are removed by the next
+    export (or any stage) of the run, like an artifact's (``RunDir.cleanup``)."""
+    from slimectl.contract.rundir.artifacts import writer_info
+    from slimectl.contract.rundir.atomic import atomic_write_json
+
+    tmp = run.path / ".staging" / f"exports.{out.name}.{uuid.uuid4().hex}"
+    tmp.mkdir(parents=True)
+    atomic_write_json(tmp / WRITER_FILE, writer_info("export"))
+    return tmp
 
 
 def _set_config_dtype(dest: Path, dtype: str) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
@@ -244,6 +245,7 @@ class Trainer:
         last, next_id = resume_point(run)
         if last is not None:
             self.actor.load_state(last.path / STATE_DIR)
+            fault_point("train.resumed")
         state = self.cursor.read()
         if not self.rank0:
             pass  # rank 0 reconciles the cursor; every rank derived next_id from the same checkpoint
@@ -296,7 +298,11 @@ class Trainer:
                      self.actor.step, rid, m.get("train/loss", float("nan")), m.get("train/pg_clipfrac", 0.0),
                      m.get("train/ppo_kl", 0.0), m.get("train/grad_norm", 0.0), m.get("train/lr", 0.0), phase_line(m))
         if self.rank0:  # after the checkpoint that holds this rollout is published (a save in flight: behind it)
-            self.writer.then(lambda: self.cursor.commit(rid, {"weight_version": version}, lock=self.lock))
+            def commit() -> None:
+                self.cursor.commit(rid, {"weight_version": version}, lock=self.lock)
+                fault_point("train.cursor_committed")
+
+            self.writer.then(commit)
         _barrier()
         self.next_rollout = version
         return steps
@@ -420,6 +426,7 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
                 pass
         del tensors
         phases["perf/update_weights_time"] = time.perf_counter() - t
+        fault_point("train.weights_published")
         if rank0:
             if cfg.sync.keep_weights:
                 run.weights.prune(cfg.sync.keep_weights)
@@ -453,10 +460,12 @@ def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConf
             staging = Path(broadcast_from_rank0(str(staging) if rank0 else None))
             (staging / STATE_DIR).mkdir(parents=True, exist_ok=True)
             save_torch_dist(state, staging / STATE_DIR)  # collective: every rank's shards
+            fault_point("train.state_saved")
             _barrier()
             if rank0:
                 (staging / META).write_text(json.dumps(info, indent=2))
                 copy_hf_aux_files(hf_src, staging / HF_DIR)
+        fault_point("train.checkpoint_published")
         if rank0:
             if cfg.train.keep_checkpoints:
                 run.checkpoints.prune(cfg.train.keep_checkpoints, protect={0})

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from slimectl.contract.rundir import RunDir
-from tests.helpers import ROOT
+from tests.helpers import ENV, ROOT
 
 DEMO = ROOT / "examples" / "cpu_demo.py"
 
@@ -62,7 +62,7 @@ def test_the_demo_runs_rl_end_to_end_and_reward_rises(tmp_path):
     QUICK_ROLLOUTS rollouts, eval, plot — and the mean reward of the last 20% of rollouts beats the
     first 20% by 0.2."""
     proc = subprocess.run([sys.executable, str(DEMO), str(tmp_path / "demo"), *QUICK],
-                          capture_output=True, text=True, timeout=1500)  # ~210 s alone; more beside the other xdist worker
+                          capture_output=True, text=True, timeout=1500, env=ENV)  # ~210 s alone; more beside the other xdist worker
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunDir.open(tmp_path / "demo")
     assert run.cursor("train").read().consumed == list(range(QUICK_ROLLOUTS))

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.faults import fault_point
 from slimectl.backends.hf.arch import CheckpointMismatch, ModelArch
 from slimectl.backends.hf.checkpoint import HFCheckpoint
 from slimectl.backends.hf.mapping import full_row_blocks, rule_for, shard_row_blocks, to_hf, to_megatron, tp_gather, tp_shard
@@ -522,6 +523,7 @@ def save_megatron_checkpoint(model, root: str | Path, iteration: int | str, arch
         (root / META).write_text(json.dumps(meta, indent=2) + "\n")
         if hf_source is not None:
             copy_hf_aux_files(hf_source, root / HF_DIR)
+        fault_point("convert.before_tracker")
         (root / TRACKER).write_text(str(iteration))
     dist.barrier()
     return it_dir

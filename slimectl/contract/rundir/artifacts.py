@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ArtifactExists, ArtifactNotFound, CorruptArtifact, RunDirError, WaitTimeout
 from slimectl.contract.rundir.atomic import (
     atomic_write_json,
@@ -315,6 +316,7 @@ class ArtifactStore:
             raise _disk_error(final, exc) from exc
         fsync_dir(self.root)
         fsync_dir(self.staging_root)
+        fault_point("artifact.renamed")
         atomic_write_json(final / READY, manifest)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)

@@ -241,11 +241,31 @@ class RunDir:
                 out[kind] = removed
                 freed += sum(sizes.values())
                 names += [f"{kind}/{i:06d} (incomplete)" for i in removed]
+        for rec_id in self.engines.prune_dead():  # records of engines killed with their owner (kill -9)
+            names.append(f"engines/{rec_id}.json (dead)")
+        for stage, info in self._remove_stale_locks():
+            names.append(f"locks/{stage}.lock (pid {info.get('pid')} on {info.get('host')}, dead)")
         if announce and names:
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             log.info("removed %d leftover(s) of dead writers in %s: %s (%s freed)", len(names), self.path, shown,
                      format_bytes(freed))
         return out
+
+    def _remove_stale_locks(self) -> list[tuple[str, dict[str, Any]]]:
+        """Lock files of dead holders (a kill -9 leaves its stages' locks behind): taken over the safe
+        way (:meth:`StageLock.acquire`'s rename) and released, so none is left for ``status`` to show."""
+        removed = []
+        for f in sorted((self.path / "locks").glob("*.lock")):
+            lock = StageLock(self.path / "locks", f.name[: -len(".lock")])
+            info = lock.holder()
+            if info and info["stale"]:
+                try:
+                    lock.acquire()
+                except RunDirError:  # taken by a live process meanwhile
+                    continue
+                lock.release()
+                removed.append((lock.stage, info))
+        return removed
 
     def staging_in_use(self) -> list[dict[str, Any]]:
         """Staging directories whose writer cannot be proven dead (a live writer, or another host's

@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from slimectl.contract.faults import fault_point
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV, NONCE_FIELD
 from slimectl.orchestration.signals import set_on_signals
 from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, start_site
@@ -320,6 +321,7 @@ class EmbeddedEngine:
     async def generate(self, request: web.Request) -> web.Response:
         t0 = time.perf_counter()
         body = await self._json(request, allow_empty=False)
+        fault_point("engine.generate")
         reqs, batched = self._to_requests(body)
         futures = []
         try:

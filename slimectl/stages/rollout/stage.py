@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
 from slimectl.stages.rollout.data import PromptSource, load_tokenizer, tokenize_prompts
 from slimectl.stages.rollout.generate import EnginePool, default_generate, generate_batch, load_function, nonzero_std
@@ -297,6 +298,7 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
                 with open(staging / "trace.jsonl", "w") as f:
                     for span in trace:
                         f.write(json.dumps(span) + "\n")
+                fault_point("rollout.files_written")
             _log_metrics(run, cfg, rid, metrics)
             warning = zero_spread_warning(cfg, rid, groups_of(samples))
             if warning:

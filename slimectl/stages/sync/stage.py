@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.stages.sync.source import WeightSource
@@ -57,9 +58,11 @@ async def sync_engines(clients: dict, transport: WeightTransport, source: Weight
                 raise SlimectlError(f"sync stopped before any weight moved: {r}")
         await asyncio.gather(*(clients[u].flush_cache() for u in urls), return_exceptions=True)
         phases["pause"] = time.perf_counter() - t0
+        fault_point("sync.paused")
         t1 = time.perf_counter()
         moved = await transport.push(clients, source)
         phases["transfer"] = time.perf_counter() - t1
+        fault_point("sync.pushed")
     except EngineError as exc:
         raise SlimectlError(f"sync of weight version {source.version} failed: {exc}") from None
     finally:
