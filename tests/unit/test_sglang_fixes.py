@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from slimectl.contract.config import SlimectlConfig, load_config
+from slimectl.contract.errors import ConfigError
 from slimectl.engines.client import EngineClient, EngineError
 from tests.helpers import ROOT, slimectl_in_process
 
@@ -247,3 +249,68 @@ def test_verify_compares_what_it_can_and_still_catches_a_mismatch(run, fake_sgla
     report = asyncio.run(check(bad))  # a tensor read back that differs is still a problem
     assert report == [f"engine {bad.url}: weight lm_head.weight differs from weight version 0 (max abs diff 1)"]
     assert not report.verified
+
+
+# ----------------------------------------------------------------------------- engine.env
+
+
+def test_engine_env_reaches_both_launch_paths(run, monkeypatch):
+    from slimectl.engines.supervisor import ENGINE_NONCE_ENV
+    from slimectl.stages.serve import EngineGroup
+
+    run, _ = run
+    cfg = run.config()
+    cfg.engine.env = {"SGLANG_USE_CPU_ENGINE": "1", ENGINE_NONCE_ENV: "mine"}
+    monkeypatch.setenv("SG19_INHERITED", "yes")
+    argv, env, _ = EngineGroup(run, cfg)._launch_argv(0, 30000)
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SG19_INHERITED"] == "yes"
+    assert env[ENGINE_NONCE_ENV] != "mine"  # the launcher's own nonce wins
+    cfg.engine.backend = "sglang"
+    cfg.engine.sglang_args = {"device": "cpu"}
+    argv, env, _ = EngineGroup(run, cfg)._launch_argv(0, 30000)
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and argv[-2:] == ["--device", "cpu"]
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SG19_INHERITED"] == "yes"
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"SGLANG_USE_CPU_ENGINE": 1}, None),
+    ({"A-B": "x"}, "'A-B' is not an environment variable name"),
+    ({"X": True}, 'X: True is not a string; quote the value (e.g. "1")'),
+    ({"SLIMECTL_ENGINE_TOKEN": "s3cret"}, "engine.env sets SLIMECTL_ENGINE_TOKEN, the engine token"),
+])
+def test_engine_env_config(tmp_path, value, message):
+    p = tmp_path / "c.yaml"
+    p.write_text(json.dumps({"engine": {"env": value}}))
+    if message is None:
+        assert load_config(p).engine.env == {"SGLANG_USE_CPU_ENGINE": "1"}
+        return
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+# ----------------------------------------------------------------------------- temperature 0
+
+
+def test_temperature_zero_is_allowed_and_negative_is_not():
+    cfg = SlimectlConfig.model_validate({"rollout": {"temperature": 0, "eval_temperature": 0}})
+    assert cfg.rollout.temperature == cfg.rollout.eval_temperature == 0
+    with pytest.raises(ValueError):
+        SlimectlConfig.model_validate({"rollout": {"temperature": -0.5}})
+
+
+def test_greedy_log_probs_are_those_of_the_unscaled_distribution():
+    """Temperature 0 computes log-probs at temperature 1 (no division by zero), as SGLang reports them:
+    in its captured greedy answer the argmax tokens' log-probs are far from 0 (a tiny random Qwen2,
+    vocab 389: uniform would be -5.96), not the ~0 of a temperature-sharpened distribution. The
+    trainer-vs-engine check at temperature 0 is tests/integration/test_sglang_fixes.py."""
+    from slimectl.backends.megatron.logprobs import logprob_temperature
+
+    assert logprob_temperature(0) == logprob_temperature(1e-7) == 1.0 and logprob_temperature(0.7) == 0.7
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError):
+            logprob_temperature(bad)
+    req = json.loads((FIXTURES / "generate__ids_logprob_gen.request.json").read_text())
+    assert req["sampling_params"]["temperature"] == 0
+    _, greedy = fixture("generate__ids_logprob_gen")
+    assert all(-6 < lp < -5 for lp, _, _ in greedy["meta_info"]["output_token_logprobs"])
