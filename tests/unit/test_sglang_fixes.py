@@ -303,7 +303,7 @@ def test_greedy_log_probs_are_those_of_the_unscaled_distribution():
     """Temperature 0 computes log-probs at temperature 1 (no division by zero), as SGLang reports them:
     in its captured greedy answer the argmax tokens' log-probs are far from 0 (a tiny random Qwen2,
     vocab 389: uniform would be -5.96), not the ~0 of a temperature-sharpened distribution. The
-    trainer-vs-engine check at temperature 0 is tests/integration/test_sglang_fixes.py."""
+    trainer-vs-engine check at temperature 0 is tests/integration/test_greedy_and_engine_env.py."""
     from slimectl.backends.megatron.logprobs import logprob_temperature
 
     assert logprob_temperature(0) == logprob_temperature(1e-7) == 1.0 and logprob_temperature(0.7) == 0.7
