@@ -9,8 +9,9 @@ Not every engine can read its weights back: SGLang implements ``get_weights_by_n
 class (Llama has it; Qwen2 answers ``400 {"error": {"message": "Get parameter by name failed"}}``).
 Verification runs after the weights were loaded and the engine reported the new version, so a
 tensor the engine answers with an HTTP error is skipped, not a failure: one warning per sync names
-the engines, how many tensors were skipped and the engine's reason, and everything else is still
-compared. Only a mismatch, or an engine that no longer answers at all, is a problem.
+the engines, how many tensors were skipped and the engine's reason (the same skip again in the same
+process, e.g. at every sync of ``rl``, is logged at INFO), and everything else is still compared.
+Only a mismatch, or an engine that no longer answers at all, is a problem.
 """
 
 from __future__ import annotations
