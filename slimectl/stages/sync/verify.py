@@ -98,26 +98,29 @@ def _reason(exc: EngineError, url: str) -> str:
 
 
 def skipped_warning(checks: list[EngineCheck], num_tensors: int) -> str | None:
-    """One line about every engine that skipped tensors (None when none did)."""
-    clauses = []
-    impossible = False
+    """One line about every engine that skipped tensors (None when none did); engines that skipped
+    the same tensors for the same reason share one clause."""
+    groups: dict[tuple, list[str]] = {}
     for c in checks:
-        if not c.skipped:
-            continue
-        k = len(c.skipped)
-        if c.checked == 0 and not c.problems:
-            impossible = True
-            clauses.append(f"verification was not possible on {c.url} ({c.kind}): it cannot read weights back "
-                           f"({c.reason}), so all {k} sampled tensors were skipped")
-        else:
-            clauses.append(f"{c.url} ({c.kind}) cannot read back {k} of {num_tensors} sampled tensors "
-                           f"({c.reason}); skipped {', '.join(c.skipped[:3])}{' ...' if k > 3 else ''} and "
-                           f"compared the other {c.checked}")
-    if not clauses:
+        if c.skipped:
+            impossible = c.checked == 0 and not c.problems
+            groups.setdefault((impossible, c.kind, c.reason, tuple(c.skipped), c.checked), []).append(c.url)
+    if not groups:
         return None
+    clauses = []
+    for (impossible, kind, reason, skipped, checked), urls in groups.items():
+        where, k = ", ".join(urls), len(skipped)
+        if impossible:
+            clauses.append(f"verification was not possible on {where} ({kind}): "
+                           f"{'they cannot' if len(urls) > 1 else 'it cannot'} read weights back ({reason}), so "
+                           f"all {k} sampled tensors were skipped")
+        else:
+            clauses.append(f"{where} ({kind}) cannot read back {k} of {num_tensors} sampled tensors ({reason}); "
+                           f"skipped {', '.join(skipped[:3])}{' ...' if k > 3 else ''} and compared the other "
+                           f"{checked}")
     tail = (" — the weights were loaded and the new version reported; only their values are unchecked "
             "(SGLang implements get_weights_by_name for some model classes only: Llama has it, Qwen2 does not)"
-            if impossible else "")
+            if any(key[0] for key in groups) else "")
     return "sync --verify: " + "; ".join(clauses) + tail
 
 
