@@ -111,8 +111,9 @@ class RolloutSection(Section):
     """Responses generated per prompt (the group size of GRPO-style estimators)."""
     over_sampling_batch_size: Optional[int] = Field(default=None, gt=0)
     """Prompts in flight per generation round (default: ``batch_size``)."""
-    temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature; also the temperature the trainer's log-probs use."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature; also the temperature the trainer's log-probs use. 0 samples greedily
+    (SGLang's top_k 1), and its log-probs are those of the unscaled distribution (temperature 1), as SGLang reports them."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches this."""
     top_k: int = Field(default=-1, ge=-1)
@@ -157,8 +158,8 @@ class RolloutSection(Section):
     """Samples per eval prompt (pass@k needs k <= this)."""
     eval_pass_k: list[int] = Field(default_factory=lambda: [1])
     """The k of each pass@k reported by eval."""
-    eval_temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature of eval."""
+    eval_temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature of eval (0: greedy)."""
     eval_max_response_len: Optional[int] = Field(default=None, gt=0)
     """Default: max_response_len."""
 
@@ -207,6 +208,37 @@ class EngineSection(Section):
     """Interpreter that has sglang installed (sglang pins its own torch)."""
     sglang_args: dict[str, Any] = Field(default_factory=dict)
     """Extra ``--flag value`` pairs passed to ``sglang.launch_server`` verbatim."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables (name: string) set for every engine process ``serve`` (or ``rl``) launches,
+    embedded or SGLang, on top of its own environment. SGLang on CPU needs ``env: {SGLANG_USE_CPU_ENGINE: "1"}``
+    with ``sglang_args: {device: cpu, attention_backend: torch_native, sampling_backend: pytorch}``.
+    Not for the token (``token_env``): the run directory stores this."""
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_strings(cls, value: Any) -> Any:
+        """Names must be variable names; numbers become strings (``1`` -> ``"1"``), true/false/null are refused."""
+        if not isinstance(value, dict):
+            return value
+        out = {}
+        for k, v in value.items():
+            if not (isinstance(k, str) and k.isascii() and k.replace("_", "a").isalnum() and not k[0].isdigit()):
+                raise ValueError(f"{k!r} is not an environment variable name (letters, digits, _)")
+            if isinstance(v, bool) or v is None:
+                raise ValueError(f"{k}: {v!r} is not a string; quote the value (e.g. \"1\")")
+            if isinstance(v, (int, float)):
+                v = str(v)
+            if isinstance(v, str) and "\0" in v:
+                raise ValueError(f"{k}: the value holds a NUL character")
+            out[k] = v
+        return out
+
+    @model_validator(mode="after")
+    def _token_not_in_env(self) -> "EngineSection":
+        if self.token_env in self.env:
+            raise ValueError(f"engine.env sets {self.token_env}, the engine token (engine.token_env): set it in "
+                             f"serve's environment instead; the run directory never stores the token")
+        return self
     max_batch_size: int = Field(default=64, gt=0)
     """Embedded engine: most sequences decoded together."""
     startup_timeout_s: float = Field(default=600.0, gt=0)

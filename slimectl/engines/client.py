@@ -38,6 +38,8 @@ class EngineClient:
         self._session = session
         self._own_session = session is None
         self.retry_log_level = retry_log_level  # a pool that reports failures itself asks for DEBUG
+        # "model"/"server" -> the info path this engine answered (current name, or the deprecated one)
+        self._info_paths: dict[str, str] = {}
 
     async def __aenter__(self) -> "EngineClient":
         return self
@@ -132,11 +134,32 @@ class EngineClient:
             await asyncio.sleep(interval)
         raise EngineError(f"engine {self.url} did not become healthy within {timeout:g} s ({last})", url=self.url)
 
+    async def _info(self, kind: str) -> dict[str, Any]:
+        """``GET /{kind}_info``; on 404 (an older server, or a router that forwards only the old
+        name) ``GET /get_{kind}_info``. The path that answered is remembered for this client."""
+        path = self._info_paths.get(kind)
+        if path is not None:
+            return await self.request("GET", path)
+        current, deprecated = f"/{kind}_info", f"/get_{kind}_info"
+        try:
+            info = await self.request("GET", current)
+        except EngineError as exc:
+            if exc.status != 404:
+                raise
+            info = await self.request("GET", deprecated)
+            self._info_paths[kind] = deprecated
+            log.debug("engine %s: no %s, using %s", self.url, current, deprecated)
+            return info
+        self._info_paths[kind] = current
+        return info
+
     async def get_model_info(self) -> dict[str, Any]:
-        return await self.request("GET", "/get_model_info")
+        """``/model_info`` (SGLang's current name; ``/get_model_info`` on servers without it)."""
+        return await self._info("model")
 
     async def get_server_info(self) -> dict[str, Any]:
-        return await self.request("GET", "/get_server_info")
+        """``/server_info`` (SGLang's current name; ``/get_server_info`` on servers without it)."""
+        return await self._info("server")
 
     async def weight_version(self) -> str:
         return (await self.get_model_info())["weight_version"]

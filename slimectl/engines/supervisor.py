@@ -52,7 +52,7 @@ class ForeignServer(LaunchError):
 
 
 #: The environment variable through which a launcher hands an engine its nonce; the embedded
-#: engine reports it as ``slimectl_nonce`` in ``/get_server_info`` (see :meth:`ProcessSupervisor.start`).
+#: engine reports it as ``slimectl_nonce`` in ``/server_info`` (see :meth:`ProcessSupervisor.start`).
 ENGINE_NONCE_ENV = "SLIMECTL_ENGINE_NONCE"
 NONCE_FIELD = "slimectl_nonce"
 
@@ -184,7 +184,7 @@ class ProcessSupervisor:
               url: str | None = None, secrets: Iterable[str] = (), cwd: str | Path | None = None,
               nonce: str | None = None) -> ManagedProcess:
         """Start ``argv`` as ``name``. ``nonce``: what the server reports as ``slimectl_nonce`` in
-        ``GET url/get_server_info`` (the launcher passed it, e.g. in :data:`ENGINE_NONCE_ENV`);
+        ``GET url/server_info`` (the launcher passed it, e.g. in :data:`ENGINE_NONCE_ENV`);
         the health wait then accepts only a server reporting it. Without one, the health wait
         accepts the server only if no other process is seen listening on the url's port."""
         argv = [str(a) for a in argv]
@@ -393,13 +393,19 @@ class ProcessSupervisor:
 def _foreign_reason(url: str, p: ManagedProcess) -> str | None:
     """None when the server at ``url`` is ``p`` (or it cannot be told); else why it is not.
 
-    With a nonce, the server must report it in ``/get_server_info``. Without one (real SGLang
+    With a nonce, the server must report it in ``/server_info`` (``/get_server_info`` on a server
+    without the current name). Without one (real SGLang
     cannot report ours), the listeners on the url's port are looked up: one owned by ``p`` or a
     descendant is ours; one owned only by other processes we can see is foreign; when the owner
     cannot be seen (another user's process, a container's port forwarder) it is accepted."""
     if p.nonce is not None:
         try:
-            info = request_json("GET", url, path="/get_server_info", timeout=10.0, what="engine")
+            try:
+                info = request_json("GET", url, path="/server_info", timeout=10.0, what="engine")
+            except HttpError as exc:
+                if exc.status != 404:
+                    raise
+                info = request_json("GET", url, path="/get_server_info", timeout=10.0, what="engine")
         except HttpError as exc:
             return f"it does not report our nonce ({exc})"
         got = info.get(NONCE_FIELD) if isinstance(info, dict) else None

@@ -12,7 +12,8 @@ registered in ``RUN/engines/`` once ``/health_generate`` answers, and unregister
 Launched engines start at the newest READY ``weights/N`` of the run (what train and export
 publish, what the disk sync hands to engines) and are recorded at weight version N; with no
 published weights they start from ``model.path`` at version 0. ``weight_version`` picks another
-(``"initial"``: ``model.path``). A fixed ``engine.port`` is checked before anything is launched,
+(``"initial"``: ``model.path``). Launched engines get ``engine.env`` on top of serve's own
+environment (e.g. ``SGLANG_USE_CPU_ENGINE=1`` for SGLang on CPU). A fixed ``engine.port`` is checked before anything is launched,
 and each launched engine must prove it is the one we started (a nonce it reports, or for real
 SGLang that our process listens on the port) before it is called healthy.
 """
@@ -230,7 +231,8 @@ class EngineGroup:
         ec = self.cfg.engine
         env = dict(os.environ)
         if self.backend == "embedded":
-            # the engine reports this nonce in /get_server_info: the health check accepts it as ours
+            env.update(ec.env)  # engine.env (SGLang's go through its launch spec below)
+            # the engine reports this nonce in /server_info: the health check accepts it as ours
             env[ENGINE_NONCE_ENV] = token_hex(16)
             argv = [self.python, "-m", "slimectl.engines.embedded.server", "--model-path", str(self.model_path),
                     "--host", ec.host, "--port", str(port), "--dtype", self.cfg.model.dtype,
@@ -249,7 +251,8 @@ class EngineGroup:
         spec = SGLangLaunchSpec(model_path=str(self.model_path), port=port, host=ec.host, tp_size=ec.tp_size,
                                 mem_fraction_static=ec.mem_fraction_static, dtype=dtype, gpu_ids=gpus,
                                 weight_version=self.weight_version, admin_api_key=self.token,
-                                extra_args=dict(ec.sglang_args), python=ec.sglang_python or self.python)
+                                extra_args=dict(ec.sglang_args), python=ec.sglang_python or self.python,
+                                env=dict(ec.env))
         return build_sglang_argv(spec), build_env(spec, env), spec.secrets()
 
     def _attach_external(self) -> None:

@@ -71,7 +71,7 @@ CONFIG = [
     ("beta-one", "c/beta.yaml", "train: {adam_beta1: 1.0}\n", ["train.adam_beta1 = 1.0", "less than 1"]),
     ("top-p-over", "c/topp.yaml", "rollout: {top_p: 1.5}\n", ["rollout.top_p = 1.5"]),
     ("top-k-below", "c/topk.yaml", "rollout: {top_k: -2}\n", ["rollout.top_k = -2"]),
-    ("temperature-zero", "c/temp.yaml", "rollout: {temperature: 0}\n", ["rollout.temperature = 0"]),
+    ("temperature-negative", "c/temp.yaml", "rollout: {temperature: -0.5}\n", ["rollout.temperature = -0.5"]),
     ("gamma-over", "c/gamma.yaml", "algorithm: {gamma: 1.5}\n", ["algorithm.gamma = 1.5"]),
     ("choice-dtype", "c/dtype.yaml", "model: {dtype: fp8}\n", ["model.dtype = \"fp8\"", "must be one of"]),
     ("choice-estimator", "c/est.yaml", "algorithm: {advantage_estimator: ppo}\n", ["algorithm.advantage_estimator", "ppo"]),

@@ -76,7 +76,7 @@ def test_parse_override_types():
     [
         ("train:\n  lrr: 1\n", ["unknown config key 'train.lrr'", "did you mean 'train.lr'"]),
         ("trian:\n  lr: 1\n", ["unknown config key 'trian'", "did you mean 'train'"]),
-        ("rollout:\n  temperature: 0\n", ["rollout.temperature = 0", "greater than 0"]),
+        ("rollout:\n  temperature: -1\n", ["rollout.temperature = -1", "greater than or equal to 0"]),
         ("algorithm:\n  kl_loss_type: k9\n", ["algorithm.kl_loss_type = \"k9\"", "'k1'", "'low_var_kl'"]),
         ("train:\n  tp: two\n", ["train.tp = \"two\"", "valid integer"]),
         ("rollout:\n  batch_size: 8\n  over_sampling_batch_size: 4\n", ["over_sampling_batch_size (4)", "batch_size (8)"]),

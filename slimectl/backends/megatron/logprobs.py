@@ -8,10 +8,11 @@ Alignment with ``Sample.rollout_log_probs``: response token ``i`` (0-based) sits
 
 Vocab handling: the output layer is padded to ``V_pad`` (a multiple of 128 * TP); entries with a
 global index ``>= vocab_size`` are set to -inf before the softmax. Logits are divided by the
-temperature in fp32. Under TP > 1 the log-softmax and entropy are computed vocab-parallel
-(no logits gather): max via a detached all-reduce, sums via Megatron's
-``reduce_from_tensor_model_parallel_region`` (forward all-reduce, backward identity), so the
-result is differentiable and every TP rank gets the same values and correct local gradients.
+temperature in fp32 (greedy decoding, temperature 0, uses 1: :func:`logprob_temperature`). Under
+TP > 1 the log-softmax and entropy are computed vocab-parallel (no logits gather): max via a
+detached all-reduce, sums via Megatron's ``reduce_from_tensor_model_parallel_region`` (forward
+all-reduce, backward identity), so the result is differentiable and every TP rank gets the same
+values and correct local gradients.
 
 Logits only where they are used: :func:`forward_micro_batch` stops at the final hidden states
 (``hidden=True``) and :func:`log_probs_from_hidden` applies the LM head to the response positions
@@ -40,6 +41,21 @@ from slimectl.backends.megatron.packing import MicroBatch
 
 LOGITS_CHUNK_ELEMENTS = 1 << 22
 """At most this many logits (fp32: 16 MiB) exist at once per chunk of response positions."""
+
+GREEDY_EPS = 1e-6
+"""Temperatures below this are greedy decoding (SGLang's ``_SAMPLING_EPS``)."""
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature log-probs are computed at: ``temperature``, or 1 for greedy decoding.
+
+    SGLang turns a temperature below 1e-6 into ``temperature=1, top_k=1`` (the argmax token) and
+    reports the log-probs of the unscaled distribution, ``log_softmax(logits)``: in the captured
+    greedy ``/generate`` of a tiny random Qwen2 the argmax tokens have log-probs around -5.1, not
+    the ~0 of a sharpened distribution. The embedded engine does the same."""
+    if not temperature >= 0:  # NaN too
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return 1.0 if temperature < GREEDY_EPS else float(temperature)
 
 
 @dataclass
@@ -81,6 +97,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_
 
     Returns ``(log_probs [N], entropy [N] or None)`` in fp32.
     """
+    temperature = logprob_temperature(temperature)
     group = _tp_group(tp_group)
     tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     rank = dist.get_rank(group) if tp > 1 else 0
@@ -148,8 +165,7 @@ def compute_log_probs(model, micro_batch: MicroBatch, vocab_size: int, temperatu
 
     Works under ``torch.no_grad()`` and with grad (the results are differentiable).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = logprob_temperature(temperature)  # 0 (greedy): the unscaled distribution
     hidden = forward_micro_batch(model, micro_batch, hidden=True)
     return log_probs_from_hidden(model, hidden, micro_batch, vocab_size, temperature, with_entropy, tp_group,
                                  chunk_elements)
@@ -201,8 +217,7 @@ def log_probs_from_hidden(model, hidden: torch.Tensor, micro_batch: MicroBatch, 
     """Per-sequence log-probs (and entropy) from the last stage's final hidden states ``[S, 1, H]``:
     the LM head over the response positions only, ``chunk_elements`` logits at a time (default
     ``LOGITS_CHUNK_ELEMENTS``), each chunk recomputed in the backward rather than kept."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = logprob_temperature(temperature)  # 0 (greedy): the unscaled distribution
     weight = output_weight(model)
     rows, targets, counts = response_positions(micro_batch)
     h = hidden[:, 0] if hidden.dim() == 3 else hidden
@@ -243,8 +258,7 @@ def log_probs_from_hidden(model, hidden: torch.Tensor, micro_batch: MicroBatch, 
 def log_probs_from_output(out: torch.Tensor, micro_batch: MicroBatch, vocab_size: int, temperature: float = 1.0,
                           with_entropy: bool = False, tp_group=None) -> list[SeqLogProbs]:
     """Per-sequence log-probs (and entropy) from the last stage's logits for ``micro_batch``."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = logprob_temperature(temperature)  # 0 (greedy): the unscaled distribution
     device = out.device
     logits = logits_bsv(out, micro_batch.length)[0]  # [L, V_local]
     rows, targets, counts = response_positions(micro_batch)

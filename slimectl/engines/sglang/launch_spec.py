@@ -77,7 +77,8 @@ class SGLangLaunchSpec:
     python: str = field(default_factory=lambda: sys.executable)
     launcher: list[str] | None = None
     log_path: str | Path | None = None
-    #: extra environment variables for this engine (e.g. ``SGLANG_USE_CPU_ENGINE=1`` on CPU)
+    #: extra environment variables for this engine (e.g. ``SGLANG_USE_CPU_ENGINE=1`` on CPU); ``serve``
+    #: fills them from the config's ``engine.env``
     env: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -91,7 +91,7 @@ async def sync_engines(clients: dict, transport: WeightTransport, source: Weight
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise SlimectlError(problems[0] + more)
-        verified = True
+        verified = problems.verified  # False when an engine could not read any tensor back (warned)
     return SyncResult(source.version, transport.name, urls, time.perf_counter() - t0, moved, verified, phases)
 
 

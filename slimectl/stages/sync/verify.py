@@ -4,11 +4,22 @@ Uses SGLang's ``/get_weights_by_name`` (first ``truncate_size`` rows of a parame
 lists). A sample of tensors spread over the model — always the embedding and the last one —
 is compared; bit-equal is required when the engine serves the source dtype, bf16 rounding
 is allowed otherwise.
+
+Not every engine can read its weights back: SGLang implements ``get_weights_by_name`` per model
+class (Llama has it; Qwen2 answers ``400 {"error": {"message": "Get parameter by name failed"}}``).
+Verification runs after the weights were loaded and the engine reported the new version, so a
+tensor the engine answers with an HTTP error is skipped, not a failure: one warning per sync names
+the engines, how many tensors were skipped and the engine's reason (the same skip again in the same
+process, e.g. at every sync of ``rl``, is logged at INFO), and everything else is still compared.
+Only a mismatch, or an engine that no longer answers at all, is a problem.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,8 +27,13 @@ from slimectl.backends.hf.dtypes import canonical_dtype_name, dtype_name
 from slimectl.engines.client import EngineError
 from slimectl.stages.sync.source import WeightSource
 
+log = logging.getLogger("slimectl.sync")
+
 DEFAULT_NUM_TENSORS = 8
 DEFAULT_ROWS = 4
+# (engine url, reason) pairs already warned about in this process: later syncs (``rl`` syncs every
+# rollout) log the same skip at INFO instead of repeating the warning.
+_warned: set[tuple[str, str]] = set()
 
 
 def pick_names(names: list[str], k: int = DEFAULT_NUM_TENSORS) -> list[str]:
@@ -42,29 +58,121 @@ def compare(expected: torch.Tensor, got: list, engine_dtype: str | None) -> floa
     return None if bool((diff <= tol).all()) else float(diff.max())
 
 
+class VerifyReport(list):
+    """The problems :func:`verify_engines` found, one line each (empty: no mismatch), plus what was done:
+    ``checked`` and ``skipped`` (engine, tensor) pairs, ``verified`` (no problem, and every engine had
+    at least one tensor compared) and the ``warning`` logged about skipped tensors (None if none)."""
+
+    checked: int = 0
+    skipped: int = 0
+    verified: bool = False
+    warning: str | None = None
+
+
+@dataclass
+class EngineCheck:
+    """What verification did on one engine."""
+
+    url: str
+    kind: str = "engine"
+    checked: int = 0
+    skipped: list[str] = field(default_factory=list)
+    reason: str = ""
+    problems: list[str] = field(default_factory=list)
+
+
+def engine_kind(server_info: Any) -> str:
+    """``embedded engine`` / ``SGLang 0.5.23`` / ``engine``, from its ``/server_info``."""
+    if not isinstance(server_info, dict):
+        return "engine"
+    if server_info.get("backend") == "embedded":
+        return "embedded engine"
+    return f"SGLang {server_info['version']}" if server_info.get("version") else "engine"
+
+
+def _reason(exc: EngineError, url: str) -> str:
+    """``POST /get_weights_by_name failed with HTTP 400: Get parameter by name failed`` (without the URL)."""
+    msg = str(exc)
+    prefix = f"engine {url}: "
+    return msg[len(prefix):] if msg.startswith(prefix) else msg
+
+
+def skipped_warning(checks: list[EngineCheck], num_tensors: int) -> str | None:
+    """One line about every engine that skipped tensors (None when none did); engines that skipped
+    the same tensors for the same reason share one clause."""
+    groups: dict[tuple, list[str]] = {}
+    for c in checks:
+        if c.skipped:
+            impossible = c.checked == 0 and not c.problems
+            groups.setdefault((impossible, c.kind, c.reason, tuple(c.skipped), c.checked), []).append(c.url)
+    if not groups:
+        return None
+    clauses = []
+    for (impossible, kind, reason, skipped, checked), urls in groups.items():
+        where, k = ", ".join(urls), len(skipped)
+        if impossible:
+            clauses.append(f"verification was not possible on {where} ({kind}): "
+                           f"{'they cannot' if len(urls) > 1 else 'it cannot'} read weights back ({reason}), so "
+                           f"all {k} sampled tensors were skipped")
+        else:
+            clauses.append(f"{where} ({kind}) cannot read back {k} of {num_tensors} sampled tensors ({reason}); "
+                           f"skipped {', '.join(skipped[:3])}{' ...' if k > 3 else ''} and compared the other "
+                           f"{checked}")
+    tail = (" — the weights were loaded and the new version reported; only their values are unchecked "
+            "(SGLang implements get_weights_by_name for some model classes only: Llama has it, Qwen2 does not)"
+            if any(key[0] for key in groups) else "")
+    return "sync --verify: " + "; ".join(clauses) + tail
+
+
 async def verify_engines(clients: dict, source: WeightSource, num_tensors: int = DEFAULT_NUM_TENSORS,
-                         rows: int = DEFAULT_ROWS) -> list[str]:
-    """Problems found, one line each (empty: every engine holds ``source``'s weights)."""
+                         rows: int = DEFAULT_ROWS) -> VerifyReport:
+    """Problems found, one line each (empty: every tensor read back matches ``source``'s weights).
+
+    A tensor an engine answers with an HTTP error is skipped (see the module docstring) and one
+    warning covers them all; an engine that does not answer at all is a problem."""
     expected = source.heads(lambda names: pick_names(names, num_tensors), rows)
     names = list(expected)
 
-    async def one(url: str, c) -> list[str]:
+    async def one(url: str, c) -> EngineCheck:
+        check = EngineCheck(url)
         try:
-            dtype = (await c.get_server_info()).get("dtype")
+            info = await c.get_server_info()
+            dtype = info.get("dtype") if isinstance(info, dict) else None
+            check.kind = engine_kind(info)
         except EngineError:
             dtype = None
-        out = []
         for n in names:
             try:
                 got = await c.get_weights_by_name(n, rows)
             except EngineError as exc:
-                return [f"engine {url} cannot report weight {n} ({exc}); --verify needs /get_weights_by_name, "
-                        f"which the embedded engine and SGLang's Llama-family models implement"]
+                if exc.status is None:  # no answer at all: the engine is gone, not merely unable to read back
+                    check.problems.append(f"engine {url} cannot report weight {n} ({exc})")
+                    return check
+                check.skipped.append(n)
+                check.reason = check.reason or _reason(exc, url)
+                continue
+            check.checked += 1
             bad = compare(expected[n], got, dtype)
             if bad is not None:
-                out.append(f"engine {url}: weight {n} differs from weight version {source.version} "
-                           f"(max abs diff {bad:.3g})")
-        return out
+                check.problems.append(f"engine {url}: weight {n} differs from weight version {source.version} "
+                                      f"(max abs diff {bad:.3g})")
+        if check.skipped:
+            try:
+                archs = (await c.get_model_info()).get("architectures")
+            except (EngineError, AttributeError):
+                archs = None
+            if archs:
+                check.kind += f" serving {', '.join(map(str, archs))}"
+        return check
 
-    results = await asyncio.gather(*(one(u, c) for u, c in clients.items()))
-    return [p for r in results for p in r]
+    checks = list(await asyncio.gather(*(one(u, c) for u, c in clients.items())))
+    report = VerifyReport(p for c in checks for p in c.problems)
+    report.checked = sum(c.checked for c in checks)
+    report.skipped = sum(len(c.skipped) for c in checks)
+    report.verified = not report and all(c.checked for c in checks)
+    report.warning = skipped_warning(checks, len(names))
+    if report.warning:
+        keys = {(c.url, c.reason) for c in checks if c.skipped}
+        log.log(logging.INFO if keys <= _warned else logging.WARNING, "%s", report.warning)
+        _warned.update(keys)
+    return report
