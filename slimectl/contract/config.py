@@ -270,7 +270,7 @@ class AlgorithmSection(Section):
     """Advantages, policy loss and regularisers (``docs/algorithms.md``: each formula and its slime flag)."""
 
     # choices and defaults come from the algorithm registry (one list, shared with the math)
-    advantage_estimator: Literal[algo_registry.ESTIMATORS + algo_registry.CRITIC_ESTIMATORS] = algo_registry.DEFAULT_ESTIMATOR  # type: ignore[valid-type]
+    advantage_estimator: Literal[algo_registry.ESTIMATORS] = algo_registry.DEFAULT_ESTIMATOR  # type: ignore[valid-type]
     """How rewards become advantages (ppo, GAE with a learned critic, is not trainable yet: see the critic section)."""
     loss_type: Literal[algo_registry.LOSS_TYPES] = algo_registry.DEFAULT_LOSS_TYPE  # type: ignore[valid-type]
     """policy_loss (PPO-style clipped surrogate), sft_loss (negative log-likelihood of the responses) or
@@ -339,9 +339,17 @@ class AlgorithmSection(Section):
     """``module:function`` building the pg_loss reducer, slime's signature
     ``fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer``."""
 
+    @field_validator("advantage_estimator", mode="before")
+    @classmethod
+    def _critic_estimators(cls, value: Any) -> Any:
+        problem = critic_missing(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> "AlgorithmSection":
-        problem = critic_missing(self) or algorithm_conflict(self)
+        problem = algorithm_conflict(self)
         if problem:
             raise ValueError(problem)
         return self
@@ -359,14 +367,17 @@ class AlgorithmSection(Section):
         return out
 
 
-def critic_missing(a: "AlgorithmSection") -> str | None:
-    """Why an estimator that needs a critic cannot run yet (one line), else None. The GAE and value-loss
-    math (``algorithms/gae.py``, ``algorithms/value_loss.py``) and the ``critic`` section exist; the
-    critic model and its training loop in the train stage do not (issue #21). Remove this check with them."""
-    if a.advantage_estimator in algo_registry.CRITIC_ESTIMATORS:
-        return (f"algorithm.advantage_estimator = {a.advantage_estimator} needs a critic, and the train stage has no "
-                f"critic model or critic training loop yet (issue #21: the GAE and value-loss math and the critic "
-                f"config section exist, the trainer part does not); use one of {', '.join(algo_registry.ESTIMATORS)}")
+def critic_missing(estimator: Any) -> str | None:
+    """Why an estimator that needs a critic cannot run yet (one line, shown after
+    ``algorithm.advantage_estimator = "ppo": ``), else None. The GAE and value-loss math
+    (``algorithms/gae.py``, ``algorithms/value_loss.py``) and the ``critic`` section exist; the critic
+    model and its training loop in the train stage do not (issue #21). When they land, add
+    ``algo_registry.CRITIC_ESTIMATORS`` to the ``advantage_estimator`` choices and remove this check."""
+    if isinstance(estimator, str) and estimator in algo_registry.CRITIC_ESTIMATORS:
+        names = ", ".join(repr(e) for e in algo_registry.ESTIMATORS)
+        return (f"needs a critic, and the train stage has no critic model or critic training loop yet (issue #21: "
+                f"the GAE and value-loss math and the critic config section exist, the trainer part does not); "
+                f"use one of {names}")
     return None
 
 

@@ -9,9 +9,10 @@ from slimectl.contract.errors import ConfigError
 from slimectl.contract.slime_launch import translate_slime_args
 from tests.helpers import slimectl_in_process
 
-PPO_MISSING = ("algorithm.advantage_estimator = ppo needs a critic, and the train stage has no critic model or critic "
+PPO_MISSING = ("algorithm.advantage_estimator = \"ppo\": needs a critic, and the train stage has no critic model or critic "
                "training loop yet (issue #21: the GAE and value-loss math and the critic config section exist, the "
-               "trainer part does not); use one of grpo, gspo, cispo, reinforce_plus_plus, reinforce_plus_plus_baseline")
+               "trainer part does not); use one of 'grpo', 'gspo', 'cispo', 'reinforce_plus_plus', "
+               "'reinforce_plus_plus_baseline'")
 
 
 def error(*overrides: str) -> str:
