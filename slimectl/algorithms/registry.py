@@ -9,6 +9,9 @@ from __future__ import annotations
 
 #: ``algorithm.advantage_estimator`` (:func:`slimectl.algorithms.advantages.compute_advantages`).
 ESTIMATORS: tuple[str, ...] = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+#: Estimators that need a learned critic (:mod:`slimectl.algorithms.gae`): not among the config's choices
+#: until the critic's training loop exists; the config refuses them saying so (``contract/config.py::critic_missing``).
+CRITIC_ESTIMATORS: tuple[str, ...] = ("ppo",)
 #: Estimators whose advantage is the (normalized) reward broadcast over the response.
 GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "gspo", "cispo")
 #: ``algorithm.kl_loss_type`` (:func:`slimectl.algorithms.kl.compute_approx_kl`).
@@ -39,6 +42,13 @@ DEFAULT_TIS_CLIP = 2.0
 DEFAULT_TIS_CLIP_LOW = 0.0
 #: On-policy distillation: ``A_t -= opd_kl_coef * (log pi_student - log pi_teacher)``.
 DEFAULT_OPD_KL_COEF = 1.0
+#: Discount and GAE lambda (slime ``--gamma``, ``--lambd``; both 1.0 there).
+DEFAULT_GAMMA = 1.0
+DEFAULT_LAMBD = 1.0
+#: Critic value clip (slime ``--value-clip``): ``V_old + clamp(V - V_old, -value_clip, value_clip)``.
+DEFAULT_VALUE_CLIP = 0.2
+#: Rollouts at the start during which only the critic trains (slime ``--num-critic-only-steps``).
+DEFAULT_NUM_CRITIC_ONLY_STEPS = 0
 
 
 def default_reward_norm(estimator: str) -> str:

@@ -1,6 +1,6 @@
 """The one typed config schema of slimectl, its YAML loader and ``--set a.b=c`` overrides.
 
-A config has eight sections — model, data, rollout, engine, train, algorithm, sync, logging —
+A config has nine sections — model, data, rollout, engine, train, algorithm, critic, sync, logging —
 plus a few run-wide keys. Every section forbids unknown keys, so a typo fails loudly with
 the key, the file and a suggestion. ``slimectl init`` freezes the resolved config into the
 run directory (``config.yaml``); every stage reads it back and may override the keys of its
@@ -303,7 +303,7 @@ class AlgorithmSection(Section):
 
     # choices and defaults come from the algorithm registry (one list, shared with the math)
     advantage_estimator: Literal[algo_registry.ESTIMATORS] = algo_registry.DEFAULT_ESTIMATOR  # type: ignore[valid-type]
-    """How rewards become advantages."""
+    """How rewards become advantages (ppo, GAE with a learned critic, is not trainable yet: see the critic section)."""
     loss_type: Literal[algo_registry.LOSS_TYPES] = algo_registry.DEFAULT_LOSS_TYPE  # type: ignore[valid-type]
     """policy_loss (PPO-style clipped surrogate), sft_loss (negative log-likelihood of the responses) or
     custom_loss (``custom_loss_function``)."""
@@ -332,8 +332,10 @@ class AlgorithmSection(Section):
     """Multiply the KL loss per token by ``pi_theta / pi_old`` (DeepSeek-V3.2; slime ``--use-unbiased-kl``)."""
     kl_coef: float = Field(default=0.0, ge=0)
     """KL penalty folded into the reward (reinforce_plus_plus estimators; needs use_kl_loss for the reference)."""
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    """Discount of the per-token returns (reinforce++ estimators)."""
+    gamma: float = Field(default=algo_registry.DEFAULT_GAMMA, ge=0, le=1)
+    """Discount of the per-token returns (reinforce_plus_plus and ppo; slime ``--gamma``)."""
+    lambd: float = Field(default=algo_registry.DEFAULT_LAMBD, ge=0, le=1)
+    """GAE lambda of ppo's advantages (slime ``--lambd``): 1 = discounted return minus value, 0 = one-step TD error."""
     use_tis: bool = False
     """Truncated importance sampling: weight the loss by the trainer/engine probability ratio, clamped
     to [tis_clip_low, tis_clip]."""
@@ -369,6 +371,14 @@ class AlgorithmSection(Section):
     """``module:function`` building the pg_loss reducer, slime's signature
     ``fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer``."""
 
+    @field_validator("advantage_estimator", mode="before")
+    @classmethod
+    def _critic_estimators(cls, value: Any) -> Any:
+        problem = critic_missing(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> "AlgorithmSection":
         problem = algorithm_conflict(self)
@@ -387,6 +397,20 @@ class AlgorithmSection(Section):
             if spec:
                 out[key] = import_object(spec, f"algorithm.{key}", ConfigError, callable_as="a function")
         return out
+
+
+def critic_missing(estimator: Any) -> str | None:
+    """Why an estimator that needs a critic cannot run yet (one line, shown after
+    ``algorithm.advantage_estimator = "ppo": ``), else None. The GAE and value-loss math
+    (``algorithms/gae.py``, ``algorithms/value_loss.py``) and the ``critic`` section exist; the critic
+    model and its training loop in the train stage do not (issue #21). When they land, add
+    ``algo_registry.CRITIC_ESTIMATORS`` to the ``advantage_estimator`` choices and remove this check."""
+    if isinstance(estimator, str) and estimator in algo_registry.CRITIC_ESTIMATORS:
+        names = ", ".join(repr(e) for e in algo_registry.ESTIMATORS)
+        return (f"needs a critic, and the train stage has no critic model or critic training loop yet (issue #21: "
+                f"the GAE and value-loss math and the critic config section exist, the trainer part does not); "
+                f"use one of {names}")
+    return None
 
 
 def algorithm_conflict(a: "AlgorithmSection") -> str | None:
@@ -413,6 +437,60 @@ def algorithm_conflict(a: "AlgorithmSection") -> str | None:
     if a.loss_type == "sft_loss" and (a.use_tis or a.use_opsm or a.custom_pg_loss_reducer):
         key = "use_tis" if a.use_tis else "use_opsm" if a.use_opsm else "custom_pg_loss_reducer"
         return f"algorithm.{key} acts on the policy loss, but algorithm.loss_type = sft_loss"
+    return None
+
+
+class CriticSection(Section):
+    """PPO's value model (``algorithm.advantage_estimator: ppo``; slime ``--use-critic``, ``--value-clip``,
+    ``--num-critic-only-steps`` and the critic role of ``--megatron-config-path``). A key left null takes the
+    actor's value from ``train``. Unused by the other estimators."""
+
+    path: Optional[str] = None
+    """HF model directory the critic's transformer starts from (same architecture as the actor; its LM head is
+    replaced by a value head); null: the actor's initial weights (``model.path``)."""
+    lr: Optional[float] = Field(default=None, ge=0)
+    """Peak learning rate of the critic's Adam; null: ``train.lr``."""
+    min_lr: Optional[float] = Field(default=None, ge=0)
+    """Learning rate at the end of the critic's decay; null: ``train.min_lr``."""
+    lr_warmup_steps: Optional[int] = Field(default=None, ge=0)
+    """Critic optimizer steps of linear warmup; null: ``train.lr_warmup_steps``."""
+    lr_decay_style: Optional[Literal["constant", "linear", "cosine"]] = None
+    """Critic learning-rate schedule after warmup; null: ``train.lr_decay_style``."""
+    tp: Optional[int] = Field(default=None, gt=0)
+    """Tensor-parallel size of the critic; null: ``train.tp``. tp x pp must divide the trainer's processes."""
+    pp: Optional[int] = Field(default=None, gt=0)
+    """Pipeline-parallel size of the critic; null: ``train.pp``."""
+    value_clip: float = Field(default=algo_registry.DEFAULT_VALUE_CLIP, gt=0)
+    """Value clip: the loss is ``max((V_old + clamp(V - V_old, -value_clip, value_clip) - G)^2, (V - G)^2)``."""
+    num_critic_only_steps: int = Field(default=algo_registry.DEFAULT_NUM_CRITIC_ONLY_STEPS, ge=0)
+    """The first this many rollouts train the critic only (the actor waits for useful values)."""
+
+    def resolved(self, train: "TrainSection") -> "CriticSection":
+        """A copy with every null key replaced by the actor's value from ``train``."""
+        inherit = {k: getattr(train, k) for k in ("lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "tp", "pp")
+                   if getattr(self, k) is None}
+        return self.model_copy(update=inherit)
+
+
+def critic_problem(cfg: "SlimectlConfig") -> str | None:
+    """The first problem of the critic section against the rest of the config (one line), else None."""
+    c, t = cfg.critic.resolved(cfg.train), cfg.train
+    lr_key = "critic.lr" if cfg.critic.lr is not None else "critic.lr (= train.lr)"
+    if c.min_lr > c.lr:
+        min_key = "critic.min_lr" if cfg.critic.min_lr is not None else "critic.min_lr (= train.min_lr)"
+        return f"{min_key} = {c.min_lr} must be <= {lr_key} = {c.lr}"
+    steps = cfg.rollout.num_rollout * t.num_steps_per_rollout
+    if c.lr_decay_style != "constant" and c.lr_warmup_steps >= steps:
+        return (f"critic.lr_warmup_steps = {c.lr_warmup_steps} must be below the run's {steps} optimizer steps "
+                f"(rollout.num_rollout x train.num_steps_per_rollout) to decay the critic's LR ({c.lr_decay_style}); "
+                f"lower it or train longer")
+    world = t.tp * t.pp * t.dp
+    if world % (c.tp * c.pp):
+        return (f"critic.tp x critic.pp = {c.tp} x {c.pp} does not divide the trainer's {world} processes "
+                f"(train.tp x train.pp x train.dp = {t.tp} x {t.pp} x {t.dp}); the critic runs on the same ranks")
+    if c.num_critic_only_steps and c.num_critic_only_steps >= cfg.rollout.num_rollout:
+        return (f"critic.num_critic_only_steps = {c.num_critic_only_steps} must be below rollout.num_rollout = "
+                f"{cfg.rollout.num_rollout}, or the actor never trains")
     return None
 
 
@@ -476,6 +554,7 @@ class SlimectlConfig(Section):
     engine: EngineSection = Field(default_factory=EngineSection)
     train: TrainSection = Field(default_factory=TrainSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    critic: CriticSection = Field(default_factory=CriticSection)
     sync: SyncSection = Field(default_factory=SyncSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
 
@@ -491,6 +570,9 @@ class SlimectlConfig(Section):
             raise ValueError(f"train.lr_warmup_steps ({t.lr_warmup_steps}) must be below the run's {steps} optimizer "
                              f"steps (rollout.num_rollout x train.num_steps_per_rollout) to decay the LR "
                              f"({t.lr_decay_style}); lower it or train longer")
+        problem = critic_problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -505,7 +587,7 @@ class SlimectlConfig(Section):
         return hashlib.sha256(blob).hexdigest()
 
 
-SECTIONS: tuple[str, ...] = ("model", "data", "rollout", "engine", "train", "algorithm", "sync", "logging")
+SECTIONS: tuple[str, ...] = ("model", "data", "rollout", "engine", "train", "algorithm", "critic", "sync", "logging")
 
 #: Which sections each stage may override with ``--set`` (everything else comes frozen from
 #: the run directory, so stages started separately agree on it).
@@ -514,7 +596,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "rl": ("name",) + SECTIONS,
     "serve": ("engine", "logging"),
     "rollout": ("data", "rollout", "engine", "logging"),
-    "train": ("train", "algorithm", "logging"),
+    "train": ("train", "algorithm", "critic", "logging"),
     "sync": ("sync", "engine", "logging"),
     "convert": ("model", "train", "logging"),
     "export": ("model", "logging"),
@@ -683,6 +765,7 @@ PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("model", "path"),
     ("model", "tokenizer_path"),
     ("model", "ref_path"),
+    ("critic", "path"),
     ("data", "prompt_data"),
 )
 

@@ -1,0 +1,105 @@
+"""The critic section, algorithm.gamma / lambd, and the refusal of advantage_estimator: ppo (issue 21)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slimectl.contract.config import STAGE_SECTIONS, apply_overrides, load_config
+from slimectl.contract.errors import ConfigError
+from slimectl.contract.slime_launch import translate_slime_args
+from tests.helpers import slimectl_in_process
+
+PPO_MISSING = ("algorithm.advantage_estimator = \"ppo\": needs a critic, and the train stage has no critic model or critic "
+               "training loop yet (issue #21: the GAE and value-loss math and the critic config section exist, the "
+               "trainer part does not); use one of 'grpo', 'gspo', 'cispo', 'reinforce_plus_plus', "
+               "'reinforce_plus_plus_baseline'")
+
+
+def error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, list(overrides))
+    msg = str(ei.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_ppo_is_refused_saying_what_is_missing():
+    assert error("algorithm.advantage_estimator=ppo") == f"config with --set overrides: {PPO_MISSING}"
+
+
+def test_ppo_refused_by_init_with_exit_code_2(tmp_path):
+    res = slimectl_in_process("init", tmp_path / "run", "--set", "algorithm.advantage_estimator=ppo")
+    assert res.returncode == 2
+    assert PPO_MISSING in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_defaults_follow_slime_and_null_keys_take_the_actors():
+    cfg = load_config(None, ["train.lr=3e-6", "train.min_lr=1e-7", "train.lr_decay_style=cosine",
+                             "train.lr_warmup_steps=2", "rollout.num_rollout=10"])
+    a, c = cfg.algorithm, cfg.critic
+    assert (a.gamma, a.lambd) == (1.0, 1.0)  # slime --gamma 1.0 --lambd 1.0
+    assert (c.path, c.value_clip, c.num_critic_only_steps) == (None, 0.2, 0)  # slime --value-clip 0.2
+    assert (c.lr, c.tp, c.lr_decay_style) == (None, None, None)
+    r = c.resolved(cfg.train)
+    assert (r.lr, r.min_lr, r.lr_decay_style, r.lr_warmup_steps, r.tp, r.pp) == (3e-6, 1e-7, "cosine", 2, 1, 1)
+    own = load_config(None, ["critic.lr=1e-5", "critic.lr_decay_style=linear", "critic.value_clip=0.5",
+                             "critic.num_critic_only_steps=2", "algorithm.gamma=0.99", "algorithm.lambd=0.95",
+                             "rollout.num_rollout=3"])
+    r = own.critic.resolved(own.train)
+    assert (r.lr, r.lr_decay_style, r.value_clip, r.num_critic_only_steps) == (1e-5, "linear", 0.5, 2)
+    assert (own.algorithm.gamma, own.algorithm.lambd) == (0.99, 0.95)
+    assert own.train.lr == 1e-6  # the actor's own keys are untouched
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["algorithm.lambd=1.5"], "algorithm.lambd = 1.5: must be less than or equal to 1"),
+    (["algorithm.lambd=-0.1"], "algorithm.lambd = -0.1: must be greater than or equal to 0"),
+    (["critic.value_clip=0"], "critic.value_clip = 0: must be greater than 0"),
+    (["critic.num_critic_only_steps=-1"], "critic.num_critic_only_steps = -1: must be greater than or equal to 0"),
+    (["critic.tp=0"], "critic.tp = 0: must be greater than 0"),
+    (["critic.lr=-1"], "critic.lr = -1: must be greater than or equal to 0"),
+    (["critic.lr_decay_style=exp"], "critic.lr_decay_style = \"exp\": must be one of 'constant', 'linear' or 'cosine'"),
+    (["critic.min_lr=1", "critic.lr=0.5"], "critic.min_lr = 1.0 must be <= critic.lr = 0.5"),
+    (["critic.min_lr=1"], "critic.min_lr = 1.0 must be <= critic.lr (= train.lr) = 1e-06"),
+    (["critic.tp=2"], "critic.tp x critic.pp = 2 x 1 does not divide the trainer's 1 processes "
+                      "(train.tp x train.pp x train.dp = 1 x 1 x 1); the critic runs on the same ranks"),
+    (["critic.num_critic_only_steps=3", "rollout.num_rollout=3"],
+     "critic.num_critic_only_steps = 3 must be below rollout.num_rollout = 3, or the actor never trains"),
+    (["critic.lr_decay_style=cosine", "critic.lr_warmup_steps=5", "rollout.num_rollout=5"],
+     "critic.lr_warmup_steps = 5 must be below the run's 5 optimizer steps (rollout.num_rollout x "
+     "train.num_steps_per_rollout) to decay the critic's LR (cosine); lower it or train longer"),
+])
+def test_bad_critic_keys_fail_in_one_line(overrides, expected):
+    assert error(*overrides) == f"config with --set overrides: {expected}"
+
+
+def test_critic_sizes_that_divide_the_trainer_are_accepted():
+    cfg = load_config(None, ["train.dp=4", "critic.tp=2", "critic.pp=2"])
+    assert (cfg.critic.tp, cfg.critic.pp) == (2, 2)
+
+
+def test_unknown_critic_key_suggests_the_right_one():
+    assert error("critic.valueclip=1") == ("--set critic.valueclip=1: unknown config key 'critic.valueclip' "
+                                           "(did you mean 'critic.value_clip'?)")
+
+
+def test_critic_path_is_made_absolute_against_the_config_file(tmp_path):
+    (tmp_path / "cfgdir").mkdir()
+    p = tmp_path / "cfgdir" / "cfg.yaml"
+    p.write_text("critic:\n  path: ../critic-init\n")
+    assert load_config(p).critic.path == str(tmp_path / "critic-init")
+
+
+def test_train_may_override_the_critic_and_rollout_may_not():
+    assert "critic" in STAGE_SECTIONS["train"] and "critic" not in STAGE_SECTIONS["rollout"]
+    data = load_config(None).to_dict()
+    assert apply_overrides(data, ["critic.lr=0.5"], STAGE_SECTIONS["train"], "train")["critic"]["lr"] == 0.5
+    with pytest.raises(ConfigError, match="slimectl rollout may only override"):
+        apply_overrides(data, ["critic.lr=2e-6"], STAGE_SECTIONS["rollout"], "rollout")
+
+
+def test_slime_lambd_flag_now_maps():
+    tr = translate_slime_args(["--hf-checkpoint", "/m", "--gamma", "0.99", "--lambd", "0.95"])
+    assert (tr.data["algorithm"]["gamma"], tr.data["algorithm"]["lambd"]) == (0.99, 0.95)
+    assert "--lambd" not in dict(tr.unmapped)
