@@ -328,6 +328,9 @@ class AlgorithmSection(Section):
     """Weight of the KL loss."""
     kl_loss_type: Literal[algo_registry.KL_TYPES] = algo_registry.DEFAULT_KL_LOSS_TYPE  # type: ignore[valid-type]
     """KL estimator of the KL loss and of the kl_coef reward penalty (slime's default k1)."""
+    ref_update_interval: Optional[int] = Field(default=None, ge=1)
+    """Copy the actor into the reference model after every N rollouts (slime ``--ref-update-interval``;
+    needs use_kl_loss). Checkpoints then carry the reference, so a resume restores the moved one."""
     use_unbiased_kl: bool = False
     """Multiply the KL loss per token by ``pi_theta / pi_old`` (DeepSeek-V3.2; slime ``--use-unbiased-kl``)."""
     kl_coef: float = Field(default=0.0, ge=0)
@@ -424,6 +427,9 @@ def algorithm_conflict(a: "AlgorithmSection") -> str | None:
     if a.kl_coef > 0 and a.kl_loss_coef > 0:
         return (f"algorithm.kl_coef = {a.kl_coef} and algorithm.kl_loss_coef = {a.kl_loss_coef} are both set; "
                 f"use one KL (slime refuses both): the reward penalty or the KL loss")
+    if a.ref_update_interval is not None and not a.use_kl_loss:
+        return (f"algorithm.ref_update_interval = {a.ref_update_interval} needs algorithm.use_kl_loss: true "
+                f"(it updates the reference model, which only the KL loss builds)")
     if a.use_unbiased_kl and not a.use_kl_loss:
         return "algorithm.use_unbiased_kl: true needs algorithm.use_kl_loss: true (it reweights the KL loss)"
     if a.tis_clip_low > a.tis_clip:

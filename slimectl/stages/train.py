@@ -284,6 +284,11 @@ class Trainer:
         samples = read_samples(art.file(SAMPLES_FILE))
         steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key)
         version = rid + 1
+        interval = self.cfg.algorithm.ref_update_interval
+        if interval and version % interval == 0:  # slime: (rollout_id + 1) % ref_update_interval == 0
+            self.actor.update_reference()
+            if steps:
+                steps[-1]["train/ref_updated"] = 1.0
         save = version % self.cfg.train.save_interval == 0 or last
         phases: dict[str, float] = {}
         if save or publish_weights:

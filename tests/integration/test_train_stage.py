@@ -193,3 +193,38 @@ def test_rollout_logprobs_as_old_logprobs_skip_the_recompute(tmp_path, rollouts)
     assert slimectl_in_process("train", "-r", tis.path, "--max-rollouts", "1").returncode == 0
     (m,) = read_metrics(tis.metrics_path("train"))
     assert m["train/train_rollout_logprob_abs_diff"] <= 1e-4
+
+
+def test_ref_update_interval_moves_the_reference_and_a_resume_restores_it(tmp_path, rollouts):
+    """algorithm.ref_update_interval=2 with a KL loss: after rollout 1 the reference becomes the actor
+    (slime's (rollout_id + 1) % interval == 0), checkpoint 2 carries it, and a train resumed from
+    checkpoint 2 trains rollout 2 against the moved reference: weights/3 equal an uninterrupted run's
+    (with the initial reference instead, the KL term differs and so would the weights)."""
+    model, rolls = rollouts
+    # k2: its gradient depends on the reference (k1's, log p - log ref, does not)
+    sets = ("algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=1.0", "algorithm.kl_loss_type=k2",
+            "algorithm.ref_update_interval=2")
+    whole = make_run(tmp_path / "a", model, rolls, 3, *sets)
+    res = slimectl_in_process("train", "-r", whole.path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    lines = [json.loads(x) for x in (whole.path / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert [r.get("train/ref_updated", 0.0) for r in lines] == [0.0, 1.0, 0.0]
+    kl = [r["train/kl_loss"] for r in lines]
+    assert abs(kl[2]) < 1e-12 < abs(kl[1])  # rollout 2 starts from a reference equal to the actor: KL 0 at the first step
+    split = make_run(tmp_path / "b", model, rolls, 3, *sets)
+    first = slimectl_in_process("train", "-r", split.path, "--max-rollouts", "2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = slimectl_in_process("train", "-r", split.path)
+    assert second.returncode == 0 and "resuming at rollout 2" in second.stderr, second.stderr[-2000:]
+    a = load_file(str(whole.weights.get(3).file("model.safetensors")))
+    b = load_file(str(split.weights.get(3).file("model.safetensors")))
+    assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_ref_update_interval_without_a_reference_is_refused(tmp_path, rollouts):
+    model, _ = rollouts
+    res = slimectl_in_process("init", tmp_path / "run", "--set", f"model.path={model}",
+                              "--set", "algorithm.ref_update_interval=2")
+    assert res.returncode == 2 and "algorithm.ref_update_interval = 2 needs algorithm.use_kl_loss: true" in res.stderr

@@ -91,6 +91,10 @@ def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
     return pad_sequence([r.reshape(-1) for r in rows], batch_first=True)
 
 
+REF_PREFIX = "ref_model."
+"""Prefix of the reference model's tensors in a checkpoint (saved only when it moves: ref_update_interval)."""
+
+
 class MegatronActor:
     """Policy (+ optional frozen reference) on Megatron-core; see the module docstring."""
 
@@ -246,10 +250,27 @@ class MegatronActor:
 
         self._fill_empty_adam_state()
         msd = self.module.sharded_state_dict(prefix="")
-        return {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
-                "rng_state": self._rng_object(self.rng_states()), "parallel_layout": self._layout,
-                "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.step, "actor_step": self.step,
-                "opt_param_scheduler": copy.deepcopy(self.scheduler.state_dict()), **copy.deepcopy(extra or {})}
+        state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
+                 "rng_state": self._rng_object(self.rng_states()), "parallel_layout": self._layout,
+                 "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.step, "actor_step": self.step,
+                 "opt_param_scheduler": copy.deepcopy(self.scheduler.state_dict()), **copy.deepcopy(extra or {})}
+        if self.saves_reference:  # updated by ref_update_interval: no longer the initial policy
+            state["ref_model"] = self.ref_model.sharded_state_dict(prefix=REF_PREFIX)
+            state["ref_saved"] = True
+        return state
+
+    @property
+    def saves_reference(self) -> bool:
+        """The reference moves (``algorithm.ref_update_interval``), so checkpoints carry it."""
+        return self.ref_model is not None and getattr(self.algo, "ref_update_interval", None) is not None
+
+    def update_reference(self) -> None:
+        """Copy the actor's weights into the reference model (slime's ``--ref-update-interval``)."""
+        if self.ref_model is None:
+            raise RuntimeError("update_reference: this actor has no reference model (algorithm.use_kl_loss)")
+        if self.before_update is not None:
+            self.before_update()  # a checkpoint being written may be reading the reference's tensors
+        self._sync_ref()
 
     def load_state(self, it_dir) -> dict[str, Any]:
         """Load what :meth:`save_state` wrote (model, optimizer, step); returns the other saved keys.
@@ -268,8 +289,13 @@ class MegatronActor:
         request = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True)}
         if same_layout:
             request["rng_state"] = self._rng_object()
+        load_ref = self.ref_model is not None and bool(common.get("ref_saved"))
+        if load_ref:
+            request["ref_model"] = self.ref_model.sharded_state_dict(prefix=REF_PREFIX)
         loaded = dist_checkpointing.load(request, str(it_dir))
         self.module.load_state_dict(loaded["model"], strict=False)
+        if load_ref:
+            self.ref_model.load_state_dict(loaded["ref_model"], strict=False)
         self.optimizer.load_state_dict(loaded["optimizer"])
         if same_layout:
             self.set_rng_states(loaded["rng_state"])
@@ -284,10 +310,12 @@ class MegatronActor:
             self.scheduler.load_state_dict(common["opt_param_scheduler"])
         else:  # saved before the schedule was: every step had been a successful update
             self.scheduler.step(self.step)
-        # The reference model is deliberately untouched: it stays the *initial* policy, which the
-        # caller loads first (load_hf / load_checkpoint) before resuming from here.
+        # The reference model stays the *initial* policy, which the caller loads first (load_hf /
+        # load_checkpoint) before resuming from here, unless the checkpoint carries a moved one
+        # (ref_update_interval: loaded above).
         return {k: v for k, v in common.items()
-                if k not in ("model", "optimizer", "rng_state", "parallel_layout", "opt_param_scheduler")}
+                if k not in ("model", "optimizer", "rng_state", "parallel_layout", "opt_param_scheduler", "ref_model",
+                             "ref_saved")}
 
     def iter_hf_tensors(self):
         """Stream (HF name, full tensor) without holding a second copy of the model (for sync).
