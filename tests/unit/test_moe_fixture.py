@@ -122,3 +122,36 @@ def test_expert_names_and_tensors_round_trip(tp):
     assert torch.equal(back[r.hf[0]], gate) and torch.equal(back[r.hf[1]], up)
     # 2 layers x (7 norms/attention/router + 8 experts x 2) + embedding + final norm; tied: no lm_head
     assert len(all_rules(arch)) == 2 * (7 + 8 * 2) + 2
+
+
+def test_embedded_engine_serves_it_greedy_tokens_equal_hf(moe_dir):
+    # The embedded engine runs the transformers model as it is (fused experts in memory): batched
+    # greedy generation (prompts of different lengths, left-padded rows routed with the rest) gives
+    # HF's own greedy tokens, and its log-probs match an unbatched HF forward.
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams
+
+    ref = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    runner = BatchRunner(str(moe_dir), max_batch_size=8)
+    runner.start()
+    try:
+        reqs = [GenRequest(rid=f"m{i}", input_ids=[random.Random(i).randrange(3, 500) for _ in range(1 + 5 * i)],
+                           params=SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+                           return_logprob=True)
+                for i in range(4)]
+        futures = [runner.submit(q) for q in reqs]
+        for q, fut in zip(reqs, futures):
+            res = fut.result(60)
+            n = len(q.input_ids)
+            with torch.inference_mode():
+                want = ref.generate(torch.tensor([q.input_ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+                logits = ref(input_ids=torch.tensor([q.input_ids + res.output_ids])).logits[0]
+            assert res.output_ids == want[0, n:].tolist(), q.rid
+            lp = torch.log_softmax(logits, dim=-1)
+            assert res.output_token_logprobs == pytest.approx(
+                [lp[n - 1 + i, t].item() for i, t in enumerate(res.output_ids)], abs=1e-5)
+    finally:
+        runner.stop()
