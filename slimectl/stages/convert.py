@@ -196,4 +196,14 @@ def _megatron_args(arch, padded: int, tp: int, pp: int, dtype: str):
         consumed_train_samples=0,
         consumed_valid_samples=0,
         ckpt_format="torch_dist",
+        **_megatron_moe_args(arch),
     )
+
+
+def _megatron_moe_args(arch) -> dict:
+    """Megatron-LM's MoE flags for an MoE architecture (as slime's Qwen3-MoE scripts set them)."""
+    if not getattr(arch, "is_moe", False):
+        return {}
+    return dict(num_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_intermediate_size,
+                moe_router_topk=arch.moe_topk, moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+                moe_router_score_function="softmax", moe_grouped_gemm=False, expert_model_parallel_size=1)

@@ -25,6 +25,7 @@ EXPECTED = {
     "llama": ("LlamaForCausalLM", False),
     "qwen2": ("Qwen2ForCausalLM", True),
     "qwen3": ("Qwen3ForCausalLM", True),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", True),
 }
 
 MESSAGES = [
@@ -82,7 +83,7 @@ def test_loads_offline_as_expected_family(built, monkeypatch):
     tok, model = _load(d, monkeypatch)
     model_class, tied = EXPECTED[family]
     assert type(model).__name__ == model_class
-    assert model.config.model_type == family
+    assert model.config.model_type == family.replace("-", "_")
 
     attn = model.model.layers[0].self_attn
     if family == "llama":

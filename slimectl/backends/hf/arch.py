@@ -2,9 +2,10 @@
 
 This module is the only place that decides whether an HF checkpoint can be converted. It
 handles the Llama family as Megatron's GPT model implements it: Llama 2/3, Qwen2/2.5 (QKV
-bias) and Qwen3 (q/k RMSNorm). Anything else — another rope scaling, sliding-window
-attention, MoE, biases where the family has none, another activation — is refused by name,
-because converting it silently would give a model that loads but computes something else.
+bias), Qwen3 (q/k RMSNorm) and Qwen3-MoE (Qwen3 attention, every layer a top-k softmax-routed
+mixture of SwiGLU experts, no shared expert). Anything else — another rope scaling, sliding-window
+attention, another MoE layout, biases where the family has none, another activation — is refused by
+name, because converting it silently would give a model that loads but computes something else.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ FAMILIES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+
+MOE_FAMILIES = ("qwen3_moe",)
 
 VOCAB_PAD_MULTIPLE = 128
 """Megatron-LM's default ``make_vocab_size_divisible_by``; the padded vocab is a multiple of
@@ -54,6 +58,22 @@ class ModelArch:
     qkv_bias: bool
     qk_norm: bool
     dtype: str
+    # Mixture of experts (0 for dense models): every layer's MLP is num_experts SwiGLU experts of
+    # moe_intermediate_size, a router picks moe_topk per token (softmax; renormalised over the
+    # top k when moe_norm_topk_prob). Defaults keep older checkpoints' metadata loadable.
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_intermediate_size: int = 0
+    moe_norm_topk_prob: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def mlp_intermediate_size(self) -> int:
+        """The hidden size of the MLP that every layer runs (an expert's for MoE models)."""
+        return self.moe_intermediate_size if self.is_moe else self.intermediate_size
 
     @property
     def q_per_group(self) -> int:
@@ -67,10 +87,11 @@ class ModelArch:
         return asdict(self)
 
     def num_params(self) -> int:
-        h, f, L, V = self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size
+        h, f, L, V = self.hidden_size, self.mlp_intermediate_size, self.num_layers, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h
+        experts = max(self.num_experts, 1)
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * f * experts + 2 * h + self.num_experts * h
         per_layer += (q + 2 * kv) if self.qkv_bias else 0
         per_layer += 2 * self.head_dim if self.qk_norm else 0
         return L * per_layer + V * h * (1 if self.tie_word_embeddings else 2) + h
@@ -79,7 +100,7 @@ class ModelArch:
 def valid_tp_sizes(arch: ModelArch) -> list[int]:
     """Tensor-parallel sizes Megatron can split ``arch`` into: the divisors of the attention heads,
     the key/value heads (query groups) and the MLP's intermediate size alike."""
-    g = math.gcd(math.gcd(arch.num_attention_heads, arch.num_kv_heads), arch.intermediate_size)
+    g = math.gcd(math.gcd(arch.num_attention_heads, arch.num_kv_heads), arch.mlp_intermediate_size)
     return [d for d in range(1, g + 1) if g % d == 0]
 
 
@@ -97,7 +118,8 @@ def check_parallel_sizes(arch: ModelArch, tp: int, pp: int, tp_name: str = "--tp
     if tp not in (ok := valid_tp_sizes(arch)):
         raise UsageError(
             f"{tp_name} {tp} must divide num_attention_heads ({arch.num_attention_heads}), num_key_value_heads "
-            f"({arch.num_kv_heads}) and intermediate_size ({arch.intermediate_size}) of this model; "
+            f"({arch.num_kv_heads}) and {'moe_' if arch.is_moe else ''}intermediate_size ({arch.mlp_intermediate_size}) "
+            f"of this model; "
             f"valid {tp_name} sizes: {', '.join(map(str, ok))}")
     if pp not in (ok := valid_pp_sizes(arch)):
         raise UsageError(f"{pp_name} {pp} must divide num_hidden_layers ({arch.num_layers}) of this model; "
@@ -140,9 +162,7 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
     archs = cfg.get("architectures") or [FAMILIES[model_type]]
     if archs != [FAMILIES[model_type]]:
         raise UnsupportedModel(f"{where}: architectures {archs} is not supported (expected [{FAMILIES[model_type]!r}])")
-    for moe_key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"):
-        if cfg.get(moe_key):
-            raise UnsupportedModel(f"{where}: MoE models ({moe_key} = {cfg[moe_key]}) are not supported")
+    moe = _moe(cfg, model_type, where)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModel(f"{where}: hidden_act {act!r} is not supported (the Llama family uses silu)")
@@ -155,15 +175,15 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
             raise UnsupportedModel(f"{where}: mlp_bias = true is not supported for llama")
         if cfg.get("pretraining_tp", 1) != 1:
             raise UnsupportedModel(f"{where}: pretraining_tp = {cfg.get('pretraining_tp')} is not supported (must be 1)")
-    if model_type == "qwen3" and cfg.get("attention_bias"):
-        raise UnsupportedModel(f"{where}: attention_bias = true is not supported for qwen3")
+    if model_type in ("qwen3", "qwen3_moe") and cfg.get("attention_bias"):
+        raise UnsupportedModel(f"{where}: attention_bias = true is not supported for {model_type}")
     hidden = _require(cfg, "hidden_size", where)
     heads = _require(cfg, "num_attention_heads", where)
     kv_heads = cfg.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise UnsupportedModel(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     head_dim = cfg.get("head_dim") or hidden // heads
-    if model_type != "qwen3" and cfg.get("head_dim") is None and hidden % heads:
+    if model_type not in ("qwen3", "qwen3_moe") and cfg.get("head_dim") is None and hidden % heads:
         raise UnsupportedModel(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
     for key in ("attention_dropout", "hidden_dropout"):
         if cfg.get(key):
@@ -183,9 +203,39 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
         rope_theta=_rope(cfg, where),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         dtype=str(dtype),
+        **moe,
     )
+
+
+def _moe(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
+    """The MoE fields of ModelArch (empty for dense families, which must carry no MoE keys)."""
+    if model_type not in MOE_FAMILIES:
+        for moe_key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"):
+            if cfg.get(moe_key):
+                raise UnsupportedModel(f"{where}: MoE models ({moe_key} = {cfg[moe_key]}) are not supported "
+                                       f"for model_type {model_type!r}; slimectl converts MoE as {', '.join(MOE_FAMILIES)}")
+        return {}
+    # transformers 5 writes num_local_experts (num_experts is an alias); real Qwen3-MoE configs say num_experts.
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2:
+        raise UnsupportedModel(f"{where}: num_experts = {experts!r} must be an integer >= 2 for {model_type}")
+    topk = _require(cfg, "num_experts_per_tok", where)
+    if topk > experts:
+        raise UnsupportedModel(f"{where}: num_experts_per_tok {topk} exceeds num_experts {experts}")
+    if cfg.get("mlp_only_layers"):
+        raise UnsupportedModel(f"{where}: mlp_only_layers = {cfg['mlp_only_layers']} is not supported "
+                               f"(every layer must be MoE); use a model whose mlp_only_layers is []")
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        raise UnsupportedModel(f"{where}: decoder_sparse_step = {cfg['decoder_sparse_step']} is not supported "
+                               f"(every layer must be MoE: 1)")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if cfg.get(key):
+            raise UnsupportedModel(f"{where}: shared experts ({key} = {cfg[key]}) are not supported for {model_type}")
+    return dict(num_experts=experts, moe_topk=topk,
+                moe_intermediate_size=_require(cfg, "moe_intermediate_size", where),
+                moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -233,6 +283,14 @@ def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         if arch.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (d,)
             out[p + "self_attn.k_norm.weight"] = (d,)
+        if arch.is_moe:
+            fe = arch.moe_intermediate_size
+            out[p + "mlp.gate.weight"] = (arch.num_experts, h)
+            for e in range(arch.num_experts):
+                out[p + f"mlp.experts.{e}.gate_proj.weight"] = (fe, h)
+                out[p + f"mlp.experts.{e}.up_proj.weight"] = (fe, h)
+                out[p + f"mlp.experts.{e}.down_proj.weight"] = (h, fe)
+            continue
         out[p + "mlp.gate_proj.weight"] = (f, h)
         out[p + "mlp.up_proj.weight"] = (f, h)
         out[p + "mlp.down_proj.weight"] = (h, f)

@@ -14,6 +14,13 @@ Layouts (Megatron's local/TE GPT layer spec):
 - The embedding and the output layer are padded with zero rows to the padded vocab size, and
   split by rows (vocab-parallel). ``linear_proj`` and ``linear_fc2`` are row-parallel (split
   along dim 1). Norms are replicated.
+- MoE layers (Qwen3-MoE; sequential experts): the router ``mlp.router.weight`` is HF's
+  ``mlp.gate.weight`` ([experts, hidden], replicated); expert ``E`` is
+  ``mlp.experts.local_experts.{E}.linear_fc1`` ([gate; up] of HF's ``mlp.experts.{E}.gate_proj`` /
+  ``up_proj``) and ``linear_fc2`` (``down_proj``), split over the expert-TP ranks like the dense
+  MLP. ``E`` is the *global* expert index (:func:`~slimectl.backends.megatron.provider.global_param_names`
+  renumbers an expert-parallel rank's local experts). On disk transformers 5 writes these
+  per-expert 2-D tensors (it fuses them into 3-D ``gate_up_proj``/``down_proj`` only in memory).
 """
 
 from __future__ import annotations
@@ -39,9 +46,17 @@ class Rule:
     """copy | qkv | qkv_bias | fc1 | vocab."""
     tp_dim: int | None
     """Dimension split across TP ranks (None: replicated)."""
+    expert: bool = False
+    """An expert's weight (MoE): its checkpoint key is per-expert sharded, so it is never copied
+    file to file by convert's row copier; it is read into the parameter."""
 
     def layer(self, i: int) -> "Rule":
-        return Rule(self.megatron.format(i=i), tuple(n.format(i=i) for n in self.hf), self.kind, self.tp_dim)
+        return Rule(self.megatron.format(i=i), tuple(n.format(i=i) for n in self.hf), self.kind, self.tp_dim,
+                    self.expert)
+
+    def expert_rule(self, e: int) -> "Rule":
+        return Rule(self.megatron.replace("{e}", str(e)), tuple(n.replace("{e}", str(e)) for n in self.hf),
+                    self.kind, self.tp_dim, True)
 
 
 def layer_rules(arch: ModelArch) -> list[Rule]:
@@ -56,9 +71,16 @@ def layer_rules(arch: ModelArch) -> list[Rule]:
         ),
         Rule(m + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), "copy", 1),
         Rule(m + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",), "copy", None),
-        Rule(m + "mlp.linear_fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1", 0),
-        Rule(m + "mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), "copy", 1),
     ]
+    if arch.is_moe:
+        rules.append(Rule(m + "mlp.router.weight", (p + "mlp.gate.weight",), "copy", None))
+        for e in range(arch.num_experts):
+            rules.extend(r.expert_rule(e) for r in expert_rules())
+    else:
+        rules += [
+            Rule(m + "mlp.linear_fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1", 0),
+            Rule(m + "mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), "copy", 1),
+        ]
     if arch.qkv_bias:
         rules.append(
             Rule(
@@ -72,6 +94,15 @@ def layer_rules(arch: ModelArch) -> list[Rule]:
         rules.append(Rule(m + "self_attention.q_layernorm.weight", (p + "self_attn.q_norm.weight",), "copy", None))
         rules.append(Rule(m + "self_attention.k_layernorm.weight", (p + "self_attn.k_norm.weight",), "copy", None))
     return rules
+
+
+def expert_rules() -> list[Rule]:
+    """One expert's rules, with ``{i}`` (layer) and ``{e}`` (global expert index) to fill in."""
+    p, m = "model.layers.{i}.mlp.experts.{e}.", "decoder.layers.{i}.mlp.experts.local_experts.{e}."
+    return [
+        Rule(m + "linear_fc1.weight", (p + "gate_proj.weight", p + "up_proj.weight"), "fc1", 0, True),
+        Rule(m + "linear_fc2.weight", (p + "down_proj.weight",), "copy", 1, True),
+    ]
 
 
 def global_rules(arch: ModelArch) -> list[Rule]:
@@ -98,6 +129,7 @@ def all_rules(arch: ModelArch) -> list[Rule]:
 
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
 def rule_for(arch: ModelArch, megatron_name: str) -> Rule:
@@ -107,6 +139,15 @@ def rule_for(arch: ModelArch, megatron_name: str) -> Rule:
         i = int(m.group(1))
         if i >= arch.num_layers:
             raise KeyError(f"{megatron_name}: layer {i} out of range (model has {arch.num_layers})")
+        x = _EXPERT_RE.match(m.group(2)) if arch.is_moe else None
+        if x:
+            e = int(x.group(1))
+            if e >= arch.num_experts:
+                raise KeyError(f"{megatron_name}: expert {e} out of range (model has {arch.num_experts})")
+            for r in expert_rules():
+                if r.megatron == "decoder.layers.{i}.mlp.experts.local_experts.{e}." + x.group(2):
+                    return r.expert_rule(e).layer(i)
+            raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
         for r in layer_rules(arch):
             if r.megatron == "decoder.layers.{i}." + m.group(2):
                 return r.layer(i)

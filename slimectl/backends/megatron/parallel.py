@@ -44,8 +44,13 @@ def free_port() -> int:
 
 
 def init_parallel(tp: int = 1, pp: int = 1, backend: str = "auto", seed: int = 1234,
-                  timeout_minutes: int = 10) -> ParallelInfo:
-    """Join (or create) the process group and set up Megatron's TP/PP/DP groups."""
+                  timeout_minutes: int = 10, ep: int = 1) -> ParallelInfo:
+    """Join (or create) the process group and set up Megatron's TP/PP/DP groups.
+
+    ``ep``: the expert-parallel size (MoE models). Megatron lays the expert groups over the same
+    ranks as the dense ones (expert-TP size = TP), so ``tp*ep*pp`` must divide the world size:
+    EP=2 at TP=1 PP=1 is two data-parallel ranks whose MoE layers hold half the experts each.
+    """
     cuda = torch.cuda.is_available()
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
@@ -68,14 +73,19 @@ def init_parallel(tp: int = 1, pp: int = 1, backend: str = "auto", seed: int = 1
     world = dist.get_world_size()
     if world % (tp * pp):
         raise SlimectlError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; launch tp*pp*dp processes")
+    if ep < 1 or (world // pp) % (ep * tp):
+        raise SlimectlError(f"expert-parallel size {ep} does not fit world size {world} with tp={tp}, pp={pp}: "
+                            f"tp*ep*pp = {tp * ep * pp} must divide the world size")
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
+        if (ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp
+                or ps.get_expert_model_parallel_world_size() != ep):
             ps.destroy_model_parallel()
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ParallelInfo(
         rank=dist.get_rank(), world_size=world, tp=tp, pp=pp, dp=world // (tp * pp),

@@ -8,7 +8,79 @@ from slimectl.backends.hf.arch import ModelArch
 from slimectl.backends.hf.dtypes import torch_dtype
 
 
-def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "fp32", init: bool = True):
+# The MoE token dispatcher on CPU/gloo: "alltoall" (what slime's Qwen3-MoE scripts use). "allgather"
+# works at EP=1 but refuses variable_seq_lengths, which pipeline parallelism needs for packed rows;
+# "flex" needs DeepEP/HybridEP (GPU only).
+MOE_TOKEN_DISPATCHER = "alltoall"
+
+
+def moe_config_kwargs(arch: ModelArch, ep: int = 1, aux_loss_coeff: float = 0.0) -> dict:
+    """TransformerConfig arguments of an MoE architecture (empty for a dense one).
+
+    Sequential experts (one local MLP per expert, ``moe_grouped_gemm`` off: grouped GEMM needs
+    CUDA kernels); the router computes in fp32 like HF's (softmax in float). HF's ``norm_topk_prob``
+    (softmax over all experts, top k, renormalised) is Megatron's top-k-then-softmax; without it,
+    Megatron's ``moe_router_pre_softmax`` (softmax over all experts, then top k, not renormalised).
+    """
+    if not arch.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_intermediate_size,
+        moe_router_topk=arch.moe_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_token_dispatcher_type=MOE_TOKEN_DISPATCHER,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=ep,
+    )
+
+
+def patch_moe_without_te() -> None:
+    """megatron-core 0.16's router reads ``moe_utils.te_general_gemm``, which is only defined when
+    Transformer Engine imports (NameError otherwise, on CPU and on GPUs without TE alike): define it
+    as None, megatron's own "no TE" value, so the router takes its torch.mm path. Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if not torch.cuda.is_available():
+        _alltoall_dispatcher_on_cpu()
+
+
+def _alltoall_dispatcher_on_cpu() -> None:
+    """Let Megatron's alltoall token dispatcher run on CPU tensors (CPU-only processes; idempotent).
+
+    It copies its split sizes device-to-host on a side CUDA stream (``torch.cuda.Stream()`` in
+    ``__init__``, ``torch.cuda.stream``/``record_event`` in ``_maybe_dtoh_and_synchronize``), which
+    a CPU-only torch cannot create. On CPU the tensors already live on the host: the same method
+    without streams turns the split sizes into numpy arrays as the GPU path does, nothing else.
+    """
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
+
+    if getattr(D, "_slimectl_cpu", False):
+        return
+
+    def dtoh_on_cpu(self, point: str, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    D.cuda_dtoh_stream = "cpu"  # any non-None value: __init__ creates no CUDA stream
+    D._maybe_dtoh_and_synchronize = dtoh_on_cpu
+    D._slimectl_cpu = True
+
+
+def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "fp32", init: bool = True,
+                       ep: int = 1):
     from megatron.core.transformer import TransformerConfig
 
     cpu = not torch.cuda.is_available()
@@ -38,6 +110,7 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "
         use_cpu_initialization=cpu,
         perform_initialization=init,
         sequence_parallel=False,
+        **moe_config_kwargs(arch, ep),
     )
     # Packed micro-batches differ in length, so pipeline stages exchange tensor shapes before each
     # transfer. Set after construction: the constructor refuses it for MoE's allgather token
@@ -47,7 +120,7 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "
 
 
 def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1, dtype: str = "fp32",
-                    init: bool = True):
+                    init: bool = True, ep: int | None = None):
     """The GPTModel of this rank's pipeline stage (local layer spec: no Transformer Engine needed).
 
     Its core attention is :class:`~slimectl.backends.megatron.attention.SegmentAttention`: causal
@@ -59,11 +132,22 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    cfg = transformer_config(arch, tp, pp, dtype, init)
+    if arch.is_moe:
+        patch_moe_without_te()
+    if ep is None:  # the expert-parallel size Megatron's groups were set up with (init_parallel's ep)
+        ep = ps.get_expert_model_parallel_world_size() if arch.is_moe else 1
+    cfg = transformer_config(arch, tp, pp, dtype, init, ep=ep)
     from slimectl.backends.megatron.attention import SegmentAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm,
+                                    num_experts=arch.num_experts or None, moe_grouped_gemm=False)
     spec.submodules.self_attention.submodules.core_attention = SegmentAttention
+    if arch.is_moe:
+        # The local spec saves pre_mlp_layernorm under the dense TE name (mlp.linear_fc1.layer_norm_weight);
+        # an MoE layer has no linear_fc1, and Megatron-LM's TE MoE spec saves it as pre_mlp_layernorm.weight.
+        keys = dict(spec.submodules.sharded_state_dict_keys_map or {})
+        keys.pop("pre_mlp_layernorm.", None)
+        spec.submodules.sharded_state_dict_keys_map = keys
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
@@ -78,15 +162,24 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
     return model
 
 
+_LOCAL_EXPERT = "mlp.experts.local_experts."
+
+
 def global_param_names(model) -> dict[str, str]:
-    """Local parameter name -> global name (pipeline stages number their layers from 0)."""
+    """Local parameter name -> global name (pipeline stages number their layers from 0; under expert
+    parallelism each rank numbers its local experts from 0: ``local_experts.J`` becomes the global
+    expert index, ``mlp.experts.local_experts.{E}.``)."""
     out = {}
     layers = model.decoder.layers if hasattr(model, "decoder") else []
     offsets = {j: layer.layer_number - 1 for j, layer in enumerate(layers)}
+    expert_offsets = {j: (getattr(layer.mlp, "local_expert_indices", None) or [0])[0] for j, layer in enumerate(layers)}
     for name, _ in model.named_parameters():
         if name.startswith("decoder.layers."):
             rest = name[len("decoder.layers."):]
             j, tail = rest.split(".", 1)
+            if tail.startswith(_LOCAL_EXPERT):
+                e, after = tail[len(_LOCAL_EXPERT):].split(".", 1)
+                tail = f"{_LOCAL_EXPERT}{expert_offsets[int(j)] + int(e)}.{after}"
             out[name] = f"decoder.layers.{offsets[int(j)]}.{tail}"
         else:
             out[name] = name
