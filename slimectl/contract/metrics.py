@@ -23,15 +23,31 @@ class MetricsWriter:
     """``metrics/STAGE.jsonl`` (STAGE: the file's stem), TensorBoard under ``tensorboard_dir``, and the
     process's other sink for STAGE (W&B, see :func:`configure_wandb`), each record under the same names."""
 
-    def __init__(self, jsonl_path: str | Path, tensorboard_dir: str | Path | None = None):
+    def __init__(self, jsonl_path: str | Path, tensorboard_dir: str | Path | None = None,
+                 resume_step: int | None = None, reason: str = ""):
+        """``resume_step``: the step this process resumes after (a trainer: its checkpoint's step).
+        Records of later steps already in the file were rolled back (a crash after they were logged,
+        before their checkpoint): a rewind marker ``{"step": S, "rewind_to": S, "reason": ...}`` is
+        appended, which :func:`read_metrics` applies, and TensorBoard purges those steps."""
         self.path = Path(jsonl_path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        purge = None
+        if resume_step is not None:
+            last = last_metrics(self.path)
+            if last is not None and isinstance(last.get("step"), int) and last["step"] > resume_step:
+                purge = resume_step + 1
         self._f = open(self.path, "a", encoding="utf-8")
+        if purge is not None:
+            self._f.write(json.dumps({"step": resume_step, "time": round(time.time(), 3), "rewind_to": resume_step,
+                                      "reason": reason or "resumed from an earlier checkpoint"}) + "\n")
+            self._f.flush()
+            log.info("%s: steps after %d were rolled back (%s); readers drop their records",
+                     self.path.name, resume_step, reason or "resumed from an earlier checkpoint")
         self._tb = None
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # heavy: only for stages that log
 
-            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=purge)
         self._sink = sink_for(self.path.stem)
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -189,9 +205,11 @@ def configure_wandb(config: Any, run_path: str | Path) -> bool:
     return True
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All complete records of a metrics file (a torn last line is skipped)."""
-    out = []
+def read_metrics(path: str | Path, raw: bool = False) -> list[dict[str, Any]]:
+    """The complete records of a metrics file (a torn last line is skipped), as they stand: a rewind
+    marker (``rewind_to: S``, written by a stage that resumed from step S) drops the records of
+    steps after S written before it, and is itself left out. ``raw=True``: every line, markers too."""
+    out: list[dict[str, Any]] = []
     try:
         with open(path, encoding="utf-8") as f:
             for line in f:
@@ -199,15 +217,21 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if isinstance(rec, dict):
-                    out.append(rec)
+                if not isinstance(rec, dict):
+                    continue
+                if not raw and isinstance(rec.get("rewind_to"), int):
+                    to = rec["rewind_to"]
+                    out = [r for r in out if not (isinstance(r.get("step"), (int, float)) and r["step"] > to)]
+                    continue
+                out.append(rec)
     except FileNotFoundError:
         pass
     return out
 
 
 def last_metrics(path: str | Path) -> dict[str, Any] | None:
-    """The last complete record, reading only the file's tail."""
+    """The last complete record that stands (rewind markers applied, see :func:`read_metrics`),
+    reading only the file's tail."""
     p = Path(path)
     try:
         size = p.stat().st_size
@@ -216,11 +240,18 @@ def last_metrics(path: str | Path) -> dict[str, Any] | None:
     with open(p, "rb") as f:
         f.seek(max(0, size - 65536))
         tail = f.read().decode("utf-8", errors="replace").splitlines()
+    rewound_to = None  # a rewind marker seen (from the end): earlier records of later steps are void
     for line in reversed(tail):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(rec, dict):
-            return rec
+        if not isinstance(rec, dict):
+            continue
+        if isinstance(rec.get("rewind_to"), int):
+            rewound_to = rec["rewind_to"] if rewound_to is None else min(rewound_to, rec["rewind_to"])
+            continue
+        if rewound_to is not None and isinstance(rec.get("step"), (int, float)) and rec["step"] > rewound_to:
+            continue
+        return rec
     return None

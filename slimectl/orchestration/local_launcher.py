@@ -128,7 +128,9 @@ class InProcessTrainer:
         transport = make_transport(self.cfg.sync.transport, self.cfg.sync)
         self.stack.callback(lambda: loop.run_until_complete(transport.close(clients)))
         tb = self.run.tensorboard_dir("train") if self.cfg.logging.tensorboard else None
-        self.metrics = self.stack.enter_context(MetricsWriter(self.run.metrics_path("train"), tb))
+        self.metrics = self.stack.enter_context(MetricsWriter(
+            self.run.metrics_path("train"), tb, resume_step=self.trainer.actor.step,
+            reason=f"resumed at rollout {self.trainer.next_rollout}"))
         loop.run_until_complete(transport.connect(clients))
         self.transport = transport
 

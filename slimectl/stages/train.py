@@ -368,7 +368,8 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
 
             bar = stack.enter_context(progress(total=len(todo) * cfg.train.num_steps_per_rollout, desc="train",
                                                unit="step", mode=cfg.logging.progress if rank0 else "off"))
-            with (MetricsWriter(run.metrics_path("train"), tb) if rank0 else NullMetrics()) as metrics:
+            with (MetricsWriter(run.metrics_path("train"), tb, resume_step=trainer.actor.step,
+                                reason=f"resumed at rollout {next_id}") if rank0 else NullMetrics()) as metrics:
                 for n, rid in enumerate(todo):
                     lock.check()
                     if follow:

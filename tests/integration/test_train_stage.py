@@ -228,3 +228,21 @@ def test_ref_update_interval_without_a_reference_is_refused(tmp_path, rollouts):
     res = slimectl_in_process("init", tmp_path / "run", "--set", f"model.path={model}",
                               "--set", "algorithm.ref_update_interval=2")
     assert res.returncode == 2 and "algorithm.ref_update_interval = 2 needs algorithm.use_kl_loss: true" in res.stderr
+
+
+def test_steps_trained_after_the_last_checkpoint_are_marked_rolled_back_in_the_metrics(tmp_path, rollouts):
+    """Checkpoint 2 lost after steps 1-2 were logged: the rerun resumes from checkpoint 1, trains
+    rollout 1 again and appends a rewind marker; read_metrics gives steps 1, 2 once (issue 17, 9)."""
+    import shutil
+
+    from slimectl.contract.metrics import read_metrics
+
+    model, rolls = rollouts
+    run = make_run(tmp_path, model, rolls, 2)
+    assert slimectl_in_process("train", "-r", run.path, "--max-rollouts", "2").returncode == 0
+    shutil.rmtree(run.checkpoints.get(2).path)  # as if the node lost it
+    res = slimectl_in_process("train", "-r", run.path, "--max-rollouts", "1")
+    assert res.returncode == 0 and "resuming at rollout 1" in res.stderr, res.stderr[-2000:]
+    raw = read_metrics(run.metrics_path("train"), raw=True)
+    assert [r["step"] for r in raw] == [1, 2, 1, 2] and raw[2]["rewind_to"] == 1
+    assert [r["step"] for r in read_metrics(run.metrics_path("train"))] == [1, 2]

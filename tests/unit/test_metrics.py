@@ -31,3 +31,38 @@ def test_tensorboard_events_are_written(tmp_path):
     (ev,) = acc.Scalars("rollout/reward_mean")
     assert ev.step == 3 and abs(ev.value - 0.25) < 1e-7
     assert json.loads((tmp_path / "x.jsonl").read_text())["rollout/reward_mean"] == 0.25
+
+
+def test_a_resume_before_logged_steps_marks_them_rolled_back(tmp_path):
+    """Steps 1-4 logged, the process killed after checkpoint 2: the resumed writer (resume_step=2)
+    appends one rewind marker; readers see steps 1, 2 and the re-run 3, 4 once each."""
+    from slimectl.contract.metrics import MetricsWriter, last_metrics, read_metrics
+
+    path = tmp_path / "train.jsonl"
+    with MetricsWriter(path) as m:
+        for step in range(1, 5):
+            m.log(step, {"train/loss": float(step)})
+    with MetricsWriter(path, resume_step=2, reason="resumed at rollout 2") as m:
+        assert last_metrics(path)["step"] == 2 and "train/loss" in last_metrics(path)
+        m.log(3, {"train/loss": 30.0})
+    raw = read_metrics(path, raw=True)
+    assert [r["step"] for r in raw] == [1, 2, 3, 4, 2, 3] and raw[4]["rewind_to"] == 2
+    assert raw[4]["reason"] == "resumed at rollout 2"
+    got = read_metrics(path)
+    assert [(r["step"], r["train/loss"]) for r in got] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert last_metrics(path)["train/loss"] == 30.0
+    with MetricsWriter(path, resume_step=3) as m:  # nothing after step 3 stands: no second marker
+        pass
+    assert len(read_metrics(path, raw=True)) == 6
+
+
+def test_last_metrics_skips_records_a_marker_voided(tmp_path):
+    from slimectl.contract.metrics import MetricsWriter, last_metrics
+
+    path = tmp_path / "train.jsonl"
+    with MetricsWriter(path) as m:
+        for step in range(1, 4):
+            m.log(step, {"x": step})
+    with MetricsWriter(path, resume_step=1):
+        pass
+    assert last_metrics(path)["step"] == 1 and "x" in last_metrics(path)  # step 1's record, not the marker
