@@ -171,6 +171,11 @@ class InProcessTrainer:
         with self.run.stage_log("train"):
             return self.trainer.train_rollout(rid, art, self.metrics, publish_weights=self.disk, last=last)
 
+    def checkpoint_if_behind(self) -> bool:
+        """Checkpoint what was trained since the last checkpoint (a stop between rollouts)."""
+        with self.run.stage_log("train"):
+            return self.trainer.checkpoint_if_behind()
+
 
 class FollowerTrainer:
     """Trainer rank > 0 of a trainer with several ranks (``rl --launcher ray`` with
@@ -212,6 +217,9 @@ class FollowerTrainer:
         from slimectl.stages.train import NullMetrics
 
         return self.trainer.train_rollout(rid, art, NullMetrics(), publish_weights=self.disk, last=last)
+
+    def checkpoint_if_behind(self) -> bool:
+        return self.trainer.checkpoint_if_behind()
 
 
 class LocalLauncher:

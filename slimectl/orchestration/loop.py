@@ -127,6 +127,7 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
             for rid in range(start, n_total):
                 if stop.is_set():
                     log.info("stopping before rollout %d", rid)
+                    _checkpoint_before_stopping(trainer)
                     break
                 t0 = time.perf_counter()
                 art = ahead.result() if ahead is not None else rollout(rid)
@@ -170,6 +171,9 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
                 log.info("rl %d/%d: reward %.3f, staleness %d, rollout %.2f s, train %.2f s, sync %.2f s, step %.2f s",
                          rid + 1, n_total, meta.get("reward_mean") or 0.0, staleness, t_rollout + t_drain, t_train,
                          t_sync, total)
+        except KeyboardInterrupt:
+            _checkpoint_before_stopping(trainer)
+            raise
         finally:
             stop.set()
             if ahead is not None and not ahead.done():
@@ -181,6 +185,18 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
             pool.shutdown(wait=True, cancel_futures=True)
         result.seconds = time.perf_counter() - t_start
         return result
+
+
+def _checkpoint_before_stopping(trainer) -> None:
+    """A stop (SIGTERM, Ctrl-C) between two rollouts: checkpoint the rollouts trained since the last
+    checkpoint (``train.save_interval`` > 1), as a standalone ``train`` does, so the rerun resumes
+    where this run stopped instead of training them again. A stop in the middle of a rollout's
+    training checkpoints nothing: the rerun resumes from the last checkpoint."""
+    try:
+        if trainer.checkpoint_if_behind():
+            log.info("checkpointed the rollouts trained since the last checkpoint before stopping")
+    except Exception as exc:  # stopping anyway: the last checkpoint still holds
+        log.warning("could not checkpoint before stopping (%s); the rerun resumes from the last checkpoint", exc)
 
 
 async def _gather(coros) -> list:

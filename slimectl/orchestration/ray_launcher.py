@@ -194,6 +194,9 @@ class TrainerWorker:
     def train(self, rid: int, last: bool) -> list[dict]:
         return self.trainer.train(rid, self.run.rollouts.get(rid, verify="full"), last)
 
+    def checkpoint_if_behind(self) -> bool:
+        return self.trainer.checkpoint_if_behind()
+
     def stop(self) -> None:
         """Close the transport and metrics and release the train lock."""
         self.stack.close()
@@ -248,6 +251,10 @@ class RayTrainer:
         steps = self.launcher.get([a.train.remote(rid, last) for a in self.workers], "trainer")[0]
         self.weight_version = rid + 1
         return steps
+
+    def checkpoint_if_behind(self) -> bool:
+        """Every rank (a checkpoint is collective); each runs it after any call still queued on it."""
+        return self.launcher.get([a.checkpoint_if_behind.remote() for a in self.workers], "trainer")[0]
 
 
 class RayEngineGroup:

@@ -258,6 +258,7 @@ class Trainer:
             self.cursor.rewind(next_id, {"checkpoint": last.id if last else None},
                                reason=f"training after checkpoint {last.id if last else 'initial'} was lost", lock=lock)
         self.next_rollout = next_id
+        self.mid_rollout = False
         self.last_published = last.id if last is not None else 0
         # One trainer process: checkpoints are written in the background (several ranks: inline).
         self.writer = CheckpointWriter(background=t.tp * t.pp * self.actor.dp == 1)
@@ -281,6 +282,7 @@ class Trainer:
             raise UsageError(f"rollout {rid}: the next rollout to train is {self.next_rollout} (each is trained exactly "
                              f"once, in order)")
         self.lock.check()
+        self.mid_rollout = True  # until this rollout is trained and its version counted (checkpoint_if_behind)
         samples = read_samples(art.file(SAMPLES_FILE))
         steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key)
         version = rid + 1
@@ -310,7 +312,16 @@ class Trainer:
             self.writer.then(commit)
         _barrier()
         self.next_rollout = version
+        self.mid_rollout = False
         return steps
+
+    def checkpoint_if_behind(self) -> bool:
+        """Publish ``checkpoints/N`` (N = the next rollout) when rollouts were trained since the last
+        checkpoint and no rollout is half trained: what a stop between two rollouts does (collective)."""
+        if self.mid_rollout or self.last_published >= self.next_rollout:
+            return False
+        self.publish(self.next_rollout - 1, self.next_rollout, checkpoint=True, weights=False)
+        return True
 
     def publish(self, rid: int, version: int, checkpoint: bool = True, weights: bool = True) -> dict[str, float]:
         """Publish checkpoints/VERSION and/or weights/VERSION; their times (``perf/save_time``,

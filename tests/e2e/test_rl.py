@@ -89,9 +89,10 @@ def test_kill_9_then_sigterm_each_rerun_resumes_and_trains_each_rollout_once(tmp
     """One run, stopped twice: kill -9 right after a marker on stderr ("step 2 " = step done, publish
     and sync next; the deterministic kill points are tests/e2e/test_faults.py's), the rerun resuming
     where it left off; then SIGTERM ("rl 3/4"), which stops every stage cleanly (exit 143 with the
-    command that resumes it, options kept; no engine, no lock). The last rerun finishes, every rollout
-    trained once."""
-    cfg = write_config(tmp_path, rollout={"num_rollout": 4})
+    command that resumes it, options kept; no engine, no lock), checkpointing first what it trained
+    since the last checkpoint (save_interval 4: none before the end). The last rerun finishes, every
+    rollout trained once."""
+    cfg = write_config(tmp_path, rollout={"num_rollout": 4}, train={"lr": 1e-3, "save_interval": 4})
     path = tmp_path / "run"
     proc, seen = _rl_until(cfg, path, "step 2 ", signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL, "".join(seen)[-3000:]
@@ -106,10 +107,11 @@ def test_kill_9_then_sigterm_each_rerun_resumes_and_trains_each_rollout_once(tmp
     assert f"interrupted; resume with: slimectl rl -c {cfg} -r {path} --tiny-model qwen2" in "".join(seen)
     assert run.engines.list() == [] and engine_pids(run) == []
     assert not list((run.path / "locks").glob("*.lock"))
-    assert run.cursor("train").read().next < 4  # stopped before the end
+    assert run.cursor("train").read().next == 3  # stopped after "rl 3/4", before the end
+    assert run.checkpoints.ids()[-1] == 3  # what it trained since the last checkpoint is not lost
     res = slimectl_in_process("rl", "-c", cfg, "-r", path)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming at rollout" in res.stderr
+    assert "resuming at rollout 3, 1 to go" in res.stderr, res.stderr[-3000:]
     assert_trained_once(run, 4)
     assert engine_pids(run) == []
 
