@@ -4,13 +4,14 @@ In order (each test leaves the engines as the next expects): serve + register; g
 log-probs against the embedded engine; a rollout through SGLang and the trainer's (Megatron's) log-probs
 of its samples; pause/abort/continue; partial rollout (aborted samples continued); disk sync and
 distributed (gloo) sync with --verify (Llama: SGLang's Qwen2 has no get_weights_by_name); an OPD teacher
-served by SGLang; stop.
+served by SGLang; the agent harness in front of SGLang; stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import threading
 import time
 
@@ -90,6 +91,8 @@ def test_rollout_through_sglang_and_trainer_logprobs(served, figures, tmp_path):
     samples = read_samples(run.rollouts.get(0, verify="full").file(SAMPLES_FILE))
     assert samples and all(s.weight_versions == ["0"] and len(s.rollout_log_probs) == s.response_length >= 1
                            for s in samples)
+    # with the samples SGLang was generating when the rollout had its batch (aborted, buffered): more tokens
+    samples += [s for s in read_samples(run.rollouts.get(0).file("buffer.parquet")) if s.response_length]
     # the trainer: Megatron's log-probs of the same tokens, packed as training packs them
     todo = tmp_path / "samples.json"
     todo.write_text(json.dumps([{"tokens": s.tokens, "response_length": s.response_length} for s in samples]))
@@ -198,17 +201,72 @@ def test_distributed_sync_with_verify_changes_weights_and_version(served, figure
 
 
 def test_opd_teacher_served_by_sglang(served, figures):
-    """The teacher path (prompt scoring: max_new_tokens 0, input_token_logprobs) on SGLang: the teacher is
-    engine 1 on the same weights as the students' engines, so its log-probs equal the rollout's."""
+    """The teacher path (prompt scoring: max_new_tokens 0, input_token_logprobs) on SGLang, against the
+    embedded engine teacher-forced on the same tokens with the same weights (weights/2)."""
     run, urls = served["run"], served["urls"]
     res = slimectl_in_process("rollout", "-r", run.path, "--set", f"rollout.teacher_urls=[{urls[1]}]")
     assert res.returncode == 0, res.stderr[-3000:]
-    rid = run.rollouts.ids()[-1]
-    fresh = [s for s in read_samples(run.rollouts.get(rid).file(SAMPLES_FILE)) if s.weight_versions == ["2"]]
-    assert fresh and all(len(s.teacher_log_probs) == s.response_length for s in fresh)
-    worst = max(abs(a - b) for s in fresh for a, b in zip(s.teacher_log_probs, s.rollout_log_probs))
-    figures["logprob_maxdiff_opd_teacher_vs_rollout"] = f"{worst:.2e} over {sum(s.response_length for s in fresh)} tokens"
+    samples = [s for s in read_samples(run.rollouts.get(run.rollouts.ids()[-1]).file(SAMPLES_FILE)) if s.response_length]
+    assert samples and all(len(s.teacher_log_probs) == s.response_length for s in samples)
+    worst = 0.0
+    for s in samples:
+        out = post(served["emb"], "/generate", {"input_ids": s.tokens, "return_logprob": True, "logprob_start_len": 0,
+                                                "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}})
+        assert out["meta_info"]["weight_version"] == "2"
+        ref = [x[0] for x in out["meta_info"]["input_token_logprobs"]][-s.response_length:]
+        worst = max(worst, max(abs(a - b) for a, b in zip(s.teacher_log_probs, ref)))
+    figures["logprob_maxdiff_opd_teacher_vs_embedded"] = \
+        f"{worst:.2e} over {sum(s.response_length for s in samples)} tokens"
     assert worst < 1e-4
+
+
+def test_harness_records_what_sglang_generated(served, figures):
+    """The OpenAI-compatible agent harness in front of a real SGLang engine records the exact tokens and
+    log-probs the engine produced."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    from slimectl.contract.samples import Sample
+    from tests.helpers import ENV
+
+    url, model = served["urls"][0], served["model"]
+    root = served["run"].path.parent
+    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "harness", "--engine-url", url, "--model", str(model),
+                             "--out", str(root / "sessions.jsonl"), "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=open(root / "harness.log", "w"), text=True, env=ENV)
+    try:
+        line = proc.stdout.readline()  # the harness prints its base URL once it listens ("" if it died)
+        assert line.startswith("http://127.0.0.1:"), (root / "harness.log").read_text()[-3000:]
+        base = line.strip()[: -len("/v1")]
+        tok = AutoTokenizer.from_pretrained(model)
+        msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+        prompt = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)
+        out = post(url, "/generate", {"input_ids": prompt, "return_logprob": True,
+                                      "sampling_params": {"max_new_tokens": 6, "temperature": 0}}, timeout=300)
+        want, want_lp = out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+        n, v = len(want), out["meta_info"]["weight_version"]
+
+        def call(method, path, body=None, headers=None):
+            req = urllib.request.Request(base + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json", **(headers or {})})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.loads(r.read())
+
+        reply = call("POST", "/v1/chat/completions", {"model": "tiny", "messages": msgs, "temperature": 0,
+                                                       "max_tokens": 6}, {"X-Session-Id": "ep-1"})
+        assert reply["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+        (sample,) = [Sample.from_dict(x) for x in call("GET", "/sessions/ep-1")["samples"]]
+        assert sample.tokens == prompt + want and sample.loss_mask == [1] * n and sample.weight_versions == [v]
+        worst = max(abs(a - b) for a, b in zip(sample.rollout_log_probs, want_lp))
+        figures["harness_logprob_maxdiff_vs_engine"] = f"{worst:.2e}"
+        assert worst < 1e-5
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 def test_serve_stop_unregisters_and_stops_the_servers(served):
