@@ -54,7 +54,7 @@ def run_dir(tmp_path: Path, fake_model: Path):
     return init_run(tmp_path / "run", overrides=[f"model.path={fake_model}"]).run
 
 
-_ORDER = {"unit": 0, "integration": 2, "e2e": 3}  # top-level files (not yet sorted into a folder) run as 1
+_ORDER = {"unit": 0, "integration": 2, "conformance": 2.5, "e2e": 3}  # top-level files (not yet sorted into a folder) run as 1
 
 
 def pytest_collection_modifyitems(items):

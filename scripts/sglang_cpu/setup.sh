@@ -29,14 +29,21 @@ PY=${PYTHON:-python3.11}
 SGLANG_SPEC=${SGLANG_SPEC:-sglang==0.5.23}
 TORCH_SPEC=torch==2.13.0
 
+BUILD_STEPS=1  # bump when build() below changes what ends up in the venv (this file's options do not count)
+
 recipe_key() {
-  # every recipe file (name and content, in a fixed order) + the interpreter's version
-  ( cd "$HERE" && find . -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | LC_ALL=C sort -z \
-      | xargs -0 sha256sum
+  # what the venv is made of: the pins and the stubs (name and content, in a fixed order), the build
+  # steps' version, the specs and the interpreter's version
+  ( cd "$HERE" && find requirements.txt stubs -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 \
+      | LC_ALL=C sort -z | xargs -0 sha256sum
+    echo "$BUILD_STEPS $SGLANG_SPEC $TORCH_SPEC ${SLIMECTL_SGLANG_TORCH_INDEX:-}"
     "$PY" -c 'import sys; print(sys.version)' ) | sha256sum | cut -c1-16
 }
 
 die() { echo "setup.sh: $*" >&2; exit 1; }
+if [ "${1:-}" = "--background" ] && ! command -v "$PY" >/dev/null 2>&1; then
+  echo "setup.sh: $PY not found: no SGLang venv is built (the conformance suite will say so)" >&2; exit 0
+fi
 command -v "$PY" >/dev/null 2>&1 || die "$PY not found (SGLang 0.5.23 needs Python 3.11 here; set PYTHON=...)"
 V=${SLIMECTL_SGLANG_VENV:-$HOME/.cache/slimectl/sglang-cpu-$(recipe_key)}
 IMPORT_CHECK='import sglang, sgl_kernel; from sglang.srt.entrypoints.http_server import app; import torch
@@ -45,8 +52,20 @@ print("torch", torch.__version__, "sglang", sglang.__version__, "sgl_kernel", sg
 case "${1:-}" in
   --print-path) echo "$V"; exit 0 ;;
   --check) [ -x "$V/bin/python" ]; exit $? ;;
+  --building)                              # exit 0 while a build holds the lock (a waiter will get the venv)
+    [ -e "$V.lock" ] || exit 1
+    exec 9<"$V.lock"; if flock -n 9; then exit 1; else exit 0; fi ;;
+  --background)                            # build (or reuse) in the background, log in $V.build.log; returns
+    [ -x "$V/bin/python" ] && { echo "$V/bin/python"; exit 0; }   # once the build holds its lock
+    mkdir -p "$(dirname "$V")"
+    nohup bash "$HERE/setup.sh" > "$V.build.log" 2>&1 < /dev/null &
+    for _ in $(seq 1 100); do
+      if [ -x "$V/bin/python" ] || bash "$HERE/setup.sh" --building; then break; fi
+      sleep 0.1
+    done
+    echo "building $V in the background (log: $V.build.log)" >&2; exit 0 ;;
   "") ;;
-  *) die "unknown option ${1} (use --print-path, --check or nothing)" ;;
+  *) die "unknown option ${1} (use --print-path, --check, --building, --background or nothing)" ;;
 esac
 
 t0=$(date +%s)

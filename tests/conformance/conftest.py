@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 SETUP = HERE.parents[1] / "scripts" / "sglang_cpu" / "setup.sh"
 AVAILABLE_TEST = "test_00_available.py"
 
+BUILDING = "(being built)"  # find_sglang_python's answer while setup.sh builds the venv in the background
 _figures: dict[str, dict] = {}  # module -> figures measured there, printed in the summary
 _state: dict[str, str] = {}
 
@@ -45,6 +46,8 @@ def find_sglang_python() -> tuple[str | None, str]:
     py = Path(venv) / "bin" / "python"
     if py.is_file():
         return str(py), f"the cached recipe venv {venv}"
+    if subprocess.run(["bash", str(SETUP), "--building"], capture_output=True, timeout=60).returncode == 0:
+        return BUILDING, f"the recipe venv {venv}, being built now (`setup.sh --background`: the tests wait for it)"
     return None, (f"no SGLang venv at {venv} (the cache of {SETUP.relative_to(HERE.parents[1])}; build it with "
                   f"`scripts/sglang_cpu/setup.sh`, ~7 min once, or set SLIMECTL_SGLANG_PYTHON)")
 
@@ -87,6 +90,10 @@ def pytest_terminal_summary(terminalreporter, config):
 def sglang_python() -> str:
     py, how = find_sglang_python()
     assert py, f"real SGLang not available: {how}"
+    if py == BUILDING:  # `setup.sh` waits for the background build's lock, then reuses what it built
+        res = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=1800)
+        assert res.returncode == 0, f"real SGLang not available: the background build failed: {res.stderr[-2000:]}"
+        py = res.stdout.strip().splitlines()[-1]
     return py
 
 
