@@ -155,6 +155,7 @@ class EngineGroup:
     # ------------------------------------------------------------------ start
     def start(self) -> "EngineGroup":
         ec = self.cfg.engine
+        router_python = self._check_router()  # before anything else: a refusal is the only line printed
         if self.backend == "external" and not self.engine_urls:
             raise UsageError("engine.backend is external but no engine URLs were given; pass --engine-url URL")
         if self.backend == "external" and self.weight_choice is not None:
@@ -169,7 +170,6 @@ class EngineGroup:
                             "weights; set %s (engine.token_env) to require one", ec.host or "all interfaces",
                             ec.token_env)
             self._check_ports()
-        router_python = self._check_router()
         try:
             if self.backend == "external":
                 self._attach_external()
