@@ -208,6 +208,14 @@ class EngineSection(Section):
     """Interpreter that has sglang installed (sglang pins its own torch)."""
     sglang_args: dict[str, Any] = Field(default_factory=dict)
     """Extra ``--flag value`` pairs passed to ``sglang.launch_server`` verbatim."""
+    router: bool = False
+    """``serve`` (or ``rl``) starts sglang-router in front of the engines it launches (backend sglang or
+    embedded; not external) and records it in ``RUN/engines/routers/``; rollout sends ``/generate``
+    through it, while weight updates, pause, continue and abort still go to each engine (the router
+    does not forward them)."""
+    router_python: Optional[str] = None
+    """Interpreter that has ``sglang_router`` installed (``pip install sglang-router``; default:
+    ``sglang_python``, else the one running slimectl)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables (name: string) set for every engine process ``serve`` (or ``rl``) launches,
     embedded or SGLang, on top of its own environment. SGLang on CPU needs ``env: {SGLANG_USE_CPU_ENGINE: "1"}``
@@ -232,6 +240,14 @@ class EngineSection(Section):
                 raise ValueError(f"{k}: the value holds a NUL character")
             out[k] = v
         return out
+
+    @model_validator(mode="after")
+    def _router_needs_launched_engines(self) -> "EngineSection":
+        if self.router and (self.backend == "external" or self.urls):
+            raise ValueError("engine.router starts sglang-router in front of the engines serve launches, not external "
+                             "ones (engine.backend external / engine.urls): set engine.router: false, or engine.backend "
+                             "sglang or embedded")
+        return self
 
     @model_validator(mode="after")
     def _token_not_in_env(self) -> "EngineSection":

@@ -16,6 +16,12 @@ published weights they start from ``model.path`` at version 0. ``weight_version`
 environment (e.g. ``SGLANG_USE_CPU_ENGINE=1`` for SGLang on CPU). A fixed ``engine.port`` is checked before anything is launched,
 and each launched engine must prove it is the one we started (a nonce it reports, or for real
 SGLang that our process listens on the port) before it is called healthy.
+
+With ``engine.router: true`` serve then starts sglang-router (``python -m sglang_router.launch_router``,
+from ``engine.router_python``) in front of the engines it launched, waits until ``GET /workers``
+lists them all healthy, and records it in ``RUN/engines/routers/`` (its log: ``RUN/logs/router.log``).
+Rollout sends ``/generate`` through it; weight updates, pause, continue and abort go to each
+engine (the router does not forward them). It is stopped and unrecorded with the engines.
 """
 
 from __future__ import annotations
@@ -139,6 +145,7 @@ class EngineGroup:
         self.engine_indices = list(range(cfg.engine.num_engines)) if engine_indices is None else list(engine_indices)
         self.supervisor = ProcessSupervisor()
         self.engines: list[ServedEngine] = []
+        self.router: ServedEngine | None = None
         self.token = os.environ.get(cfg.engine.token_env) or None
 
     @property
@@ -148,6 +155,7 @@ class EngineGroup:
     # ------------------------------------------------------------------ start
     def start(self) -> "EngineGroup":
         ec = self.cfg.engine
+        router_python = self._check_router()  # before anything else: a refusal is the only line printed
         if self.backend == "external" and not self.engine_urls:
             raise UsageError("engine.backend is external but no engine URLs were given; pass --engine-url URL")
         if self.backend == "external" and self.weight_choice is not None:
@@ -180,10 +188,58 @@ class EngineGroup:
                                                  interval=0.25)
                 for i, url, pid in launched:
                     self._register(f"engine-{i}", url, pid, self.weight_version)
+                if router_python:
+                    self._start_router(router_python)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wants_router(self) -> bool:
+        """engine.router, for a group that launches every engine (a launcher that starts one engine
+        per group, e.g. Ray, gets no router)."""
+        return bool(self.cfg.engine.router) and len(self.engine_indices) == self.cfg.engine.num_engines
+
+    def _check_router(self) -> str | None:
+        """The interpreter to start sglang-router with, when one is wanted (checked before any engine starts)."""
+        ec = self.cfg.engine
+        if not ec.router:
+            return None
+        if self.backend == "external":
+            raise UsageError("engine.router starts sglang-router in front of the engines serve launches, not external "
+                             "ones (--engine-url): drop --engine-url, or set engine.router: false")
+        if not self._wants_router():
+            log.warning("engine.router: this launcher starts each engine on its own; no router is started, rollout "
+                        "balances over the engines itself")
+            return None
+        from slimectl.engines.sglang.launcher import router_import_problem
+
+        python = ec.router_python or ec.sglang_python or self.python
+        why = router_import_problem(python)
+        if why:
+            key = "engine.router_python" if ec.router_python else (
+                "engine.sglang_python (engine.router_python unset)" if ec.sglang_python else
+                "engine.router_python (unset: serve's own interpreter)")
+            raise UsageError(f"engine.router is true but {key} = {python} cannot run sglang-router: {why}; install it "
+                             f"there (pip install sglang-router==0.3.2) or set engine.router_python to an interpreter "
+                             f"that has it")
+        return python
+
+    def _start_router(self, python: str) -> None:
+        from slimectl.engines.sglang.launcher import launch_router
+
+        ec = self.cfg.engine
+        urls = self.urls
+        port = ec.port + ec.num_engines if ec.port else _free_port(ec.host)
+        router = launch_router(self.supervisor, urls, port, host=ec.host, python=python,
+                               log_path=self.run.path / "logs" / "router.log", health_timeout=ec.startup_timeout_s,
+                               interval=0.25, wait_workers=True)
+        url = _url(advertised_host(ec.host, ec.advertise_host), port)
+        rec = self.run.routers.register(EngineRecord(
+            url=url, backend="sglang-router", pid=router.pid, id=f"router-{os.getpid()}",
+            extra={"workers": urls, "log": str(router.log_path)}))
+        self.router = ServedEngine(rec.id, url, "sglang-router", router.pid)
+        log.info("router %s ready at %s in front of %s", rec.id, url, ", ".join(urls))
 
     def _resolve_weights(self) -> tuple[str | None, str]:
         """(the model directory launched engines load, its weight version)."""
@@ -219,10 +275,11 @@ class EngineGroup:
         ec = self.cfg.engine
         if not ec.port:
             return
-        for i in self.engine_indices:
+        router = [ec.num_engines] if self._wants_router() and self.backend != "external" else []
+        for i in self.engine_indices + router:
             port = ec.port + i
             if port_in_use(ec.host, port):
-                first = f" (engine {i} of --port {ec.port})" if i else ""
+                first = f" ({'the router' if i == ec.num_engines else f'engine {i}'} of --port {ec.port})" if i else ""
                 raise UsageError(f"port {port}{first} on {ec.host or '0.0.0.0'} is already in use (another engine "
                                  f"or program listens there); pick a free port with --port, or omit --port "
                                  f"(--port 0) to let serve choose free ports")
@@ -278,6 +335,9 @@ class EngineGroup:
 
     # ------------------------------------------------------------------ stop
     def stop(self) -> None:
+        if self.router is not None:
+            self.run.routers.unregister(self.router.id)
+            self.router = None
         for e in self.engines:
             self.run.engines.unregister(e.id)
         self.engines = []

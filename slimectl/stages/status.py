@@ -83,6 +83,16 @@ def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dic
             entry["health"] = probe_health(rec.url, timeout) if alive is not False else "dead"
         engines.append(entry)
     out["engines"] = engines
+    routers = []
+    for rec in run.routers.list():
+        alive = rec.alive()
+        entry = {"id": rec.id, "url": rec.url, "host": rec.host, "pid": rec.pid, "started": rec.started,
+                 "workers": list(rec.extra.get("workers") or []) if isinstance(rec.extra, dict) else [],
+                 "process": {True: "alive", False: "dead", None: "remote"}[alive]}
+        if probe:
+            entry["health"] = probe_health(rec.url, timeout) if alive is not False else "dead"
+        routers.append(entry)
+    out["routers"] = routers
     locks = {}
     for stage in STAGES:
         holder = run.lock(stage).holder()
@@ -197,6 +207,9 @@ def format_status(st: dict[str, Any]) -> str:
             )
     else:
         lines.append("engines    none registered")
+    for r in st.get("routers", []):
+        lines.append(f"router     {r['id']} {r['url']} [sglang-router] pid {r['pid']}@{r['host']}: routes /generate to "
+                     f"{len(r['workers'])} engine(s); health {r.get('health', r['process'])}")
     for stage, h in st["running"].items():
         state = "STALE" if h["stale"] else "running"
         lines.append(f"{stage:<10} {state}: pid {h['pid']}@{h['host']} since {h['acquired']} (heartbeat {h['heartbeat_age_s']} s ago)")

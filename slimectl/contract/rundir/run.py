@@ -211,6 +211,21 @@ class RunDir:
     def engines(self) -> EngineRegistry:
         return EngineRegistry(self.path / "engines")
 
+    @property
+    def routers(self) -> EngineRegistry:
+        """``engines/routers/ID.json``: the sglang-router ``serve`` started in front of its engines
+        (``extra["workers"]``: the engine URLs it routes to). Not engines: sync never targets it."""
+        return EngineRegistry(self.path / "engines" / "routers")
+
+    def live_router(self, engine_urls) -> str | None:
+        """The URL of a live recorded router that routes to exactly ``engine_urls``, else None."""
+        want = sorted(u.rstrip("/") for u in engine_urls)
+        for rec in self.routers.live():
+            workers = rec.extra.get("workers") if isinstance(rec.extra, dict) else None
+            if isinstance(workers, list) and sorted(str(u).rstrip("/") for u in workers) == want:
+                return rec.url.rstrip("/")
+        return None
+
     def log_path(self, stage: str) -> Path:
         return self.path / "logs" / f"{stage}.log"
 
@@ -243,6 +258,8 @@ class RunDir:
                 names += [f"{kind}/{i:06d} (incomplete)" for i in removed]
         for rec_id in self.engines.prune_dead():  # records of engines killed with their owner (kill -9)
             names.append(f"engines/{rec_id}.json (dead)")
+        for rec_id in self.routers.prune_dead():
+            names.append(f"engines/routers/{rec_id}.json (dead)")
         for stage, info in self._remove_stale_locks():
             names.append(f"locks/{stage}.lock (pid {info.get('pid')} on {info.get('host')}, dead)")
         if announce and names:

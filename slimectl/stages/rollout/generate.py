@@ -5,6 +5,11 @@
 and the request is retried on another one; only when every engine is dead does the rollout
 fail — and then nothing is published.
 
+With a ``router`` (the sglang-router ``serve`` started with ``engine.router: true``) every
+``/generate`` goes through it and it balances; weight versions and aborts still go to each engine
+(the router does not forward them). If the router fails (no answer, or a 5xx), the pool logs it once
+and sends this and later requests to the engines directly.
+
 Custom generate functions keep slime's signature::
 
     async def generate(args, sample, sampling_params) -> Sample | list[Sample]
@@ -37,9 +42,15 @@ class EnginePool:
     answering. Each engine's failure is reported once, however many requests were in flight."""
 
     def __init__(self, urls: list[str], token: str | None = None, concurrency_per_engine: int = 64,
-                 timeout: float = 600.0, registry=None):
+                 timeout: float = 600.0, registry=None, router: str | None = None):
         if not urls:
             raise SlimectlError("no engines registered; start them with `slimectl serve -r RUN` or pass --engine-url")
+        self.router = router.rstrip("/") if router else None
+        # the router only forwards /generate, which engines serve without the admin token
+        self.router_client = EngineClient(self.router, timeout=timeout, retries=1, backoff=0.2,
+                                          retry_log_level=logging.DEBUG) if self.router else None
+        self.router_sem = asyncio.Semaphore(concurrency_per_engine * len(urls))
+        self.router_requests = 0
         self.clients = {u: EngineClient(u, token=token, timeout=timeout, retries=1, backoff=0.2,
                                         retry_log_level=logging.DEBUG) for u in urls}
         self.inflight = {u: 0 for u in urls}
@@ -86,7 +97,22 @@ class EnginePool:
                     f"retrying its requests on the {rest} other engine(s)" if rest else "no engine left")
 
     async def generate(self, **body: Any) -> dict[str, Any]:
-        """POST /generate on the least-loaded live engine; fail over on connection errors."""
+        """POST /generate through the router when there is one, else on the least-loaded live
+        engine; fail over on connection errors."""
+        if self.router is not None:
+            router = self.router
+            try:
+                async with self.router_sem:
+                    self.router_requests += 1
+                    out = await self.router_client.generate(**body)
+                out.setdefault("meta_info", {})["engine_url"] = router
+                return out
+            except EngineError as exc:
+                if exc.status is not None and exc.status < 500:  # a bad request: the engines would refuse it too
+                    raise
+                if self.router is not None:
+                    self.router = None
+                    log.warning("router %s failed (%s); sending requests to the engines directly", router, exc)
         while True:
             url = self._pick()
             self.inflight[url] += 1
@@ -117,7 +143,8 @@ class EnginePool:
         return out
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients.values()))
+        clients = list(self.clients.values()) + ([self.router_client] if self.router_client else [])
+        await asyncio.gather(*(c.close() for c in clients))
 
 
 def load_function(path: str, what: str) -> Callable:

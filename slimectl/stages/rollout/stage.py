@@ -365,7 +365,8 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
     r = cfg.rollout
     token = os.environ.get(cfg.engine.token_env) or None
     pool = EnginePool(urls, token=token, concurrency_per_engine=r.concurrency_per_engine,
-                      timeout=cfg.engine.request_timeout_s, registry=run.engines)
+                      timeout=cfg.engine.request_timeout_s, registry=run.engines,
+                      router=run.live_router(urls))  # serve's sglang-router in front of exactly these engines
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=rid,
                            rollout_max_response_len=r.max_response_len, n_samples_per_prompt=r.n_samples_per_prompt,
                            reward_key=r.reward_key, mask_offpolicy=r.mask_offpolicy_in_partial_rollout)
