@@ -22,22 +22,24 @@ log = logging.getLogger("slimectl.rl")
 
 
 def _kill_orphan_engines(run: RunDir) -> None:
-    """With no serve running, live registered engines are leftovers of a killed serve/rl: stop them."""
+    """With no serve running, live registered engines (and the sglang-router in front of them) are
+    leftovers of a killed serve/rl: stop them."""
     import psutil
 
-    for rec in run.engines.list():
-        if rec.alive():
-            try:
-                p = psutil.Process(rec.pid)
-                p.terminate()
-                p.wait(10)
-            except psutil.TimeoutExpired:
-                p.kill()
-            except psutil.Error:
-                pass
-            log.warning("stopped orphaned engine %s (pid %s) left by an earlier run", rec.url, rec.pid)
-        if rec.alive() is not None:
-            run.engines.unregister(rec.id)
+    for registry, what in ((run.routers, "router"), (run.engines, "engine")):
+        for rec in registry.list():
+            if rec.alive():
+                try:
+                    p = psutil.Process(rec.pid)
+                    p.terminate()
+                    p.wait(10)
+                except psutil.TimeoutExpired:
+                    p.kill()
+                except psutil.Error:
+                    pass
+                log.warning("stopped orphaned %s %s (pid %s) left by an earlier run", what, rec.url, rec.pid)
+            if rec.alive() is not None:
+                registry.unregister(rec.id)
 
 
 class Engines:

@@ -52,3 +52,24 @@ def test_engine_group_refuses_a_router_in_front_of_external_engines(run_dir):
         assert "not external ones (--engine-url): drop --engine-url, or set engine.router: false" in str(exc)
     else:
         raise AssertionError("EngineGroup started external engines behind a router")
+
+
+def test_rl_stops_a_router_that_a_killed_serve_left_running(run_dir):
+    """kill -9 of serve/rl leaves its sglang-router running (no parent-death signal): the next rl
+    that starts its own engines stops it and removes its record, as it does for engines."""
+    import subprocess
+    import sys
+
+    from slimectl.contract.rundir.registry import EngineRecord
+    from slimectl.orchestration.local_launcher import _kill_orphan_engines
+
+    run = run_dir
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        rec = run.routers.register(EngineRecord(url="http://127.0.0.1:9", backend="sglang-router", pid=orphan.pid,
+                                                id="router-x", extra={"workers": []}))
+        assert rec.alive()
+        _kill_orphan_engines(run)
+        assert orphan.wait(timeout=20) is not None and run.routers.list() == []
+    finally:
+        orphan.kill()
