@@ -64,6 +64,7 @@ from slimectl.algorithms.registry import (
     DEFAULT_TIS_CLIP,
     DEFAULT_TIS_CLIP_LOW,
     DEFAULT_TIS_MODE,
+    CRITIC_ESTIMATORS,
     ESTIMATORS,
     KL_TYPES,
     LOSS_TYPES,
@@ -123,7 +124,7 @@ class ObjectiveConfig:
         check_choice("tis_mode", self.tis_mode, TIS_MODES)
         if self.loss_type == "custom_loss" and self.custom_loss_function is None:
             raise ValueError("loss_type custom_loss needs custom_loss_function")
-        check_choice("advantage estimator", self.advantage_estimator, ESTIMATORS)
+        check_choice("advantage estimator", self.advantage_estimator, ESTIMATORS + CRITIC_ESTIMATORS)
         check_choice("kl_loss_type", self.kl_loss_type, KL_TYPES)
         check_choice("reduction mode", self.reduction, REDUCTION_MODES)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 #: ``algorithm.advantage_estimator`` (:func:`slimectl.algorithms.advantages.compute_advantages`).
 ESTIMATORS: tuple[str, ...] = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-#: Estimators that need a learned critic (:mod:`slimectl.algorithms.gae`): not among the config's choices
-#: until the critic's training loop exists; the config refuses them saying so (``contract/config.py::critic_missing``).
+#: Estimators that need a learned critic (:mod:`slimectl.algorithms.gae`; trained by the train stage's critic,
+#: ``backends/megatron/critic_trainer.py``); :func:`slimectl.algorithms.advantages.compute_advantages` does not take them.
 CRITIC_ESTIMATORS: tuple[str, ...] = ("ppo",)
 #: Estimators whose advantage is the (normalized) reward broadcast over the response.
 GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "gspo", "cispo")

@@ -318,8 +318,8 @@ class AlgorithmSection(Section):
     """Advantages, policy loss and regularisers (``docs/algorithms.md``: each formula and its slime flag)."""
 
     # choices and defaults come from the algorithm registry (one list, shared with the math)
-    advantage_estimator: Literal[algo_registry.ESTIMATORS] = algo_registry.DEFAULT_ESTIMATOR  # type: ignore[valid-type]
-    """How rewards become advantages (ppo, GAE with a learned critic, is not trainable yet: see the critic section)."""
+    advantage_estimator: Literal[algo_registry.ESTIMATORS + algo_registry.CRITIC_ESTIMATORS] = algo_registry.DEFAULT_ESTIMATOR  # type: ignore[valid-type]
+    """How rewards become advantages; ppo: GAE with a learned critic (the ``critic`` section, one trainer process)."""
     loss_type: Literal[algo_registry.LOSS_TYPES] = algo_registry.DEFAULT_LOSS_TYPE  # type: ignore[valid-type]
     """policy_loss (PPO-style clipped surrogate), sft_loss (negative log-likelihood of the responses) or
     custom_loss (``custom_loss_function``)."""
@@ -390,14 +390,6 @@ class AlgorithmSection(Section):
     """``module:function`` building the pg_loss reducer, slime's signature
     ``fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer``."""
 
-    @field_validator("advantage_estimator", mode="before")
-    @classmethod
-    def _critic_estimators(cls, value: Any) -> Any:
-        problem = critic_missing(value)
-        if problem:
-            raise ValueError(problem)
-        return value
-
     @model_validator(mode="after")
     def _check(self) -> "AlgorithmSection":
         problem = algorithm_conflict(self)
@@ -416,20 +408,6 @@ class AlgorithmSection(Section):
             if spec:
                 out[key] = import_object(spec, f"algorithm.{key}", ConfigError, callable_as="a function")
         return out
-
-
-def critic_missing(estimator: Any) -> str | None:
-    """Why an estimator that needs a critic cannot run yet (one line, shown after
-    ``algorithm.advantage_estimator = "ppo": ``), else None. The GAE and value-loss math
-    (``algorithms/gae.py``, ``algorithms/value_loss.py``) and the ``critic`` section exist; the critic
-    model and its training loop in the train stage do not (issue #21). When they land, add
-    ``algo_registry.CRITIC_ESTIMATORS`` to the ``advantage_estimator`` choices and remove this check."""
-    if isinstance(estimator, str) and estimator in algo_registry.CRITIC_ESTIMATORS:
-        names = ", ".join(repr(e) for e in algo_registry.ESTIMATORS)
-        return (f"needs a critic, and the train stage has no critic model or critic training loop yet (issue #21: "
-                f"the GAE and value-loss math and the critic config section exist, the trainer part does not); "
-                f"use one of {names}")
-    return None
 
 
 def algorithm_conflict(a: "AlgorithmSection") -> str | None:
@@ -507,6 +485,10 @@ def critic_problem(cfg: "SlimectlConfig") -> str | None:
                 f"(rollout.num_rollout x train.num_steps_per_rollout) to decay the critic's LR ({c.lr_decay_style}); "
                 f"lower it or train longer")
     world = t.tp * t.pp * t.dp
+    if cfg.algorithm.advantage_estimator == "ppo" and world > 1:
+        return (f"algorithm.advantage_estimator = ppo runs its critic in one trainer process only for now "
+                f"(train.tp x train.pp x train.dp = {t.tp} x {t.pp} x {t.dp}): several ranks are not built yet; "
+                f"set them to 1")
     if world % (c.tp * c.pp):
         return (f"critic.tp x critic.pp = {c.tp} x {c.pp} does not divide the trainer's {world} processes "
                 f"(train.tp x train.pp x train.dp = {t.tp} x {t.pp} x {t.dp}); the critic runs on the same ranks")

@@ -22,6 +22,7 @@ FAULT_POINTS = (
     "rollout.files_written",       # rollouts/N: every file written into .staging, not sealed or renamed
     "artifact.renamed",            # any artifact: renamed into KIND/N, READY not written yet
     "train.state_saved",           # checkpoints/N: model + optimizer shards written into .staging, metadata not
+    "train.critic_published",      # critic_checkpoints/N READY (ppo); checkpoints/N not written yet
     "train.checkpoint_published",  # checkpoints/N READY; weights/N and the train cursor not
     "train.weights_published",     # weights/N READY; the train cursor not committed, the engines not synced
     "train.cursor_committed",      # the train cursor committed rollout N; the engines not synced to N+1

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from slimectl.contract.config import SlimectlConfig
 from slimectl.contract.faults import fault_point
-from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.errors import ConfigError, SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
 
@@ -233,6 +233,11 @@ class Trainer:
         self.run, self.cfg, self.lock = run, cfg, lock
         self.rank0 = launch_rank() == 0
         t = cfg.train
+        self.ppo = cfg.algorithm.advantage_estimator == "ppo"
+        if self.ppo and t.tp * t.pp * t.dp > 1:
+            raise ConfigError(f"algorithm.advantage_estimator = ppo: the critic runs in one trainer process only for now "
+                              f"(train.tp x pp x dp = {t.tp} x {t.pp} x {t.dp}); several ranks are not built yet, "
+                              f"set train.tp, train.pp and train.dp to 1")
         self.cursor = run.cursor("train")
         self.arch, self.padded, init_dir = _initial_arch(run, cfg)
         total_steps = cfg.rollout.num_rollout * t.num_steps_per_rollout
@@ -243,6 +248,7 @@ class Trainer:
         else:
             self.actor.load_hf(cfg.model.path)
         last, next_id = resume_point(run)
+        self.critic = self._build_critic(last, total_steps) if self.ppo else None
         if last is not None:
             self.actor.load_state(last.path / STATE_DIR)
             fault_point("train.resumed")
@@ -263,6 +269,25 @@ class Trainer:
         # One trainer process: checkpoints are written in the background (several ranks: inline).
         self.writer = CheckpointWriter(background=t.tp * t.pp * self.actor.dp == 1)
         self.actor.before_update = self.writer.wait
+        if self.critic is not None:
+            self.critic.before_update = self.writer.wait
+
+    def _build_critic(self, last, total_steps: int):
+        """PPO's critic: from ``critic_checkpoints/N`` of the actor's checkpoint N on resume, else the
+        trunk of ``critic.path`` (or the actor's ``model.path``) with a zero value head."""
+        from slimectl.backends.megatron.critic_trainer import CRITIC_FILE, MegatronCritic
+
+        cfg = self.cfg
+        critic = MegatronCritic(self.arch, self.padded, cfg.train, cfg.critic, cfg.algorithm, dtype=cfg.model.dtype,
+                                total_steps=total_steps)
+        critic.load_hf(cfg.critic.path or cfg.model.path)
+        if last is not None:
+            if not _critic_store(self.run).exists(last.id):
+                raise SlimectlError(f"checkpoints/{last.id:06d} has no critic_checkpoints/{last.id:06d}: this run was "
+                                    f"not trained with algorithm.advantage_estimator = ppo up to there; resume it with "
+                                    f"the estimator it was trained with")
+            critic.load_state(_critic_store(self.run).get(last.id).path / CRITIC_FILE)
+        return critic
 
     def close(self) -> None:
         """Finish (publish) a checkpoint still being written; call before the train lock goes."""
@@ -284,7 +309,10 @@ class Trainer:
         self.lock.check()
         self.mid_rollout = True  # until this rollout is trained and its version counted (checkpoint_if_behind)
         samples = read_samples(art.file(SAMPLES_FILE))
-        steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key)
+        if self.critic is not None:
+            steps = self._train_ppo(rid, samples)
+        else:
+            steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key)
         version = rid + 1
         interval = self.cfg.algorithm.ref_update_interval
         if interval and version % interval == 0:  # slime: (rollout_id + 1) % ref_update_interval == 0
@@ -301,9 +329,10 @@ class Trainer:
             rec = {k: v for k, v in m.items() if k != "train/step"}
             rec["train/rollout_id"] = rid
             metrics.log(self.actor.step, rec)
-            log.info("step %d (rollout %d): loss %.4f, pg_clipfrac %.3f, ppo_kl %.2e, grad_norm %.3f, lr %.2e, %s",
+            log.info("step %d (rollout %d): loss %.4f, pg_clipfrac %.3f, ppo_kl %.2e, grad_norm %.3f, lr %.2e, %s%s",
                      self.actor.step, rid, m.get("train/loss", float("nan")), m.get("train/pg_clipfrac", 0.0),
-                     m.get("train/ppo_kl", 0.0), m.get("train/grad_norm", 0.0), m.get("train/lr", 0.0), phase_line(m))
+                     m.get("train/ppo_kl", 0.0), m.get("train/grad_norm", 0.0), m.get("train/lr", 0.0), phase_line(m),
+                     critic_line(m))
         if self.rank0:  # after the checkpoint that holds this rollout is published (a save in flight: behind it)
             def commit() -> None:
                 self.cursor.commit(rid, {"weight_version": version}, lock=self.lock)
@@ -323,11 +352,65 @@ class Trainer:
         self.publish(self.next_rollout - 1, self.next_rollout, checkpoint=True, weights=False)
         return True
 
+    def _train_ppo(self, rid: int, samples) -> list[dict]:
+        """One PPO rollout: the critic's values (V_old), GAE, the actor's steps on the advantages (not
+        during ``critic.num_critic_only_steps``), then the critic's steps on the returns."""
+        import time
+
+        import torch
+
+        from slimectl.algorithms.rewards import normalize_rewards_by_group, reward_norm_mode_for
+        from slimectl.backends.megatron.actor import _loss_mask, _pad
+        from slimectl.backends.megatron.critic_trainer import rollout_critic_metrics
+
+        cfg, critic, actor = self.cfg, self.critic, self.actor
+        temp, key = cfg.rollout.temperature, cfg.rollout.reward_key
+        t = time.perf_counter()
+        values = critic.values(samples)
+        t_values = time.perf_counter() - t
+        box: dict = {}
+
+        def advantage_fn(rewards, mask, log_probs, ref_log_probs):
+            box["mask"] = mask
+            box["res"] = critic.advantages(rewards, mask, values, log_probs, ref_log_probs)
+            return box["res"].advantages
+
+        critic_only = rid < cfg.critic.num_critic_only_steps
+        if critic_only:  # the actor does not move: its log-probs only feed the KL reward
+            algo = cfg.algorithm
+            raw = torch.tensor([s.reward_value(key) for s in samples], dtype=torch.float32)
+            rewards = normalize_rewards_by_group(raw, [s.group_index for s in samples],
+                                                 reward_norm_mode_for(algo.advantage_estimator,
+                                                                      configured=algo.reward_normalization))
+            lp = ref = None
+            if algo.kl_coef != 0:
+                lp = _pad(actor.compute_log_probs(samples, temp))
+                ref = _pad(actor.compute_log_probs(samples, temp, ref=True))
+            advantage_fn(rewards, _pad([_loss_mask(s) for s in samples]), lp, ref)
+            steps: list[dict] = []
+        else:
+            steps = actor.train_on_samples(samples, temp, key, advantage_fn=advantage_fn)
+        res, mask = box["res"], box["mask"]
+        lengths = [s.response_length for s in samples]
+        masks = [mask[i, :n] for i, n in enumerate(lengths)]
+        returns = [res.returns[i, :n] for i, n in enumerate(lengths)]
+        critic_steps = critic.train_on_returns(samples, actor._step_batches(len(samples)), masks, values, returns)
+        stats = rollout_critic_metrics(res, values, mask)
+        if critic_only:
+            steps = [dict(c) for c in critic_steps]
+        else:
+            for m, c in zip(steps, critic_steps):
+                m.update(c)
+        steps[0].update(stats)
+        steps[0]["perf/critic_values_time"] = t_values
+        return steps
+
     def publish(self, rid: int, version: int, checkpoint: bool = True, weights: bool = True) -> dict[str, float]:
         """Publish checkpoints/VERSION and/or weights/VERSION; their times (``perf/save_time``,
-        ``perf/update_weights_time``)."""
+        ``perf/update_weights_time``). With a critic, ``critic_checkpoints/VERSION`` is written first,
+        in the same background job (the actor's checkpoint READY is the commit point)."""
         phases = _publish(self.run, self.actor, self.arch, self.padded, self.cfg, rid, version, checkpoint, weights,
-                          self.writer)
+                          self.writer, critic=self.critic)
         if checkpoint:
             self.last_published = version
         return phases
@@ -338,6 +421,19 @@ PHASES = (("perf/log_probs_time", "log-probs"), ("perf/ref_log_probs_time", "ref
           ("perf/save_time", "save"), ("perf/update_weights_time", "weights"))
 """A step's phases as slime names them (metrics) and as the step line says them (``perf/save_time``: what
 the checkpoint held the training thread, its writing runs in the background)."""
+
+
+def critic_line(m: dict) -> str:
+    """``", value_loss 0.0123, explained_variance 0.41"``: the critic's figures of a step, if any."""
+    parts = [f"{label} {m[key]:.4g}" for key, label in (("critic/value_loss", "value_loss"),
+                                                         ("critic/explained_variance", "explained_variance"))
+             if key in m]
+    return "".join(", " + p for p in parts)
+
+
+def _critic_store(run: RunDir):
+    """``critic_checkpoints/``: PPO's critic, one per actor checkpoint of the same id."""
+    return run.artifacts("critic_checkpoints")
 
 
 def phase_line(m: dict) -> str:
@@ -403,8 +499,8 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
 
 
 def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: int, version: int,
-             checkpoint: bool = True, weights: bool = True, writer: CheckpointWriter | None = None
-             ) -> dict[str, float]:
+             checkpoint: bool = True, weights: bool = True, writer: CheckpointWriter | None = None,
+             critic=None) -> dict[str, float]:
     """checkpoints/VERSION (model + optimizer) and/or weights/VERSION (HF safetensors); returns
     the seconds they held the training thread as ``perf/save_time`` and ``perf/update_weights_time``
     (only those published).
@@ -428,7 +524,7 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
     t = time.perf_counter()
     if checkpoint:
         _publish_checkpoint(run, actor, arch, padded, cfg, meta, version, hf_src, rank0,
-                            writer or CheckpointWriter(background=False))
+                            writer or CheckpointWriter(background=False), critic=critic)
         phases["perf/save_time"] = time.perf_counter() - t
     t = time.perf_counter()
     if weights:
@@ -453,10 +549,11 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
 
 
 def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, meta: dict, version: int,
-                        hf_src: Path, rank0: bool, writer: CheckpointWriter) -> None:
+                        hf_src: Path, rank0: bool, writer: CheckpointWriter, critic=None) -> None:
     """Hand checkpoints/VERSION to ``writer``: the state to save is taken now (the parameters and
     Adam moments by reference: the next optimizer step waits for the writer), written and
-    published by the writer's job."""
+    published by the writer's job. With ``critic``, the same job publishes
+    ``critic_checkpoints/VERSION`` first (one process only)."""
     import json
     import time
     from contextlib import ExitStack
@@ -469,8 +566,19 @@ def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConf
     info = {"format": "torch_dist", "arch": arch.to_dict(), "padded_vocab_size": padded, "dtype": cfg.model.dtype,
             "saved_with": {"tp": cfg.train.tp, "pp": cfg.train.pp, "dp": cfg.train.dp}, "iteration": actor.step}
 
+    critic_state = critic.state_to_save() if critic is not None else None
+
     def job() -> None:
         t = time.perf_counter()
+        if critic_state is not None:
+            import torch
+
+            from slimectl.backends.megatron.critic_trainer import CRITIC_FILE
+
+            with _critic_store(run).publish(version, meta=dict(meta, critic_step=critic_state["step"]), stage="train",
+                                            overwrite=True) as staging:
+                torch.save(critic_state, Path(staging) / CRITIC_FILE)
+            fault_point("train.critic_published")
         with ExitStack() as stack:
             staging = stack.enter_context(run.checkpoints.publish(version, meta=meta, stage="train", overwrite=True)) \
                 if rank0 else None
@@ -486,6 +594,11 @@ def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConf
         if rank0:
             if cfg.train.keep_checkpoints:
                 run.checkpoints.prune(cfg.train.keep_checkpoints, protect={0})
+            if critic_state is not None:  # the critic's follow the actor's (older than this one only)
+                kept = set(run.checkpoints.ids())
+                for i in _critic_store(run).ids():
+                    if i < version and i not in kept:
+                        _critic_store(run).remove(i)
             log.info("published checkpoints/%06d (%.2f s%s)", version, time.perf_counter() - t,
                      ", in the background" if writer.background else "")
 

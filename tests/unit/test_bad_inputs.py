@@ -74,7 +74,7 @@ CONFIG = [
     ("temperature-negative", "c/temp.yaml", "rollout: {temperature: -0.5}\n", ["rollout.temperature = -0.5"]),
     ("gamma-over", "c/gamma.yaml", "algorithm: {gamma: 1.5}\n", ["algorithm.gamma = 1.5"]),
     ("choice-dtype", "c/dtype.yaml", "model: {dtype: fp8}\n", ["model.dtype = \"fp8\"", "must be one of"]),
-    ("choice-estimator", "c/est.yaml", "algorithm: {advantage_estimator: ppo}\n", ["algorithm.advantage_estimator", "ppo"]),
+    ("choice-estimator", "c/est.yaml", "algorithm: {advantage_estimator: ppo2}\n", ["algorithm.advantage_estimator", "ppo2"]),
     ("choice-kl-type", "c/kltype.yaml", "algorithm: {kl_loss_type: k9}\n", ["algorithm.kl_loss_type", "k9"]),
     ("choice-backend", "c/backend.yaml", "engine: {backend: vllm}\n", ["engine.backend", "vllm"]),
     ("choice-transport", "c/transport.yaml", "sync: {transport: carrier-pigeon}\n", ["sync.transport"]),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from slimectl.algorithms.objective import ObjectiveBatch, ObjectiveConfig, compute_objective
-from slimectl.algorithms.registry import ESTIMATORS, KL_TYPES, LOSS_TYPES, REWARD_NORM_MODES
+from slimectl.algorithms.registry import CRITIC_ESTIMATORS, ESTIMATORS, KL_TYPES, LOSS_TYPES, REWARD_NORM_MODES
 from slimectl.contract.config import AlgorithmSection, build_config
 from slimectl.contract.errors import ConfigError
 
@@ -232,19 +232,19 @@ def test_config_from_the_algorithm_section():
         tis_clip_low=0.1, use_opd=True, reduction="token_mean", use_unbiased_kl=True, tis_mode="mask",
         use_opsm=True, opsm_delta=0.01)
     with pytest.raises(ValueError, match="expected one of grpo, gspo, cispo"):
-        ObjectiveConfig(advantage_estimator="ppo")
+        ObjectiveConfig(advantage_estimator="ppo2")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.eps_clip = 0.3  # type: ignore[misc]
 
 
 def test_config_choices_come_from_the_registry():
     fields = AlgorithmSection.model_fields
-    for key, names in (("advantage_estimator", ESTIMATORS), ("kl_loss_type", KL_TYPES),
+    for key, names in (("advantage_estimator", ESTIMATORS + CRITIC_ESTIMATORS), ("kl_loss_type", KL_TYPES),
                        ("loss_type", LOSS_TYPES)):
         assert typing.get_args(fields[key].annotation) == names, key
     literal, none = typing.get_args(fields["reward_normalization"].annotation)  # Optional: null = slime's rule
     assert typing.get_args(literal) == REWARD_NORM_MODES and none is type(None)
     assert build_config({"algorithm": {"advantage_estimator": "cispo"}}).algorithm.advantage_estimator == "cispo"
     with pytest.raises(ConfigError) as err:
-        build_config({"algorithm": {"advantage_estimator": "ppo"}})
+        build_config({"algorithm": {"advantage_estimator": "ppo2"}})
     assert "\n" not in str(err.value) and "algorithm.advantage_estimator" in str(err.value) and "'cispo'" in str(err.value)

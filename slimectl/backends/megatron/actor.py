@@ -410,8 +410,10 @@ class MegatronActor:
         return [list(range(k * gbs, (k + 1) * gbs)) for k in range(steps)]
 
     def train_on_samples(self, samples: Sequence[Any], rollout_temperature: float = 1.0,
-                         reward_key: str | None = None) -> list[dict[str, float]]:
-        """Train on one rollout's samples; one metrics dict per optimizer step."""
+                         reward_key: str | None = None, advantage_fn=None) -> list[dict[str, float]]:
+        """Train on one rollout's samples; one metrics dict per optimizer step. ``advantage_fn``
+        (PPO's critic): ``fn(rewards [B], mask [B, T], old log-probs [B, T] or None, ref log-probs
+        [B, T] or None) -> advantages [B, T]`` replaces the estimator."""
         if not samples:
             raise ValueError("no samples to train on")
         algo, tcfg = self.algo, self.train_cfg
@@ -485,10 +487,15 @@ class MegatronActor:
             raw = torch.tensor([s.reward_value(reward_key) for s in samples], dtype=torch.float32)
             norm = reward_norm_mode_for(algo.advantage_estimator, configured=algo.reward_normalization)
             rewards = normalize_rewards_by_group(raw, [s.group_index for s in samples], norm)
+            lp_pad = _pad(train_old) if all(t is not None for t in train_old) else None
+            ref_pad = _pad(ref_lp) if self.ref_model is not None else None
+        if not sft and advantage_fn is not None:
+            adv = advantage_fn(rewards, _pad(masks), lp_pad, ref_pad)
+            adv_rows = [adv[i, : samples[i].response_length] for i in range(n)]
+        elif not sft:
             res = compute_advantages(
                 algo.advantage_estimator, rewards, _pad(masks),
-                log_probs=_pad(train_old) if all(t is not None for t in train_old) else None,
-                ref_log_probs=_pad(ref_lp) if self.ref_model is not None else None,
+                log_probs=lp_pad, ref_log_probs=ref_pad,
                 kl_coef=algo.kl_coef, kl_type=algo.kl_loss_type, gamma=algo.gamma,
                 # on-policy distillation: A_t -= coef * (log pi_student - log pi_teacher), after the
                 # estimator and before REINFORCE++'s whitening (slime's order)

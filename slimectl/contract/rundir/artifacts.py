@@ -48,7 +48,7 @@ from slimectl.contract.rundir.atomic import (
 
 log = logging.getLogger("slimectl.rundir")
 
-KINDS = ("checkpoints", "weights", "rollouts", "evals")
+KINDS = ("checkpoints", "weights", "rollouts", "evals", "critic_checkpoints")
 READY = "READY"
 WRITER_FILE = ".writer.json"
 CONTRACT = "slimectl-run-directory"
