@@ -62,7 +62,8 @@ def critic_state(run, n):
 
 
 def same_model(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+                                    for k in a)
 
 
 @pytest.fixture(scope="module")

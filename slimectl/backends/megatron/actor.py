@@ -296,7 +296,12 @@ class MegatronActor:
         self.module.load_state_dict(loaded["model"], strict=False)
         if load_ref:
             self.ref_model.load_state_dict(loaded["ref_model"], strict=False)
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        opt_sd = loaded["optimizer"]
+        if isinstance(opt_sd, dict) and isinstance(opt_sd.get("state"), dict) and "common_step" not in opt_sd["state"]:
+            # megatron-core saves the shared Adam step only when it is non-zero (`if step:`): a checkpoint
+            # of a never-stepped actor (PPO's critic-only rollouts) has none; put the 0 back.
+            opt_sd["state"]["common_step"] = torch.tensor(0.0)
+        self.optimizer.load_state_dict(opt_sd)
         if same_layout:
             self.set_rng_states(loaded["rng_state"])
         elif self.info.rank == 0:
