@@ -148,3 +148,18 @@ def test_ppo_on_several_ranks_is_refused(tmp_path):
                               "--set", "train.dp=2")
     assert res.returncode == 2
     assert "algorithm.advantage_estimator = ppo runs its critic in one trainer process only" in res.stderr
+
+
+def test_rl_with_ppo_runs_three_rollouts_and_logs_the_critic(tmp_path):
+    from tests.helpers import assert_trained_once, read_jsonl, write_config
+
+    cfg = write_config(tmp_path, algorithm={"advantage_estimator": "ppo"}, critic={"lr": 1e-2})
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "trained rollouts 0-2; weight version 3" in res.stdout
+    run = RunDir.open(tmp_path / "run")
+    assert_trained_once(run, 3)
+    assert run.artifacts("critic_checkpoints").ids() == run.checkpoints.ids()[-len(run.artifacts("critic_checkpoints").ids()):]
+    recs = [r for r in read_jsonl(run.metrics_path("train")) if "critic/explained_variance" in r]
+    assert [r["train/rollout_id"] for r in recs] == [0, 1, 2]
+    assert all("critic/value_loss" in r and "train/loss" in r for r in recs)
