@@ -163,3 +163,27 @@ def test_rl_with_ppo_runs_three_rollouts_and_logs_the_critic(tmp_path):
     recs = [r for r in read_jsonl(run.metrics_path("train")) if "critic/explained_variance" in r]
     assert [r["train/rollout_id"] for r in recs] == [0, 1, 2]
     assert all("critic/value_loss" in r and "train/loss" in r for r in recs)
+
+
+def test_a_pickle_payload_in_a_critic_checkpoint_is_refused_and_runs_nothing(tmp_path):
+    import pickle
+
+    from slimectl.backends.megatron.critic_trainer import read_critic_state
+    from slimectl.contract.errors import SlimectlError
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            import os
+            return (os.system, (f"touch {marker}",))
+
+    bad = tmp_path / "critic.pt"
+    with open(bad, "wb") as f:
+        pickle.dump({"model": Payload()}, f)
+    with pytest.raises(SlimectlError, match="cannot be loaded safely"):
+        read_critic_state(bad)
+    assert not marker.exists()
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(SlimectlError, match="cannot be loaded safely"):
+        read_critic_state(tmp_path / "junk.pt")

@@ -106,7 +106,7 @@ class MegatronCritic:
                 "scheduler": copy.deepcopy(self.scheduler.state_dict()), "step": self.step}
 
     def load_state(self, path) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = read_critic_state(path)
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.optimizer.reload_model_params()
@@ -192,3 +192,23 @@ def rollout_critic_metrics(res, values: list[torch.Tensor], mask: torch.Tensor) 
     if not bool(mask.bool().any()):
         return {}
     return critic_metrics(v.to(res.returns.dtype), res.returns, res.advantages, mask)
+
+
+def read_critic_state(path) -> dict[str, Any]:
+    """``critic.pt`` read with ``torch.load(weights_only=True)``: tensors and plain containers only, so a
+    pickle payload in a shared run directory runs nothing; a file that is not one is one clear error."""
+    from slimectl.contract.errors import SlimectlError
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise SlimectlError(f"critic checkpoint {path} is missing; resume from a checkpoint that has one") from None
+    except Exception as exc:  # UnpicklingError (a payload), RuntimeError (not a torch file), ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SlimectlError(f"critic checkpoint {path} cannot be loaded safely ({type(exc).__name__}: {first}); "
+                            f"it holds more than tensors, or is damaged: remove that checkpoint to resume from an "
+                            f"earlier one") from None
+    if not isinstance(state, dict) or not {"model", "optimizer", "scheduler", "step"} <= set(state):
+        raise SlimectlError(f"critic checkpoint {path} is not a slimectl critic checkpoint (keys model, optimizer, "
+                            f"scheduler, step)")
+    return state
