@@ -6,7 +6,7 @@ point NAME for the NTH time (default 1; counted per process) write one line to s
 killer or a lost node leaves). Without the variable :func:`fault_point` is a no-op (one
 environment lookup). Child processes inherit the variable, so a point in the engine server kills
 the engine, not the driver. The points, where they sit and what a crash there leaves:
-docs/run-directory.md, "Fault points"; tests/e2e/test_faults.py injects each one and audits the
+docs/run-directory.md, "Fault points"; tests/e2e/test_fault_injection.py injects each one and audits the
 run directory after the rerun.
 """
 

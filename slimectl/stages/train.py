@@ -438,7 +438,8 @@ def _critic_store(run: RunDir):
 
 def phase_line(m: dict) -> str:
     """``"log-probs 0.00 s, train 1.21 s, save 0.52 s"``: the phases a step's metrics ``m`` timed."""
-    return ", ".join(f"{label} {m[key]:.2f} s" for key, label in PHASES if key in m)
+    return ", ".join(f"{label} {m[key]:.2f} s" for key, label in PHASES
+                     if key in m and (m[key] or key != "perf/save_wait_time"))  # (a wait of 0: not worth a word)
 
 
 def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, follow: bool = False,

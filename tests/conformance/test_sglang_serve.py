@@ -84,10 +84,18 @@ def test_greedy_tokens_and_logprobs_equal_the_embedded_engine(served, figures):
     assert worst < 1e-4
 
 
-def test_rollout_through_sglang_and_trainer_logprobs(served, figures, tmp_path):
+@pytest.fixture(scope="module")
+def rollout0(served):
+    """Rollout 0 through the two SGLang engines, made once for the module (whichever test asks first)."""
     run = served["run"]
-    res = slimectl_in_process("rollout", "-r", run.path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    if not run.rollouts.exists(0):
+        res = slimectl_in_process("rollout", "-r", run.path)
+        assert res.returncode == 0, res.stderr[-3000:]
+    return run.rollouts.get(0, verify="full")
+
+
+def test_rollout_through_sglang_and_trainer_logprobs(served, rollout0, figures, tmp_path):
+    run = served["run"]
     samples = read_samples(run.rollouts.get(0, verify="full").file(SAMPLES_FILE))
     assert samples and all(s.weight_versions == ["0"] and len(s.rollout_log_probs) == s.response_length >= 1
                            for s in samples)
@@ -104,11 +112,11 @@ def test_rollout_through_sglang_and_trainer_logprobs(served, figures, tmp_path):
     assert max(diffs) < 1e-4
 
 
-def test_partial_rollout_continues_samples_sglang_aborted(served, figures):
+def test_partial_rollout_continues_samples_sglang_aborted(served, rollout0, figures):
     from transformers import AutoModelForCausalLM
 
     run = served["run"]
-    buffered = read_samples(run.rollouts.get(0).file("buffer.parquet"))
+    buffered = read_samples(rollout0.file("buffer.parquet"))
     assert any(s.status == Status.ABORTED and s.response_length > 0 for s in buffered), \
         "no sample was aborted mid-generation by SGLang"
     before = {s.index: s for s in buffered}

@@ -18,6 +18,7 @@ import pytest
 
 from slimectl.contract.errors import UsageError
 from slimectl.orchestration.ray_launcher import Slot, placement_layout
+from slimectl.contract.metrics import read_metrics
 from slimectl.contract.rundir import RunDir
 from tests.helpers import ENV, assert_trained_once, read_jsonl, slimectl, slimectl_in_process, write_config
 
@@ -116,16 +117,19 @@ def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_kille
     first.proc.wait()
     # Ray ends a dead driver's actors; the engine follows its actor
     assert wait_gone([where["trainer"], where["engine_actor"], where["engine"]]) == []
-    assert run.cursor("train").read().consumed == [0]
+    # Checkpoints are written in the background and the cursor commits after them: killed right after
+    # "rl 1/2", rollout 0 is committed, or not yet (then the rerun trains it again, once)
+    done = run.cursor("train").read().consumed
+    assert done in ([], [0]), done
 
     # 2. rerun, disaggregated: separate bundles, which on these one-CPU nodes means separate nodes
     second = Driver("-c", cfg, "-r", path, *ray_args)
-    second.wait_for("resuming at rollout 1")
+    second.wait_for(f"resuming at rollout {len(done)}")
     where2 = placement(run, second.proc.pid)
     assert not where2["same_node"], where2
     rc, out, err = second.finish()
     assert rc == 0, err[-4000:]
-    assert "trained rollouts 1; weight version 2" in out
+    assert ("trained rollouts 1; weight version 2" if done else "trained rollouts 0-1; weight version 2") in out
     assert_trained_once(run, 2)
     assert run.engines.list() == [] and not list((run.path / "locks").glob("*.lock"))
     assert wait_gone([where2["trainer"], where2["engine_actor"], where2["engine"]]) == []
@@ -136,11 +140,12 @@ def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_kille
     for kind in ("rollouts", "checkpoints", "weights"):
         assert getattr(run, kind).ids() == getattr(local, kind).ids(), kind
     for stage in ("rollout", "train", "sync", "rl"):
-        ray_recs, local_recs = read_jsonl(run.metrics_path(stage)), read_jsonl(local.metrics_path(stage))
-        if stage == "sync":  # a resumed run first syncs the version it resumes at once more
-            assert [r["step"] for r in ray_recs] == [0, 1, 1, 2] and [r["step"] for r in local_recs] == [0, 1, 2]
-            ray_recs = ray_recs[:1] + ray_recs[2:]
-        assert [set(r) for r in ray_recs] == [set(r) for r in local_recs], stage
+        # each step's last record (read_metrics drops rolled-back train steps): a resumed run syncs the
+        # version it resumes at once more, and logs a rollout it trains again twice
+        ray_recs = {r["step"]: r for r in read_metrics(run.metrics_path(stage))}
+        local_recs = {r["step"]: r for r in read_metrics(local.metrics_path(stage))}
+        assert sorted(ray_recs) == sorted(local_recs), stage
+        assert {k: set(r) for k, r in ray_recs.items()} == {k: set(r) for k, r in local_recs.items()}, stage
     # the same stage code on the same seeds and weights: the same samples, the same rewards
     assert [run.rollouts.get(i).meta["reward_mean"] for i in (0, 1)] == \
            [local.rollouts.get(i).meta["reward_mean"] for i in (0, 1)]

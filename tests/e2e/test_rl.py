@@ -87,7 +87,7 @@ def _rl_until(cfg, path, marker: str, sig: int) -> tuple[subprocess.Popen, list[
 @pytest.mark.slow
 def test_kill_9_then_sigterm_each_rerun_resumes_and_trains_each_rollout_once(tmp_path):
     """One run, stopped twice: kill -9 right after a marker on stderr ("step 2 " = step done, publish
-    and sync next; the deterministic kill points are tests/e2e/test_faults.py's), the rerun resuming
+    and sync next; the deterministic kill points are tests/e2e/test_fault_injection.py's), the rerun resuming
     where it left off; then SIGTERM ("rl 3/4"), which stops every stage cleanly (exit 143 with the
     command that resumes it, options kept; no engine, no lock), checkpointing first what it trained
     since the last checkpoint (save_interval 4: none before the end). The last rerun finishes, every

@@ -1,6 +1,6 @@
 """The fault-point hook itself (slimectl/contract/faults.py): the list matches the code, the spec is
 checked, it is a no-op without the variable, and it kills at the NTH arrival. The faults injected
-into real runs, and the audits after them: tests/e2e/test_faults.py."""
+into real runs, and the audits after them: tests/e2e/test_fault_injection.py."""
 
 from __future__ import annotations
 

@@ -615,8 +615,7 @@ class MegatronActor:
                   "train/num_micro_batches": float(len(layout)), "train/step": float(self.step),
                   "perf/train_time": dt, "perf/actor_train_time": dt,
                   "perf/tokens_per_s": n_tokens / dt if dt > 0 else 0.0})
-        if waited:
-            m["perf/save_wait_time"] = waited
+        m["perf/save_wait_time"] = waited  # always there (0 without a save in flight): the same keys every step
         return m
 
 
