@@ -338,11 +338,15 @@ def test_finished_sessions_export_to_a_file_that_rollout_import_accepts(world, c
         status, out, _ = call("POST", f"{world['base']}/sessions/{sid}/finish",
                               {"reward": reward, "group": "numbers", "metadata": {"task": "numbers"}})
         assert status == 200, out
+    # a session finished with a label (this test's own: it must not depend on which tests ran before it)
+    chat(world, [{"role": "user", "content": "hi"}], session="labelled", max_tokens=2)
+    status, out, _ = call("POST", world["base"] + "/sessions/labelled/finish", {"reward": 1, "label": "ok"})
+    assert status == 200, out
     lines = [json.loads(x) for x in world["out"].read_text().splitlines()]
     by_session = {x["metadata"]["session_id"]: x for x in lines}
     assert by_session["g-0"]["group_index"] == by_session["g-1"]["group_index"]
     assert by_session["g-0"]["reward"] == 1.0 and by_session["g-0"]["metadata"]["task"] == "numbers"
-    assert by_session["fin"]["label"] == "ok"
+    assert by_session["labelled"]["label"] == "ok"
     assert [x["index"] for x in lines] == list(range(len(lines)))
     g0 = Sample.from_dict(by_session["g-0"])
     assert g0.tokens == session(world, "g-0")[0].tokens and g0.response == decode(tok, g0.response_tokens)
