@@ -235,12 +235,15 @@ def expected_engines(args) -> int:
     return int(args[list(args).index("--num-engines") + 1]) if "--num-engines" in args else 1
 
 
-def start_serve(run, *args: str) -> tuple[subprocess.Popen, list[str]]:
-    """`slimectl serve -r RUN ARGS` as a subprocess; returns once it has printed every engine URL."""
+def start_serve(run, *args: str, env: dict[str, str] | None = None, timeout: float = 180,
+                stderr_file: Path | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """`slimectl serve -r RUN ARGS` as a subprocess (ENV plus ``env``; stderr to ``stderr_file`` if
+    given); returns once it has printed every engine URL, within ``timeout`` seconds."""
+    err = open(stderr_file, "w") if stderr_file is not None else subprocess.PIPE
     proc = subprocess.Popen([sys.executable, "-m", "slimectl", "serve", "-r", str(run.path), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                            stdout=subprocess.PIPE, stderr=err, text=True, env={**ENV, **(env or {})})
     urls = []
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -249,7 +252,27 @@ def start_serve(run, *args: str) -> tuple[subprocess.Popen, list[str]]:
         if len(urls) == expected_engines(args):
             return proc, urls
     proc.kill()
-    raise AssertionError(f"serve did not announce its engines: {urls} {proc.stderr.read()[-3000:]}")
+    proc.wait()
+    tail = Path(stderr_file).read_text() if stderr_file is not None else proc.stderr.read()
+    raise AssertionError(f"serve did not announce its engines: {urls}\n{tail[-3000:]}")
+
+
+def publish_weights(run, version: int, seed: int) -> dict:
+    """weights/VERSION: the run's initial model with noise added to every tensor (so outputs change)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from slimectl.backends.hf.checkpoint import write_safetensors_sharded
+    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
+
+    model = run.config().model.path
+    base = load_file(os.path.join(model, "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    new = {k: v + 0.3 * torch.randn(v.shape, generator=g) * (v.std() if v.numel() > 1 else 1.0) for k, v in base.items()}
+    with run.weights.publish(version, meta={"weight_version": version}) as d:
+        write_safetensors_sharded(new.items(), d)
+        copy_hf_aux_files(model, d)
+    return new
 
 
 def read_jsonl(path) -> list[dict]:

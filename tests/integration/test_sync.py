@@ -12,7 +12,7 @@ import torch
 from slimectl.contract.rundir import RunDir
 from slimectl.stages.sync.distributed import buckets
 from slimectl.stages.sync.verify import compare, pick_names
-from tests.helpers import post, slimectl_in_process, start_serve
+from tests.helpers import post, publish_weights, slimectl_in_process, start_serve
 
 pytestmark = pytest.mark.xdist_group("sync")  # xdist: one worker, fixtures built once
 
@@ -23,23 +23,6 @@ def greedy(url, ids=(5, 6, 7, 8)):
                                   "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
     lps = [round(x[0], 5) for x in out["meta_info"]["output_token_logprobs"]]
     return out["output_ids"] + lps, out["meta_info"]["weight_version"]
-
-
-def publish_weights(run: RunDir, version: int, seed: int) -> dict[str, torch.Tensor]:
-    """weights/VERSION: the initial model with noise added to every tensor."""
-    from safetensors.torch import load_file
-
-    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
-    from slimectl.backends.hf.checkpoint import write_safetensors_sharded
-
-    model = run.config().model.path
-    base = load_file(os.path.join(model, "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    new = {k: v + 0.3 * torch.randn(v.shape, generator=g) * (v.std() if v.numel() > 1 else 1.0) for k, v in base.items()}
-    with run.weights.publish(version, meta={"weight_version": version}) as d:
-        write_safetensors_sharded(new.items(), d)
-        copy_hf_aux_files(model, d)
-    return new
 
 
 @pytest.fixture(scope="module")

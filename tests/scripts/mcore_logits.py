@@ -31,10 +31,21 @@ def compare(info, ckpt, hf_dir, tp, pp) -> None:
     load_megatron_checkpoint(model, it_dir)
     B, S = 2, 24
     ids = torch.randint(0, arch.vocab_size, (B, S), generator=torch.Generator().manual_seed(7))
-    pos = torch.arange(S).expand(B, S)
+    logits = forward_logits(model, ids)
+    result = {"rank": info.rank, "tp": tp, "pp": pp, "ckpt": ckpt}
+    if info.is_last_stage and info.tp_rank == 0:
+        result.update(hf_diff(hf_dir, ids, logits, arch.vocab_size))
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def forward_logits(model, ids):
+    """The model's logits for IDS (B, S) through Megatron's pipeline schedule, gathered over TP (last
+    pipeline stage; None on the others)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    B, S = ids.shape
+    pos = torch.arange(S).expand(B, S)
     outputs = []
 
     def forward_step(data_iterator, model):
@@ -51,17 +62,19 @@ def compare(info, ckpt, hf_dir, tp, pp) -> None:
             forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
             seq_length=S, micro_batch_size=B, forward_only=True, collect_non_loss_data=True,
         )
-    result = {"rank": info.rank, "tp": tp, "pp": pp, "ckpt": ckpt}
-    if info.is_last_stage and info.tp_rank == 0:
-        from transformers import AutoModelForCausalLM
+    return outputs[0] if outputs else None
 
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        with torch.no_grad():
-            ref = hf(ids).logits
-        got = outputs[0][..., : arch.vocab_size]
-        result.update(max_abs_diff=(got - ref).abs().max().item(), scale=ref.abs().max().item(),
-                      padded_vocab=int(outputs[0].shape[-1]))
-        print("RESULT " + json.dumps(result), flush=True)
+
+def hf_diff(hf_dir, ids, logits, vocab_size: int) -> dict:
+    """max |Megatron - HF| over the real vocabulary, the HF logits' scale and the padded vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(ids).logits
+    got = logits[..., :vocab_size]
+    return {"max_abs_diff": (got - ref).abs().max().item(), "scale": ref.abs().max().item(),
+            "padded_vocab": int(logits.shape[-1])}
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@ JSON line per checkpoint (from the last stage's TP rank 0). Run with python or t
 """
 
 import json
+import os
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path, in-process or under torchrun
+from mcore_logits import forward_logits, hf_diff  # noqa: E402  (this folder's: one logits comparison for both)
 
 
 def main() -> None:
@@ -37,39 +41,13 @@ def compare(info, ckpt, hf_dir, tp, pp, ep) -> None:
     # their MoE layers exchange unequal token counts, as in training on packed micro-batches.
     B, S = 2, 24 - 5 * info.dp_rank
     ids = torch.randint(0, arch.vocab_size, (B, S), generator=torch.Generator().manual_seed(7 + info.dp_rank))
-    pos = torch.arange(S).expand(B, S)
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    outputs = []
-
-    def forward_step(data_iterator, model):
-        out = model(ids, pos, None)
-
-        def collect(output_tensor, non_loss_data=False):
-            outputs.append(gather_from_tensor_model_parallel_region(output_tensor.detach()))
-            return torch.zeros(()), {}
-
-        return out, collect
-
-    with torch.no_grad():
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
-            seq_length=S, micro_batch_size=B, forward_only=True, collect_non_loss_data=True,
-        )
+    logits = forward_logits(model, ids)
     all_experts = [None] * dist.get_world_size()
     dist.all_gather_object(all_experts, experts)
     result = {"rank": info.rank, "tp": tp, "pp": pp, "ep": ep, "ckpt": ckpt, "experts_per_rank": all_experts,
               "seq_len": S}
     if info.is_last_stage and info.tp_rank == 0:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        with torch.no_grad():
-            ref = hf(ids).logits
-        got = outputs[0][..., : arch.vocab_size]
-        result.update(max_abs_diff=(got - ref).abs().max().item(), scale=ref.abs().max().item(),
-                      padded_vocab=int(outputs[0].shape[-1]))
+        result.update(hf_diff(hf_dir, ids, logits, arch.vocab_size))
         print("RESULT " + json.dumps(result), flush=True)
 
 
