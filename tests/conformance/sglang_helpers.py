@@ -11,8 +11,8 @@ from tests.helpers import ARITH, post, publish_weights, slimectl_in_process, sta
 
 #: what SGLang 0.5.23 needs on CPU besides SGLANG_USE_CPU_ENGINE=1 (docs/sglang-on-cpu.md)
 CPU_ARGS = "{device: cpu, attention_backend: torch_native, sampling_backend: pytorch, max_total_tokens: 4096}"
-#: The engines' environment. SGLANG_USE_CPU_ENGINE=1 is REQUIRED on CPU; until the config has `engine.env`
-#: it reaches the servers through the environment slimectl (serve, rl) runs in, which they inherit.
+#: The engines' environment. SGLANG_USE_CPU_ENGINE=1 is REQUIRED on CPU; here it reaches the servers through
+#: the environment slimectl (serve, rl) runs in, which they inherit (`engine.env` is the config's way to set it).
 SGLANG_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 START_TIMEOUT = 900  # seconds: 20-35 s on an idle 2-core machine, minutes when it is shared
 
