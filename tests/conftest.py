@@ -97,9 +97,10 @@ def _measured(item):
     t0, self0, kids0 = _cpu_now()
     yield
     t1, self1, kids1 = _cpu_now()
-    props = dict(item.user_properties).get(_CPU_KEY) or {"wall": 0.0, "self": 0.0, "children": 0.0}
+    props = dict(item.user_properties).get(_CPU_KEY) or {"wall": 0.0, "self": 0.0, "children": 0.0, "start": t0}
     props = {"wall": props["wall"] + t1 - t0, "self": props["self"] + self1 - self0,
-             "children": props["children"] + kids1 - kids0}
+             "children": props["children"] + kids1 - kids0, "start": props["start"],
+             "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
     item.user_properties[:] = [p for p in item.user_properties if p[0] != _CPU_KEY] + [(_CPU_KEY, props)]
 
 
@@ -118,19 +119,44 @@ def pytest_runtest_teardown(item):
     yield from _measured(item)
 
 
+_failed: set[str] = set()
+
+
 def pytest_runtest_logreport(report):
-    if report.when != "teardown" or os.environ.get("PYTEST_XDIST_WORKER"):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # an xdist worker sends its reports on: the controller (or a plain run) collects
+    if report.failed:
+        _failed.add(report.nodeid)
+    if report.when != "teardown":
+        return
     props = dict(report.user_properties).get(_CPU_KEY)
     if props:
-        _cpu_records.append({"nodeid": report.nodeid, **{k: round(v, 2) for k, v in props.items()},
+        _cpu_records.append({"nodeid": report.nodeid, "worker": props.get("worker", "main"),
+                             **{k: round(v, 2) for k, v in props.items() if k != "worker"},
                              "cpu": round(props["self"] + props["children"], 2)})
+
+
+def _order_around_failures(tr) -> None:
+    """For each failed test: every test of its module in the order they started, with the worker that ran
+    them, so a test that depended on another test's state (and ran before it, or on another worker)
+    shows in the CI log itself (twice a module's test missed state an earlier test should have made)."""
+    if not _failed:
+        return
+    t0 = min(r["start"] for r in _cpu_records if "start" in r)
+    tr.section("run order of the failed tests' modules (worker, start s)")
+    for module in sorted({n.split("::")[0] for n in _failed}):
+        tr.write_line(module)
+        for r in sorted((r for r in _cpu_records if r["nodeid"].split("::")[0] == module and "start" in r),
+                        key=lambda r: r["start"]):
+            mark = "FAILED " if r["nodeid"] in _failed else ""
+            tr.write_line(f"  {r['worker']:>5} {r['start'] - t0:8.1f}  {mark}{r['nodeid'].split('::', 1)[1]}")
 
 
 def pytest_terminal_summary(terminalreporter, config):
     if not _cpu_records:
         return
     tr = terminalreporter
+    _order_around_failures(tr)
     recs = sorted(_cpu_records, key=lambda r: -r["cpu"])
     tr.section("CPU seconds per test (this process + reaped children)")
     tr.write_line(f"{'cpu_s':>8} {'self_s':>8} {'child_s':>8} {'wall_s':>8}  test")

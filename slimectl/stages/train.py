@@ -514,7 +514,8 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
     Collective under torchrun: every rank saves its shards into the staging directory rank 0
     opened (and joins the TP gather of the HF tensors); rank 0 alone seals and publishes.
     """
-    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files, write_hf_weights
+    from slimectl.backends.hf.checkpoint import write_safetensors_sharded
+    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
 
     import time
 
@@ -533,7 +534,7 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
         if rank0:
             with run.weights.publish(version, meta={"source": "train", "rollout_id": rid, "weight_version": version},
                                      stage="train", overwrite=True) as staging:
-                write_hf_weights(tensors, staging)
+                write_safetensors_sharded(tensors, staging)
                 copy_hf_aux_files(hf_src, staging)
         else:
             for _ in tensors:

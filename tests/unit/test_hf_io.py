@@ -122,3 +122,26 @@ def test_the_dtype_table_names_every_dtype_once():
     assert canonical_dtype_name("auto") is None and canonical_dtype_name(torch.bfloat16) == "bfloat16"
     with pytest.raises(ValueError, match="dtype must be one of .*got 'fp8'"):
         torch_dtype("fp8")
+
+
+def test_the_one_writer_writes_views_dtypes_and_non_contiguous_tensors_that_safetensors_reads(tmp_path):
+    """write_safetensors_sharded writes tensors from their own memory (the trainer streams views of
+    its parameters): a view into a larger storage is written as itself, not its whole storage; a
+    transposed tensor is made contiguous; bf16/int/bool keep their dtype; ``dtype=`` converts floats
+    only. safetensors' own reader agrees with every byte."""
+    from safetensors.torch import load_file
+
+    big = torch.arange(40, dtype=torch.float32).reshape(8, 5)
+    tensors = {"view": big[2:4], "t": big.t(), "bf": torch.randn(3, 2).to(torch.bfloat16),
+               "i": torch.arange(5), "b": torch.tensor([True, False]), "empty": torch.zeros(0, 3),
+               "scalar": torch.tensor(7.5)}
+    write_safetensors_sharded(iter(tensors.items()), tmp_path / "a")
+    got = load_file(str(tmp_path / "a" / "model.safetensors"))
+    assert set(got) == set(tensors)
+    for k, t in tensors.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    write_safetensors_sharded(iter(tensors.items()), tmp_path / "h", dtype=torch.float16)
+    half = load_file(str(tmp_path / "h" / "model.safetensors"))
+    assert half["view"].dtype == torch.float16 and half["bf"].dtype == torch.float16 and half["i"].dtype == torch.int64
+    assert torch.equal(half["view"], big[2:4].half())
+    assert not list((tmp_path / "a").glob(".part-*"))  # temporary names renamed away

@@ -243,15 +243,43 @@ def iter_safetensors_dir(model_dir: str | Path) -> Iterator[tuple[str, torch.Ten
         yield from ckpt.iter_tensors()
 
 
+_SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def write_safetensors_file(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """One safetensors file written from the tensors' own memory, then fsynced: the header, then each
+    tensor's bytes through the buffer protocol (``safetensors.torch.save_file`` first turns every
+    tensor into a ``bytes`` copy: a second copy of the shard in memory). Tensors must be contiguous
+    CPU tensors; views of a larger storage are written as themselves (no clone)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes with spaces
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_safetensors_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
                               max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Write tensors into HF-style shards as they come; returns the index dict.
+    """Write (HF name, tensor) pairs into HF-style shards as they come; returns the index dict.
 
-    At most one shard's worth of tensors is held at once. One shard is saved as
-    ``model.safetensors``; more as ``model-0000i-of-0000N.safetensors`` plus the index.
+    One shard is saved as ``model.safetensors``; more as ``model-0000i-of-0000N.safetensors`` plus
+    the index. At most one shard's worth of tensors is held at once, and never a second copy of the
+    weights: the tensors may be views of live parameters (what the trainer streams into
+    ``weights/N``) and are written from their own memory; only a tensor that is not contiguous, on
+    another device or converted to ``dtype`` is copied, one at a time. Each shard is written under a
+    temporary name and renamed into place after all are written.
     """
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     parts: list[list[str]] = []
@@ -260,21 +288,22 @@ def write_safetensors_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_d
 
     def flush() -> None:
         nonlocal buf, buf_bytes
-        if not buf:
-            return
-        name = f".part-{len(parts):05d}.safetensors"
-        save_file(buf, str(out / name), metadata={"format": "pt"})
-        parts.append(list(buf))
-        buf, buf_bytes = {}, 0
+        if buf:
+            write_safetensors_file(buf, out / f".part-{len(parts):05d}.safetensors")
+            parts.append(list(buf))
+            buf, buf_bytes = {}, 0
 
     for name, t in tensors:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
-        t = t.detach().contiguous().cpu()
+        t = t.contiguous()
         size = t.numel() * t.element_size()
         if buf and buf_bytes + size > max_shard_bytes:
             flush()
-        buf[name] = t.clone() if t.untyped_storage().nbytes() != size else t
+        buf[name] = t
         buf_bytes += size
         total += size
     flush()
