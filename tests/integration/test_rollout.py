@@ -224,3 +224,30 @@ def test_partial_rollout_continues_aborted_samples_aligned(tmp_path, setup, cli,
         ref = [lp[start + i - 1, s.tokens[start + i]].item() for i in range(s.response_length)]
         assert max(abs(a - b) for a, b in zip(ref, s.rollout_log_probs)) < 1e-4
     assert grew >= 1
+
+
+def test_a_process_prepares_the_dataset_once_and_again_when_the_file_changes(tmp_path, setup, cli, monkeypatch):
+    """`slimectl rl` calls run_rollout once per rollout in one process: the dataset is read and
+    tokenized once (it was re-tokenized every rollout), and prepared again when the file changes."""
+    import os
+
+    from slimectl.stages.rollout import stage
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(setup["data"].read_text())
+    run = make_run(tmp_path, setup, cli, f"data.prompt_data={data}")
+    cfg = run.config()
+    calls = []
+    real = stage.tokenize_prompts
+    monkeypatch.setattr(stage, "tokenize_prompts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = stage._prepared_prompts(cfg, None)
+    again = stage._prepared_prompts(cfg, None)
+    assert again is first and len(calls) == 1 and len(first[0]) == 12
+    assert first[0][3].prompt_ids and first[0][3].prompt_text.endswith("\n")  # chat-templated, tokenized
+    with data.open("a") as f:  # the file changes: prepared again, with the new row
+        f.write(json.dumps({"input": "What is 1 + 1?", "label": "2"}) + "\n")
+    st = data.stat()
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    changed = stage._prepared_prompts(cfg, None)
+    assert len(calls) == 2 and len(changed[0]) == 13
+    assert stage._prepared_prompts(cfg, True) is not changed and len(calls) == 3  # another option, another key

@@ -43,6 +43,7 @@ from slimectl.algorithms.advantages import compute_advantages
 from slimectl.algorithms.objective import ObjectiveBatch, ObjectiveConfig, compute_objective
 from slimectl.algorithms.reduce import loss_token_count
 from slimectl.algorithms.rewards import normalize_rewards_by_group, reward_norm_mode_for
+from slimectl.backends.megatron import cpu_compat
 from slimectl.backends.megatron.logprobs import compute_log_probs
 from slimectl.backends.megatron.packing import MicroBatch, pack_samples
 from slimectl.contract.errors import ConfigError
@@ -355,7 +356,9 @@ class MegatronActor:
 
         def step(data_iterator, chunk):
             mb, gidx = next(data_iterator)
-            return forward_micro_batch(chunk, mb, hidden=True), functools.partial(loss_fn, mb, gidx)
+            with cpu_compat.suspended():  # the chunk's forward; the schedule itself has CUDA literals
+                out = forward_micro_batch(chunk, mb, hidden=True)
+            return out, functools.partial(loss_fn, mb, gidx)
 
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter(layout), model=[model], num_microbatches=len(layout),
@@ -378,7 +381,9 @@ class MegatronActor:
         out: dict[int, torch.Tensor] = {}
         if self.pp == 1:
             for mb, gidx in layout:
-                for r, g in zip(compute_log_probs(model, mb, self.arch.vocab_size, temperature, False, self.tp_group), gidx):
+                with cpu_compat.suspended():
+                    res = compute_log_probs(model, mb, self.arch.vocab_size, temperature, False, self.tp_group)
+                for r, g in zip(res, gidx):
                     out[g] = r.log_probs.detach()
             return out
         from slimectl.backends.megatron.logprobs import log_probs_from_hidden
@@ -579,10 +584,11 @@ class MegatronActor:
 
         if self.pp == 1:
             for mb, gidx in layout:
-                res = compute_log_probs(self.model, mb, self.arch.vocab_size, temperature, True, self.tp_group)
-                loss, part = self._micro_batch_loss(res, gidx, rows, step_size)
+                with cpu_compat.suspended():  # forward + backward: no CUDA literal, no per-call mode overhead
+                    res = compute_log_probs(self.model, mb, self.arch.vocab_size, temperature, True, self.tp_group)
+                    loss, part = self._micro_batch_loss(res, gidx, rows, step_size)
+                    loss.backward()
                 merge(part)
-                loss.backward()
             self.model.finish_grad_sync()
         else:
             from megatron.core.distributed import finalize_model_grads

@@ -97,5 +97,32 @@ def import_megatron_without_torch_compile() -> None:
     jit.disable_jit_fuser()
 
 
+class suspended:
+    """``with cpu_compat.suspended():`` runs a block without the CUDA->CPU mode.
+
+    The mode turns every torch call into a Python call (~4 us each, measured on 2 cores): on the
+    tiny models of the CPU demo and the tests that was 12-22 % of a training step's CPU time
+    (bench/train_cpu_cost.py). The forward, backward and log-prob passes of a built model reach
+    no CUDA literal (``torch.cuda.current_device`` and friends stay patched), so the actor runs
+    them suspended; building, the optimizer step and checkpoints keep the mode. A CUDA literal
+    reached while suspended fails loudly ("Torch not compiled with CUDA enabled"), never silently.
+    A no-op where the mode is not applied (GPUs) or is not the innermost mode of this thread.
+    """
+
+    def __enter__(self) -> "suspended":
+        from torch.overrides import _get_current_function_mode_stack
+
+        stack = _get_current_function_mode_stack()
+        self._on = _applied and bool(stack) and stack[-1] is _mode
+        if self._on:
+            _mode.__exit__(None, None, None)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._on:
+            _mode.__enter__()
+        return False
+
+
 def applied() -> bool:
     return _applied
