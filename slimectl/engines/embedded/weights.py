@@ -3,6 +3,15 @@
 Every update is checked in full first (names, shapes, dtypes, and for a checkpoint the
 architecture and completeness): a bad one raises ValueError and changes nothing. The copy itself
 runs on the scheduler thread between two steps (:meth:`_run_control` of the runner).
+
+Names are HF parameter names. Mixture-of-experts models are the exception to "one name, one
+parameter": transformers 5 holds a layer's experts FUSED in memory (3-D
+``mlp.experts.gate_up_proj`` [E, 2I, H] = each expert's gate rows then its up rows, and
+``mlp.experts.down_proj`` [E, H, I]) while checkpoints on disk, exports and the trainer's sync
+name them PER EXPERT (``mlp.experts.{e}.gate_proj.weight`` [I, H], ``up_proj``, ``down_proj``).
+:func:`fused_expert_views` maps every per-expert name to a view of its slice of the fused
+parameter, so every update path and ``get_weights_by_name`` accept both spellings: a per-expert
+tensor is copied into (or received straight into) its slice, and read back from it.
 """
 
 from __future__ import annotations
@@ -54,9 +63,7 @@ class WeightUpdates:
                 raise ValueError(f"checkpoint {model_path!r} does not match the served model: "
                                  f"{key} is {theirs!r}, expected {mine!r}")
         items = self._check_named_tensors(_iter_safetensors(path))
-        # A checkpoint of this architecture has every parameter (tied ones under either name).
-        covered = {self._params[n].data_ptr() for n, _ in items}
-        missing = [n for n, p in self._params.items() if p.data_ptr() not in covered]
+        missing = self._missing_from({n for n, _ in items})
         if missing:
             raise ValueError(f"checkpoint {model_path!r} is missing parameter {missing[0]!r}"
                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -69,7 +76,7 @@ class WeightUpdates:
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first ``truncate_size`` rows (dim 0) of parameter ``name`` as float32 nested lists —
         SGLang's ``/get_weights_by_name`` semantics; used by ``slimectl sync --verify``."""
-        p = self._params.get(name)
+        p = self._weight_targets().get(name)
         if p is None:
             raise KeyError(name)
         with torch.no_grad():
@@ -84,8 +91,9 @@ class WeightUpdates:
         If a receive fails midway the model holds a mix, so the weight version becomes
         ``<old>-incomplete`` (rollouts refuse mixed versions; the next full update fixes it).
         """
+        targets = self._weight_targets()
         for name, dtype, shape in specs:
-            param = self._params.get(name)
+            param = targets.get(name)
             if param is None:
                 raise ValueError(f"unknown parameter name {name!r}")
             if tuple(shape) != tuple(param.shape):
@@ -99,7 +107,7 @@ class WeightUpdates:
             try:
                 with torch.no_grad():
                     for name, dtype, shape in specs:
-                        p = self._params[name]
+                        p = targets[name]
                         if p.dtype == dtype and p.is_contiguous():
                             recv(p.data)
                         else:
@@ -114,14 +122,45 @@ class WeightUpdates:
 
         self._run_control(apply)
 
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        """Every name an update may write or a read-back may read: the parameters (tied ones under
+        both names) and, for fused MoE experts, each expert's per-expert HF names (views)."""
+        targets = getattr(self, "_targets", None)
+        if targets is None:
+            views = fused_expert_views(self.model)
+            parts: dict[str, list[str]] = {}
+            for name, (fused, _) in views.items():
+                parts.setdefault(fused, []).append(name)
+            self._fused_parts = parts
+            targets = self._targets = {**self._params, **{n: v for n, (_, v) in views.items()}}
+        return targets
+
+    def _missing_from(self, given: set[str]) -> list[str]:
+        """The names a full checkpoint lacks, given the names it has: a parameter is covered by its
+        name (a tied one by either name) or, when fused, by every one of its per-expert names; the
+        missing pieces of a fused parameter are named per expert, as checkpoints spell them."""
+        self._weight_targets()
+        covered = {p.data_ptr() for n, p in self._params.items() if n in given}
+        missing: dict[str, None] = {}
+        for n, p in self._params.items():
+            if p.data_ptr() in covered:
+                continue
+            parts = self._fused_parts.get(n)
+            lacking = [x for x in parts if x not in given] if parts else [n]
+            if not lacking:
+                covered.add(p.data_ptr())
+            missing.update(dict.fromkeys(lacking))
+        return list(missing)
+
     def _check_named_tensors(self, named_tensors) -> list[tuple[str, torch.Tensor]]:
         items = []
+        targets = self._weight_targets()
         for entry in named_tensors:
             try:
                 name, tensor = entry
             except (TypeError, ValueError):
                 raise ValueError("named_tensors must be (name, tensor) pairs") from None
-            param = self._params.get(name)
+            param = targets.get(name)
             if param is None:
                 raise ValueError(f"unknown parameter name {name!r}")
             if not isinstance(tensor, torch.Tensor):
@@ -138,10 +177,12 @@ class WeightUpdates:
         if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
             raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
 
+        targets = self._weight_targets()
+
         def apply():
             with torch.no_grad():
                 for name, tensor in items:
-                    p = self._params[name]
+                    p = targets[name]
                     p.copy_(tensor.to(device=p.device, dtype=p.dtype))
             if after is not None:
                 after()
@@ -149,6 +190,65 @@ class WeightUpdates:
                 self._weight_version = weight_version
 
         self._run_control(apply)
+
+
+def fused_expert_views(model) -> dict[str, tuple[str, torch.Tensor]]:
+    """Per-expert HF name -> (name of the fused parameter, view of that expert's slice of it).
+
+    Finds every experts module of transformers 5's fused layout (``@use_experts_implementation``:
+    3-D ``gate_up_proj`` (or ``up_proj`` without a gate) and ``down_proj``, expert index first)
+    wherever it sits, and reads the layout from the module's own flags: ``is_concatenated``
+    ([gate; up] rows, the default) or interleaved (gate0, up0, gate1, ...), ``is_transposed``
+    ([E, in, out] instead of [E, out, in]) and ``has_bias``. The per-expert names are the
+    Qwen2-MoE family's (Qwen3-MoE, DeepSeek, GLM-4.5, OLMoE ... on the hub and in transformers'
+    conversion mapping): ``PREFIX.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``
+    (and ``.bias``). A view shares the parameter's memory: copying into it writes the slice.
+    """
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    for mod_name, mod in model.named_modules():
+        own = dict(mod.named_parameters(recurse=False))
+        has_gate = bool(getattr(mod, "has_gate", "gate_up_proj" in own))
+        first = own.get("gate_up_proj" if has_gate else "up_proj")
+        down = own.get("down_proj")
+        if first is None or down is None or first.dim() != 3 or down.dim() != 3 or first.shape[0] != down.shape[0]:
+            continue
+        transposed = bool(getattr(mod, "is_transposed", False))
+        concatenated = bool(getattr(mod, "is_concatenated", True))
+        prefix = f"{mod_name}." if mod_name else ""
+
+        def halves(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+            n = t.shape[dim] // 2
+            if concatenated:
+                return t.narrow(dim, 0, n), t.narrow(dim, n, n)
+            idx = [slice(None)] * t.dim()
+            gate, up = list(idx), list(idx)
+            gate[dim], up[dim] = slice(0, None, 2), slice(1, None, 2)
+            return t[tuple(gate)], t[tuple(up)]
+
+        def weight(t: torch.Tensor) -> torch.Tensor:  # one expert's matrix as HF's [out, in]
+            return t.t() if transposed else t
+
+        with torch.no_grad():
+            fused = {k: own[k].detach() for k in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias",
+                                                   "up_proj_bias", "down_proj_bias") if k in own}
+            for e in range(first.shape[0]):
+                base = f"{prefix}{e}."
+                if has_gate:
+                    gate, up = halves(fused["gate_up_proj"][e], 1 if transposed else 0)
+                    out[base + "gate_proj.weight"] = (prefix + "gate_up_proj", weight(gate))
+                    out[base + "up_proj.weight"] = (prefix + "gate_up_proj", weight(up))
+                    if "gate_up_proj_bias" in fused:
+                        gb, ub = halves(fused["gate_up_proj_bias"][e], 0)
+                        out[base + "gate_proj.bias"] = (prefix + "gate_up_proj_bias", gb)
+                        out[base + "up_proj.bias"] = (prefix + "gate_up_proj_bias", ub)
+                else:
+                    out[base + "up_proj.weight"] = (prefix + "up_proj", weight(fused["up_proj"][e]))
+                    if "up_proj_bias" in fused:
+                        out[base + "up_proj.bias"] = (prefix + "up_proj_bias", fused["up_proj_bias"][e])
+                out[base + "down_proj.weight"] = (prefix + "down_proj", weight(fused["down_proj"][e]))
+                if "down_proj_bias" in fused:
+                    out[base + "down_proj.bias"] = (prefix + "down_proj_bias", fused["down_proj_bias"][e])
+    return out
 
 
 def _iter_safetensors(path: Path):
