@@ -41,6 +41,8 @@ class ValueModel(torch.nn.Module):
         gpt.share_embeddings_and_output_weights = False
         self.gpt = gpt
         self.pre_process, self.post_process = gpt.pre_process, gpt.post_process
+        # read by Megatron's pipeline schedule and finalize_model_grads through the DDP wrapper
+        self.model_type, self.config = gpt.model_type, gpt.config
         self.value_head = None
         if gpt.post_process:
             head = torch.nn.Linear(hidden_size, 1, bias=True, dtype=params_dtype)

@@ -13,9 +13,16 @@ One rollout of ``algorithm.advantage_estimator: ppo`` (:meth:`slimectl.stages.tr
 4. :meth:`MegatronCritic.train_on_returns` — ``train.num_steps_per_rollout`` critic steps over the same
    global batches, each on :func:`slimectl.algorithms.value_loss.clipped_value_loss`.
 
-One trainer process only (tp = pp = dp = 1): the stage refuses ppo on several ranks. The checkpoint is
-``critic.pt`` (``torch.save`` of the model, optimizer and scheduler state and the step) in the run
-directory's ``critic_checkpoints/N`` (``docs/run-directory.md``).
+Parallelism: the actor's layout (Megatron's parallel state, set up by the actor): TP (the trunk sharded as
+the actor's, the value head replicated on every TP rank), DP (each rank packs every dp-th sample of a global
+batch, Megatron DDP averages the gradients; values are merged over the data-parallel ranks) and PP (Megatron's
+1F1B schedule; the values exist on the last stage only and are broadcast to the other stages, as the actor's
+log-probs are). Every rank returns every sample's values and the same metrics.
+
+The checkpoint is ``torch.save`` of the model, optimizer and scheduler state and the step in the run
+directory's ``critic_checkpoints/N`` (``docs/run-directory.md``): ``critic.pt`` on one rank, one file per
+(pp, tp) rank otherwise (:func:`critic_file`, written by data-parallel rank 0; the replicas are equal),
+resumed with the same TP x PP only.
 """
 
 from __future__ import annotations
@@ -38,6 +45,14 @@ CRITIC_FILE = "critic.pt"
 CRITIC_CHECKPOINT_VERSION = 1
 
 
+def critic_file(pp_rank: int = 0, tp_rank: int = 0, pp: int = 1, tp: int = 1) -> str:
+    """The file of the (pp, tp) rank's critic state: ``critic.pt`` for one rank, else
+    ``critic_pp{P}_tp{T}.pt`` (so a checkpoint of another layout is told apart, not misread)."""
+    if tp * pp == 1:
+        return CRITIC_FILE
+    return f"critic_pp{pp_rank}_tp{tp_rank}.pt"
+
+
 def critic_train_section(train, critic):
     """The ``train`` keys the optimizer and LR schedule read, with the critic's overrides (``critic.resolved``)."""
     c = critic.resolved(train)
@@ -57,7 +72,8 @@ class MegatronCritic:
     """The value model, its optimizer and LR schedule (Megatron's parallel state set up by the actor)."""
 
     def __init__(self, arch, padded_vocab: int, train, critic, algo, dtype: str = "fp32",
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, tp: int = 1, pp: int = 1):
+        from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -68,8 +84,17 @@ class MegatronCritic:
         self.arch, self.padded_vocab, self.algo = arch, padded_vocab, algo
         self.section = critic
         self.tcfg = critic_train_section(train, critic)
-        vm = build_value_model(arch, padded_vocab, tp=1, pp=1, dtype=dtype, init=True)
-        cfg = transformer_config(arch, 1, 1, dtype)
+        if not ps.model_parallel_is_initialized() or (ps.get_tensor_model_parallel_world_size(),
+                                                      ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+            raise RuntimeError(f"MegatronCritic(tp={tp}, pp={pp}) needs Megatron's parallel state at that TP x PP "
+                               f"(init_parallel, as the actor does)")
+        self.tp, self.pp = tp, pp
+        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group() if self.dp > 1 else None
+        self.pp_group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+        vm = build_value_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True)
+        cfg = transformer_config(arch, tp, pp, dtype)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=False)
         self.model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=vm)
@@ -94,16 +119,43 @@ class MegatronCritic:
     def load_hf(self, hf_dir) -> int:
         from slimectl.backends.megatron.critic import load_trunk_from_hf
 
-        n = load_trunk_from_hf(self.module, self.arch, hf_dir, self.padded_vocab)
+        n = load_trunk_from_hf(self.module, self.arch, hf_dir, self.padded_vocab, self.tp_rank, self.tp)
         self.optimizer.reload_model_params()
         return n
 
     def state_to_save(self) -> dict[str, Any]:
-        """The live parameters and Adam moments (by reference: the next update waits for the writer),
-        the schedule and step copied."""
+        """This rank's live parameters and Adam moments (by reference: the next update waits for the writer),
+        the schedule and step copied, and the (pp, tp) layout they are shards of."""
         return {"version": CRITIC_CHECKPOINT_VERSION, "model": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
-                "scheduler": copy.deepcopy(self.scheduler.state_dict()), "step": self.step}
+                "scheduler": copy.deepcopy(self.scheduler.state_dict()), "step": self.step,
+                "layout": [self.pp, self.tp]}
+
+    def save_to(self, directory, state: dict[str, Any] | None = None) -> None:
+        """Write this rank's file into ``directory`` (a staging directory every rank sees; data-parallel
+        rank 0 only: the replicas are equal). ``state``: taken earlier with :meth:`state_to_save`."""
+        from pathlib import Path
+
+        if self.writes_checkpoint:
+            torch.save(state if state is not None else self.state_to_save(), Path(directory) / self.checkpoint_file)
+
+    def load_from(self, directory) -> None:
+        """Resume from ``critic_checkpoints/N``: this rank's file (:func:`critic_file`); a checkpoint saved
+        with another TP x PP is refused in one line that names both layouts."""
+        from pathlib import Path
+
+        from slimectl.contract.errors import SlimectlError
+
+        directory = Path(directory)
+        path = directory / self.checkpoint_file
+        if not path.is_file():
+            saved = saved_critic_layout(directory)
+            if saved is not None and saved != (self.pp, self.tp):
+                raise SlimectlError(
+                    f"critic checkpoint {directory} was saved with train.pp x train.tp = {saved[0]} x {saved[1]}, this "
+                    f"trainer runs {self.pp} x {self.tp}: a critic checkpoint resumes with the same TP x PP only; set "
+                    f"train.tp={saved[1]} train.pp={saved[0]}")
+        self.load_state(path)
 
     def load_state(self, path) -> None:
         state = read_critic_state(path)
@@ -114,18 +166,114 @@ class MegatronCritic:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
 
+    # ------------------------------------------------------------------ parallel plumbing
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        """(pp, tp, dp): the layout this critic was built with."""
+        return (self.pp, self.tp, self.dp)
+
+    @property
+    def checkpoint_file(self) -> str:
+        """This rank's file in ``critic_checkpoints/N`` (:func:`critic_file`)."""
+        return critic_file(self.pp_rank, self.tp_rank, self.pp, self.tp)
+
+    @property
+    def writes_checkpoint(self) -> bool:
+        """Data-parallel rank 0 writes its (pp, tp) rank's state; the other replicas hold the same."""
+        return self.dp_rank == 0
+
+    def _dp_merge(self, mine: dict) -> dict:
+        """``{sample: tensor}`` of every data-parallel rank, on every rank."""
+        if self.dp == 1:
+            return mine
+        import torch.distributed as dist
+
+        parts: list = [None] * self.dp
+        dist.all_gather_object(parts, mine, group=self.dp_group)
+        out: dict = {}
+        for part in parts:
+            out.update(part)
+        return out
+
+    def _dp_sum(self, acc: dict[str, float]) -> dict[str, float]:
+        if self.dp == 1:
+            return acc
+        import torch.distributed as dist
+
+        parts: list = [None] * self.dp
+        dist.all_gather_object(parts, acc, group=self.dp_group)
+        total: dict[str, float] = {}
+        for a in parts:
+            for k, v in a.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def _pp_share(self, obj):
+        """The last pipeline stage's ``obj`` on every stage (only it has values)."""
+        if self.pp == 1:
+            return obj
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+        return box[0]
+
+    def _layout(self, samples: Sequence[Any], idx: list[int]):
+        """This data-parallel rank's share (every dp-th) of the samples ``idx``, packed: [(micro-batch,
+        global sample indices)]."""
+        mine = idx[self.dp_rank::self.dp]
+        if not mine:
+            return []
+        mbs = pack_samples([samples[i] for i in mine], self.tcfg.max_tokens_per_micro_batch)
+        return [(mb, [mine[s.sample_index] for s in mb.seqs]) for mb in mbs]
+
+    def _run_schedule(self, layout, loss_fn, forward_only: bool) -> list:
+        """``layout``'s micro-batches through Megatron's pipeline schedule; ``loss_fn(mb, gidx, values)`` runs on
+        the last stage and returns ``(loss, data)``; the ``data`` of every micro-batch on the last stage."""
+        import functools
+
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from slimectl.backends.megatron.critic import forward_values
+
+        def step(data_iterator, chunk):
+            mb, gidx = next(data_iterator)
+            return forward_values(chunk, mb), functools.partial(loss_fn, mb, gidx)
+
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(layout), model=[self.model], num_microbatches=len(layout),
+            seq_length=max(mb.length for mb, _ in layout), micro_batch_size=1, forward_only=forward_only)
+
+    @staticmethod
+    def _response_rows(values: torch.Tensor, mb) -> list[torch.Tensor]:
+        from slimectl.backends.megatron.logprobs import response_positions
+
+        rows, _, counts = response_positions(mb)
+        return list(values.index_select(0, rows.to(values.device)).split(counts))
+
     # ------------------------------------------------------------------ values
     @torch.no_grad()
     def values(self, samples: Sequence[Any]) -> list[torch.Tensor]:
-        """``V_old``: per sample, the values of its response tokens under the current weights."""
-        from slimectl.backends.megatron.critic import response_values
+        """``V_old``: per sample, the values of its response tokens under the current weights (every rank
+        gets every sample's: each data-parallel rank computes its share, the last stage shares them)."""
+        from slimectl.backends.megatron.critic import forward_values
 
         self.module.eval()
         out: dict[int, torch.Tensor] = {}
-        for mb in pack_samples(samples, self.tcfg.max_tokens_per_micro_batch):
-            for s, v in zip(mb.seqs, response_values(self.module, mb)):
-                out[s.sample_index] = v.detach().float()
+        layout = self._layout(samples, list(range(len(samples))))
+        if self.pp == 1:
+            for mb, gidx in layout:
+                for g, v in zip(gidx, self._response_rows(forward_values(self.model, mb), mb)):
+                    out[g] = v.detach().float()
+        elif layout:
+            def collect(mb, gidx, values):
+                return values.new_zeros(()), {g: v.detach().float() for g, v in zip(gidx, self._response_rows(values, mb))}
+
+            for part in self._run_schedule(layout, collect, forward_only=True):
+                out.update(part)
         self.module.train()
+        out = self._pp_share(self._dp_merge(out))
         return [out[i] for i in range(len(samples))]
 
     def advantages(self, rewards: torch.Tensor, mask: torch.Tensor, values: list[torch.Tensor],
@@ -142,34 +290,58 @@ class MegatronCritic:
     # ------------------------------------------------------------------ training
     def train_on_returns(self, samples: Sequence[Any], batches: list[list[int]], masks: list[torch.Tensor],
                          old_values: list[torch.Tensor], returns: list[torch.Tensor]) -> list[dict[str, float]]:
-        """One critic step per global batch (the actor's); one metrics dict per step."""
-        from slimectl.backends.megatron.critic import response_values
-
+        """One critic step per global batch (the actor's); one metrics dict per step (the same on every rank)."""
         out = []
         for idx in batches:
             t0 = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            sub = [samples[i] for i in idx]
             if self.reduction == "sample_mean":
                 size = float(len(idx))
             else:
                 size = float(sum(loss_token_count(masks[i]) for i in idx))
-            loss_sum = clip_sum = 0.0
-            for mb in pack_samples(sub, self.tcfg.max_tokens_per_micro_batch):
-                gidx = [idx[s.sample_index] for s in mb.seqs]
-                v = _pad(response_values(self.module, mb))
+            layout = self._layout(samples, idx)
+            if not layout:
+                raise ValueError(f"a global batch of {len(idx)} samples cannot feed {self.dp} data-parallel ranks")
+
+            def loss_of(mb, gidx, values):
+                v = _pad(self._response_rows(values, mb))
                 m = _pad([masks[g] for g in gidx])
                 res = clipped_value_loss(v, _pad([old_values[g] for g in gidx]).to(v.dtype),
                                          _pad([returns[g] for g in gidx]).to(v.dtype), m,
                                          self.section.value_clip, self.reduction)
                 share = len(gidx) if self.reduction == "sample_mean" else float(loss_token_count(m))
                 w = share / size
-                (res.loss * w).backward()
-                loss_sum += float(res.loss.detach()) * w
-                clip_sum += float(res.clipfrac) * w
-            self.model.finish_grad_sync()
+                # DDP averages gradients over data-parallel ranks; w is relative to the global batch.
+                return res.loss * (w * self.dp), {"critic/value_loss": float(res.loss.detach()) * w,
+                                                  "critic/value_clipfrac": float(res.clipfrac) * w}
+
+            acc = {"critic/value_loss": 0.0, "critic/value_clipfrac": 0.0}
+
+            def merge(part):
+                for k, v in part.items():
+                    acc[k] += v
+
+            if self.pp == 1:
+                from slimectl.backends.megatron.critic import forward_values
+
+                for mb, gidx in layout:
+                    loss, part = loss_of(mb, gidx, forward_values(self.model, mb))
+                    loss.backward()
+                    merge(part)
+                self.model.finish_grad_sync()
+            else:
+                from megatron.core.distributed import finalize_model_grads
+
+                def loss_fn(mb, gidx, values):
+                    loss, part = loss_of(mb, gidx, values)
+                    return loss * len(layout), part  # the schedule divides by the number of micro-batches
+
+                for part in self._run_schedule(layout, loss_fn, forward_only=False):
+                    merge(part)
+                finalize_model_grads([self.model])
+            acc = self._pp_share(self._dp_sum(acc))
             if self.before_update is not None:
                 self.before_update()
             ok, grad_norm, _ = self.optimizer.step()
@@ -177,8 +349,7 @@ class MegatronCritic:
             if ok:
                 self.scheduler.step(1)
             dt = time.perf_counter() - t0
-            out.append({"critic/value_loss": loss_sum, "critic/value_clipfrac": clip_sum,
-                        "critic/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            out.append({**acc, "critic/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                         "critic/lr": lr, "critic/step": float(self.step), "perf/critic_train_time": dt})
         return out
 
@@ -192,6 +363,20 @@ def rollout_critic_metrics(res, values: list[torch.Tensor], mask: torch.Tensor) 
     if not bool(mask.bool().any()):
         return {}
     return critic_metrics(v.to(res.returns.dtype), res.returns, res.advantages, mask)
+
+
+def saved_critic_layout(directory) -> tuple[int, int] | None:
+    """(pp, tp) of the critic files in ``directory`` (by their names), None when there are none."""
+    import re
+    from pathlib import Path
+
+    names = [f.name for f in Path(directory).glob("critic*.pt")]
+    if CRITIC_FILE in names:
+        return (1, 1)
+    ranks = [tuple(map(int, m.groups())) for m in (re.fullmatch(r"critic_pp(\d+)_tp(\d+)\.pt", n) for n in names) if m]
+    if not ranks:
+        return None
+    return (max(p for p, _ in ranks) + 1, max(t for _, t in ranks) + 1)
 
 
 def read_critic_state(path) -> dict[str, Any]:
