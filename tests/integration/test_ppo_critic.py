@@ -193,3 +193,34 @@ def test_a_pickle_payload_in_a_critic_checkpoint_is_refused_and_runs_nothing(tmp
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(SlimectlError, match="cannot be loaded safely"):
         read_critic_state(tmp_path / "junk.pt")
+
+
+@pytest.mark.slow
+def test_ppo_train_at_tp2_under_torchrun_matches_one_process(tmp_path, rollouts, straight):
+    """`slimectl train` with ppo and train.tp=2 relaunches itself under torchrun (2 gloo ranks): the critic
+    is sharded like the actor, its metrics and the published weights match the one-process run, and
+    critic_checkpoints/N holds one file per TP rank."""
+    from slimectl.contract.metrics import read_metrics
+    from tests.helpers import slimectl
+
+    model, rolls = rollouts
+    res, one = straight
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = make_run(tmp_path, model, rolls, "critic.num_critic_only_steps=1", "train.tp=2")
+    res = slimectl("train", "-r", run.path, "--max-rollouts", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "launching 2 processes" in res.stderr and "value_loss" in res.stderr
+    assert run.cursor("train").read().consumed == [0, 1]
+    got = [r for r in read_metrics(run.metrics_path("train")) if "critic/value_loss" in r]
+    want = [r for r in read_metrics(one.metrics_path("train")) if "critic/value_loss" in r][:len(got)]
+    assert [r["train/rollout_id"] for r in got] == [0, 1]
+    for g, w in zip(got, want, strict=True):
+        for k in ("critic/value_loss", "critic/value_clipfrac", "critic/explained_variance", "critic/values_mean"):
+            if k in w:
+                assert g[k] == pytest.approx(w[k], abs=1e-4), k
+        assert g["critic/grad_norm"] == pytest.approx(w["critic/grad_norm"], rel=1e-4)
+    a = load_file(str(one.weights.get(2).file("model.safetensors")))
+    b = load_file(str(run.weights.get(2).file("model.safetensors")))
+    assert set(a) == set(b) and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-4
+    files = sorted(p.name for p in run.artifacts("critic_checkpoints").get(2).path.iterdir() if p.suffix == ".pt")
+    assert files == ["critic_pp0_tp0.pt", "critic_pp0_tp1.pt"]
