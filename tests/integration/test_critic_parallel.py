@@ -4,7 +4,8 @@ tests/scripts/critic_check.py runs once in this process (one rank: the reference
 session's two_ranks worker (tests/integration/conftest.py): the values of every response token before and
 after training, three critic steps (one on a global batch of 8, then two of 4, several packed micro-batches
 each, loss-masked tokens) and the whole trained critic gathered to rank 0 (TP shards, pipeline stages, value
-head) must agree within 1e-5.
+head) must agree within 1e-5. The TP=2 run saves its torch_dist checkpoint after the first step; resumed at
+TP=1 and at PP=2 it continues exactly as the one-rank run does (Adam moments, LR schedule, step).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def model_dir(tmp_path_factory):
                                 vocab_size=300, initializer_range=0.1)
 
 
-def run_check(model_dir, out_pt, tp: int = 1, pp: int = 1, ranks=None) -> tuple[dict, dict]:
-    args = [str(SCRIPT), str(model_dir), str(out_pt), str(tp), str(pp)]
+def run_check(model_dir, out_pt, tp: int = 1, pp: int = 1, ranks=None, save=None, load=None) -> tuple[dict, dict]:
+    args = [str(SCRIPT), str(model_dir), str(out_pt), str(tp), str(pp), str(save or "-"), *([str(load)] if load else [])]
     proc = run_script_in_process(*args) if ranks is None else ranks.run(*args)
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     return json.loads(line[len("RESULT "):]), torch.load(out_pt, weights_only=True)
@@ -64,20 +65,53 @@ def test_one_rank_critic_trains(one_rank, model_dir):
     assert "lm_head.weight" not in weights and {"value_head.weight", "value_head.bias"} <= set(weights)
 
 
-@pytest.mark.parametrize("layout", ["tp", "dp", "pp"])
-def test_two_ranks_match_one(layout, one_rank, model_dir, tmp_path, two_ranks):
-    """TP=2 (trunk sharded, head replicated), DP=2 (each rank packs half of every global batch, DDP averages)
-    and PP=2 (1F1B schedule, values from the last stage shared) give one rank's values, losses and weights."""
-    res1, w1 = one_rank
-    res2, w2 = run_check(model_dir, tmp_path / "critic.pt", tp=2 if layout == "tp" else 1,
-                         pp=2 if layout == "pp" else 1, ranks=two_ranks)
-    assert res2["layout"] == {"tp": [1, 2, 1], "dp": [1, 1, 2], "pp": [2, 1, 1]}[layout]
-    for k in ("values0", "values1", "values2"):
+@pytest.fixture(scope="module")
+def two_rank_runs(model_dir, tmp_path_factory, two_ranks):
+    """{layout: (result, weights, checkpoint dir saved after the first step)}, each run once."""
+    cache: dict = {}
+
+    def get(layout: str):
+        if layout not in cache:
+            d = tmp_path_factory.mktemp(f"critic_{layout}2")
+            res, w = run_check(model_dir, d / "critic.pt", tp=2 if layout == "tp" else 1, pp=2 if layout == "pp" else 1,
+                               ranks=two_ranks, save=d / "ckpt")
+            cache[layout] = (res, w, d / "ckpt")
+        return cache[layout]
+
+    return get
+
+
+def assert_matches(res2, w2, res1, w1, keys=("values0", "values1", "values2")):
+    for k in keys:
         assert max_diff(res2[k], res1[k]) <= TOL, k
-    for m2, m1 in zip(res2["step"] + res2["steps2"], res1["step"] + res1["steps2"], strict=True):
+    steps1 = res1["step"] + res1["steps2"]
+    for m2, m1 in zip(res2["step"] + res2["steps2"], steps1[len(steps1) - len(res2["step"] + res2["steps2"]):], strict=True):
         assert m2["critic/value_loss"] == pytest.approx(m1["critic/value_loss"], abs=TOL)
         assert m2["critic/value_clipfrac"] == m1["critic/value_clipfrac"]
         assert m2["critic/grad_norm"] == pytest.approx(m1["critic/grad_norm"], rel=TOL)
         assert m2["critic/step"] == m1["critic/step"]
+        assert m2["critic/lr"] == m1["critic/lr"]
     assert sorted(w2) == sorted(w1)
     assert max(float((w2[k] - w1[k]).abs().max()) for k in w1) <= TOL
+
+
+@pytest.mark.parametrize("layout", ["tp", "dp", "pp"])
+def test_two_ranks_match_one(layout, one_rank, two_rank_runs, two_ranks):
+    """TP=2 (trunk sharded, head replicated), DP=2 (each rank packs half of every global batch, DDP averages)
+    and PP=2 (1F1B schedule, values from the last stage shared) give one rank's values, losses and weights."""
+    res2, w2, ckpt = two_rank_runs(layout)
+    assert res2["layout"] == {"tp": [1, 2, 1], "dp": [1, 1, 2], "pp": [2, 1, 1]}[layout]
+    assert_matches(res2, w2, *one_rank)
+    assert (ckpt / "state" / ".metadata").is_file()  # torch_dist, written by both ranks
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1_and_pp2(one_rank, two_rank_runs, model_dir, tmp_path, two_ranks):
+    """The critic's torch_dist checkpoint reshards: saved at TP=2 after the first step, resumed on one rank and
+    on two pipeline stages, the next two steps and the weights are the one-rank run's (Adam moments, LR
+    schedule and step restored)."""
+    _, _, ckpt = two_rank_runs("tp")
+    res, w = run_check(model_dir, tmp_path / "one.pt", load=ckpt)
+    assert res["step"] == [] and [m["critic/step"] for m in res["steps2"]] == [2.0, 3.0]
+    assert_matches(res, w, *one_rank, keys=("values1", "values2"))
+    res, w = run_check(model_dir, tmp_path / "pp.pt", pp=2, ranks=two_ranks, load=ckpt)
+    assert_matches(res, w, *one_rank, keys=("values1", "values2"))

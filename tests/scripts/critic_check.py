@@ -1,6 +1,6 @@
 """MegatronCritic checks at a TP/PP layout (DP = world / (TP*PP)): values, two training calls, weights.
 
-    [torchrun --nproc_per_node TP*PP*DP] critic_check.py HF_DIR OUT_PT [TP [PP [REDUCTION]]]
+    [torchrun --nproc_per_node TP*PP*DP] critic_check.py HF_DIR OUT_PT [TP [PP [SAVE_DIR|- [LOAD_DIR]]]]
 
 Eight made-up samples (fixed token ids, response lengths 1..6, some loss-masked tokens). The value head
 is set by hand (non-zero, so the trunk learns too), then:
@@ -9,6 +9,9 @@ is set by hand (non-zero, so the trunk learns too), then:
   values1:  the values after it
   steps2:   a second call with two global batches of 4 (two more steps)
   values2:  the values after them
+SAVE_DIR: the critic's torch_dist checkpoint (MegatronCritic.save_to) is written there after the first step.
+LOAD_DIR: the first step is not taken: the critic resumes from that checkpoint instead (any layout), so
+values1, steps2, values2 and the weights continue from there.
 Rank 0 prints "RESULT {json}" (values as lists, metrics) and saves the whole critic gathered to one rank
 (HF-named trunk tensors, TP shards gathered, pipeline stages sent to rank 0, plus the value head) to OUT_PT.
 """
@@ -38,7 +41,8 @@ def main() -> None:
     hf_dir, out_pt = sys.argv[1], sys.argv[2]
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     pp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-    reduction = sys.argv[5] if len(sys.argv) > 5 else "sample_mean"
+    save_dir = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] != "-" else None
+    load_dir = sys.argv[6] if len(sys.argv) > 6 else None
     t0 = time.perf_counter()
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.megatron.checkpoint import model_to_hf_tensors, pipeline_stages_to_rank0
@@ -50,7 +54,7 @@ def main() -> None:
     arch = arch_from_dir(hf_dir)
     padded = arch.padded_vocab_size(tp)
     samples = make_samples()
-    algo = AlgorithmSection(advantage_estimator="ppo", calculate_per_token_loss=reduction == "token_mean")
+    algo = AlgorithmSection(advantage_estimator="ppo")
     critic = MegatronCritic(arch, padded, TrainSection(lr=1e-3, max_tokens_per_micro_batch=24),
                             CriticSection(lr=1e-4, value_clip=0.05), algo, tp=tp, pp=pp, total_steps=10)
     critic.load_hf(hf_dir)
@@ -64,7 +68,13 @@ def main() -> None:
     masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
     v0 = critic.values(samples)
     returns = [v + torch.linspace(-0.3, 0.4, v.numel()) * (1 if i % 2 else -1) for i, v in enumerate(v0)]
-    step = critic.train_on_returns(samples, [list(range(8))], masks, v0, returns)
+    if load_dir is None:
+        step = critic.train_on_returns(samples, [list(range(8))], masks, v0, returns)
+    else:
+        step = []
+        critic.load_from(load_dir)
+    if save_dir is not None:
+        critic.save_to(save_dir)
     v1 = critic.values(samples)
     steps2 = critic.train_on_returns(samples, [[0, 1, 2, 3], [4, 5, 6, 7]], masks, v1, returns)
     v2 = critic.values(samples)

@@ -19,10 +19,10 @@ batch, Megatron DDP averages the gradients; values are merged over the data-para
 1F1B schedule; the values exist on the last stage only and are broadcast to the other stages, as the actor's
 log-probs are). Every rank returns every sample's values and the same metrics.
 
-The checkpoint is ``torch.save`` of the model, optimizer and scheduler state and the step in the run
-directory's ``critic_checkpoints/N`` (``docs/run-directory.md``): ``critic.pt`` on one rank, one file per
-(pp, tp) rank otherwise (:func:`critic_file`, written by data-parallel rank 0; the replicas are equal),
-resumed with the same TP x PP only.
+The checkpoint is torch_dist, like the actor's (reshardable: saved at TP=2, resumed at TP=1): the model,
+Adam moments, LR schedule and step in ``critic_checkpoints/N/state`` (``docs/run-directory.md``), written
+collectively by every rank (:meth:`MegatronCritic.save_to`). ``critic_checkpoints/N/critic.pt`` (``torch.save``,
+one process, the first format) is still read.
 """
 
 from __future__ import annotations
@@ -42,15 +42,10 @@ from slimectl.algorithms.value_loss import clipped_value_loss, critic_metrics
 from slimectl.backends.megatron.packing import pack_samples
 
 CRITIC_FILE = "critic.pt"
-CRITIC_CHECKPOINT_VERSION = 1
-
-
-def critic_file(pp_rank: int = 0, tp_rank: int = 0, pp: int = 1, tp: int = 1) -> str:
-    """The file of the (pp, tp) rank's critic state: ``critic.pt`` for one rank, else
-    ``critic_pp{P}_tp{T}.pt`` (so a checkpoint of another layout is told apart, not misread)."""
-    if tp * pp == 1:
-        return CRITIC_FILE
-    return f"critic_pp{pp_rank}_tp{tp_rank}.pt"
+"""The first format (one process, ``torch.save``): still resumed from."""
+CRITIC_STATE_DIR = "state"
+"""``critic_checkpoints/N/state``: the torch_dist checkpoint."""
+CRITIC_CHECKPOINT_VERSION = 2
 
 
 def critic_train_section(train, critic):
@@ -123,39 +118,77 @@ class MegatronCritic:
         self.optimizer.reload_model_params()
         return n
 
+    def _fill_empty_adam_state(self) -> None:
+        """A never-stepped torch Adam has no state to save or load into: give it zeros first (as the actor)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    st = inner.state[p]
+                    if not st:
+                        st["step"] = torch.tensor(0.0)
+                        st["exp_avg"] = torch.zeros_like(p.data)
+                        st["exp_avg_sq"] = torch.zeros_like(p.data)
+
     def state_to_save(self) -> dict[str, Any]:
-        """This rank's live parameters and Adam moments (by reference: the next update waits for the writer),
-        the schedule and step copied, and the (pp, tp) layout they are shards of."""
-        return {"version": CRITIC_CHECKPOINT_VERSION, "model": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": copy.deepcopy(self.scheduler.state_dict()), "step": self.step,
-                "layout": [self.pp, self.tp]}
+        """What :meth:`save_to` writes, as of now: the sharded state dict (the live parameters and Adam moments
+        by reference: the next update waits for the writer), the schedule and step copied."""
+        self._fill_empty_adam_state()
+        msd = self.module.sharded_state_dict(prefix="")
+        return {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
+                "critic_checkpoint_version": CRITIC_CHECKPOINT_VERSION, "step": self.step,
+                "opt_param_scheduler": copy.deepcopy(self.scheduler.state_dict()),
+                "parallel_layout": [self.pp, self.tp, self.dp]}
 
     def save_to(self, directory, state: dict[str, Any] | None = None) -> None:
-        """Write this rank's file into ``directory`` (a staging directory every rank sees; data-parallel
-        rank 0 only: the replicas are equal). ``state``: taken earlier with :meth:`state_to_save`."""
+        """Write ``directory/state`` (torch_dist; collective: every rank its shards, into a directory every
+        rank sees). ``state``: taken earlier with :meth:`state_to_save`."""
         from pathlib import Path
 
-        if self.writes_checkpoint:
-            torch.save(state if state is not None else self.state_to_save(), Path(directory) / self.checkpoint_file)
+        from slimectl.backends.megatron.checkpoint import save_torch_dist
+
+        it = Path(directory) / CRITIC_STATE_DIR
+        it.mkdir(parents=True, exist_ok=True)
+        save_torch_dist(state if state is not None else self.state_to_save(), it)
 
     def load_from(self, directory) -> None:
-        """Resume from ``critic_checkpoints/N``: this rank's file (:func:`critic_file`); a checkpoint saved
-        with another TP x PP is refused in one line that names both layouts."""
+        """Resume from ``critic_checkpoints/N`` at any TP/PP/DP layout (torch_dist reshards; a ``critic.pt``
+        of the first format on one process only)."""
         from pathlib import Path
 
+        from megatron.core import dist_checkpointing
+
+        import slimectl.backends.megatron.checkpoint  # noqa: F401  (safe torch_dist loading, one-line failures)
         from slimectl.contract.errors import SlimectlError
 
         directory = Path(directory)
-        path = directory / self.checkpoint_file
-        if not path.is_file():
-            saved = saved_critic_layout(directory)
-            if saved is not None and saved != (self.pp, self.tp):
-                raise SlimectlError(
-                    f"critic checkpoint {directory} was saved with train.pp x train.tp = {saved[0]} x {saved[1]}, this "
-                    f"trainer runs {self.pp} x {self.tp}: a critic checkpoint resumes with the same TP x PP only; set "
-                    f"train.tp={saved[1]} train.pp={saved[0]}")
-        self.load_state(path)
+        it = directory / CRITIC_STATE_DIR
+        if not it.is_dir():
+            if not (directory / CRITIC_FILE).is_file():
+                raise SlimectlError(f"critic checkpoint {directory} has neither {CRITIC_STATE_DIR}/ nor {CRITIC_FILE}; "
+                                    f"remove that checkpoint to resume from an earlier one")
+            if self.layout != (1, 1, 1):
+                raise SlimectlError(f"critic checkpoint {directory / CRITIC_FILE} is a one-process critic "
+                                    f"(critic.pt), this trainer runs train.pp x tp x dp = {self.pp} x {self.tp} x "
+                                    f"{self.dp}: resume it on one process (train.tp, train.pp, train.dp = 1)")
+            return self.load_state(directory / CRITIC_FILE)
+        common = dist_checkpointing.load_common_state_dict(str(it))
+        self._fill_empty_adam_state()
+        msd = self.module.sharded_state_dict(prefix="")
+        loaded = dist_checkpointing.load({"model": msd, "optimizer": self.optimizer.sharded_state_dict(
+            msd, is_loading=True)}, str(it))
+        missing, _ = self.module.load_state_dict(loaded["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing:
+            raise SlimectlError(f"critic checkpoint {it} lacks {missing[0]} ({len(missing)} tensors): it is not this "
+                                f"model's critic; remove that checkpoint to resume from an earlier one")
+        opt_sd = loaded["optimizer"]
+        if isinstance(opt_sd, dict) and isinstance(opt_sd.get("state"), dict) and "common_step" not in opt_sd["state"]:
+            opt_sd["state"]["common_step"] = torch.tensor(0.0)  # megatron-core saves a zero Adam step as none
+        self.optimizer.load_state_dict(opt_sd)
+        self.step = int(common.get("step", 0))
+        self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(common["opt_param_scheduler"])
 
     def load_state(self, path) -> None:
         state = read_critic_state(path)
@@ -169,18 +202,8 @@ class MegatronCritic:
     # ------------------------------------------------------------------ parallel plumbing
     @property
     def layout(self) -> tuple[int, int, int]:
-        """(pp, tp, dp): the layout this critic was built with."""
+        """(pp, tp, dp): the layout this critic runs at."""
         return (self.pp, self.tp, self.dp)
-
-    @property
-    def checkpoint_file(self) -> str:
-        """This rank's file in ``critic_checkpoints/N`` (:func:`critic_file`)."""
-        return critic_file(self.pp_rank, self.tp_rank, self.pp, self.tp)
-
-    @property
-    def writes_checkpoint(self) -> bool:
-        """Data-parallel rank 0 writes its (pp, tp) rank's state; the other replicas hold the same."""
-        return self.dp_rank == 0
 
     def _dp_merge(self, mine: dict) -> dict:
         """``{sample: tensor}`` of every data-parallel rank, on every rank."""
@@ -363,20 +386,6 @@ def rollout_critic_metrics(res, values: list[torch.Tensor], mask: torch.Tensor) 
     if not bool(mask.bool().any()):
         return {}
     return critic_metrics(v.to(res.returns.dtype), res.returns, res.advantages, mask)
-
-
-def saved_critic_layout(directory) -> tuple[int, int] | None:
-    """(pp, tp) of the critic files in ``directory`` (by their names), None when there are none."""
-    import re
-    from pathlib import Path
-
-    names = [f.name for f in Path(directory).glob("critic*.pt")]
-    if CRITIC_FILE in names:
-        return (1, 1)
-    ranks = [tuple(map(int, m.groups())) for m in (re.fullmatch(r"critic_pp(\d+)_tp(\d+)\.pt", n) for n in names) if m]
-    if not ranks:
-        return None
-    return (max(p for p, _ in ranks) + 1, max(t for _, t in ranks) + 1)
 
 
 def read_critic_state(path) -> dict[str, Any]:
