@@ -319,7 +319,7 @@ class AlgorithmSection(Section):
 
     # choices and defaults come from the algorithm registry (one list, shared with the math)
     advantage_estimator: Literal[algo_registry.ESTIMATORS + algo_registry.CRITIC_ESTIMATORS] = algo_registry.DEFAULT_ESTIMATOR  # type: ignore[valid-type]
-    """How rewards become advantages; ppo: GAE with a learned critic (the ``critic`` section, one trainer process)."""
+    """How rewards become advantages; ppo: GAE with a learned critic (the ``critic`` section, on the actor's ranks)."""
     loss_type: Literal[algo_registry.LOSS_TYPES] = algo_registry.DEFAULT_LOSS_TYPE  # type: ignore[valid-type]
     """policy_loss (PPO-style clipped surrogate), sft_loss (negative log-likelihood of the responses) or
     custom_loss (``custom_loss_function``)."""
@@ -485,10 +485,9 @@ def critic_problem(cfg: "SlimectlConfig") -> str | None:
                 f"(rollout.num_rollout x train.num_steps_per_rollout) to decay the critic's LR ({c.lr_decay_style}); "
                 f"lower it or train longer")
     world = t.tp * t.pp * t.dp
-    if cfg.algorithm.advantage_estimator == "ppo" and world > 1:
-        return (f"algorithm.advantage_estimator = ppo runs its critic in one trainer process only for now "
-                f"(train.tp x train.pp x train.dp = {t.tp} x {t.pp} x {t.dp}): several ranks are not built yet; "
-                f"set them to 1")
+    if cfg.algorithm.advantage_estimator == "ppo" and (c.tp, c.pp) != (t.tp, t.pp):
+        return (f"critic.tp x critic.pp = {c.tp} x {c.pp}: the critic runs on the actor's layout only for now "
+                f"(train.tp x train.pp = {t.tp} x {t.pp}); leave critic.tp and critic.pp unset")
     if world % (c.tp * c.pp):
         return (f"critic.tp x critic.pp = {c.tp} x {c.pp} does not divide the trainer's {world} processes "
                 f"(train.tp x train.pp x train.dp = {t.tp} x {t.pp} x {t.dp}); the critic runs on the same ranks")

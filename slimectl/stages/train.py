@@ -234,10 +234,10 @@ class Trainer:
         self.rank0 = launch_rank() == 0
         t = cfg.train
         self.ppo = cfg.algorithm.advantage_estimator == "ppo"
-        if self.ppo and t.tp * t.pp * t.dp > 1:
-            raise ConfigError(f"algorithm.advantage_estimator = ppo: the critic runs in one trainer process only for now "
-                              f"(train.tp x pp x dp = {t.tp} x {t.pp} x {t.dp}); several ranks are not built yet, "
-                              f"set train.tp, train.pp and train.dp to 1")
+        c = cfg.critic.resolved(t)
+        if self.ppo and (c.tp, c.pp) != (t.tp, t.pp):
+            raise ConfigError(f"critic.tp x critic.pp = {c.tp} x {c.pp}: the critic runs on the actor's layout only for "
+                              f"now (train.tp x train.pp = {t.tp} x {t.pp}); leave critic.tp and critic.pp unset")
         self.cursor = run.cursor("train")
         self.arch, self.padded, init_dir = _initial_arch(run, cfg)
         total_steps = cfg.rollout.num_rollout * t.num_steps_per_rollout
@@ -275,18 +275,18 @@ class Trainer:
     def _build_critic(self, last, total_steps: int):
         """PPO's critic: from ``critic_checkpoints/N`` of the actor's checkpoint N on resume, else the
         trunk of ``critic.path`` (or the actor's ``model.path``) with a zero value head."""
-        from slimectl.backends.megatron.critic_trainer import CRITIC_FILE, MegatronCritic
+        from slimectl.backends.megatron.critic_trainer import MegatronCritic
 
         cfg = self.cfg
         critic = MegatronCritic(self.arch, self.padded, cfg.train, cfg.critic, cfg.algorithm, dtype=cfg.model.dtype,
-                                total_steps=total_steps)
+                                total_steps=total_steps, tp=cfg.train.tp, pp=cfg.train.pp)
         critic.load_hf(cfg.critic.path or cfg.model.path)
         if last is not None:
             if not _critic_store(self.run).exists(last.id):
                 raise SlimectlError(f"checkpoints/{last.id:06d} has no critic_checkpoints/{last.id:06d}: this run was "
                                     f"not trained with algorithm.advantage_estimator = ppo up to there; resume it with "
                                     f"the estimator it was trained with")
-            critic.load_state(_critic_store(self.run).get(last.id).path / CRITIC_FILE)
+            critic.load_from(_critic_store(self.run).get(last.id).path)
         return critic
 
     def close(self) -> None:
@@ -555,7 +555,7 @@ def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConf
     """Hand checkpoints/VERSION to ``writer``: the state to save is taken now (the parameters and
     Adam moments by reference: the next optimizer step waits for the writer), written and
     published by the writer's job. With ``critic``, the same job publishes
-    ``critic_checkpoints/VERSION`` first (one process only)."""
+    ``critic_checkpoints/VERSION`` first (collective like the actor's: every rank writes its file)."""
     import json
     import time
     from contextlib import ExitStack
@@ -573,13 +573,12 @@ def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConf
     def job() -> None:
         t = time.perf_counter()
         if critic_state is not None:
-            import torch
-
-            from slimectl.backends.megatron.critic_trainer import CRITIC_FILE
-
-            with _critic_store(run).publish(version, meta=dict(meta, critic_step=critic_state["step"]), stage="train",
-                                            overwrite=True) as staging:
-                torch.save(critic_state, Path(staging) / CRITIC_FILE)
+            with ExitStack() as stack:
+                staging = stack.enter_context(_critic_store(run).publish(
+                    version, meta=dict(meta, critic_step=critic_state["step"]), stage="train", overwrite=True)) \
+                    if rank0 else None
+                critic.save_to(broadcast_from_rank0(str(staging) if rank0 else None), critic_state)
+                _barrier()
             fault_point("train.critic_published")
         with ExitStack() as stack:
             staging = stack.enter_context(run.checkpoints.publish(version, meta=meta, stage="train", overwrite=True)) \

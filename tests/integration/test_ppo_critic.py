@@ -58,7 +58,17 @@ def make_run(tmp_path, model, rolls, *sets):
 
 
 def critic_state(run, n):
-    return torch.load(run.artifacts("critic_checkpoints").get(n).path / "critic.pt", weights_only=False)
+    """critic_checkpoints/N: {"step", "model": the torch_dist tensors (read without a process group), "files"}."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    art = run.artifacts("critic_checkpoints").get(n)
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(art.path / "state", f"{tmp}/all.pt")
+        flat = torch.load(f"{tmp}/all.pt", weights_only=False)  # our own file, just written
+    model = {k: v for k, v in flat.items() if k.startswith(("gpt.", "value_head.")) and "_extra_state" not in k}
+    return {"step": art.meta["critic_step"], "model": model, "all": flat}
 
 
 def same_model(a, b) -> bool:
@@ -117,7 +127,7 @@ def test_ppo_resume_is_bit_exact_for_actor_and_critic(tmp_path, rollouts, straig
     b = load_file(str(split.weights.get(3).file("model.safetensors")))
     assert same_model(a, b)
     ca, cb = critic_state(one, 3), critic_state(split, 3)
-    assert ca["step"] == cb["step"] == 3 and same_model(ca["model"], cb["model"])
+    assert ca["step"] == cb["step"] == 3 and same_model(ca["all"], cb["all"])  # Adam moments too
 
 
 def test_kill_9_between_critic_and_actor_checkpoint_then_resume(tmp_path, rollouts, straight):
@@ -143,11 +153,17 @@ def test_kill_9_between_critic_and_actor_checkpoint_then_resume(tmp_path, rollou
     assert cb["step"] == 3 and same_model(ca["model"], cb["model"])
 
 
-def test_ppo_on_several_ranks_is_refused(tmp_path):
+def test_ppo_on_several_ranks_is_accepted_but_a_critic_layout_of_its_own_is_refused(tmp_path):
+    from slimectl.contract.config import build_config
+
+    cfg = build_config({"algorithm": {"advantage_estimator": "ppo"}, "train": {"tp": 2, "pp": 2, "dp": 2}})
+    assert cfg.critic.resolved(cfg.train).tp == 2  # the critic takes the actor's layout
     res = slimectl_in_process("init", tmp_path / "run", "--set", "algorithm.advantage_estimator=ppo",
-                              "--set", "train.dp=2")
+                              "--set", "critic.tp=2")
     assert res.returncode == 2
-    assert "algorithm.advantage_estimator = ppo runs its critic in one trainer process only" in res.stderr
+    assert ("critic.tp x critic.pp = 2 x 1: the critic runs on the actor's layout only for now (train.tp x train.pp "
+            "= 1 x 1); leave critic.tp and critic.pp unset") in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_rl_with_ppo_runs_three_rollouts_and_logs_the_critic(tmp_path):
@@ -187,3 +203,43 @@ def test_a_pickle_payload_in_a_critic_checkpoint_is_refused_and_runs_nothing(tmp
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(SlimectlError, match="cannot be loaded safely"):
         read_critic_state(tmp_path / "junk.pt")
+
+
+@pytest.mark.slow
+def test_ppo_train_at_tp2_under_torchrun_matches_one_process(tmp_path, rollouts, straight):
+    """`slimectl train` with ppo and train.tp=2 relaunches itself under torchrun (2 gloo ranks): the critic
+    is sharded like the actor, its metrics and the published weights match the one-process run, and its
+    torch_dist checkpoint resumes at train.tp=1."""
+    from slimectl.contract.metrics import read_metrics
+    from tests.helpers import slimectl
+
+    model, rolls = rollouts
+    res, one = straight
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = make_run(tmp_path, model, rolls, "critic.num_critic_only_steps=1", "train.tp=2")
+    res = slimectl("train", "-r", run.path, "--max-rollouts", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "launching 2 processes" in res.stderr and "value_loss" in res.stderr
+    assert run.cursor("train").read().consumed == [0, 1]
+    got = [r for r in read_metrics(run.metrics_path("train")) if "critic/value_loss" in r]
+    want = [r for r in read_metrics(one.metrics_path("train")) if "critic/value_loss" in r][:len(got)]
+    assert [r["train/rollout_id"] for r in got] == [0, 1]
+    for g, w in zip(got, want, strict=True):
+        for k in ("critic/value_loss", "critic/value_clipfrac", "critic/explained_variance", "critic/values_mean"):
+            if k in w:
+                assert g[k] == pytest.approx(w[k], abs=1e-4), k
+        assert g["critic/grad_norm"] == pytest.approx(w["critic/grad_norm"], rel=1e-4)
+    a = load_file(str(one.weights.get(2).file("model.safetensors")))
+    b = load_file(str(run.weights.get(2).file("model.safetensors")))
+    assert set(a) == set(b) and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-4
+    assert critic_state(run, 2)["step"] == 2 and critic_state(one, 2)["step"] == 2
+    # the TP=2 critic checkpoint (torch_dist) resumes on one process: rollout 2 ends where the straight run does
+    res = slimectl_in_process("train", "-r", run.path, "--set", "train.tp=1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming at rollout 2, 1 to go" in res.stderr
+    ca, cb = critic_state(one, 3), critic_state(run, 3)
+    assert ca["step"] == cb["step"] == 3 and set(ca["model"]) == set(cb["model"])
+    assert max(float((ca["model"][k] - cb["model"][k]).abs().max()) for k in ca["model"]) <= 1e-4
+    a = load_file(str(one.weights.get(3).file("model.safetensors")))
+    b = load_file(str(run.weights.get(3).file("model.safetensors")))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-4

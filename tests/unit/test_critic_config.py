@@ -17,11 +17,13 @@ def error(*overrides: str) -> str:
     return msg
 
 
-def test_ppo_is_accepted_on_one_process_only():
+def test_ppo_runs_on_the_actors_layout_only():
     assert load_config(None, ["algorithm.advantage_estimator=ppo"]).algorithm.advantage_estimator == "ppo"
-    assert error("algorithm.advantage_estimator=ppo", "train.tp=2") == (
-        "config with --set overrides: algorithm.advantage_estimator = ppo runs its critic in one trainer process "
-        "only for now (train.tp x train.pp x train.dp = 2 x 1 x 1): several ranks are not built yet; set them to 1")
+    cfg = load_config(None, ["algorithm.advantage_estimator=ppo", "train.tp=2", "train.pp=2", "train.dp=2"])
+    assert (cfg.critic.resolved(cfg.train).tp, cfg.critic.resolved(cfg.train).pp) == (2, 2)
+    assert error("algorithm.advantage_estimator=ppo", "train.tp=2", "train.dp=2", "critic.tp=1") == (
+        "config with --set overrides: critic.tp x critic.pp = 1 x 1: the critic runs on the actor's layout only for "
+        "now (train.tp x train.pp = 2 x 1); leave critic.tp and critic.pp unset")
 
 
 def test_defaults_follow_slime_and_null_keys_take_the_actors():

@@ -13,10 +13,10 @@ Positions: the value of response token ``i`` of a packed sequence is read at row
 actor's log-probs use, :func:`slimectl.backends.megatron.logprobs.response_positions`), i.e. the
 value of the state in which token ``i`` is chosen. This is slime's ``get_values`` layout.
 
-What is here: the model, its initialisation from the actor's weights, per-sequence and padded
-``[B, T]`` values of packed micro-batches. Not here yet (issue #21): the critic's optimizer, LR
-schedule, training loop over a rollout and its checkpoints (``docs/algorithms.md``, "Design of the
-critic"). Pipeline parallelism is wired (hidden states pass through non-last stages) but untested.
+What is here: the model, its initialisation from the actor's weights, its torch_dist view
+(:meth:`ValueModel.sharded_state_dict`), per-sequence and padded ``[B, T]`` values of packed
+micro-batches. The optimizer, LR schedule, training loop and checkpoints are
+:mod:`slimectl.backends.megatron.critic_trainer`'s.
 """
 
 from __future__ import annotations
@@ -41,12 +41,33 @@ class ValueModel(torch.nn.Module):
         gpt.share_embeddings_and_output_weights = False
         self.gpt = gpt
         self.pre_process, self.post_process = gpt.pre_process, gpt.post_process
+        # read by Megatron's pipeline schedule and finalize_model_grads through the DDP wrapper
+        self.model_type, self.config = gpt.model_type, gpt.config
         self.value_head = None
         if gpt.post_process:
             head = torch.nn.Linear(hidden_size, 1, bias=True, dtype=params_dtype)
             torch.nn.init.zeros_(head.weight)
             torch.nn.init.zeros_(head.bias)
             self.value_head = head
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """torch_dist's view of the model (reshardable: TP/PP/DP as the actor's): the trunk's GPTModel
+        tensors under ``gpt.``, the value head (last stage, replicated over TP) under ``value_head.``."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        saved = self.gpt.post_process
+        self.gpt.post_process = False  # Megatron's LanguageModule would mark the (removed) output layer's tensor
+        try:
+            out = self.gpt.sharded_state_dict(prefix=f"{prefix}gpt.", sharded_offsets=sharded_offsets,
+                                              metadata=metadata)
+        finally:
+            self.gpt.post_process = saved
+        if self.value_head is not None:
+            out.update(sharded_state_dict_default(self.value_head, f"{prefix}value_head.", sharded_offsets, metadata,
+                                                  tp_group=ps.get_tensor_model_parallel_group()))
+        return out
 
     def set_input_tensor(self, input_tensor) -> None:
         """Megatron's pipeline schedule hands a non-first stage its input through this."""
