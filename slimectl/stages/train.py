@@ -569,8 +569,8 @@ def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConf
     writer.wait()  # a previous save still running: never two at once (and its state is the older one)
     state = actor.state_to_save({"next_rollout": rid + 1})
     info = {"format": "torch_dist", "arch": arch.to_dict(), "padded_vocab_size": padded, "dtype": cfg.model.dtype,
-            "saved_with": {"tp": cfg.train.tp, "pp": cfg.train.pp, "dp": cfg.train.dp, "ep": cfg.train.ep},
-            "iteration": actor.step}
+            "saved_with": {"tp": cfg.train.tp, "pp": cfg.train.pp, "dp": cfg.train.dp,
+                           **({"ep": cfg.train.ep} if cfg.train.ep > 1 else {})}, "iteration": actor.step}
 
     critic_state = critic.state_to_save() if critic is not None else None
 

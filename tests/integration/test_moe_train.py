@@ -133,3 +133,41 @@ def test_expert_parallel_sizes_that_cannot_work_are_refused_in_one_line(tmp_path
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "train.ep = 2: this model (qwen3) is dense" in lines[0], res.stderr
+
+
+# ----------------------------------------------------------------------------- slimectl rl
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="the embedded engine does not load per-expert HF names yet (update_weights_from_disk: "
+                          "unknown parameter name 'model.layers.0.mlp.experts.0.down_proj.weight'); being fixed "
+                          "with the engine's expert names", strict=False)
+def test_rl_trains_the_moe_model_with_ep2_and_disk_sync(tmp_path):
+    """`slimectl rl` for 2 rollouts with train.ep=2 (dp=2): two trainer ranks (Ray actors: the local
+    launcher runs one trainer rank), disk sync of weights/N with every expert in it."""
+    from safetensors import safe_open
+
+    from slimectl.contract.rundir import RunDir
+    from tests.helpers import assert_trained_once, read_jsonl, slimectl, write_config
+
+    cfg = write_config(tmp_path, rollout={"num_rollout": 2}, sync={"transport": "disk", "verify": True},
+                       train={"lr": 1e-3, "ep": 2, "dp": 2, "moe_aux_loss_coeff": 0.01})
+    init = slimectl("init", tmp_path / "run", "-c", cfg, "--tiny-model", "qwen3-moe")
+    assert init.returncode == 0, init.stderr[-3000:]
+    res = slimectl("rl", "-r", tmp_path / "run", "--launcher", "ray", "--colocate", timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = RunDir.open(tmp_path / "run")
+    assert_trained_once(run, 2)
+    last = run.checkpoints.get(run.checkpoints.ids()[-1])
+    saved = json.loads((last.path / "slimectl_checkpoint.json").read_text())["saved_with"]
+    assert saved == {"tp": 1, "pp": 1, "dp": 2, "ep": 2}
+    train = read_jsonl(run.metrics_path("train"))
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(r["train/moe_aux_loss"] > 0 and "train/moe_expert_share/3" in r for r in train)
+    names = set()
+    for f in run.weights.get(2).path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            names |= set(st.keys())
+    experts = {n for n in names if ".mlp.experts." in n}
+    arch = json.loads((last.path / "slimectl_checkpoint.json").read_text())["arch"]
+    assert len(experts) == arch["num_layers"] * arch["num_experts"] * 3

@@ -23,7 +23,10 @@ step the ratio is exactly 1 and the KL to the reference exactly 0.
 
 Parallelism: TP (vocab-parallel log-probs), DP (each rank packs every dp-th sample of a global
 batch) and PP (Megatron's 1F1B schedule over the packed micro-batches; only the last stage has
-logits, so its log-probs and metrics are shared with the other stages). Imports megatron lazily;
+logits, so its log-probs and metrics are shared with the other stages). MoE models: EP (each MoE
+layer's experts split over ``train.ep`` data-parallel ranks, tokens exchanged all-to-all: ranks pad
+to the same number of micro-batches), the load-balancing aux loss (``train.moe_aux_loss_coeff``) and
+routing metrics (:class:`MoERouting`). Imports megatron lazily;
 never imports :mod:`slimectl.stages.rollout`.
 """
 
