@@ -135,6 +135,70 @@ def test_expert_parallel_sizes_that_cannot_work_are_refused_in_one_line(tmp_path
     assert len(lines) == 1 and "train.ep = 2: this model (qwen3) is dense" in lines[0], res.stderr
 
 
+# ----------------------------------------------------------------------------- slimectl train
+
+
+def moe_rollouts(vocab: int, n: int) -> list[list]:
+    """n rollouts of 8 samples (4 groups of 2, one winner each) with random tokens."""
+    from slimectl.contract.samples import Sample, Status
+
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for rid in range(n):
+        samples = []
+        for idx in range(8):
+            s = Sample(group_index=idx // 2, index=idx, rollout_id=rid, prompt="p",
+                       tokens=torch.randint(0, vocab, (4 + idx % 3,), generator=g).tolist())
+            resp = torch.randint(0, vocab, (6 + idx % 4,), generator=g).tolist()
+            s.append_response_tokens(resp, [-2.0] * len(resp), True, {"weight_version": "0"})
+            s.status, s.reward = Status.COMPLETED, float(idx % 2 == 0)
+            samples.append(s)
+        out.append(samples)
+    return out
+
+
+@pytest.mark.slow
+def test_train_stage_with_ep2_under_torchrun_then_resumes_on_one_rank(moe, tmp_path):
+    """`slimectl train` with train.ep=2, dp=2 relaunches itself under torchrun: two ranks, two
+    experts each; weights/N holds every expert, the metrics the MoE figures; a one-rank rerun
+    (ep=1) resumes from the EP=2 checkpoint."""
+    from safetensors import safe_open
+
+    from slimectl.contract.metrics import read_metrics
+    from slimectl.contract.rundir import RunDir
+    from slimectl.contract.samples import SAMPLES_FILE, write_samples
+    from tests.helpers import slimectl
+
+    init = slimectl_in_process("init", tmp_path / "run", "--set", f"model.path={moe}", "--set", "rollout.num_rollout=3",
+                               "--set", "train.lr=1e-3", "--set", "train.ep=2", "--set", "train.dp=2",
+                               "--set", "train.moe_aux_loss_coeff=0.01", "--set", "logging.tensorboard=false")
+    assert init.returncode == 0, init.stderr
+    run = RunDir.open(tmp_path / "run")
+    for rid, samples in enumerate(moe_rollouts(json.loads((moe / "config.json").read_text())["vocab_size"], 3)):
+        with run.rollouts.publish(rid, meta={"weight_version": "0"}) as d:
+            write_samples(samples, d / SAMPLES_FILE)
+    res = slimectl("train", "-r", run.path, "--max-rollouts", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "launching 2 processes" in res.stderr
+    assert run.cursor("train").read().consumed == [0, 1]
+    last = run.checkpoints.get(2)
+    assert json.loads((last.path / "slimectl_checkpoint.json").read_text())["saved_with"] == \
+        {"tp": 1, "pp": 1, "dp": 2, "ep": 2}
+    names = set()
+    for f in run.weights.get(2).path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            names |= set(st.keys())
+    assert len({n for n in names if ".mlp.experts." in n}) == 2 * 4 * 3  # both ranks' experts
+    m = read_metrics(run.metrics_path("train"))
+    assert [r["step"] for r in m] == [1, 2]
+    assert all(r["train/moe_aux_loss"] > 0 and r["train/moe_load_imbalance"] >= 1.0 for r in m)
+    assert all(sum(r[f"train/moe_expert_share/{e}"] for e in range(4)) == pytest.approx(1.0) for r in m)
+    one = slimectl_in_process("train", "-r", run.path, "--set", "train.ep=1", "--set", "train.dp=1")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert run.cursor("train").read().consumed == [0, 1, 2]
+    assert [r["step"] for r in read_metrics(run.metrics_path("train"))] == [1, 2, 3]
+
+
 # ----------------------------------------------------------------------------- slimectl rl
 
 
