@@ -272,6 +272,13 @@ class TrainSection(Section):
     """Pipeline-parallel size of the actor."""
     dp: int = Field(default=1, gt=0)
     """Data-parallel ranks: ``slimectl train`` runs tp*pp*dp processes under torchrun."""
+    ep: int = Field(default=1, gt=0)
+    """Expert-parallel size of the actor (MoE models only): each MoE layer's experts are split over ep
+    of the data-parallel ranks (megatron-core's ``expert_model_parallel_size``, expert-TP = tp), so ep
+    must divide dp and the model's number of experts."""
+    moe_aux_loss_coeff: float = Field(default=0.0, ge=0)
+    """Coefficient of the MoE load-balancing auxiliary loss added to the policy loss (slime's
+    ``--moe-aux-loss-coeff``; 0 disables it; MoE models only)."""
     lr: float = Field(default=1e-6, ge=0)
     """Peak learning rate (Adam)."""
     min_lr: float = Field(default=0.0, ge=0)
@@ -311,6 +318,10 @@ class TrainSection(Section):
     def _check(self) -> "TrainSection":
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr ({self.min_lr}) must be <= train.lr ({self.lr})")
+        if self.dp % self.ep:
+            raise ValueError(f"train.ep ({self.ep}) must divide train.dp ({self.dp}): expert-parallel ranks are "
+                             f"data-parallel ranks (megatron-core: tp*ep*pp must divide tp*pp*dp); "
+                             f"set train.dp to a multiple of {self.ep}")
         return self
 
 

@@ -196,13 +196,17 @@ def plan_training(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = Non
 
     Refuses (one line) a ``rollout_id`` that is not the next one, an empty plan without
     ``allow_empty``, and (``check_published`` without ``follow``) a first
-    rollout that is not published yet, and a ``train.tp``/``train.pp`` the model cannot be split into
+    rollout that is not published yet, and a ``train.tp``/``train.pp``/``train.ep`` the model cannot be split into
     (listing the sizes that work). Reads only the run directory's small files.
     """
     if cfg.train.tp > 1 or cfg.train.pp > 1:
         from slimectl.backends.hf.arch import check_parallel_sizes
 
         check_parallel_sizes(_initial_arch(run, cfg)[0], cfg.train.tp, cfg.train.pp, "train.tp", "train.pp")
+    if cfg.train.ep > 1:
+        from slimectl.backends.megatron.provider import check_expert_parallel
+
+        check_expert_parallel(_initial_arch(run, cfg)[0], cfg.train.ep)
     _, next_id = resume_point(run)
     if rollout_id is not None and rollout_id != next_id:
         raise UsageError(f"--id {rollout_id}: the next rollout to train is {next_id} (each is trained exactly once, in order)")
@@ -242,7 +246,7 @@ class Trainer:
         self.arch, self.padded, init_dir = _initial_arch(run, cfg)
         total_steps = cfg.rollout.num_rollout * t.num_steps_per_rollout
         self.actor = MegatronActor(self.arch, self.padded, t, cfg.algorithm, tp=t.tp, pp=t.pp, dtype=cfg.model.dtype,
-                                   total_steps=total_steps)
+                                   total_steps=total_steps, ep=t.ep)
         if init_dir is not None:
             self.actor.load_checkpoint(init_dir)
         else:
@@ -566,7 +570,8 @@ def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConf
     writer.wait()  # a previous save still running: never two at once (and its state is the older one)
     state = actor.state_to_save({"next_rollout": rid + 1})
     info = {"format": "torch_dist", "arch": arch.to_dict(), "padded_vocab_size": padded, "dtype": cfg.model.dtype,
-            "saved_with": {"tp": cfg.train.tp, "pp": cfg.train.pp, "dp": cfg.train.dp}, "iteration": actor.step}
+            "saved_with": {"tp": cfg.train.tp, "pp": cfg.train.pp, "dp": cfg.train.dp,
+                           **({"ep": cfg.train.ep} if cfg.train.ep > 1 else {})}, "iteration": actor.step}
 
     critic_state = critic.state_to_save() if critic is not None else None
 

@@ -23,7 +23,10 @@ step the ratio is exactly 1 and the KL to the reference exactly 0.
 
 Parallelism: TP (vocab-parallel log-probs), DP (each rank packs every dp-th sample of a global
 batch) and PP (Megatron's 1F1B schedule over the packed micro-batches; only the last stage has
-logits, so its log-probs and metrics are shared with the other stages). Imports megatron lazily;
+logits, so its log-probs and metrics are shared with the other stages). MoE models: EP (each MoE
+layer's experts split over ``train.ep`` data-parallel ranks, tokens exchanged all-to-all: ranks pad
+to the same number of micro-batches), the load-balancing aux loss (``train.moe_aux_loss_coeff``) and
+routing metrics (:class:`MoERouting`). Imports megatron lazily;
 never imports :mod:`slimectl.stages.rollout`.
 """
 
@@ -92,6 +95,96 @@ def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
     return pad_sequence([r.reshape(-1) for r in rows], batch_first=True)
 
 
+class MoERouting:
+    """The routers of an MoE actor in its training forwards (grad on, model in train mode).
+
+    Per step it counts the tokens each expert receives (every MoE layer and micro-batch of this
+    rank) and evaluates each MoE layer's load-balancing loss per micro-batch — Megatron's own
+    ``switch_load_balancing_loss_func`` without its coefficient, so it is reported whether or not
+    ``train.moe_aux_loss_coeff`` adds it to the loss — for :meth:`step_metrics`. Forwards marked
+    ``padding`` (expert-parallel padding micro-batches) route without the aux loss and are not counted.
+
+    The aux loss's gradient: Megatron adds ``coeff * aux`` in the router's backward, scaled by
+    ``MoEAuxLossAutoScaler`` (1 / micro-batches, as its pipeline schedule sets); :meth:`start_step`
+    sets that scale (the schedule sets the same under PP) and makes the coefficient ``coeff *
+    micro-batches / real micro-batches``: each data-parallel rank adds the mean of its micro-batches'
+    aux losses (DDP then averages over the ranks), padding micro-batches left out.
+    """
+
+    MAX_EXPERT_KEYS = 64
+    """Per-expert token shares are logged for models with at most this many experts."""
+
+    def __init__(self, model, arch, aux_loss_coeff: float):
+        import functools
+
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.num_experts, self.topk, self.coeff = arch.num_experts, arch.moe_topk, aux_loss_coeff
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.padding = False
+        self._reset()
+        for r in self.routers:
+            r.routing = functools.partial(self._routing, r, r.routing)
+
+    def _reset(self) -> None:
+        self.counts = torch.zeros(self.num_experts, dtype=torch.float64)
+        self.aux_sum, self.aux_n = 0.0, 0
+
+    def start_step(self, micro_batches: int, real: int) -> None:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        self._reset()
+        self.padding = False
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / micro_batches))
+        for r in self.routers:
+            r.config.moe_aux_loss_coeff = self.coeff * micro_batches / max(real, 1)
+
+    def _routing(self, router, routing, logits, *args, **kwargs):
+        training = router.training and torch.is_grad_enabled()
+        if training and self.padding:
+            router.training = False  # Megatron attaches the aux loss only in training mode
+            try:
+                return routing(logits, *args, **kwargs)
+            finally:
+                router.training = True
+        probs, routing_map = routing(logits, *args, **kwargs)
+        if training:
+            from megatron.core.transformer.moe.moe_utils import (
+                compute_routing_scores_for_aux_loss,
+                switch_load_balancing_loss_func,
+            )
+
+            with torch.no_grad():
+                flat = logits.detach().reshape(-1, self.num_experts)
+                aux_map, scores = compute_routing_scores_for_aux_loss(flat, self.topk, router.score_function)
+                aux = switch_load_balancing_loss_func(scores, aux_map.sum(0), flat.shape[0], self.topk,
+                                                      self.num_experts, 1.0)
+                self.counts += routing_map.sum(0).double()
+                self.aux_sum += float(aux)
+                self.aux_n += 1
+        return probs, routing_map
+
+    def step_metrics(self) -> dict[str, float]:
+        """This step's MoE metrics over every rank (collective): ``train/moe_aux_loss`` (the
+        load-balancing loss, mean over MoE layers and micro-batches; 1.0 when perfectly balanced),
+        ``train/moe_load_imbalance`` (the busiest expert's tokens over the mean: 1.0 is balanced)
+        and ``train/moe_expert_share/E`` (expert E's share of the routed tokens, all layers)."""
+        import torch.distributed as dist
+
+        v = torch.cat([self.counts, torch.tensor([self.aux_sum, float(self.aux_n)], dtype=torch.float64)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(v)  # (TP ranks count the same tokens: shares and means are unchanged)
+        counts, aux_sum, aux_n = v[:-2], float(v[-2]), float(v[-1])
+        self._reset()
+        total = float(counts.sum())
+        share = counts / total if total > 0 else counts
+        out = {"train/moe_aux_loss": aux_sum / aux_n if aux_n else 0.0,
+               "train/moe_load_imbalance": float(share.max()) * self.num_experts if total > 0 else 0.0}
+        if self.num_experts <= self.MAX_EXPERT_KEYS:
+            out.update({f"train/moe_expert_share/{e}": float(share[e]) for e in range(self.num_experts)})
+        return out
+
+
 REF_PREFIX = "ref_model."
 """Prefix of the reference model's tensors in a checkpoint (saved only when it moves: ref_update_interval)."""
 
@@ -100,7 +193,7 @@ class MegatronActor:
     """Policy (+ optional frozen reference) on Megatron-core; see the module docstring."""
 
     def __init__(self, arch, padded_vocab: int, train, algo, tp: int = 1, pp: int = 1, dtype: str = "fp32",
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, ep: int = 1):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -109,19 +202,31 @@ class MegatronActor:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from slimectl.backends.megatron.parallel import init_parallel
-        from slimectl.backends.megatron.provider import build_gpt_model, transformer_config
+        from slimectl.backends.megatron.provider import build_gpt_model, check_expert_parallel, transformer_config
 
         self.arch, self.padded_vocab, self.train_cfg, self.algo = arch, padded_vocab, train, algo
-        self.tp, self.pp, self.dtype = tp, pp, dtype
+        self.tp, self.pp, self.ep, self.dtype = tp, pp, ep, dtype
         self.total_steps = total_steps
-        self.info = init_parallel(tp=tp, pp=pp, seed=train.seed)
+        check_expert_parallel(arch, ep)
+        self.info = init_parallel(tp=tp, pp=pp, seed=train.seed, ep=ep)
         self.dp, self.dp_rank = self.info.dp, self.info.dp_rank
         self.dp_group = ps.get_data_parallel_group() if self.dp > 1 else None
         self.tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
         self.pp_group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
 
-        gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True)
-        cfg = transformer_config(arch, tp, pp, dtype)
+        aux = float(getattr(train, "moe_aux_loss_coeff", 0.0)) if arch.is_moe else 0.0
+        gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True, ep=ep, aux_loss_coeff=aux)
+        cfg = transformer_config(arch, tp, pp, dtype, ep=ep, aux_loss_coeff=aux)
+        # MoE: routing statistics of the training forwards, the aux loss's scale per step
+        self.moe = MoERouting(gpt, arch, aux) if arch.is_moe else None
+        if arch.is_moe:
+            # Experts get their own gradient buffers and optimizer at every EP size, as megatron-core
+            # gives them only when ep > 1 (``allreduce`` False: reduced over the expert-data-parallel
+            # ranks, which are the data-parallel ranks at ep 1): the optimizer state then has the same
+            # layout (chained dense + expert optimizers) at every EP, and checkpoints reshard across them.
+            for name, p in gpt.named_parameters():
+                if ".mlp.experts." in name:
+                    p.allreduce = False
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=train.use_distributed_optimizer)
         self.model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt)
@@ -136,7 +241,7 @@ class MegatronActor:
         self.objective = ObjectiveConfig.from_section(algo)
         self.ref_model = None
         if algo.use_kl_loss:
-            self.ref_model = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=False).eval()
+            self.ref_model = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=False, ep=ep).eval()
             self.ref_model.requires_grad_(False)
             self._sync_ref()
         self.step = 0  # optimizer steps taken
@@ -254,6 +359,7 @@ class MegatronActor:
         state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
                  "rng_state": self._rng_object(self.rng_states()), "parallel_layout": self._layout,
                  "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.step, "actor_step": self.step,
+                 "expert_parallel": self.ep,
                  "opt_param_scheduler": copy.deepcopy(self.scheduler.state_dict()), **copy.deepcopy(extra or {})}
         if self.saves_reference:  # updated by ref_update_interval: no longer the initial policy
             state["ref_model"] = self.ref_model.sharded_state_dict(prefix=REF_PREFIX)
@@ -285,7 +391,9 @@ class MegatronActor:
 
         self._fill_empty_adam_state()
         common = dist_checkpointing.load_common_state_dict(str(it_dir))
-        same_layout = list(common.get("parallel_layout") or []) == self._layout
+        # (the expert-parallel size too: Megatron's expert RNG stream is seeded per expert-parallel rank)
+        same_layout = (list(common.get("parallel_layout") or []) == self._layout
+                       and int(common.get("expert_parallel", 1)) == self.ep)
         msd = self.module.sharded_state_dict(prefix="")
         request = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True)}
         if same_layout:
@@ -307,8 +415,9 @@ class MegatronActor:
             self.set_rng_states(loaded["rng_state"])
         elif self.info.rank == 0:
             logging.getLogger("slimectl.train").info(
-                "%s was saved with (pp, tp, dp) = %s, this job is %s: random generators restart from the seed",
-                it_dir, common.get("parallel_layout"), self._layout)
+                "%s was saved with (pp, tp, dp) = %s and ep %s, this job is %s and ep %s: random generators restart "
+                "from the seed", it_dir, common.get("parallel_layout"), common.get("expert_parallel", 1), self._layout,
+                self.ep)
         self.step = int(common.get("actor_step", 0))
         # The LR schedule's position (the loaded optimizer state carries the saved LR; re-apply ours).
         self.scheduler.num_steps = 0
@@ -321,7 +430,7 @@ class MegatronActor:
         # (ref_update_interval: loaded above).
         return {k: v for k, v in common.items()
                 if k not in ("model", "optimizer", "rng_state", "parallel_layout", "opt_param_scheduler", "ref_model",
-                             "ref_saved")}
+                             "ref_saved", "expert_parallel")}
 
     def iter_hf_tensors(self):
         """Stream (HF name, full tensor) without holding a second copy of the model (for sync).
@@ -331,11 +440,42 @@ class MegatronActor:
         from slimectl.backends.megatron.checkpoint import model_to_hf_tensors, pipeline_stages_to_rank0
 
         own = model_to_hf_tensors(self.module, self.arch, self.tp_group)
+        if self.ep > 1:
+            own = self._gather_experts(own)
         if self.pp == 1:
             return own
         device = next(self.module.parameters()).device
         return pipeline_stages_to_rank0(own, self.pp_group, send=self.info.tp_rank == 0 and self.dp_rank == 0,
                                         device=device)
+
+    def _gather_experts(self, own):
+        """``own`` with every expert on expert-parallel rank 0 (collective over the expert-parallel
+        group: each rank holds experts ``r*n .. r*n+n-1`` of every MoE layer, n = num_experts / ep).
+
+        The ranks walk the same local parameters in the same order, so each expert tensor is
+        all-gathered as it comes; rank r's copy is HF expert ``r*n + j`` where this rank's is
+        ``my_rank*n + j``. Other ranks yield only the dense tensors (which nobody reads there)."""
+        import re
+
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_expert_model_parallel_group()
+        me = ps.get_expert_model_parallel_rank()
+        n = self.arch.num_experts // self.ep
+        expert = re.compile(r"\.experts\.(\d+)\.")
+        for name, tensor in own:
+            m = expert.search(name)
+            if m is None:
+                yield name, tensor
+                continue
+            parts = [torch.empty_like(tensor) for _ in range(self.ep)]
+            dist.all_gather(parts, tensor.contiguous(), group=group)
+            if me != 0:
+                continue
+            j = int(m.group(1)) - me * n
+            for r, part in enumerate(parts):
+                yield f"{name[:m.start()]}.experts.{r * n + j}.{name[m.end():]}", part
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named full tensors (see :meth:`iter_hf_tensors`: the whole model on rank 0)."""
@@ -356,6 +496,8 @@ class MegatronActor:
 
         def step(data_iterator, chunk):
             mb, gidx = next(data_iterator)
+            if self.moe is not None:
+                self.moe.padding = gidx is None  # an expert-parallel padding forward (see _even_layouts)
             with cpu_compat.suspended():  # the chunk's forward; the schedule itself has CUDA literals
                 out = forward_micro_batch(chunk, mb, hidden=True)
             return out, functools.partial(loss_fn, mb, gidx)
@@ -383,14 +525,14 @@ class MegatronActor:
             for mb, gidx in layout:
                 with cpu_compat.suspended():
                     res = compute_log_probs(model, mb, self.arch.vocab_size, temperature, False, self.tp_group)
-                for r, g in zip(res, gidx):
+                for r, g in zip(res, gidx or ()):  # (None: an expert-parallel padding forward)
                     out[g] = r.log_probs.detach()
             return out
         from slimectl.backends.megatron.logprobs import log_probs_from_hidden
 
         def collect(mb, gidx, output):
             res = log_probs_from_hidden(model, output, mb, self.arch.vocab_size, temperature, False, self.tp_group)
-            return output.new_zeros(()), {g: r.log_probs.detach() for g, r in zip(gidx, res)}
+            return output.new_zeros(()), {g: r.log_probs.detach() for g, r in zip(gidx or (), res)}
 
         for part in self._run_schedule(model, layout, collect, forward_only=True):
             out.update(part)
@@ -457,6 +599,8 @@ class MegatronActor:
             sub = [samples[i] for i in mine]
             mbs = pack_samples(sub, tcfg.max_tokens_per_micro_batch)
             layouts.append([(mb, [mine[s.sample_index] for s in mb.seqs]) for mb in mbs])
+        if self.ep > 1:
+            layouts = self._even_layouts(layouts)
 
         # Old / ref log-probs with the training layout (so the first step's ratio is exactly 1).
         # With use_rollout_logprobs the engine's are the old ones: recompute only when TIS needs both.
@@ -527,6 +671,22 @@ class MegatronActor:
             steps[0]["perf/ref_log_probs_time"] = t_ref
         return steps
 
+    def _even_layouts(self, layouts: list[list]) -> list[list]:
+        """Expert parallelism: every MoE layer's forward and backward exchange tokens among the
+        expert-parallel ranks (all-to-all), so each data-parallel rank must run as many
+        micro-batches as the others. A rank with fewer gets padding entries ``(micro-batch, None)``
+        (its smallest micro-batch again): run forward and backward with a zero loss, no aux loss,
+        no metrics and no log-probs."""
+        import torch.distributed as dist
+
+        counts = torch.tensor([len(layout) for layout in layouts], dtype=torch.int64)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
+        out = []
+        for layout, want in zip(layouts, counts.tolist()):
+            smallest = min((mb for mb, _ in layout), key=lambda mb: mb.num_tokens)
+            out.append(list(layout) + [(smallest, None)] * (want - len(layout)))
+        return out
+
     def _dp_merge(self, per_sample: list) -> list:
         """Fill the entries other data-parallel ranks computed (each rank computed its own share)."""
         if self.dp == 1:
@@ -558,7 +718,10 @@ class MegatronActor:
                           ) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss to backpropagate for one micro-batch (already weighted by its share of the global
         batch and scaled for DDP's averaging) and its weighted metric contributions. ``step_size``:
-        the global batch's samples (per-sample mean) or loss tokens (per-token mean)."""
+        the global batch's samples (per-sample mean) or loss tokens (per-token mean). ``gidx`` None:
+        an expert-parallel padding micro-batch (a zero loss through the whole graph, no metrics)."""
+        if gidx is None:
+            return sum(r.log_probs.sum() for r in res) * 0.0, {}
         batch = rows.batch(gidx, [r.log_probs for r in res], entropy=_pad([r.entropy for r in res]))
         share = len(gidx) if self.objective.reduction == "sample_mean" else float(loss_token_count(batch.mask))
         w = share / step_size
@@ -576,7 +739,9 @@ class MegatronActor:
         else:
             step_size = float(sum(loss_token_count(rows.mask[i]) for i in idx))  # an empty sample counts 1
         acc: dict[str, float] = {}
-        n_tokens = sum(mb.num_tokens for mb, _ in layout)
+        n_tokens = sum(mb.num_tokens for mb, gidx in layout if gidx is not None)
+        if self.moe is not None:
+            self.moe.start_step(len(layout), sum(gidx is not None for _, gidx in layout))
 
         def merge(part: dict[str, float]) -> None:
             for k, v in part.items():
@@ -584,6 +749,8 @@ class MegatronActor:
 
         if self.pp == 1:
             for mb, gidx in layout:
+                if self.moe is not None:
+                    self.moe.padding = gidx is None
                 with cpu_compat.suspended():  # forward + backward: no CUDA literal, no per-call mode overhead
                     res = compute_log_probs(self.model, mb, self.arch.vocab_size, temperature, True, self.tp_group)
                     loss, part = self._micro_batch_loss(res, gidx, rows, step_size)
@@ -607,6 +774,8 @@ class MegatronActor:
         if self.dp > 1:
             acc, n_tokens = self._dp_sum(acc, n_tokens)
         acc = self._pp_share(acc)
+        if self.moe is not None:
+            acc.update(self.moe.step_metrics())  # collective: every rank's routers
         waited = self.before_update() if self.before_update is not None else 0.0  # a save still reading the state
         ok, grad_norm, _ = self.optimizer.step()
         self.step += 1

@@ -75,7 +75,8 @@ def init_parallel(tp: int = 1, pp: int = 1, backend: str = "auto", seed: int = 1
         raise SlimectlError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; launch tp*pp*dp processes")
     if ep < 1 or (world // pp) % (ep * tp):
         raise SlimectlError(f"expert-parallel size {ep} does not fit world size {world} with tp={tp}, pp={pp}: "
-                            f"tp*ep*pp = {tp * ep * pp} must divide the world size")
+                            f"tp*ep*pp = {tp * ep * pp} must divide the world size; launch tp*pp*dp processes "
+                            f"with ep dividing dp (`slimectl train` relaunches itself under torchrun)")
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 

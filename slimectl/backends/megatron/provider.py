@@ -14,11 +14,28 @@ from slimectl.backends.hf.dtypes import torch_dtype
 MOE_TOKEN_DISPATCHER = "alltoall"
 
 
+def check_expert_parallel(arch: ModelArch, ep: int, name: str = "train.ep") -> None:
+    """Refuse (one line, exit 2) an expert-parallel size this model cannot be split into: a dense
+    model (no experts to split), or one that does not divide the number of experts."""
+    from slimectl.contract.errors import ConfigError
+
+    if ep == 1:
+        return
+    if not arch.is_moe:
+        raise ConfigError(f"{name} = {ep}: this model ({arch.family}) is dense, it has no experts to split; "
+                          f"set {name} to 1 (expert parallelism is for mixture-of-experts models)")
+    if arch.num_experts % ep:
+        ok = [d for d in range(1, arch.num_experts + 1) if arch.num_experts % d == 0]
+        raise ConfigError(f"{name} = {ep} must divide the model's {arch.num_experts} experts; valid {name} sizes: "
+                          f"{', '.join(map(str, ok))}")
+
+
 def moe_config_kwargs(arch: ModelArch, ep: int = 1, aux_loss_coeff: float = 0.0) -> dict:
     """TransformerConfig arguments of an MoE architecture (empty for a dense one).
 
     Sequential experts (one local MLP per expert, ``moe_grouped_gemm`` off: grouped GEMM needs
-    CUDA kernels); the router computes in fp32 like HF's (softmax in float). HF's ``norm_topk_prob``
+    CUDA kernels, and its fused ``weight1``/``weight2`` parameters have no HF name mapping yet);
+    the router computes in fp32 like HF's (softmax in float). HF's ``norm_topk_prob``
     (softmax over all experts, top k, renormalised) is Megatron's top-k-then-softmax; without it,
     Megatron's ``moe_router_pre_softmax`` (softmax over all experts, then top k, not renormalised).
     """
@@ -80,7 +97,7 @@ def _alltoall_dispatcher_on_cpu() -> None:
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "fp32", init: bool = True,
-                       ep: int = 1):
+                       ep: int = 1, aux_loss_coeff: float = 0.0):
     from megatron.core.transformer import TransformerConfig
 
     cpu = not torch.cuda.is_available()
@@ -110,7 +127,7 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "
         use_cpu_initialization=cpu,
         perform_initialization=init,
         sequence_parallel=False,
-        **moe_config_kwargs(arch, ep),
+        **moe_config_kwargs(arch, ep, aux_loss_coeff),
     )
     # Packed micro-batches differ in length, so pipeline stages exchange tensor shapes before each
     # transfer. Set after construction: the constructor refuses it for MoE's allgather token
@@ -120,13 +137,14 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "
 
 
 def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1, dtype: str = "fp32",
-                    init: bool = True, ep: int | None = None):
+                    init: bool = True, ep: int | None = None, aux_loss_coeff: float = 0.0):
     """The GPTModel of this rank's pipeline stage (local layer spec: no Transformer Engine needed).
 
     Its core attention is :class:`~slimectl.backends.megatron.attention.SegmentAttention`: causal
     attention per packed sequence (no ``[T, T]`` mask) inside ``forward_micro_batch``, Megatron's
     ``DotProductAttention`` otherwise (same parameters: none). ``init=False`` skips random
-    initialisation (weights are about to be loaded).
+    initialisation (weights are about to be loaded). MoE models: ``aux_loss_coeff`` is the
+    load-balancing loss's coefficient (Megatron adds it in the router's backward while training).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -136,7 +154,7 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
         patch_moe_without_te()
     if ep is None:  # the expert-parallel size Megatron's groups were set up with (init_parallel's ep)
         ep = ps.get_expert_model_parallel_world_size() if arch.is_moe else 1
-    cfg = transformer_config(arch, tp, pp, dtype, init, ep=ep)
+    cfg = transformer_config(arch, tp, pp, dtype, init, ep=ep, aux_loss_coeff=aux_loss_coeff)
     from slimectl.backends.megatron.attention import SegmentAttention
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm,
