@@ -6,7 +6,10 @@ and write the same bytes to a new safetensors file, fsynced (convert's output is
 post-import baseline, sampled every 20 ms in a separate run (sampling would slow the timed run). Prints medians of N runs and the ratios
 convert/floor (time) and convert-peak/model-size (memory). Targets: <= 2.0x time, <= 1.5x size.
 
-    python bench/convert.py [--runs 3] [--hidden 768 --layers 12 --vocab 16000]
+    python bench/convert.py [--runs 3] [--hidden 768 --layers 12 --vocab 16000] [--family llama|qwen2|qwen3|qwen3-moe]
+
+``--family qwen3-moe`` converts a Qwen3-MoE of the same hidden size and depth (``--experts 8``, top-2,
+expert width hidden/2): per-expert HF tensors into Megatron's local experts.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=16000)
     ap.add_argument("--family", default="llama")
+    ap.add_argument("--experts", type=int, default=8, help="experts per layer (--family qwen3-moe)")
     args = ap.parse_args()
     from slimectl.fixtures.tiny_models import build_tiny_model
     from slimectl.backends.hf.arch import arch_from_dir
@@ -81,7 +85,9 @@ def main() -> None:
     try:
         model = build_tiny_model(args.family, work / "hf", hidden_size=args.hidden, num_layers=args.layers,
                                  num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256),
-                                 intermediate_size=int(args.hidden * 8 / 3) // 64 * 64, vocab_size=args.vocab)
+                                 intermediate_size=int(args.hidden * 8 / 3) // 64 * 64, vocab_size=args.vocab,
+                                 **(dict(num_experts=args.experts, num_experts_per_tok=2,
+                                         moe_intermediate_size=args.hidden // 2) if args.family == "qwen3-moe" else {}))
         arch = arch_from_dir(model)
         size = (model / "model.safetensors").stat().st_size
         print(f"model: {args.family} {arch.num_params() / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB fp32 safetensors",

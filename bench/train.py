@@ -13,7 +13,10 @@ recomputed (one more forward than the floor, as slime does by default) and with
 ``train.use_rollout_logprobs`` (the same passes as the floor) — and the padding fraction of the
 packed batches (target <= 5%).
 
-    python bench/train.py [--runs 3] [--micro-batch 1024]
+``--family qwen3-moe`` runs the same on a tiny Qwen3-MoE (8 experts, top-2; the actor adds the
+MoE metrics and, with ``--aux-loss-coeff``, the load-balancing loss; the floor is the same bare loop).
+
+    python bench/train.py [--runs 3] [--micro-batch 1024] [--family qwen2|qwen3-moe] [--aux-loss-coeff 0]
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from pathlib import Path
 def make_samples(model_dir: Path, n_groups: int = 16, n: int = 4, new_tokens: int = 48):
     import random
 
-    from slimectl.engines.embedded.runner import BatchRunner, GenRequest, SamplingParams
+    from slimectl.engines.embedded.requests import GenRequest
+    from slimectl.engines.embedded.sampling import SamplingParams
+    from slimectl.engines.embedded.scheduler import BatchRunner
     from slimectl.contract.samples import Sample, Status
 
     runner = BatchRunner(str(model_dir))
@@ -60,24 +65,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=1024, help="train.max_tokens_per_micro_batch")
+    ap.add_argument("--family", default="qwen2", choices=["qwen2", "qwen3-moe"])
+    ap.add_argument("--aux-loss-coeff", type=float, default=0.0, help="train.moe_aux_loss_coeff (qwen3-moe)")
     args = ap.parse_args()
     import torch
 
     from slimectl.contract.config import SlimectlConfig
     from slimectl.fixtures.tiny_models import build_tiny_model
     from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.megatron import cpu_compat
     from slimectl.backends.megatron.actor import MegatronActor
     from slimectl.backends.megatron.logprobs import compute_log_probs
     from slimectl.backends.megatron.packing import pack_samples
 
     work = Path(tempfile.mkdtemp(prefix="slimectl-bench-train-"))
-    model_dir = build_tiny_model("qwen2", work / "m", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                                 intermediate_size=512, initializer_range=0.1)
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128) if args.family == "qwen3-moe" else {}
+    model_dir = build_tiny_model(args.family, work / "m", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=512, initializer_range=0.1, **moe)
     samples = make_samples(model_dir)
     tokens = sum(len(s.tokens) for s in samples)
     cfg = SlimectlConfig()
     cfg.train.lr = 1e-5
     cfg.train.max_tokens_per_micro_batch = args.micro_batch
+    cfg.train.moe_aux_loss_coeff = args.aux_loss_coeff
     arch = arch_from_dir(model_dir)
     actor = MegatronActor(arch, arch.padded_vocab_size(1), cfg.train, cfg.algorithm)
     actor.load_hf(model_dir)
@@ -88,9 +98,10 @@ def main() -> None:
         actor.model.zero_grad_buffer()
         actor.optimizer.zero_grad()
         for mb in mbs:
-            out = compute_log_probs(actor.model, mb, arch.vocab_size, 1.0)
-            loss = -torch.cat([o.log_probs for o in out]).mean() / len(mbs)
-            loss.backward()
+            with cpu_compat.suspended():  # as the actor runs its passes (a no-op on GPUs)
+                out = compute_log_probs(actor.model, mb, arch.vocab_size, 1.0)
+                loss = -torch.cat([o.log_probs for o in out]).mean() / len(mbs)
+                loss.backward()
         actor.model.finish_grad_sync()
         actor.optimizer.step()
 
@@ -113,7 +124,8 @@ def main() -> None:
               file=sys.stderr)
     m = statistics.median
     print(json.dumps({
-        "workload": f"{len(samples)} samples, {tokens} tokens, {len(mbs)} micro-batches, qwen2 h256 L4 fp32",
+        "workload": f"{len(samples)} samples, {tokens} tokens, {len(mbs)} micro-batches, {args.family} h256 L4 fp32"
+                    + (f", 8 experts top-2, aux loss coeff {args.aux_loss_coeff}" if moe else ""),
         "runs": args.runs,
         "actor_tok_s": round(tokens / m(a)), "floor_tok_s": round(tokens / m(f)),
         "time_ratio": round(m(a) / m(f), 3),
