@@ -285,16 +285,9 @@ class MegatronActor:
         return extra
 
     def _fill_empty_adam_state(self) -> None:
-        """A never-stepped torch Adam has no state to load a checkpoint into: give it zeros first."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = opt.optimizer
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    st = inner.state[p]
-                    if not st:
-                        st["step"] = torch.tensor(0.0)
-                        st["exp_avg"] = torch.zeros_like(p.data)
-                        st["exp_avg_sq"] = torch.zeros_like(p.data)
+        from slimectl.backends.megatron.checkpoint import fill_empty_adam_state
+
+        fill_empty_adam_state(self.optimizer)
 
     # ------------------------------------------------------------------ RNG
     @property

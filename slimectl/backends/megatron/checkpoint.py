@@ -745,3 +745,18 @@ def install_safe_loading() -> None:
 
 
 install_safe_loading()
+
+
+def fill_empty_adam_state(optimizer) -> None:
+    """A never-stepped torch Adam has no state to save or to load a checkpoint into: give it zeros
+    first (``step`` 0, zero moments), in every optimizer of a Megatron (chained) optimizer. Used by
+    the actor and the critic alike."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
