@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 import slimectl.backends.megatron  # noqa: F401  (quiets megatron's import-time notices about missing TE/Apex)
+from slimectl.backends.megatron import cpu_compat
 from slimectl.algorithms.gae import compute_gae
 from slimectl.algorithms.reduce import loss_token_count
 from slimectl.algorithms.value_loss import clipped_value_loss, critic_metrics
@@ -255,7 +256,9 @@ class MegatronCritic:
 
         def step(data_iterator, chunk):
             mb, gidx = next(data_iterator)
-            return forward_values(chunk, mb), functools.partial(loss_fn, mb, gidx)
+            with cpu_compat.suspended():  # the chunk's forward (the schedule itself keeps the CPU mode)
+                values = forward_values(chunk, mb)
+            return values, functools.partial(loss_fn, mb, gidx)
 
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter(layout), model=[self.model], num_microbatches=len(layout),
@@ -280,7 +283,9 @@ class MegatronCritic:
         layout = self._layout(samples, list(range(len(samples))))
         if self.pp == 1:
             for mb, gidx in layout:
-                for g, v in zip(gidx, self._response_rows(forward_values(self.model, mb), mb)):
+                with cpu_compat.suspended():
+                    values = forward_values(self.model, mb)
+                for g, v in zip(gidx, self._response_rows(values, mb)):
                     out[g] = v.detach().float()
         elif layout:
             def collect(mb, gidx, values):
@@ -343,8 +348,9 @@ class MegatronCritic:
                 from slimectl.backends.megatron.critic import forward_values
 
                 for mb, gidx in layout:
-                    loss, part = loss_of(mb, gidx, forward_values(self.model, mb))
-                    loss.backward()
+                    with cpu_compat.suspended():  # forward + backward (as the actor's)
+                        loss, part = loss_of(mb, gidx, forward_values(self.model, mb))
+                        loss.backward()
                     merge(part)
                 self.model.finish_grad_sync()
             else:
