@@ -150,7 +150,8 @@ with run.lock("train") as lock:
             t = time.perf_counter()
             art = run.rollouts.get(rid)
             out = trainer.train_rollout(rid, art, metrics, publish_weights=True, last=rid == spec["rollouts"] - 1)
-            steps.append({"wall_s": time.perf_counter() - t, **{k: v for k, v in out[-1].items() if k.startswith("perf/")}})
+            perf = {k: v for k, v in out[-1].items() if k.startswith("perf/")}
+            steps.append({"wall_s": time.perf_counter() - t, **perf})
         marks[f"after_rollout_{rid}"] = rss()
         if trim is not None:
             trim(0)
