@@ -207,6 +207,21 @@ def run_trl(work: Path, model: Path, a, seed: int) -> dict:
             "tokens_per_s": a.prompts * a.samples * a.new_tokens / step, **memory}
 
 
+def count_params(model: Path) -> int:
+    """Parameters in the model's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in Path(model).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                size = 1
+                for x in fh.get_slice(k).get_shape():
+                    size *= x
+                n += size
+    return n
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--trl-worker":
         return trl_worker(json.loads(sys.argv[2]))
@@ -223,6 +238,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=None, help="slimectl's train.max_tokens_per_micro_batch")
     ap.add_argument("--trl-python", default=sys.executable, help="interpreter with trl installed")
     ap.add_argument("--trl-pythonpath", default="", help="prepended to the TRL worker's PYTHONPATH")
+    ap.add_argument("--no-trl", action="store_true", help="slimectl's side only (where TRL is not installed)")
     a = ap.parse_args()
     if (a.model is None) == (not a.tiny_model):
         ap.error("give --model DIR or --tiny-model")
@@ -232,15 +248,20 @@ def main() -> None:
         from slimectl.fixtures.tiny_models import build_tiny_model
 
         model = build_tiny_model("qwen2", work / "tiny-qwen2", seed=0)
+    n_params = count_params(model)
     results: dict[str, list[dict]] = {"slimectl rl": [], "TRL GRPOTrainer": []}
     for r in range(a.rounds):  # A B A B: drift of a shared machine hits both sides alike
         (work / f"a{r}").mkdir()
         results["slimectl rl"].append(run_slimectl(work / f"a{r}", model, a, r))
-        results["TRL GRPOTrainer"].append(run_trl(work, model, a, r))
-    print(f"model {model}, {a.prompts} prompts x {a.samples} samples x <= {a.new_tokens} tokens, lr {a.lr}, "
+        if not a.no_trl:
+            results["TRL GRPOTrainer"].append(run_trl(work, model, a, r))
+    print(f"model {model} ({n_params / 1e6:.1f}M parameters), "
+          f"{a.prompts} prompts x {a.samples} samples x <= {a.new_tokens} tokens, lr {a.lr}, "
           f"{a.steps} steps per run ({a.warmup} dropped), {a.rounds} rounds interleaved")
     summary = {}
     for side, runs in results.items():
+        if not runs:
+            continue
         step = statistics.median(x["step_s"] for x in runs)
         phases = {k: statistics.median(x["phases_s"][k] for x in runs if x["phases_s"].get(k) is not None)
                   for k in runs[0]["phases_s"] if runs[0]["phases_s"][k] is not None}
@@ -249,8 +270,10 @@ def main() -> None:
         summary[side] = step
         print(f"{side:>16}: step {step:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) +
               f"), {statistics.median(x['tokens_per_s'] for x in runs):.0f} tok/s, peak RSS tree {peak:.2f} GB "
-              "[" + "; ".join(f"{k.split(' ', 1)[1] or k}: {v:.2f}" for k, v in procs.items()) + "]")
-    print(f"ratio rl / TRL: {summary['slimectl rl'] / summary['TRL GRPOTrainer']:.2f}x")
+              "[" + "; ".join(f"{k.split(' ', 1)[1] or k}: {v:.2f} GB = {v * 2**30 / n_params:.1f} B/param"
+                              for k, v in procs.items()) + "]")
+    if "TRL GRPOTrainer" in summary:
+        print(f"ratio rl / TRL: {summary['slimectl rl'] / summary['TRL GRPOTrainer']:.2f}x")
     print(json.dumps({"results": results, "args": {k: str(v) for k, v in vars(a).items()}}))
 
 

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from slimectl.backends.megatron.host_memory import release_free_memory
 from slimectl.contract.config import SlimectlConfig
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ConfigError, SlimectlError, UsageError
@@ -256,6 +257,7 @@ class Trainer:
         if last is not None:
             self.actor.load_state(last.path / STATE_DIR)
             fault_point("train.resumed")
+        release_free_memory()  # the loads' staging copies: freed, not yet given back
         state = self.cursor.read()
         if not self.rank0:
             pass  # rank 0 reconciles the cursor; every rank derived next_id from the same checkpoint
@@ -317,6 +319,7 @@ class Trainer:
             steps = self._train_ppo(rid, samples)
         else:
             steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key)
+        release_free_memory()  # the step's activations (the next phases allocate other sizes)
         version = rid + 1
         interval = self.cfg.algorithm.ref_update_interval
         if interval and version % interval == 0:  # slime: (rollout_id + 1) % ref_update_interval == 0
@@ -607,5 +610,6 @@ def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConf
                         _critic_store(run).remove(i)
             log.info("published checkpoints/%06d (%.2f s%s)", version, time.perf_counter() - t,
                      ", in the background" if writer.background else "")
+        release_free_memory()  # the writer's buffers (in its own thread's malloc arena)
 
     writer.submit(job)
