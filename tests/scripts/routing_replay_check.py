@@ -1,0 +1,124 @@
+"""Routing replay end to end on a tiny Qwen3-MoE (fp32, one rank): the embedded engine's runner
+rolls out samples with their routed experts, the Megatron actor recomputes their log-probs with
+``train.use_rollout_routing_replay`` on and off.
+
+    routing_replay_check.py HF_DIR
+
+Samples: 6 prompts of different lengths, 10 sampled tokens each (temperature 1, seeded), stored as
+the rollout stores them (``Sample.append_response_tokens`` with SGLang's base64 ``routed_experts``).
+Then a second rollout of the same prompts by an engine whose routers are perturbed (routes recorded
+under slightly different weights, so some differ from what the trainer's routers pick).
+Prints ``RESULT {json}``: for each rollout the max |train - rollout| log-prob with replay on and off,
+whether the experts the trainer's routers used equal the recorded ones (read back from every router),
+and how many (token, layer) routes the trainer picks differently on its own.
+"""
+
+import base64
+import json
+import sys
+import time
+
+import torch
+
+PROMPTS = 6
+NEW_TOKENS = 10
+PERTURB = 0.05  # relative noise on the engine's router weights for the second rollout
+
+
+def rollout(hf_dir: str, perturb: float):
+    from slimectl.contract.samples import Sample
+    from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams
+
+    runner = BatchRunner(hf_dir, max_batch_size=8)
+    if perturb:
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for gate in runner._gates:
+                gate.weight.add_(perturb * gate.weight.abs().mean() * torch.randn(gate.weight.shape, generator=g))
+    runner.start()
+    try:
+        prompts = [torch.randint(3, runner.vocab_size, (3 + 4 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+                   for i in range(PROMPTS)]
+        reqs = [GenRequest(rid=f"r{i}", input_ids=p, return_logprob=True, return_routed_experts=True,
+                           params=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, sampling_seed=i, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        results = [f.result(120) for f in [runner.submit(r) for r in reqs]]
+    finally:
+        runner.stop()
+    samples = []
+    for i, (p, res) in enumerate(zip(prompts, results)):
+        s = Sample(index=i, group_index=i, tokens=list(p), reward=float(i % 2))
+        meta = {"routed_experts": base64.b64encode(res.routed_experts.numpy().tobytes()).decode(),
+                "weight_version": res.weight_version, "finish_reason": res.finish_reason}
+        s.append_response_tokens(res.output_ids, res.output_token_logprobs, True, meta)
+        samples.append(s)
+    return samples
+
+
+def main() -> None:
+    hf_dir = sys.argv[1]
+    t0 = time.perf_counter()
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.megatron.actor import MegatronActor
+    from slimectl.backends.megatron.parallel import init_parallel
+    from slimectl.backends.megatron.routing_replay import sample_routes
+    from slimectl.contract.config import AlgorithmSection, TrainSection
+
+    init_parallel()
+    arch = arch_from_dir(hf_dir)
+    actor = MegatronActor(arch, arch.padded_vocab_size(1), TrainSection(use_rollout_routing_replay=True),
+                          AlgorithmSection())
+    actor.load_hf(hf_dir)
+    replay = actor.replay
+    routers = replay.routers[id(actor.module)]
+    out: dict = {"moe_layers": len(routers), "topk": arch.moe_topk}
+
+    def logprob_gap(samples) -> float:
+        lps = actor.compute_log_probs(samples, temperature=1.0)
+        return max(float((lp - torch.tensor(s.rollout_log_probs)).abs().max()) for lp, s in zip(lps, samples))
+
+    def used_routes():  # [row tokens, layers, topk] as the routers used them in the last forward
+        return torch.stack([r.router_replay.recorded_topk_idx for r in routers], 1)
+
+    for name, perturb in (("same_weights", 0.0), ("perturbed_router", PERTURB)):
+        samples = rollout(hf_dir, perturb)
+        res: dict = {}
+        # one micro-batch holds every sample: the routers' last forward covers them all
+        assert actor.train_cfg.max_tokens_per_micro_batch >= sum(len(s.tokens) for s in samples)
+        res["gap_replay_on"] = logprob_gap(samples)
+        used, valid = used_routes(), routers[0].router_replay.valid
+        target = torch.stack([r.router_replay.target_topk_idx for r in routers], 1)
+        res["forced_equal_recorded"] = bool(torch.equal(used[valid], target[valid]))
+        # the recorded rows of each sample, where prepare() put them (offsets in sample order)
+        offs, rows_ok = 0, True
+        for s in samples:
+            rec = sample_routes(s, len(routers), arch.moe_topk)
+            rows_ok &= bool(torch.equal(used[offs:offs + len(s.tokens) - 1], rec))
+            offs += len(s.tokens)
+        res["forced_rows_equal_samples"] = rows_ok
+        res["replayed_positions"] = int(valid.sum())
+        actor.replay = None
+        replay.clear()
+        try:
+            res["gap_replay_off"] = logprob_gap(samples)
+            own = used_routes()
+        finally:
+            actor.replay = replay
+        res["own_routes_differ"] = int((own[valid].sort(-1).values != target[valid].sort(-1).values).any(-1).sum())
+        out[name] = res
+    # a sample rolled out without routes: one clear line naming it
+    bare = samples[0].__class__(index=7, tokens=samples[0].tokens, response_length=samples[0].response_length)
+    try:
+        actor.compute_log_probs([bare])
+        out["missing_error"] = None
+    except ValueError as exc:
+        out["missing_error"] = str(exc)
+    out["seconds"] = time.perf_counter() - t0
+    print("RESULT " + json.dumps(out), flush=True)
+    from slimectl.backends.megatron.parallel import shutdown_parallel
+
+    shutdown_parallel(destroy_process_group=__name__ == "__main__")
+
+
+if __name__ == "__main__":
+    main()
