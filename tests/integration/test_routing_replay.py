@@ -30,6 +30,9 @@ def test_replay_step0_train_vs_rollout_within_1e5_with_the_recorded_routes(repla
     assert same["gap_replay_on"] <= 1e-5
     assert same["forced_equal_recorded"] and same["forced_rows_equal_samples"]
     assert same["replayed_positions"] > 100
+    # the training forward and the reference model's forward replay them too
+    assert same["train_and_ref_forced_equal_recorded"] and same["ref_routers"] == replay["moe_layers"]
+    assert same["train_step_rollout_abs_diff_mean"] <= 1e-5  # the training forward's own log-probs
 
 
 def test_routes_recorded_under_other_weights_are_the_ones_the_trainer_uses(replay):

@@ -66,8 +66,9 @@ def main() -> None:
 
     init_parallel()
     arch = arch_from_dir(hf_dir)
+    # with a reference model (use_kl_loss): its routers replay too
     actor = MegatronActor(arch, arch.padded_vocab_size(1), TrainSection(use_rollout_routing_replay=True),
-                          AlgorithmSection())
+                          AlgorithmSection(use_kl_loss=True, kl_loss_coef=0.01))
     actor.load_hf(hf_dir)
     replay = actor.replay
     routers = replay.routers[id(actor.module)]
@@ -105,9 +106,23 @@ def main() -> None:
         finally:
             actor.replay = replay
         res["own_routes_differ"] = int((own[valid].sort(-1).values != target[valid].sort(-1).values).any(-1).sum())
+        if not perturb:
+            first = samples
         out[name] = res
+    # a training step on the first rollout (its forward gives step 0's old log-probs) and the
+    # reference's forward: every router of both models used the recorded routes
+    m = actor.train_on_samples(first, rollout_temperature=1.0)[0]
+    res = out["same_weights"]
+    res["train_step_rollout_abs_diff_mean"] = m["train/train_rollout_logprob_abs_diff"]
+    ok = True
+    for model in (actor.module, actor.ref_model):
+        for r in replay.routers[id(model)]:
+            rp = r.router_replay
+            ok &= bool(torch.equal(rp.recorded_topk_idx[rp.valid], rp.target_topk_idx[rp.valid]))
+    res["train_and_ref_forced_equal_recorded"] = ok
+    res["ref_routers"] = len(replay.routers[id(actor.ref_model)])
     # a sample rolled out without routes: one clear line naming it
-    bare = samples[0].__class__(index=7, tokens=samples[0].tokens, response_length=samples[0].response_length)
+    bare = first[0].__class__(index=7, tokens=first[0].tokens, response_length=first[0].response_length)
     try:
         actor.compute_log_probs([bare])
         out["missing_error"] = None
