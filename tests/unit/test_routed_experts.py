@@ -99,3 +99,43 @@ def test_dense_model_return_routed_experts_is_a_clear_400(tmp_path):
         assert "return_routed_experts needs a MoE model" in msg and "qwen3" in msg
     finally:
         engine.runner.stop()
+
+
+def test_rollout_generate_stores_routes_and_a_partial_rollout_extends_them(moe_dir):
+    # the rollout's default_generate over a real engine (HTTP, in this process): with
+    # return_routed_experts the sample gets T-1 rows; a partial rollout continuing the sample asks
+    # from routed_experts_start_len = rows so far and extends them: the rows equal an HF forward's
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from slimectl.contract.samples import Sample
+    from slimectl.engines.embedded.server import EmbeddedEngine
+    from slimectl.stages.rollout.generate import EnginePool, default_generate
+
+    ref = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    engine = EmbeddedEngine(str(moe_dir), port=0, max_batch_size=4)
+
+    async def go():
+        app_runner = await engine.start()
+        pool = EnginePool([engine.url])
+        try:
+            args = SimpleNamespace(pool=pool, return_routed_experts=True)
+            s = Sample(index=0, tokens=[7, 8, 9, 10, 11], prompt="p")
+            params = {"temperature": 1.0, "sampling_seed": 1, "ignore_eos": True}
+            await default_generate(args, s, {**params, "max_new_tokens": 3})
+            first = list(s.rollout_routed_experts)
+            await default_generate(args, s, {**params, "max_new_tokens": 7})  # 4 more (partial rollout)
+            return s, first
+        finally:
+            await pool.close()
+            await app_runner.cleanup()
+            engine.runner.stop()
+
+    s, first = asyncio.run(go())
+    layers, k = ref.config.num_hidden_layers, ref.config.num_experts_per_tok
+    assert len(s.tokens) == 12 and len(first) == 7
+    got = torch.tensor(s.rollout_routed_experts).view(-1, layers, k)
+    assert got.shape[0] == 11
+    assert torch.equal(got, hf_routes(ref, s.tokens)[:-1])
+    assert s.rollout_routed_experts[:7] == first
