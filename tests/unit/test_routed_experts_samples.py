@@ -54,3 +54,25 @@ def test_bad_routes_are_rejected():
     s = Sample(index=0, tokens=[1, 2], prompt="p", response_length=0, rollout_routed_experts=[[0]] * 2)
     with pytest.raises(ValueError, match="at most T-1"):
         s.validate()
+
+
+def test_replay_refuses_samples_without_fitting_routes_and_dense_models():
+    from slimectl.backends.megatron.routing_replay import RoutingReplay, RoutingReplayError, sample_routes
+    from slimectl.contract.errors import ConfigError
+
+    s = Sample(index=4, tokens=[1, 2, 3, 4], prompt="p", response_length=1,
+               rollout_routed_experts=[[0, 1, 2, 3]] * 3)
+    assert sample_routes(s, 2, 2).tolist() == [[[0, 1], [2, 3]]] * 3
+    s.rollout_routed_experts = [[0, 1, 2, 3]] * 2  # one row short (the rollout stopped recording)
+    with pytest.raises(RoutingReplayError, match=r"sample 4 has rollout_routed_experts of shape \(2, 4\), "
+                                                 r"expected \[3, 4\]") as e:
+        sample_routes(s, 2, 2)
+    print(e.value)
+    assert e.value.exit_code == 2
+    s.rollout_routed_experts = None
+    with pytest.raises(RoutingReplayError, match="sample 4 has no rollout_routed_experts; roll out with") as e:
+        sample_routes(s, 2, 2)
+    print(e.value)
+    with pytest.raises(ConfigError, match="needs an MoE model") as e:
+        RoutingReplay([], num_layers=2, topk=0)
+    print(e.value)

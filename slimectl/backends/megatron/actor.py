@@ -247,9 +247,6 @@ class MegatronActor:
         # MoE routing replay (train.use_rollout_routing_replay): every forward routes as the rollout did
         self.replay = None
         if getattr(train, "use_rollout_routing_replay", False):
-            if not arch.is_moe:
-                raise ValueError("train.use_rollout_routing_replay needs an MoE model (this one is dense); "
-                                 "set train.use_rollout_routing_replay false")
             from slimectl.backends.megatron.routing_replay import RoutingReplay
 
             self.replay = RoutingReplay([gpt] + ([self.ref_model] if self.ref_model is not None else []),

@@ -18,6 +18,12 @@ from typing import Any
 
 import torch
 
+from slimectl.contract.errors import ConfigError, UsageError
+
+
+class RoutingReplayError(UsageError, ValueError):
+    """Samples that cannot be replayed (no or misshapen ``rollout_routed_experts``): exit code 2."""
+
 
 def _replay_class():
     from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -59,17 +65,17 @@ def routers_of(model) -> list:
 
 
 def sample_routes(sample: Any, num_layers: int, topk: int) -> torch.Tensor:
-    """``sample.rollout_routed_experts`` as a long tensor [T-1, num_layers, topk] (ValueError naming
-    the sample when it is missing or does not fit)."""
+    """``sample.rollout_routed_experts`` as a long tensor [T-1, num_layers, topk]
+    (:class:`RoutingReplayError` naming the sample when it is missing or does not fit)."""
     rows = getattr(sample, "rollout_routed_experts", None)
     name = f"sample {getattr(sample, 'index', '?')}"
     if rows is None:
-        raise ValueError(f"train.use_rollout_routing_replay: {name} has no rollout_routed_experts; roll out with "
+        raise RoutingReplayError(f"train.use_rollout_routing_replay: {name} has no rollout_routed_experts; roll out with "
                          f"train.use_rollout_routing_replay (or rollout.return_routed_experts) on an MoE model")
     t = torch.tensor(rows, dtype=torch.long)
     want = len(sample.tokens) - 1
     if t.ndim != 2 or t.shape[0] != want or t.shape[1] != num_layers * topk:
-        raise ValueError(f"train.use_rollout_routing_replay: {name} has rollout_routed_experts of shape "
+        raise RoutingReplayError(f"train.use_rollout_routing_replay: {name} has rollout_routed_experts of shape "
                          f"{tuple(t.shape)}, expected [{want}, {num_layers * topk}] ({len(sample.tokens)} tokens, "
                          f"{num_layers} MoE layers x top-{topk})")
     return t.view(want, num_layers, topk)
@@ -79,6 +85,9 @@ class RoutingReplay:
     """Routing replay for the routers of ``models`` (the actor's GPTModel, the reference model)."""
 
     def __init__(self, models: list, num_layers: int, topk: int):
+        if not topk:
+            raise ConfigError("train.use_rollout_routing_replay needs an MoE model (this one is dense); "
+                              "set train.use_rollout_routing_replay false")
         cls = _replay_class()
         self.num_layers, self.topk = num_layers, topk
         self.routers: dict[int, list] = {}
