@@ -2,7 +2,10 @@
 rolls out samples with their routed experts, the Megatron actor recomputes their log-probs with
 ``train.use_rollout_routing_replay`` on and off.
 
-    routing_replay_check.py HF_DIR
+    [torchrun --nproc_per_node EP] routing_replay_check.py HF_DIR
+
+(EP = the world size: every rank a data-parallel rank holding num_experts / EP experts; each rank
+rolls out the same samples, and the figures are the worst over the ranks.)
 
 Samples: 6 prompts of different lengths, 10 sampled tokens each (temperature 1, seeded), stored as
 the rollout stores them (``Sample.append_response_tokens`` with SGLang's base64 ``routed_experts``).
@@ -64,15 +67,21 @@ def main() -> None:
     from slimectl.backends.megatron.routing_replay import sample_routes
     from slimectl.contract.config import AlgorithmSection, TrainSection
 
-    init_parallel()
+    import os
+
+    import torch.distributed as dist
+
+    ep = int(os.environ.get("WORLD_SIZE", "1"))  # one process, or the torchrun ranks
+    init_parallel(ep=ep)
     arch = arch_from_dir(hf_dir)
     # with a reference model (use_kl_loss): its routers replay too
-    actor = MegatronActor(arch, arch.padded_vocab_size(1), TrainSection(use_rollout_routing_replay=True),
-                          AlgorithmSection(use_kl_loss=True, kl_loss_coef=0.01))
+    actor = MegatronActor(arch, arch.padded_vocab_size(1),
+                          TrainSection(use_rollout_routing_replay=True, dp=ep, ep=ep),
+                          AlgorithmSection(use_kl_loss=True, kl_loss_coef=0.01), ep=ep)
     actor.load_hf(hf_dir)
     replay = actor.replay
     routers = replay.routers[id(actor.module)]
-    out: dict = {"moe_layers": len(routers), "topk": arch.moe_topk}
+    out: dict = {"moe_layers": len(routers), "topk": arch.moe_topk, "ep": ep}
 
     def logprob_gap(samples) -> float:
         lps = actor.compute_log_probs(samples, temperature=1.0)
@@ -129,7 +138,15 @@ def main() -> None:
     except ValueError as exc:
         out["missing_error"] = str(exc)
     out["seconds"] = time.perf_counter() - t0
-    print("RESULT " + json.dumps(out), flush=True)
+    if ep > 1:  # the worst rank's figures
+        every = [None] * ep
+        dist.all_gather_object(every, out)
+        for name in ("same_weights", "perturbed_router"):
+            for k, v in out[name].items():
+                vals = [o[name][k] for o in every]
+                out[name][k] = all(vals) if isinstance(v, bool) else (min(vals) if "own_routes" in k else max(vals))
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(out), flush=True)
     from slimectl.backends.megatron.parallel import shutdown_parallel
 
     shutdown_parallel(destroy_process_group=__name__ == "__main__")
