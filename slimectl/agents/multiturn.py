@@ -265,7 +265,9 @@ async def run_episode(args: Any, sample: Sample, sampling_params: dict[str, Any]
             stops = params.get("stop") or []
             params["stop"] = ([stops] if isinstance(stops, str) else list(stops)) + [TOOL_CALL_CLOSE]
         try:
-            out = await args.pool.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True)
+            extra = {"return_routed_experts": True, "routed_experts_start_len": len(sample.rollout_routed_experts or [])} \
+                if getattr(args, "return_routed_experts", False) else {}  # MoE routing replay: extend the rows
+            out = await args.pool.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True, **extra)
         except EngineError as exc:
             if exc.status == 400 and "context" in str(exc).lower():
                 meta["engine_error"] = str(exc)

@@ -140,6 +140,10 @@ class RolloutSection(Section):
     """Keep the groups still generating when a rollout has its batch and continue them in the next rollout."""
     mask_offpolicy_in_partial_rollout: bool = False
     """With partial_rollout: mask the tokens generated in an earlier rollout (older weights) out of the loss."""
+    return_routed_experts: bool = False
+    """MoE: ask the engines for the experts each MoE layer chose per token (SGLang's
+    ``return_routed_experts``; real SGLang needs ``--enable-return-routed-experts``) and store them
+    on each sample (``rollout_routed_experts``). Also on when ``train.use_rollout_routing_replay`` is."""
     concurrency_per_engine: int = Field(default=64, gt=0)
     """Most requests in flight to one engine."""
     seed: int = 42
@@ -307,6 +311,10 @@ class TrainSection(Section):
     """Shard the optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
     use_rollout_logprobs: bool = False
     """Take old log-probs from the rollout instead of recomputing them."""
+    use_rollout_routing_replay: bool = False
+    """MoE routing replay (slime's ``--use-rollout-routing-replay``, R3): every forward of a sample
+    (old log-probs, training, reference) routes each token to the experts the engine chose in rollout
+    (``rollout_routed_experts``); rollout then records them (as ``rollout.return_routed_experts``)."""
     save_interval: int = Field(default=1, gt=0)
     """Publish a checkpoint (``checkpoints/N``) every this many rollouts (and after the last)."""
     keep_checkpoints: Optional[int] = Field(default=2, gt=0)

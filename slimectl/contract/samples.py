@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from slimectl.contract.errors import SlimectlError
 
 SAMPLES_FILE = "samples.parquet"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the rollout_routed_experts column (v1 files read as None)
 
 
 class Status(str, enum.Enum):
@@ -56,6 +56,10 @@ class Sample:
     teacher_log_probs: list[float] | None = None
     rollout_id: int | None = None
     remove_sample: bool = False
+    rollout_routed_experts: list[list[int]] | None = None
+    """MoE routing replay (slime's ``rollout_routed_experts`` [T-1, layers, topk]): one row per token
+    position except the last (``len(tokens) - 1`` rows once complete), each row the experts every MoE
+    layer chose there, flattened layer-major (``layers * topk`` ints). None when not recorded."""
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -103,11 +107,25 @@ class Sample:
         lp = list(log_probs) if trainable and log_probs is not None else [0.0] * len(tokens)
         self.rollout_log_probs = (self.rollout_log_probs or []) + lp
         if meta_info:
+            if meta_info.get("routed_experts") is not None:
+                self._append_routed_experts(meta_info)
             if meta_info.get("weight_version") is not None:
                 self.weight_versions = list(self.weight_versions) + [str(meta_info["weight_version"])]
             reason = (meta_info.get("finish_reason") or {}).get("type")
             if reason in FINISH_TO_STATUS:
                 self.status = FINISH_TO_STATUS[reason]
+
+    def _append_routed_experts(self, meta_info: dict[str, Any]) -> None:
+        """Store a /generate response's ``routed_experts`` (SGLang: base64 int32, rows for positions
+        ``routed_experts_start_len`` .. T-2 of that call's prompt + output, whose prompt is this
+        sample's tokens so far). Rows before the start are kept, the rest replaced: a multi-turn or
+        partial-rollout call that asks from ``len(rollout_routed_experts)`` on just extends them."""
+        start = int(meta_info.get("routed_experts_start_len") or 0)
+        rows = decode_routed_experts(meta_info["routed_experts"], len(self.tokens) - 1 - start)
+        kept = list(self.rollout_routed_experts or [])
+        if start > len(kept):
+            raise ValueError(f"routed_experts start at position {start} but only {len(kept)} rows are recorded")
+        self.rollout_routed_experts = kept[:start] + rows
 
     def validate(self) -> None:
         """Raise ValueError when the fields are inconsistent (what train relies on)."""
@@ -117,6 +135,9 @@ class Sample:
             v = getattr(self, name)
             if v is not None and len(v) != self.response_length:
                 raise ValueError(f"{name} has {len(v)} entries for {self.response_length} response tokens")
+        re = self.rollout_routed_experts
+        if re is not None and len(re) > max(len(self.tokens) - 1, 0):
+            raise ValueError(f"rollout_routed_experts has {len(re)} rows for {len(self.tokens)} tokens (at most T-1)")
         if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError("loss_mask entries must be 0 or 1")
 
@@ -140,6 +161,27 @@ class Sample:
         return cls(**d)
 
 
+def decode_routed_experts(b64: str, positions: int) -> list[list[int]]:
+    """SGLang's ``meta_info.routed_experts`` (base64 of int32, [positions, layers, topk]) as
+    ``positions`` rows of ``layers * topk`` ints."""
+    import base64
+    import sys
+    from array import array
+
+    flat = array("i")
+    flat.frombytes(base64.b64decode(b64))
+    if sys.byteorder != "little":
+        flat.byteswap()
+    if positions <= 0:
+        if len(flat):
+            raise ValueError(f"routed_experts has {len(flat)} entries for no position")
+        return []
+    if len(flat) % positions:
+        raise ValueError(f"routed_experts has {len(flat)} entries, not a multiple of {positions} positions")
+    w = len(flat) // positions
+    return [flat[i * w:(i + 1) * w].tolist() for i in range(positions)]
+
+
 # ----------------------------------------------------------------------------- Parquet I/O
 
 _JSON_FIELDS = ("prompt", "reward", "metadata")
@@ -155,6 +197,7 @@ def _schema():
         ("loss_mask", pa.list_(pa.int8())), ("rollout_log_probs", pa.list_(pa.float32())),
         ("weight_versions", pa.list_(pa.string())), ("status", pa.string()), ("metadata", pa.string()),
         ("teacher_log_probs", pa.list_(pa.float32())), ("remove_sample", pa.bool_()),
+        ("rollout_routed_experts", pa.list_(pa.list_(pa.int32()))),
     ], metadata={b"slimectl_samples_format": str(FORMAT_VERSION).encode()})
 
 

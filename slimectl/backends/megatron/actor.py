@@ -244,6 +244,13 @@ class MegatronActor:
             self.ref_model = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=False, ep=ep).eval()
             self.ref_model.requires_grad_(False)
             self._sync_ref()
+        # MoE routing replay (train.use_rollout_routing_replay): every forward routes as the rollout did
+        self.replay = None
+        if getattr(train, "use_rollout_routing_replay", False):
+            from slimectl.backends.megatron.routing_replay import RoutingReplay
+
+            self.replay = RoutingReplay([gpt] + ([self.ref_model] if self.ref_model is not None else []),
+                                        arch.num_layers, arch.moe_topk)
         self.step = 0  # optimizer steps taken
         # Called before every optimizer step (the only in-place change of the parameters and the
         # Adam moments): waits for a checkpoint still being written from them; returns seconds waited.
@@ -491,6 +498,8 @@ class MegatronActor:
             mb, gidx = next(data_iterator)
             if self.moe is not None:
                 self.moe.padding = gidx is None  # an expert-parallel padding forward (see _even_layouts)
+            if self.replay is not None:
+                self.replay.prepare(chunk, mb, gidx)
             with cpu_compat.suspended():  # the chunk's forward; the schedule itself has CUDA literals
                 out = forward_micro_batch(chunk, mb, hidden=True)
             return out, functools.partial(loss_fn, mb, gidx)
@@ -516,6 +525,8 @@ class MegatronActor:
         out: dict[int, torch.Tensor] = {}
         if self.pp == 1:
             for mb, gidx in layout:
+                if self.replay is not None:
+                    self.replay.prepare(model, mb, gidx)
                 with cpu_compat.suspended():
                     res = compute_log_probs(model, mb, self.arch.vocab_size, temperature, False, self.tp_group)
                 for r, g in zip(res, gidx or ()):  # (None: an expert-parallel padding forward)
@@ -537,6 +548,8 @@ class MegatronActor:
                           ref: bool = False) -> list[torch.Tensor]:
         """Per-sample response log-probs under the current (or reference) weights (on every rank)."""
         model = self.ref_model if ref else self.module
+        if self.replay is not None:
+            self.replay.set_samples(samples)
         mbs = pack_samples(samples, self.train_cfg.max_tokens_per_micro_batch)
         res = self._pp_share(self._layout_log_probs(model, [(mb, [s.sample_index for s in mb.seqs]) for mb in mbs],
                                                     temperature))
@@ -572,6 +585,8 @@ class MegatronActor:
         rollout_lp = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples] if has_rollout_lp else None
         if (tcfg.use_rollout_logprobs or algo.use_tis) and not has_rollout_lp and not sft:
             raise ValueError("use_rollout_logprobs / use_tis need every sample's rollout_log_probs")
+        if self.replay is not None:
+            self.replay.set_samples(samples)  # (layouts name samples by their index here)
         teacher_lp = None
         if algo.use_opd and not sft:
             missing = [s.index for s in samples if s.teacher_log_probs is None
@@ -744,6 +759,8 @@ class MegatronActor:
             for mb, gidx in layout:
                 if self.moe is not None:
                     self.moe.padding = gidx is None
+                if self.replay is not None:
+                    self.replay.prepare(self.model, mb, gidx)
                 with cpu_compat.suspended():  # forward + backward: no CUDA literal, no per-call mode overhead
                     res = compute_log_probs(self.model, mb, self.arch.vocab_size, temperature, True, self.tp_group)
                     loss, part = self._micro_batch_loss(res, gidx, rows, step_size)

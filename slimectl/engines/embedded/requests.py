@@ -32,6 +32,10 @@ class GenRequest:
     logprob_start_len: int = -1
     # > 0: also return the top-n logprobs (input_top_logprobs / output_top_logprobs).
     top_logprobs_num: int = 0
+    # MoE only (SGLang's return_routed_experts): the experts each MoE layer chose for each position
+    # of prompt + output except the last, from position routed_experts_start_len on.
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 @dataclass
@@ -54,6 +58,8 @@ class GenResult:
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     e2e_latency: float = 0.0
+    # With return_routed_experts: int32 tensor [T - 1 - routed_experts_start_len, moe_layers, topk].
+    routed_experts: torch.Tensor | None = None
 
 
 class RunningRequest:
@@ -62,7 +68,7 @@ class RunningRequest:
     __slots__ = (
         "req", "params", "future", "prompt_len", "max_new", "stop_ids", "stop_strs", "stop_window",
         "gen", "_uniforms", "output_ids", "out_logprobs", "out_top", "in_logprobs", "in_top",
-        "spans", "cache_len", "abort_flag", "done", "t0", "want_lp", "top_n", "temp",
+        "spans", "cache_len", "abort_flag", "done", "t0", "want_lp", "top_n", "temp", "routes",
     )
 
     def __init__(self, req: GenRequest, eos_ids: frozenset[int], max_new: int):
@@ -95,6 +101,8 @@ class RunningRequest:
         self.done = False
         self.t0 = time.perf_counter()
         self.temp = 1.0 if p.greedy else float(p.temperature)
+        # Routed experts recorded so far: one int32 tensor [positions, moe_layers, topk] per forward.
+        self.routes: list[torch.Tensor] | None = [] if req.return_routed_experts else None
 
     def next_uniform(self) -> float:
         """The next uniform number of this request's own random stream."""
@@ -164,4 +172,13 @@ class RunningRequest:
             output_top_logprobs=self.out_top,
             input_top_logprobs=self.in_top,
             e2e_latency=time.perf_counter() - self.t0,
+            routed_experts=self._routed_experts(),
         )
+
+    def _routed_experts(self) -> torch.Tensor | None:
+        """SGLang's rows: every position of prompt + output except the last (the last token is never
+        fed to the model), from ``routed_experts_start_len`` on."""
+        if self.routes is None or not self.routes:
+            return None
+        rows = torch.cat(self.routes)[: self.prompt_len + len(self.output_ids) - 1]
+        return rows[self.req.routed_experts_start_len :].contiguous()

@@ -96,6 +96,13 @@ class BatchRunner(WeightUpdates):
         self._params = m.params  # by HF name (tied weights appear under both names)
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max(1, int(max_prefill_tokens))
+        # MoE routers (one per MoE layer, in layer order) and the capture of their top-k choices.
+        self._gates = _moe_gates(self.decoder)
+        self.moe_topk = int(getattr(self._gates[0], "top_k", 0)) if self._gates else 0
+        self._route_buf: list[torch.Tensor] | None = None
+        self._routes: torch.Tensor | None = None  # the last forward's [batch, seq, moe_layers, topk]
+        for g in self._gates:
+            g.register_forward_hook(self._capture_routes)
 
         self._weight_version = str(weight_version)
         self._cv = threading.Condition()
@@ -240,9 +247,17 @@ class BatchRunner(WeightUpdates):
                              f"length ({n})")
         if not is_int(req.top_logprobs_num) or req.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be a non-negative integer, got {req.top_logprobs_num!r}")
+        if req.return_routed_experts and not self._gates:
+            raise ValueError(f"return_routed_experts needs a MoE model, and {self.model_path} "
+                             f"({self.config.model_type}) has no MoE router; drop return_routed_experts "
+                             f"(rollout.return_routed_experts / train.use_rollout_routing_replay) for dense models")
+        start = req.routed_experts_start_len
+        if not is_int(start) or start < 0:
+            raise ValueError(f"routed_experts_start_len must be a non-negative integer, got {start!r}")
         req.input_ids = list(ids)
         seq = RunningRequest(req, self.eos_token_ids, max_new)
-        needs_prompt_pass = req.return_logprob and (req.logprob_start_len >= 0 or req.top_logprobs_num > 0)
+        needs_prompt_pass = (req.return_logprob and (req.logprob_start_len >= 0 or req.top_logprobs_num > 0)) \
+            or req.return_routed_experts
         if max_new == 0 and not needs_prompt_pass:
             # Nothing to compute.
             self._finish(seq, {"type": "length", "length": 0})
@@ -442,10 +457,24 @@ class BatchRunner(WeightUpdates):
         self._set_rows(rows, kv)
 
     # -- forwards ---------------------------------------------------------------------------------
-    def _forward(self, input_ids, position_ids, mask, kv) -> torch.Tensor:
-        out = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                           cache=kv, use_cache=True)
+    def _forward(self, input_ids, position_ids, mask, kv, rows=None) -> torch.Tensor:
+        capture = rows is not None and any(s.routes is not None and not s.done for s in rows)
+        self._route_buf = [] if capture else None
+        try:
+            out = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                               cache=kv, use_cache=True)
+            if capture:
+                # [batch * seq, topk] per MoE layer -> [batch, seq, moe_layers, topk]
+                b, t = input_ids.shape
+                self._routes = torch.stack(self._route_buf, dim=1).to(torch.int32).view(b, t, len(self._gates), -1)
+        finally:
+            self._route_buf = None
         return out.last_hidden_state
+
+    def _capture_routes(self, module, args, output) -> None:
+        """Forward hook on a MoE router: keep its top-k expert indices (the ones the block uses)."""
+        if self._route_buf is not None:
+            self._route_buf.append(output[2].detach())
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -469,8 +498,11 @@ class BatchRunner(WeightUpdates):
         q, k = cols[:, None], cols[None, :]
         mask = ((k <= q)[None] & (k[None] >= pad[:, None, None])) | (k == q)[None]
         kv = BatchKVCache.new(self.num_layers)
-        hidden = self._forward(ids, positions, mask[:, None], kv)
+        hidden = self._forward(ids, positions, mask[:, None], kv, seqs)
         kv.end = width
+        for i, s in enumerate(seqs):
+            if s.routes is not None:
+                s.routes.append(self._routes[i, width - s.prompt_len :].clone())
         self._stats["prefill_forwards"] += 1
         if log.isEnabledFor(logging.INFO):
             with self._cv:
@@ -534,8 +566,12 @@ class BatchRunner(WeightUpdates):
         lens1 = self._lens + 1
         width = kv.width + 1
         mask = (self._arange[:width][None, :] >= (width - lens1)[:, None])[:, None, None, :]
-        hidden = self._forward(self._next[:, None], self._lens[:, None], mask, kv)
+        hidden = self._forward(self._next[:, None], self._lens[:, None], mask, kv, rows)
         kv.end += 1
+        if any(s.routes is not None and not s.done for s in rows):
+            for i, s in enumerate(rows):  # the routes of each row's last token (fed in this step)
+                if s.routes is not None and not s.done:
+                    s.routes.append(self._routes[i].clone())
         self._lens = lens1
         self._stats["decode_forwards"] += 1
         logits = self._logits(hidden[:, -1])
@@ -606,3 +642,14 @@ class BatchRunner(WeightUpdates):
                 fut.set_result(result)
             except concurrent.futures.InvalidStateError:  # cancelled meanwhile
                 pass
+
+
+def _moe_gates(decoder) -> list:
+    """The router of each MoE layer of a transformers decoder (``layer.mlp.gate`` returning
+    ``(logits, weights, top-k indices)``, as Qwen3-MoE's ``Qwen3MoeTopKRouter``), in layer order."""
+    gates = []
+    for layer in getattr(decoder, "layers", []):
+        gate = getattr(getattr(layer, "mlp", None), "gate", None)
+        if gate is not None and hasattr(gate, "top_k") and hasattr(gate, "num_experts"):
+            gates.append(gate)
+    return gates

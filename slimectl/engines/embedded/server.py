@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import faulthandler
 import logging
 import os
@@ -262,6 +263,12 @@ class EmbeddedEngine:
         return_logprob = body.get("return_logprob", False)
         logprob_start_len = body.get("logprob_start_len", -1)
         top_n = body.get("top_logprobs_num", 0)
+        want_routes = body.get("return_routed_experts", False)
+        routes_start = body.get("routed_experts_start_len", 0)
+        if not isinstance(want_routes, bool):
+            raise BadRequest("return_routed_experts must be true or false")
+        if not isinstance(routes_start, int) or isinstance(routes_start, bool) or routes_start < 0:
+            raise BadRequest(f"routed_experts_start_len must be a non-negative integer, got {routes_start!r}")
         reqs = []
         for item, p, rid in zip(items, sps, rids):
             if text is not None:
@@ -282,7 +289,8 @@ class EmbeddedEngine:
                 raise BadRequest("logprob_start_len and top_logprobs_num must be integers")
             reqs.append(GenRequest(rid=str(rid), input_ids=list(input_ids), params=params,
                                    return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
-                                   top_logprobs_num=top_n))
+                                   top_logprobs_num=top_n, return_routed_experts=want_routes,
+                                   routed_experts_start_len=routes_start))
         return reqs, batched
 
     def _response(self, res, req, body: dict[str, Any], t0: float) -> dict[str, Any]:
@@ -306,6 +314,13 @@ class EmbeddedEngine:
             )
             meta["output_token_logprobs"] = [triple(lp, tok) for lp, tok in zip(res.output_token_logprobs or [], res.output_ids)]
             meta["output_token_logprobs_length"] = len(res.output_ids)
+        if req.return_routed_experts:
+            # SGLang's encoding: base64 of an int32 array, read back as
+            # np.frombuffer(b64decode(s), np.int32).reshape(-1, moe_layers, topk).
+            routes = res.routed_experts
+            meta["routed_experts"] = base64.b64encode(
+                routes.numpy().astype("<i4").tobytes() if routes is not None else b"").decode("ascii")
+            meta["routed_experts_start_len"] = req.routed_experts_start_len
         meta.update({
             "reasoning_tokens": 0,
             "completion_tokens": len(res.output_ids),

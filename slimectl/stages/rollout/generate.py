@@ -167,7 +167,11 @@ async def default_generate(args: SimpleNamespace, sample: Sample, sampling_param
         params["max_new_tokens"] = budget
         if getattr(args, "mask_offpolicy", False):
             sample.loss_mask = [0] * sample.response_length
-    out = await args.pool.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True)
+    extra = {}
+    if getattr(args, "return_routed_experts", False):
+        # rows already recorded (a partial rollout continuing) are kept; ask only for the new ones
+        extra = {"return_routed_experts": True, "routed_experts_start_len": len(sample.rollout_routed_experts or [])}
+    out = await args.pool.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True, **extra)
     meta = out["meta_info"]
     lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
     sample.append_response_tokens(out["output_ids"], lps, True, meta, out.get("text", ""))

@@ -396,7 +396,8 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
                       router=run.live_router(urls))  # serve's sglang-router in front of exactly these engines
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=rid,
                            rollout_max_response_len=r.max_response_len, n_samples_per_prompt=r.n_samples_per_prompt,
-                           reward_key=r.reward_key, mask_offpolicy=r.mask_offpolicy_in_partial_rollout)
+                           reward_key=r.reward_key, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
+                           return_routed_experts=r.return_routed_experts or cfg.train.use_rollout_routing_replay)
     try:
         versions = await pool.weight_versions()
         if not versions:
