@@ -305,10 +305,15 @@ class EngineGroup:
         dtype = HF_NAMES[self.cfg.model.dtype]
         per = ec.tp_size
         gpus = ec.gpu_ids[i * per:(i + 1) * per] if ec.gpu_ids else []
+        extra = dict(ec.sglang_args)
+        if (self.cfg.rollout.return_routed_experts or self.cfg.train.use_rollout_routing_replay) and not any(
+                k.strip("-").replace("-", "_") == "enable_return_routed_experts" for k in extra):
+            # SGLang answers return_routed_experts only when started with this flag (routing replay, R3)
+            extra["enable_return_routed_experts"] = True
         spec = SGLangLaunchSpec(model_path=str(self.model_path), port=port, host=ec.host, tp_size=ec.tp_size,
                                 mem_fraction_static=ec.mem_fraction_static, dtype=dtype, gpu_ids=gpus,
                                 weight_version=self.weight_version, admin_api_key=self.token,
-                                extra_args=dict(ec.sglang_args), python=ec.sglang_python or self.python,
+                                extra_args=extra, python=ec.sglang_python or self.python,
                                 env=dict(ec.env))
         return build_sglang_argv(spec), build_env(spec, env), spec.secrets()
 

@@ -272,6 +272,22 @@ def test_engine_env_reaches_both_launch_paths(run, monkeypatch):
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SG19_INHERITED"] == "yes"
 
 
+def test_routing_replay_starts_sglang_with_return_routed_experts(run):
+    """SGLang answers ``return_routed_experts`` only when launched with --enable-return-routed-experts:
+    serve adds it when rollout or train wants the routes (once, also when given in sglang_args)."""
+    from slimectl.stages.serve import EngineGroup
+
+    run, _ = run
+    cfg = run.config()
+    cfg.engine.backend = "sglang"
+    assert "--enable-return-routed-experts" not in EngineGroup(run, cfg)._launch_argv(0, 30000)[0]
+    cfg.train.use_rollout_routing_replay = True
+    assert EngineGroup(run, cfg)._launch_argv(0, 30000)[0].count("--enable-return-routed-experts") == 1
+    cfg.train.use_rollout_routing_replay, cfg.rollout.return_routed_experts = False, True
+    cfg.engine.sglang_args = {"enable-return-routed-experts": True}
+    assert EngineGroup(run, cfg)._launch_argv(0, 30000)[0].count("--enable-return-routed-experts") == 1
+
+
 @pytest.mark.parametrize("value, message", [
     ({"SGLANG_USE_CPU_ENGINE": 1}, None),
     ({"A-B": "x"}, "'A-B' is not an environment variable name"),
