@@ -241,6 +241,9 @@ class TorchrunLauncher(LocalLauncher):
             inner = InProcessTrainer(run, cfg, stack)
             trainer = TorchrunTrainer(inner, control_group(), self.critical)
             stack.callback(trainer.stop)
+        # torchrun's ranks rendezvous at its agent's store; the weight-update group with the engines
+        # (sync.transport distributed) is rank 0's own rendezvous, whose store rank 0 must host.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         return trainer
 
 
