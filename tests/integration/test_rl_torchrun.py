@@ -112,7 +112,7 @@ def test_sigterm_to_the_launching_rl_stops_both_ranks_cleanly_then_the_rerun_fin
         proc.kill()
         proc.wait()
     err = "".join(seen)
-    assert "rl 1/3" in err, err[-4000:]
+    assert "rl 1/3" in err and "launching 2 processes" in err, err[-4000:]
     assert proc.returncode == 143, err[-4000:]  # 128 + SIGTERM
     assert f"interrupted; resume with: slimectl {' '.join(args)}" in err
     assert "Traceback" not in err and "FAILED" not in err, err[-4000:]  # torchrun ended quietly: every rank exited 0
@@ -120,6 +120,8 @@ def test_sigterm_to_the_launching_rl_stops_both_ranks_cleanly_then_the_rerun_fin
     nxt = run.cursor("train").read().next
     assert nxt in (1, 2)  # stopped before the end
     assert run.checkpoints.ids()[-1] == nxt  # checkpointed before stopping (save_interval 3: none before the end)
+    saved = json.loads((run.checkpoints.get(nxt).path / "slimectl_checkpoint.json").read_text())["saved_with"]
+    assert saved["dp"] == 2  # by both ranks
     deadline = time.monotonic() + 20
     while (rank_pids(run) or engine_pids(run)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -128,7 +130,7 @@ def test_sigterm_to_the_launching_rl_stops_both_ranks_cleanly_then_the_rerun_fin
 
     res = slimectl(*args, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert f"resuming at rollout {nxt}, {3 - nxt} to go" in res.stderr
+    assert f"resuming at rollout {nxt}, {3 - nxt} to go" in res.stderr and "launching 2 processes" in res.stderr
     assert_trained_once(run, 3)
     assert [r["step"] for r in read_jsonl(run.metrics_path("train"))] == [1, 2, 3]
     assert_same_weights(run, 3, one_rank_weights(tmp_path, cfg, run, 3))
