@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import click
 
 from slimectl.commands._options import (
+    AppState,
     dry_run_option,
     engine_urls_option,
     overrides_option,
@@ -45,6 +49,9 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     Ctrl-C stops every stage cleanly and prints the command that resumes the run (exit code 130;
     143 for SIGTERM). Prints the trained rollout ids and the final weight version.
 
+    With train.tp*pp*dp > 1 (and the local launcher) it relaunches itself under torchrun: rank 0
+    runs the loop, the other ranks join its trainer's every call.
+
     \b
     Examples:
       slimectl rl --config examples/cpu_demo.yaml -r runs/demo
@@ -54,31 +61,61 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     """
     from slimectl.orchestration.loop import make_launcher
     from slimectl.orchestration.preflight import prepare_rl
+    from slimectl.orchestration.torchrun import under_torchrun
 
     placer = make_launcher(launcher, address, colocate)
+    torchrun_rank = launcher == "local" and under_torchrun()
+    if torchrun_rank:
+        from slimectl.orchestration import torchrun_trainer as tt
+
+        if tt.launch_rank() > 0:  # a trainer rank > 0: rank 0 runs the loop, this one follows its trainer calls
+            tt.follow_rank0(*tt.follower_config(resolve_run_dir(ctx, run_dir), overrides))
+            return
+        tt.write_status(pid=os.getpid())
     run, cfg = prepare_rl(config_path, resolve_run_dir(ctx, run_dir), overrides, tiny_model, dry_run, pretrained)
     if run is None:
         click.echo(cfg.to_yaml(), nl=False)
         return
+    from slimectl.orchestration.signals import InterruptOnSignal, StageInterrupted
+
+    if launcher == "local" and not under_torchrun():
+        from slimectl.orchestration.torchrun_trainer import rank_argv, relaunch_rl, trainer_world
+
+        world = trainer_world(cfg)
+        if world > 1:  # the trainer's ranks under torchrun: rank 0 runs this command's loop, the others follow
+            with run.lock("rl"):
+                pass  # fail here, in a second, when another rl runs, not on every rank
+            state = ctx.find_object(AppState)
+            argv = rank_argv(ctx.command.params, ctx.params, run.path, state.verbosity if state else 0)
+            res = relaunch_rl(world, argv)
+            if res.signal is not None:
+                raise StageInterrupted(res.signal)
+            if res.code:
+                ctx.exit(res.code)
+            return
     import threading
 
     from slimectl.orchestration.loop import run_rl
-    from slimectl.orchestration.signals import InterruptOnSignal, StageInterrupted
 
     # The first SIGINT/SIGTERM stops every stage cleanly; the root group prints the command that
     # resumes the run (this one, every option kept) and exits 128 + the signal.
     signals = InterruptOnSignal(threading.Event()).install()
+    if torchrun_rank:
+        tt.check_world(cfg)
+        placer = tt.TorchrunLauncher(critical=signals.deferred)
     try:
         res = run_rl(run, cfg, engine_urls, stop=signals.stop, critical=signals.deferred, launcher=placer)
     except KeyboardInterrupt:
-        raise StageInterrupted(signals.signal) from None
+        res = None
     except Exception:
         if signals.signal is None:
             raise
-        raise StageInterrupted(signals.signal) from None  # whatever the interrupt broke on its way out
-    if signals.signal is not None:
+        res = None  # whatever the interrupt broke on its way out
+    if res is None or signals.signal is not None:
+        if torchrun_rank and tt.reports_to_launcher():
+            tt.write_status(signal=signals.signal or signal.SIGINT)  # the launching rl reports it and exits 128+N
+            return
         raise StageInterrupted(signals.signal)
     from slimectl.commands._stage import format_ids
 
     click.echo(f"trained rollouts {format_ids(res.trained)}; weight version {res.weight_version}; {res.seconds:.1f} s")
-

@@ -3,8 +3,9 @@
 :class:`Engines` attaches to a running ``slimectl serve`` of the run, or starts engines owned by
 this process (they die with it, even after ``kill -9``). :class:`InProcessTrainer` is the train
 stage in this process and the weight sync from it; :class:`FollowerTrainer` is a trainer rank > 0
-(``rl --launcher ray`` with several trainer ranks). The Ray launcher
-(:mod:`slimectl.orchestration.ray_launcher`) runs the same two trainer classes inside its workers.
+(several trainer ranks). The Ray launcher (:mod:`slimectl.orchestration.ray_launcher`) runs the
+same two trainer classes inside its workers; with ``train.tp*pp*dp`` > 1 the local launcher runs
+them as torchrun ranks (:mod:`slimectl.orchestration.torchrun_trainer`).
 """
 
 from __future__ import annotations
@@ -180,8 +181,8 @@ class InProcessTrainer:
 
 
 class FollowerTrainer:
-    """Trainer rank > 0 of a trainer with several ranks (``rl --launcher ray`` with
-    ``train.tp*pp*dp > 1``): it joins every collective of rank 0's :class:`InProcessTrainer` —
+    """Trainer rank > 0 of a trainer with several ranks (``rl`` with ``train.tp*pp*dp > 1``: a Ray
+    worker, or a torchrun rank of the local launcher): it joins every collective of rank 0's :class:`InProcessTrainer` —
     training, checkpoint and weight publishing, the TP/PP gathers of a distributed sync — and,
     like the ranks > 0 of ``slimectl train`` under torchrun, holds no lock, writes nothing to the
     run directory and talks to no engine."""

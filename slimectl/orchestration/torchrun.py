@@ -98,17 +98,29 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], nnodes: int = 1, node_r
     """Run ``python -m slimectl ARGV`` under torchrun with ``nproc`` processes on this node; return
     its exit code. With ``nnodes`` > 1 every node runs this with its own ``node_rank`` and the same
     ``master_addr``/``master_port`` (node 0's address and a port open to the other nodes)."""
-    from slimectl.backends.megatron.parallel import free_port
-
     check_node_options(nnodes, node_rank, master_addr, master_port)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
-           "--nproc_per_node", str(nproc), "--master_addr", master_addr or "127.0.0.1",
-           "--master_port", str(master_port or free_port()), "-m", "slimectl", *argv]
+    cmd = torchrun_command(nproc, argv, nnodes, node_rank, master_addr, master_port)
     log.info("launching %d processes%s: %s", nproc, f" on node {node_rank} of {nnodes}" if nnodes > 1 else "",
              " ".join(cmd[3:]))
+    return subprocess.call(cmd, env=torchrun_env())
+
+
+def torchrun_command(nproc: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
+                     master_addr: str | None = None, master_port: int | None = None,
+                     torchrun_args: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """``python -m torch.distributed.run ... [TORCHRUN_ARGS] -m slimectl ARGV`` (a free port when none is given)."""
+    from slimectl.backends.megatron.parallel import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
+            "--nproc_per_node", str(nproc), "--master_addr", master_addr or "127.0.0.1",
+            "--master_port", str(master_port or free_port()), *torchrun_args, "-m", "slimectl", *argv]
+
+
+def torchrun_env() -> dict[str, str]:
+    """The ranks' environment: :func:`child_env`, one OpenMP thread per rank unless OMP_NUM_THREADS says otherwise."""
     env = child_env(os.environ)
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+    return env
 
 
 def child_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -204,8 +204,8 @@ def test_train_stage_with_ep2_under_torchrun_then_resumes_on_one_rank(moe, tmp_p
 
 @pytest.mark.slow
 def test_rl_trains_the_moe_model_with_ep2_and_disk_sync(tmp_path):
-    """`slimectl rl` for 2 rollouts with train.ep=2 (dp=2): two trainer ranks (Ray actors: the local
-    launcher runs one trainer rank), disk sync of weights/N with every expert in it."""
+    """`slimectl rl` for 2 rollouts with train.ep=2 (dp=2): two trainer ranks (the local launcher
+    relaunches rl under torchrun), disk sync of weights/N with every expert in it."""
     from safetensors import safe_open
 
     from slimectl.contract.rundir import RunDir
@@ -215,8 +215,9 @@ def test_rl_trains_the_moe_model_with_ep2_and_disk_sync(tmp_path):
                        train={"lr": 1e-3, "ep": 2, "dp": 2, "moe_aux_loss_coeff": 0.01})
     init = slimectl("init", tmp_path / "run", "-c", cfg, "--tiny-model", "qwen3-moe")
     assert init.returncode == 0, init.stderr[-3000:]
-    res = slimectl("rl", "-r", tmp_path / "run", "--launcher", "ray", "--colocate", timeout=900)
+    res = slimectl("rl", "-r", tmp_path / "run", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "launching 2 processes" in res.stderr
     run = RunDir.open(tmp_path / "run")
     assert_trained_once(run, 2)
     last = run.checkpoints.get(run.checkpoints.ids()[-1])

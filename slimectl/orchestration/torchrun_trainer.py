@@ -1,0 +1,285 @@
+"""``slimectl rl`` with a trainer of several ranks under torchrun (the local launcher, no Ray).
+
+With ``train.tp*pp*dp = N > 1`` the local ``rl`` relaunches itself under torchrun with N ranks on
+this node (:func:`relaunch_rl`), every option it was given passed on (:func:`rank_argv`):
+
+- rank 0 runs the whole loop exactly as a one-rank ``rl`` does (locks, engines, rollouts, eval,
+  syncs, metrics), with :class:`TorchrunLauncher`: its trainer is
+  :class:`~slimectl.orchestration.local_launcher.InProcessTrainer` behind a proxy,
+  :class:`TorchrunTrainer`, which announces each trainer call (``train``, ``sync``,
+  ``checkpoint_if_behind``, and ``stop`` when the loop ends, however it ends) to the other ranks
+  over a dedicated gloo group with a timeout of days (a rollout may take hours), then makes it;
+- ranks > 0 run :func:`follow_rank0`: receive a call, make it on a
+  :class:`~slimectl.orchestration.local_launcher.FollowerTrainer` (which joins every collective of
+  rank 0's call), until ``stop``. They hold no lock, write nothing, talk to no engine, and ignore
+  SIGINT/SIGTERM once they follow: rank 0's graceful stop still needs them in its collectives.
+
+Signals: the launching ``rl`` (the parent of torchrun, which runs in a session of its own) forwards
+the first SIGINT/SIGTERM to rank 0 only. Rank 0 stops as a one-rank ``rl`` does -- a trainer call
+in progress (a collective) is finished first, then what was trained since the last checkpoint is
+checkpointed (with every rank), then ``stop`` -- reports the signal to the parent through a small
+status file (``SLIMECTL_RL_STATUS``) and exits 0, so torchrun ends quietly; the parent then exits
+128 + the signal and prints the command that resumes the run. If rank 0 dies (``kill -9``), the
+other ranks' gloo calls fail at once and torchrun ends the job; if the parent dies, torchrun gets
+SIGTERM (parent-death signal) and stops the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.errors import UsageError
+from slimectl.contract.rundir import RunDir
+from slimectl.orchestration.local_launcher import FollowerTrainer, InProcessTrainer, LocalLauncher
+
+log = logging.getLogger("slimectl.rl")
+
+STATUS_ENV = "SLIMECTL_RL_STATUS"
+"""Set by :func:`relaunch_rl` for its ranks: the file where rank 0 writes its pid and how it stopped."""
+FOLLOW_TIMEOUT = timedelta(days=7)
+"""How long ranks > 0 wait for rank 0's next trainer call (rollouts, evals and engine starts in between)."""
+SHUTDOWN_TIMEOUT_S = 600
+"""How long torchrun waits for the ranks to stop after it got a signal (or a rank failed) before it kills them."""
+CALLS = ("train", "sync", "checkpoint_if_behind")
+
+
+def trainer_world(cfg: SlimectlConfig) -> int:
+    """The trainer's ranks: ``train.tp * train.pp * train.dp``."""
+    return cfg.train.tp * cfg.train.pp * cfg.train.dp
+
+
+def launch_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def check_world(cfg: SlimectlConfig) -> None:
+    """Under torchrun: refuse a job whose size is not the trainer's (one line)."""
+    have = int(os.environ.get("WORLD_SIZE", "1"))
+    if have != trainer_world(cfg):
+        raise UsageError(f"train.tp*pp*dp = {trainer_world(cfg)} processes are needed, this torchrun job has {have}; "
+                         f"run `slimectl rl` itself (it launches torchrun with the right number of ranks)")
+
+
+# ------------------------------------------------------------------------------ the relaunch
+def rank_argv(params: Iterable[Any], values: Mapping[str, Any], run_path: str | Path, verbosity: int = 0) -> list[str]:
+    """The command line every rank runs: ``[-v|-q...] rl ARGV``, ARGV the options this ``rl`` was
+    given (:func:`~slimectl.orchestration.torchrun.argv_from_params`) on the run it resolved.
+
+    The parent has initialized (or resumed) the run already: ``--config``, ``--tiny-model`` and
+    ``--pretrained`` are not passed on, nor, with ``--config``, the ``--set`` overrides that init
+    froze into the run's config (they would apply twice); every other option reaches every rank."""
+    from slimectl.orchestration.torchrun import argv_from_params
+
+    vals = dict(values)
+    if vals.get("config_path") is not None:
+        vals["overrides"] = ()
+    vals.update(config_path=None, tiny_model=None, pretrained=None, run_dir=str(run_path), dry_run=False)
+    root = ["-v"] * verbosity if verbosity > 0 else ["-q"] * -verbosity
+    return [*root, "rl", *argv_from_params(params, vals)]
+
+
+@dataclass
+class RelaunchResult:
+    code: int
+    """torchrun's exit code."""
+    signal: int | None
+    """The signal rank 0 stopped on (reported by it, or received by this process), else None."""
+
+
+def _read_status(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_status(**fields: Any) -> None:
+    """Rank 0 of a relaunched ``rl``: record ``fields`` (its pid, the signal it stopped on) for the parent."""
+    path = os.environ.get(STATUS_ENV)
+    if not path or launch_rank() != 0:
+        return
+    data = {**_read_status(Path(path)), **fields}
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def reports_to_launcher() -> bool:
+    """Whether this rank 0 was started by :func:`relaunch_rl` (which reports an interruption itself)."""
+    return bool(os.environ.get(STATUS_ENV)) and launch_rank() == 0
+
+
+def _die_with_parent() -> None:
+    """In the torchrun child before exec: SIGTERM when the launching ``rl`` dies (Linux), so no rank outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def relaunch_rl(nproc: int, argv: list[str]) -> RelaunchResult:
+    """Run ``python -m slimectl ARGV`` under torchrun with ``nproc`` ranks on this node and wait.
+
+    torchrun runs in a session of its own, so a Ctrl-C in the terminal reaches this process only:
+    the first SIGINT/SIGTERM is forwarded to rank 0 (to torchrun while rank 0 has not started), later
+    ones are ignored so the graceful stop runs whole. Returns torchrun's exit code and the signal
+    the run stopped on."""
+    import tempfile
+
+    from slimectl.orchestration.signals import SignalHandlers
+    from slimectl.orchestration.torchrun import torchrun_command, torchrun_env
+
+    cmd = torchrun_command(nproc, argv, torchrun_args=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)])
+    log.info("launching %d processes: %s", nproc, " ".join(cmd[3:]))
+    with tempfile.TemporaryDirectory(prefix="slimectl-rl-") as tmp:
+        status = Path(tmp) / "rank0.json"
+        env = {**torchrun_env(), STATUS_ENV: str(status)}
+        got: list[int] = []
+        proc: subprocess.Popen | None = None
+
+        def forward(signum: int, frame: Any) -> None:
+            if got or proc is None:
+                return
+            got.append(signum)
+            pid = _read_status(status).get("pid")
+            try:
+                os.kill(int(pid) if pid else proc.pid, signum)
+            except (ProcessLookupError, ValueError):
+                pass
+
+        with SignalHandlers(forward):
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            try:
+                code = proc.wait()
+            finally:
+                if proc.poll() is None:  # this process is going down: take the job with it
+                    proc.terminate()
+                    proc.wait()
+        reported = _read_status(status).get("signal")
+    return RelaunchResult(code, int(reported) if reported else (got[0] if got else None))
+
+
+# ------------------------------------------------------------------------------ rank 0: the proxy
+def control_group():
+    """The gloo group the trainer calls are announced over (every rank creates it, in the same order)."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=FOLLOW_TIMEOUT)
+
+
+def _broadcast(group, obj=None):
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+class TorchrunTrainer:
+    """Rank 0's trainer: :class:`InProcessTrainer` whose every call is first announced to ranks > 0
+    (:func:`follow_rank0`). A call and its announcement run inside ``critical()`` (the signal
+    handler's deferred section): a signal never leaves the other ranks in a collective rank 0 left."""
+
+    def __init__(self, inner: InProcessTrainer, group, critical=nullcontext):
+        self.inner, self.group, self.critical = inner, group, critical
+        self.stopped = False
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    def connect(self, loop, clients: dict) -> None:
+        self.inner.connect(loop, clients)  # rank 0 alone talks to the engines
+
+    def _call(self, name: str, *args):
+        with self.critical():
+            _broadcast(self.group, (name, args))
+            return getattr(self.inner, name)(*args)
+
+    def train(self, rid: int, art, last: bool) -> list[dict]:
+        with self.critical():
+            _broadcast(self.group, ("train", (rid, last)))
+            return self.inner.train(rid, art, last)
+
+    def sync(self, version: int) -> tuple[dict[str, float], float]:
+        return self._call("sync", version)
+
+    def checkpoint_if_behind(self) -> bool:
+        return self._call("checkpoint_if_behind")
+
+    def stop(self) -> None:
+        """Tell ranks > 0 to exit (every exit path of the loop; idempotent)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            _broadcast(self.group, ("stop", ()))
+        except Exception as exc:  # a rank died: torchrun ends the job
+            log.warning("could not tell the other trainer ranks to stop (%s)", exc)
+
+
+class TorchrunLauncher(LocalLauncher):
+    """Rank 0's launcher: engines as with :class:`LocalLauncher`, the trainer a :class:`TorchrunTrainer`."""
+
+    def __init__(self, critical=nullcontext):
+        self.critical = critical
+
+    def start_trainer(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack) -> TorchrunTrainer:
+        with self.critical():  # building the actor is collective too
+            inner = InProcessTrainer(run, cfg, stack)
+            trainer = TorchrunTrainer(inner, control_group(), self.critical)
+            stack.callback(trainer.stop)
+        # torchrun's ranks rendezvous at its agent's store; the weight-update group with the engines
+        # (sync.transport distributed) is rank 0's own rendezvous, whose store rank 0 must host.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        return trainer
+
+
+# ------------------------------------------------------------------------------ ranks > 0
+def follower_config(run_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[RunDir, SlimectlConfig]:
+    """The run and config of a rank > 0: rank 0's view (the run's ``rl`` config with the same
+    overrides), read without writing anything."""
+    from slimectl.contract.config import with_extension
+
+    if run_path is None:
+        raise UsageError("a rank of `slimectl rl` under torchrun needs -r RUN")
+    run = RunDir.open(run_path)
+    return run, with_extension(run.stage_config("rl", list(overrides)), run.path, overrides)
+
+
+def follow_rank0(run: RunDir, cfg: SlimectlConfig) -> int:
+    """Rank > 0: build the trainer rank, then make every trainer call rank 0 announces until ``stop``;
+    returns the number of calls made."""
+    check_world(cfg)
+    logging.getLogger("slimectl").setLevel(logging.WARNING)
+    calls = 0
+    with ExitStack() as stack:
+        trainer = FollowerTrainer(run, cfg, stack)
+        group = control_group()
+        # From here rank 0 leads: its graceful stop needs this rank in its collectives.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        while True:
+            name, args = _broadcast(group)
+            if name == "stop":
+                return calls
+            if name not in CALLS:
+                raise RuntimeError(f"unknown trainer call {name!r} from rank 0")
+            if name == "train":
+                rid, last = args
+                trainer.train(rid, run.rollouts.get(rid, verify="full"), last)
+            else:
+                getattr(trainer, name)(*args)
+            calls += 1
