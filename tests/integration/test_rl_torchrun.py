@@ -65,36 +65,17 @@ def rank_pids(run: RunDir) -> list[int]:
 
 
 @pytest.mark.slow
-def test_rl_with_tp2_under_torchrun_and_distributed_sync_matches_one_rank(tmp_path):
-    """train.tp=2: `rl` relaunches itself as two ranks; rank 0 runs the loop, rank 1 joins each
-    train, the TP gathers of every distributed sync (verified) and the last checkpoint. Each rollout
-    is trained once, one metrics record per step, and weights/2 equal a one-rank train's on the same rollouts."""
-    cfg = write_config(tmp_path, rollout={"num_rollout": 2}, train={"lr": 1e-3, "tp": 2},
+def test_rl_at_tp2_under_torchrun_stops_on_sigterm_resumes_and_matches_one_rank(tmp_path):
+    """train.tp=2, distributed sync with verify, save_interval 3: `rl` relaunches itself as two ranks
+    (rank 0 runs the loop; rank 1 joins each train, the TP gathers of every sync and the
+    checkpoints). SIGTERM to the launching `rl` after the first rollout: rank 0 stops gracefully,
+    checkpointing what was trained (a collective: rank 1 joins), tells rank 1 to stop, and the
+    launcher exits 143 with the resume command; no rank, engine or lock is left. The same command
+    then resumes and trains the rest: each rollout once, one metrics record per step, and weights/3
+    equal to a one-rank train's on the same rollouts. (dp=2 with disk sync under torchrun: the MoE
+    rl test in test_moe_train.py.)"""
+    cfg = write_config(tmp_path, rollout={"num_rollout": 3}, train={"lr": 1e-3, "tp": 2, "save_interval": 3},
                        sync={"transport": "distributed", "verify": True, "bucket_size_mb": 1})
-    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2", timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert "launching 2 processes" in res.stderr
-    assert res.stdout.count("trained rollouts 0-1; weight version 2") == 1  # rank 0 alone prints it
-    run = RunDir.open(tmp_path / "run")
-    assert_trained_once(run, 2)
-    last = run.checkpoints.get(2)
-    assert json.loads((last.path / "slimectl_checkpoint.json").read_text())["saved_with"]["tp"] == 2
-    assert [r["step"] for r in read_jsonl(run.metrics_path("train"))] == [1, 2]
-    assert [r["step"] for r in read_jsonl(run.metrics_path("sync"))] == [0, 1, 2]  # verified after each sync
-    assert [r["step"] for r in read_jsonl(run.metrics_path("rl"))] == [0, 1]
-    assert run.engines.list() == [] and engine_pids(run) == [] and rank_pids(run) == []
-    assert_same_weights(run, 2, one_rank_weights(tmp_path, cfg, run, 2))
-
-
-@pytest.mark.slow
-def test_sigterm_to_the_launching_rl_stops_both_ranks_cleanly_then_the_rerun_finishes(tmp_path):
-    """train.dp=2, disk sync, save_interval 3: SIGTERM to `slimectl rl` (the parent of torchrun)
-    after the first rollout. Rank 0 stops gracefully: it checkpoints what was trained (a collective:
-    rank 1 joins), tells rank 1 to stop, and the launcher exits 143 with the resume command; no
-    rank, engine or lock is left. The same command then resumes and trains the rest, each rollout
-    once, to the weights a one-rank train makes of the same rollouts."""
-    cfg = write_config(tmp_path, rollout={"num_rollout": 3}, train={"lr": 1e-3, "dp": 2, "save_interval": 3},
-                       sync={"transport": "disk"})
     path = tmp_path / "run"
     args = ["rl", "-c", str(cfg), "-r", str(path), "--tiny-model", "qwen2"]
     proc = subprocess.Popen([sys.executable, "-m", "slimectl", *args], stdout=subprocess.PIPE,
@@ -121,7 +102,7 @@ def test_sigterm_to_the_launching_rl_stops_both_ranks_cleanly_then_the_rerun_fin
     assert nxt in (1, 2)  # stopped before the end
     assert run.checkpoints.ids()[-1] == nxt  # checkpointed before stopping (save_interval 3: none before the end)
     saved = json.loads((run.checkpoints.get(nxt).path / "slimectl_checkpoint.json").read_text())["saved_with"]
-    assert saved["dp"] == 2  # by both ranks
+    assert saved["tp"] == 2  # by both ranks
     deadline = time.monotonic() + 20
     while (rank_pids(run) or engine_pids(run)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -131,8 +112,13 @@ def test_sigterm_to_the_launching_rl_stops_both_ranks_cleanly_then_the_rerun_fin
     res = slimectl(*args, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     assert f"resuming at rollout {nxt}, {3 - nxt} to go" in res.stderr and "launching 2 processes" in res.stderr
+    assert res.stdout.count(f"trained rollouts {nxt}-2; weight version 3") == 1  # rank 0 alone prints it
     assert_trained_once(run, 3)
     assert [r["step"] for r in read_jsonl(run.metrics_path("train"))] == [1, 2, 3]
+    synced = [r["step"] for r in read_jsonl(run.metrics_path("sync"))]
+    # verified after each sync; the rerun syncs its new engines to the version it resumes at again
+    assert synced == sorted(synced) and set(synced) == {0, 1, 2, 3}, synced
+    assert run.engines.list() == [] and engine_pids(run) == [] and rank_pids(run) == []
     assert_same_weights(run, 3, one_rank_weights(tmp_path, cfg, run, 3))
 
 
