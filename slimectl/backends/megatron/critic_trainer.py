@@ -227,14 +227,9 @@ class MegatronCritic:
 
     def _pp_share(self, obj):
         """The last pipeline stage's ``obj`` on every stage (only it has values)."""
-        if self.pp == 1:
-            return obj
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+        from slimectl.backends.megatron.parallel import from_last_stage
 
-        box = [obj]
-        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
-        return box[0]
+        return obj if self.pp == 1 else from_last_stage(obj, self.pp_group)
 
     def _layout(self, samples: Sequence[Any], idx: list[int]):
         """This data-parallel rank's share (every dp-th) of the samples ``idx``, packed: [(micro-batch,

@@ -108,3 +108,14 @@ def shutdown_parallel(destroy_process_group: bool = False) -> None:
         ps.destroy_model_parallel()
     if destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def from_last_stage(obj, pp_group):
+    """The last pipeline stage's picklable ``obj`` on every stage of ``pp_group`` (only the last stage
+    has logits and values; the actor's log-probs and the critic's values are shared this way)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
+    return box[0]
