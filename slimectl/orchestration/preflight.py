@@ -11,16 +11,20 @@ from slimectl.contract.rundir.run import RunDir
 
 def check_train_sizes(cfg: SlimectlConfig) -> bool:
     """Refuse (exit 2, listing the sizes that work) a ``train.tp``/``train.pp`` the model cannot be
-    split into, reading only its config.json, as ``convert`` and ``train`` do. Returns False when
-    the model is not there yet (``--tiny-model`` builds it at init), True when checked or not needed."""
+    split into, or a ``train.ep`` it cannot (a dense model, or one that does not divide the experts),
+    reading only its config.json, as ``convert`` and ``train`` do. Returns False when the model is not
+    there yet (``--tiny-model`` builds it at init), True when checked or not needed."""
     t = cfg.train
-    if t.tp == 1 and t.pp == 1:
+    if t.tp == 1 and t.pp == 1 and t.ep == 1:
         return True
     if cfg.model.path is None or not (Path(cfg.model.path) / "config.json").is_file():
         return False
     from slimectl.backends.hf.arch import arch_from_dir, check_parallel_sizes
+    from slimectl.backends.megatron.provider import check_expert_parallel
 
-    check_parallel_sizes(arch_from_dir(cfg.model.path), t.tp, t.pp, "train.tp", "train.pp")
+    arch = arch_from_dir(cfg.model.path)
+    check_parallel_sizes(arch, t.tp, t.pp, "train.tp", "train.pp")
+    check_expert_parallel(arch, t.ep)
     return True
 
 

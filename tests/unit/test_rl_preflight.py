@@ -52,6 +52,18 @@ def test_rl_on_an_existing_run_checks_its_stage_overrides(cli, tmp_path, nine_he
     assert not (tmp_path / "run" / "configs" / "rl.yaml").exists() and not RunDir(tmp_path / "run").engines.list()
 
 
+def test_rl_refuses_an_expert_parallel_size_before_writing_or_launching_anything(cli, tmp_path, nine_heads):
+    """train.ep > 1 on a dense model (or one not dividing the experts) is refused by rl's preflight in
+    one line, as `train` refuses it, before init writes the run or any engine starts."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(nine_heads)}}))
+    res = cli("rl", "-c", cfg, "-r", tmp_path / "run", "--set", "train.ep=2", "--set", "train.dp=2")
+    assert res.exit_code == 2, res.output
+    assert _last(res) == ("Error: train.ep = 2: this model (llama) is dense, it has no experts to split; set train.ep "
+                          "to 1 (expert parallelism is for mixture-of-experts models)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_rl_pretrained_sets_the_model_like_init(cli, tmp_path, fake_model):
     from slimectl.fixtures.pretrained import model_dir
 
