@@ -398,6 +398,7 @@ def translate_slime_args(argv: list[str], script_name: str = "train.py") -> Slim
         "--eval-reward-key": ("rollout.eval_reward_key", str),
         "--tensor-model-parallel-size": ("train.tp", int),
         "--pipeline-model-parallel-size": ("train.pp", int),
+        "--moe-aux-loss-coeff": ("train.moe_aux_loss_coeff", float),
         "--lr": ("train.lr", float),
         "--min-lr": ("train.min_lr", float),
         "--lr-warmup-iters": ("train.lr_warmup_steps", int),
@@ -450,6 +451,7 @@ def translate_slime_args(argv: list[str], script_name: str = "train.py") -> Slim
         "--use-unbiased-kl": "algorithm.use_unbiased_kl",
         "--calculate-per-token-loss": "algorithm.calculate_per_token_loss",
         "--use-rollout-logprobs": "train.use_rollout_logprobs",
+        "--use-rollout-routing-replay": "train.use_rollout_routing_replay",
         "--use-distributed-optimizer": "train.use_distributed_optimizer",
         "--use-tensorboard": "logging.tensorboard",
         "--use-wandb": "logging.wandb",
@@ -585,14 +587,25 @@ def translate_slime_args(argv: list[str], script_name: str = "train.py") -> Slim
                 if "--actor-num-gpus-per-node" in seen else 8)
     world = nodes * per_node
     tp, pp = int(t.get("train.tp", 1)), int(t.get("train.pp", 1))
-    for flag in ("--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size"):
+    for flag, why in (("--context-parallel-size", "slimectl trains with TP, PP, DP and EP (context parallelism: not yet)"),
+                      ("--expert-tensor-parallel-size", "slimectl's experts are split like the dense layers (expert TP = "
+                                                        "train.tp); a separate expert TP size is not supported")):
         if flag in seen and int(_one(flag, seen[flag])) != 1:
-            t.unmapped.append((flag, "slimectl trains with TP, PP and DP only (context/expert parallelism: not yet)"))
+            t.unmapped.append((flag, why))
     if world % (tp * pp):
         t.unmapped.append(("--actor-num-gpus-per-node", f"{world} trainer GPUs are not a multiple of TP x PP = "
                                                         f"{tp * pp}; train.dp left at 1"))
     else:
         t.set("train.dp", world // (tp * pp))
+    if "--expert-model-parallel-size" in seen:
+        ep = int(_one("--expert-model-parallel-size", seen["--expert-model-parallel-size"]))
+        dp = int(t.get("train.dp", 1))
+        if ep != 1 and dp % ep:
+            t.unmapped.append(("--expert-model-parallel-size", f"EP {ep} must divide the {dp} data-parallel ranks "
+                                                               f"(megatron-core: expert ranks are data-parallel ranks); "
+                                                               f"train.ep left at 1"))
+        elif ep != 1:
+            t.set("train.ep", ep, "--expert-model-parallel-size")
     per_engine = int(_one("--rollout-num-gpus-per-engine", seen["--rollout-num-gpus-per-engine"])) \
         if "--rollout-num-gpus-per-engine" in seen else 1
     colocate = "--colocate" in seen

@@ -179,3 +179,20 @@ def test_init_from_slime_freezes_the_translation_and_prints_what_it_left_out(cli
     assert res.exit_code == 2 and "pass one of them" in res.output
     res = cli("init", tmp_path / "other", "--from-slime", tmp_path / "missing.sh")
     assert res.exit_code == 2 and "missing.sh does not exist" in res.output
+
+
+def test_moe_flags_map_to_expert_parallelism_the_aux_loss_and_routing_replay():
+    """slime's Qwen3-MoE scripts: --expert-model-parallel-size -> train.ep (it must divide the
+    data-parallel ranks, as megatron-core requires), --moe-aux-loss-coeff, --use-rollout-routing-replay."""
+    base = ["--hf-checkpoint", "/m", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "8",
+            "--moe-aux-loss-coeff", "1e-3", "--use-rollout-routing-replay"]
+    tr = translate_slime_args(base + ["--expert-model-parallel-size", "4"])
+    t = tr.data["train"]
+    assert (t["tp"], t["dp"], t["ep"], t["moe_aux_loss_coeff"], t["use_rollout_routing_replay"]) == (2, 4, 4, 1e-3, True)
+    assert not {"--expert-model-parallel-size", "--moe-aux-loss-coeff"} & flags_of(tr)
+    cfg = build_config(tr.data)
+    assert cfg.train.ep == 4 and cfg.rollout.return_routed_experts is False and cfg.train.use_rollout_routing_replay
+    tr = translate_slime_args(base + ["--expert-model-parallel-size", "3"])  # 3 does not divide dp 4
+    assert "ep" not in tr.data["train"] and "must divide the 4 data-parallel" in dict(tr.unmapped)["--expert-model-parallel-size"]
+    tr = translate_slime_args(base + ["--expert-tensor-parallel-size", "2"])
+    assert "expert TP = train.tp" in dict(tr.unmapped)["--expert-tensor-parallel-size"]
