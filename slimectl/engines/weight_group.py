@@ -23,13 +23,13 @@ def init_custom_process_group(master_address: str, master_port: int, rank: int, 
                               backend: str = "gloo", timeout_s: float = 600.0):
     """Join (as ``rank``) the group named ``group_name``; blocks until all ``world_size`` ranks joined."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-    from torch.distributed.rendezvous import rendezvous
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
+    # The group's own store, hosted by rank 0 (the trainer): not torch's tcp:// rendezvous, which under
+    # torchrun (TORCHELASTIC_USE_AGENT_STORE) would connect to torchrun's agent store instead, where
+    # the engines never come (`slimectl rl` with several trainer ranks hung at its first sync).
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          multi_tenant=True)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout

@@ -41,6 +41,7 @@ from slimectl.contract.config import SlimectlConfig
 from slimectl.contract.errors import UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.orchestration.local_launcher import FollowerTrainer, InProcessTrainer, LocalLauncher
+from slimectl.orchestration.torchrun import launch_rank
 
 log = logging.getLogger("slimectl.rl")
 
@@ -56,10 +57,6 @@ CALLS = ("train", "sync", "checkpoint_if_behind")
 def trainer_world(cfg: SlimectlConfig) -> int:
     """The trainer's ranks: ``train.tp * train.pp * train.dp``."""
     return cfg.train.tp * cfg.train.pp * cfg.train.dp
-
-
-def launch_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def check_world(cfg: SlimectlConfig) -> None:
@@ -241,9 +238,6 @@ class TorchrunLauncher(LocalLauncher):
             inner = InProcessTrainer(run, cfg, stack)
             trainer = TorchrunTrainer(inner, control_group(), self.critical)
             stack.callback(trainer.stop)
-        # torchrun's ranks rendezvous at its agent's store; the weight-update group with the engines
-        # (sync.transport distributed) is rank 0's own rendezvous, whose store rank 0 must host.
-        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         return trainer
 
 

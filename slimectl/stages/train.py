@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimectl.backends.megatron.host_memory import release_free_memory
+from slimectl.orchestration.torchrun import launch_rank  # noqa: F401  (commands/train.py imports it from here)
 from slimectl.contract.config import SlimectlConfig
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ConfigError, SlimectlError, UsageError
@@ -26,11 +27,6 @@ from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
 
 log = logging.getLogger("slimectl.train")
-
-
-def launch_rank() -> int:
-    """This process's rank in a torchrun job (0 when not under torchrun); valid before dist init."""
-    return int(os.environ.get("RANK", "0"))
 
 
 class FollowerLock:
