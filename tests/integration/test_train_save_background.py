@@ -108,8 +108,12 @@ def test_the_cursor_waits_for_the_checkpoint_of_its_rollout(tmp_path, tiny):
         trainer = Trainer(run, run.config(), lock)
         try:
             release = threading.Event()
-            trainer.writer.submit(lambda: release.wait(60))  # a save ahead of this rollout's, still running
+            submit = trainer.writer.submit
+            # this rollout's checkpoint job, once handed to the writer, is held until released (an event,
+            # not a wait: train_rollout must return without waiting for it)
+            trainer.writer.submit = lambda job: submit(lambda: (release.wait(60), job()))
             trainer.train_rollout(0, run.rollouts.get(0), NullMetrics(), last=True)
+            assert trainer.writer.busy  # the checkpoint was handed over
             # trained, checkpoint handed over but not written: nothing published, the cursor not moved
             assert run.cursor("train").read().next == 0 and not run.checkpoints.exists(1)
         finally:
