@@ -3,7 +3,7 @@ critic-only warm-up, ``critic_checkpoints/N`` and a bit-exact resume (real Megat
 
 The rollouts are made up (random response tokens, a reward the critic can learn: the first response
 token's parity), so no engine runs. Single-rank trains run in this process; the kill -9 victim is a
-subprocess."""
+subprocess; the TP=2 train runs the command on the session's two_ranks worker."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from safetensors.torch import load_file
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, write_samples
 from tests.helpers import ENV, slimectl_in_process
+from tests.integration._cli_rank import slimectl_on_ranks
+
+pytestmark = pytest.mark.xdist_group("two_ranks")  # xdist: one worker, fixtures built once, the two_ranks worker shared
 
 PPO = ("algorithm.advantage_estimator=ppo", "critic.lr=1e-2")
 
@@ -205,21 +208,21 @@ def test_a_pickle_payload_in_a_critic_checkpoint_is_refused_and_runs_nothing(tmp
         read_critic_state(tmp_path / "junk.pt")
 
 
-@pytest.mark.slow
-def test_ppo_train_at_tp2_under_torchrun_matches_one_process(tmp_path, rollouts, straight):
-    """`slimectl train` with ppo and train.tp=2 relaunches itself under torchrun (2 gloo ranks): the critic
+def test_ppo_train_on_two_tp_ranks_matches_one_process(tmp_path, rollouts, straight, two_ranks):
+    """`slimectl train` with ppo and train.tp=2 on two gloo ranks of torchrun, as its relaunch runs it (the
+    session's two_ranks worker runs the command on both ranks: tests/integration/_cli_rank.py): the critic
     is sharded like the actor, its metrics and the published weights match the one-process run, and its
-    torch_dist checkpoint resumes at train.tp=1."""
+    torch_dist checkpoint resumes at train.tp=1. (Last in this module: the two ranks stay up for
+    test_routing_replay.py's expert-parallel test.)"""
     from slimectl.contract.metrics import read_metrics
-    from tests.helpers import slimectl
 
     model, rolls = rollouts
     res, one = straight
     assert res.returncode == 0, res.stderr[-3000:]
     run = make_run(tmp_path, model, rolls, "critic.num_critic_only_steps=1", "train.tp=2")
-    res = slimectl("train", "-r", run.path, "--max-rollouts", "2")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "launching 2 processes" in res.stderr and "value_loss" in res.stderr
+    ranks = slimectl_on_ranks(two_ranks, "train", "-r", run.path, "--max-rollouts", "2")
+    assert [r["code"] for r in ranks] == [0, 0], [r["stderr"][-3000:] for r in ranks]
+    assert "value_loss" in ranks[0]["stderr"]  # rank 0's step log line
     assert run.cursor("train").read().consumed == [0, 1]
     got = [r for r in read_metrics(run.metrics_path("train")) if "critic/value_loss" in r]
     want = [r for r in read_metrics(one.metrics_path("train")) if "critic/value_loss" in r][:len(got)]

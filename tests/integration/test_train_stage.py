@@ -1,7 +1,8 @@
 """slimectl train: exactly-once consumption, checkpoints + weights, bit-exact resume (real Megatron, gloo).
 
-Single-rank trains run in this process (tests.helpers.slimectl_in_process); the kill -9 victim and
-the two-rank torchrun launches are subprocesses."""
+Single-rank trains run in this process (tests.helpers.slimectl_in_process); the kill -9 victim is a
+subprocess; the two-rank trains run the command on the session's two_ranks worker (two torchrun ranks
+kept alive: tests/integration/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from safetensors.torch import load_file
 
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, write_samples
-from tests.helpers import ENV, slimectl, slimectl_in_process
+from tests.helpers import ENV, slimectl_in_process
+from tests.integration._cli_rank import slimectl_on_ranks
 
-pytestmark = pytest.mark.xdist_group("train_stage")  # xdist: one worker, fixtures built once
+pytestmark = pytest.mark.xdist_group("two_ranks")  # xdist: one worker, fixtures built once, the two_ranks worker shared
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,39 @@ def straight(tmp_path_factory, rollouts):
     model, rolls = rollouts
     run = make_run(tmp_path_factory.mktemp("straight"), model, rolls)
     return slimectl_in_process("train", "-r", run.path), run
+
+
+@pytest.mark.parametrize("axis", ["dp", "pp"])
+def test_train_on_two_torchrun_ranks_matches_one_process(tmp_path, rollouts, straight, axis, two_ranks):
+    """`slimectl train` with train.dp=2 (data parallel) or train.pp=2 (two pipeline stages) on two
+    gloo ranks of torchrun, as its relaunch runs it (the session's two_ranks worker runs the command
+    on both ranks: tests/integration/_cli_rank.py; the relaunch itself is tested by
+    test_moe_train.py's `slimectl train` at train.ep=2). Rank 0 owns the run dir and, under PP, gets
+    the last stage's tensors for the published weights. Same weights as one process, each rollout
+    consumed once, and a one-rank rerun resumes from the two-rank checkpoint (resharded).
+    (First in this module: the two ranks are still up from test_train_logprobs.py's last test.)"""
+    model, rolls = rollouts
+    res, one = straight
+    assert res.returncode == 0, res.stderr[-3000:]
+    two = make_run(tmp_path / "two", model, rolls, 3, f"train.{axis}=2")
+    ranks = slimectl_on_ranks(two_ranks, "train", "-r", two.path, "--max-rollouts", "2")
+    assert [r["code"] for r in ranks] == [0, 0], [r["stderr"][-3000:] for r in ranks]
+    assert "".join(r["stdout"] for r in ranks).count("trained rollouts 0-1; weight version 2") == 1  # rank 0 only
+    assert ranks[0]["stdout"].count("trained rollouts 0-1; weight version 2") == 1
+    assert two.cursor("train").read().consumed == [0, 1] and two.checkpoints.ids() == [1, 2]
+    w2_one = load_file(str(one.weights.get(2).file("model.safetensors")))
+    w2_two = load_file(str(two.weights.get(2).file("model.safetensors")))
+    assert set(w2_one) == set(w2_two)  # the whole model was published, not rank 0's stage
+    assert max(float((w2_one[k] - w2_two[k]).abs().max()) for k in w2_one) <= 1e-4
+    res = slimectl_in_process("train", "-r", two.path, "--set", f"train.{axis}=1")  # resume the 2-rank checkpoint on one rank
+    assert res.returncode == 0, res.stderr[-3000:]
+    a = load_file(str(one.weights.get(3).file("model.safetensors")))
+    b = load_file(str(two.weights.get(3).file("model.safetensors")))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-4
+    assert two.cursor("train").read().consumed == [0, 1, 2]
+    from slimectl.contract.metrics import read_metrics
+
+    assert [r["step"] for r in read_metrics(two.metrics_path("train"))] == [1, 2, 3]
 
 
 def test_train_consumes_each_rollout_once_and_publishes(straight, rollouts):
@@ -145,37 +180,6 @@ def test_kill_9_mid_training_then_rerun_trains_each_rollout_once(tmp_path, rollo
     a = load_file(str(straight.weights.get(3).file("model.safetensors")))
     b = load_file(str(run.weights.get(3).file("model.safetensors")))
     assert all((a[k] == b[k]).all() for k in a)  # nothing trained twice, nothing skipped
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("axis", ["dp", "pp"])
-def test_train_under_torchrun_with_two_ranks_matches_one_process(tmp_path, rollouts, straight, axis):
-    """`slimectl train` with train.dp=2 (data parallel) or train.pp=2 (two pipeline stages)
-    relaunches itself under torchrun (2 gloo ranks); rank 0 owns the run dir and, under PP, gets
-    the last stage's tensors for the published weights. Same weights as one process, each rollout
-    consumed once, and a one-rank rerun resumes from the two-rank checkpoint (resharded)."""
-    model, rolls = rollouts
-    res, one = straight
-    assert res.returncode == 0, res.stderr[-3000:]
-    two = make_run(tmp_path / "two", model, rolls, 3, f"train.{axis}=2")
-    res = slimectl("train", "-r", two.path, "--max-rollouts", "2")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "launching 2 processes" in res.stderr
-    assert res.stdout.count("trained rollouts 0-1; weight version 2") == 1  # printed by rank 0 only
-    assert two.cursor("train").read().consumed == [0, 1] and two.checkpoints.ids() == [1, 2]
-    w2_one = load_file(str(one.weights.get(2).file("model.safetensors")))
-    w2_two = load_file(str(two.weights.get(2).file("model.safetensors")))
-    assert set(w2_one) == set(w2_two)  # the whole model was published, not rank 0's stage
-    assert max(float((w2_one[k] - w2_two[k]).abs().max()) for k in w2_one) <= 1e-4
-    res = slimectl_in_process("train", "-r", two.path, "--set", f"train.{axis}=1")  # resume the 2-rank checkpoint on one rank
-    assert res.returncode == 0, res.stderr[-3000:]
-    a = load_file(str(one.weights.get(3).file("model.safetensors")))
-    b = load_file(str(two.weights.get(3).file("model.safetensors")))
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-4
-    assert two.cursor("train").read().consumed == [0, 1, 2]
-    from slimectl.contract.metrics import read_metrics
-
-    assert [r["step"] for r in read_metrics(two.metrics_path("train"))] == [1, 2, 3]
 
 
 def test_rollout_logprobs_as_old_logprobs_skip_the_recompute(tmp_path, rollouts):
