@@ -167,7 +167,6 @@ def test_train_stage_with_ep2_under_torchrun_then_resumes_on_one_rank(moe, tmp_p
     from slimectl.contract.metrics import read_metrics
     from slimectl.contract.rundir import RunDir
     from slimectl.contract.samples import SAMPLES_FILE, write_samples
-    from tests.helpers import slimectl
 
     init = slimectl_in_process("init", tmp_path / "run", "--set", f"model.path={moe}", "--set", "rollout.num_rollout=3",
                                "--set", "train.lr=1e-3", "--set", "train.ep=2", "--set", "train.dp=2",
@@ -177,7 +176,8 @@ def test_train_stage_with_ep2_under_torchrun_then_resumes_on_one_rank(moe, tmp_p
     for rid, samples in enumerate(moe_rollouts(json.loads((moe / "config.json").read_text())["vocab_size"], 3)):
         with run.rollouts.publish(rid, meta={"weight_version": "0"}) as d:
             write_samples(samples, d / SAMPLES_FILE)
-    res = slimectl("train", "-r", run.path, "--max-rollouts", "2")
+    # the launching `slimectl train` in this process (its imports are paid already); the ranks are torchrun's
+    res = slimectl_in_process("train", "-r", run.path, "--max-rollouts", "2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "launching 2 processes" in res.stderr
     assert run.cursor("train").read().consumed == [0, 1]
@@ -209,13 +209,14 @@ def test_rl_trains_the_moe_model_with_ep2_and_disk_sync(tmp_path):
     from safetensors import safe_open
 
     from slimectl.contract.rundir import RunDir
-    from tests.helpers import assert_trained_once, read_jsonl, slimectl, write_config
+    from tests.helpers import assert_trained_once, read_jsonl, write_config
 
     cfg = write_config(tmp_path, rollout={"num_rollout": 2}, sync={"transport": "disk", "verify": True},
                        train={"lr": 1e-3, "ep": 2, "dp": 2, "moe_aux_loss_coeff": 0.01})
-    init = slimectl("init", tmp_path / "run", "-c", cfg, "--tiny-model", "qwen3-moe")
+    init = slimectl_in_process("init", tmp_path / "run", "-c", cfg, "--tiny-model", "qwen3-moe")
     assert init.returncode == 0, init.stderr[-3000:]
-    res = slimectl("rl", "-r", tmp_path / "run", timeout=900)
+    # the launching `slimectl rl` in this process (its imports are paid already); the ranks are torchrun's
+    res = slimectl_in_process("rl", "-r", tmp_path / "run")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "launching 2 processes" in res.stderr
     run = RunDir.open(tmp_path / "run")
