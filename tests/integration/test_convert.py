@@ -1,14 +1,18 @@
 """slimectl convert / export on tiny random Llama, Qwen2 and Qwen3 models (real megatron-core, gloo).
 
-One module fixture converts every family at TP=1 (in this process, tests.helpers.run_script_in_process)
-and at TP=2 (two ranks: Llama through the CLI, which launches torchrun itself; the rest, and the
-two-rank logits checks, in the session's long-lived two_ranks worker). The tests then check the round trip,
-logits parity at TP=1/TP=2, and resharding a TP=2 checkpoint to TP=1 and PP=2.
+First the run-directory path (convert -r / export -r, in this process). Then one module fixture
+converts every family at TP=1 (in this process, tests.helpers.run_script_in_process) and at TP=2
+(two ranks: Llama through the CLI, which launches torchrun itself; the rest, and the two-rank
+logits checks, in the session's long-lived two_ranks worker, which every later test of the module
+keeps, so a next module's two-rank tests can reuse it). The tests then check the round trip, logits
+parity at TP=1/TP=2, and resharding a TP=2 checkpoint to TP=1 and PP=2; HF's logits are computed
+once, in this process, and read by the ranks (they never import transformers).
 """
 
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 from pathlib import Path
 
@@ -42,6 +46,15 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def hf_logits(models, tmp_path_factory) -> dict[str, str]:
+    """The env for mcore_logits.py: HF's logits of every family on its token ids, computed here once
+    (transformers is imported in this process anyway) instead of in each rank of each launch."""
+    path = tmp_path_factory.mktemp("hf-logits") / "logits.pt"
+    runpy.run_path(str(SCRIPTS / "mcore_logits.py"))["write_hf_logits"](path, [models[f] for f in FAMILIES], [(2, 24, 7)])
+    return {"SLIMECTL_TEST_HF_LOGITS": str(path)}
+
+
 FORKS: dict[str, int] = {}
 COPIED: dict[str, list[int]] = {}
 
@@ -60,6 +73,31 @@ def converted(models, tmp_path_factory, two_ranks) -> dict[tuple[str, int], Path
     pairs = [str(x) for fam in ("qwen2", "qwen3") for x in (models[fam], ckpts[(fam, 2)])]
     two_ranks.run(SCRIPTS / "convert_batch.py", "2", "1", *pairs)
     return ckpts
+
+
+def test_convert_and_export_through_the_run_directory(models, tmp_path):
+    run = tmp_path / "run"
+    init = slimectl_in_process("init", str(run), "--set", f"model.path={models['qwen2']}")
+    assert init.returncode == 0, init.stderr
+    res = slimectl_in_process("convert", "-r", str(run))
+    assert res.returncode == 0, res.stderr[-2000:]
+    from slimectl.contract.rundir import RunDir
+
+    r = RunDir.open(run)
+    art = r.checkpoints.get(0, verify="full")
+    assert art.meta["source"] == "convert" and art.meta["tp"] == 1
+    assert "release/metadata.json" in art.files and "slimectl_checkpoint.json" in art.files
+    again = slimectl_in_process("convert", "-r", str(run))
+    assert again.returncode == 2 and "already exists" in again.stderr
+    exp = slimectl_in_process("export", "-r", str(run))  # -> RUN/exports/000000 (never the run's weights/)
+    assert exp.returncode == 0, exp.stderr[-2000:]
+    assert exp.stdout.strip() == str(run / "exports" / "000000") and not r.weights.ids()
+    ref = load_file(str(models["qwen2"] / "model.safetensors"))
+    got = load_file(str(run / "exports" / "000000" / "model.safetensors"))
+    assert all(torch.equal(got[k], ref[k]) for k in ref) and sorted(got) == sorted(ref)
+    assert not list((run / ".staging").iterdir())
+    assert " I slimectl.convert: converted " in (run / "logs" / "convert.log").read_text()  # the stage logs
+    assert " I slimectl.export: exported iteration release -> " in (run / "logs" / "export.log").read_text()
 
 
 def test_checkpoint_layout_is_megatron_lms(converted):
@@ -181,25 +219,30 @@ def parity_pairs(models, converted, tp_of_ckpt):
 def check(res, n, tp, pp):
     assert len(res) == n
     for r in res:
+        assert r["hf_logits_from"] == "file"  # the reference computed once in this process
         assert r["tp"] == tp and r["pp"] == pp
         assert r["max_abs_diff"] <= TOL, r
         assert r["scale"] > 1.0  # logits large enough for a mistake to show
 
 
-def test_logits_parity_tp1(models, converted):
-    check(results(run_script_in_process(SCRIPTS / "mcore_logits.py", "1", "1", *parity_pairs(models, converted, 1))), 3, 1, 1)
+def test_logits_parity_tp1(models, converted, hf_logits):
+    check(results(run_script_in_process(SCRIPTS / "mcore_logits.py", "1", "1", *parity_pairs(models, converted, 1),
+                                        env=hf_logits)), 3, 1, 1)
 
 
-def test_logits_parity_tp2(models, converted, two_ranks):
-    check(results(two_ranks.run(SCRIPTS / "mcore_logits.py", "2", "1", *parity_pairs(models, converted, 2))), 3, 2, 1)
+def test_logits_parity_tp2(models, converted, two_ranks, hf_logits):
+    check(results(two_ranks.run(SCRIPTS / "mcore_logits.py", "2", "1", *parity_pairs(models, converted, 2),
+                                env=hf_logits)), 3, 2, 1)
 
 
-def test_tp2_checkpoint_resharded_to_tp1(models, converted):
-    check(results(run_script_in_process(SCRIPTS / "mcore_logits.py", "1", "1", *parity_pairs(models, converted, 2))), 3, 1, 1)
+def test_tp2_checkpoint_resharded_to_tp1(models, converted, hf_logits):
+    check(results(run_script_in_process(SCRIPTS / "mcore_logits.py", "1", "1", *parity_pairs(models, converted, 2),
+                                        env=hf_logits)), 3, 1, 1)
 
 
-def test_tp2_checkpoint_resharded_to_pp2(models, converted, two_ranks):
-    check(results(two_ranks.run(SCRIPTS / "mcore_logits.py", "1", "2", *parity_pairs(models, converted, 2))), 3, 1, 2)
+def test_tp2_checkpoint_resharded_to_pp2(models, converted, two_ranks, hf_logits):
+    check(results(two_ranks.run(SCRIPTS / "mcore_logits.py", "1", "2", *parity_pairs(models, converted, 2),
+                                env=hf_logits)), 3, 1, 2)
 
 
 def test_export_cli_and_dtype(converted, tmp_path):
@@ -217,28 +260,3 @@ def test_export_cli_and_dtype(converted, tmp_path):
     assert next(m.parameters()).dtype == torch.bfloat16
     again = slimectl_in_process("export", "--checkpoint", str(converted[("qwen3", 1)]), "--out", str(out))
     assert again.returncode == 2 and "--force" in again.stderr
-
-
-def test_convert_and_export_through_the_run_directory(models, tmp_path):
-    run = tmp_path / "run"
-    init = slimectl_in_process("init", str(run), "--set", f"model.path={models['qwen2']}")
-    assert init.returncode == 0, init.stderr
-    res = slimectl_in_process("convert", "-r", str(run))
-    assert res.returncode == 0, res.stderr[-2000:]
-    from slimectl.contract.rundir import RunDir
-
-    r = RunDir.open(run)
-    art = r.checkpoints.get(0, verify="full")
-    assert art.meta["source"] == "convert" and art.meta["tp"] == 1
-    assert "release/metadata.json" in art.files and "slimectl_checkpoint.json" in art.files
-    again = slimectl_in_process("convert", "-r", str(run))
-    assert again.returncode == 2 and "already exists" in again.stderr
-    exp = slimectl_in_process("export", "-r", str(run))  # -> RUN/exports/000000 (never the run's weights/)
-    assert exp.returncode == 0, exp.stderr[-2000:]
-    assert exp.stdout.strip() == str(run / "exports" / "000000") and not r.weights.ids()
-    ref = load_file(str(models["qwen2"] / "model.safetensors"))
-    got = load_file(str(run / "exports" / "000000" / "model.safetensors"))
-    assert all(torch.equal(got[k], ref[k]) for k in ref) and sorted(got) == sorted(ref)
-    assert not list((run / ".staging").iterdir())
-    assert " I slimectl.convert: converted " in (run / "logs" / "convert.log").read_text()  # the stage logs
-    assert " I slimectl.export: exported iteration release -> " in (run / "logs" / "export.log").read_text()

@@ -1,15 +1,19 @@
 """slimectl convert / export on a tiny random Qwen3-MoE (real megatron-core, gloo, sequential experts).
 
-The model is built and converted (TP=1, in this process) once per module. Then: the checkpoint holds the
-router and every expert under Megatron-LM's keys; export gives back every HF tensor bit for bit; the
-logits match HF's within 1e-4 (fp32) at EP=1, and in the session's two-rank worker at EP=2 (alltoall
-token dispatcher, the two ranks feeding different tokens and lengths), TP=2 and PP=2; converting at
-TP=2 or PP=2 gives the TP=1 tensors; one four-rank launch checks EP=2 x PP=2.
+The model is built and converted (TP=1, in this process) once per module, and HF's logits computed
+once (in this process; the ranks read them instead of importing transformers). First the
+session's two-rank worker (so a worker left running by the module before is reused): the logits
+match HF's within 1e-4 (fp32) at EP=2 (alltoall token dispatcher, the two ranks feeding different
+tokens and lengths), TP=2 and PP=2; converting at TP=2 or PP=2 gives the TP=1 tensors. Then, in
+this process: the checkpoint holds the router and every expert under Megatron-LM's keys; export
+gives back every HF tensor bit for bit; the logits match at EP=1. Last, one four-rank launch
+checks EP=2 x PP=2.
 """
 
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 from pathlib import Path
 
@@ -38,6 +42,15 @@ def moe(tmp_path_factory) -> Path:
                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
+@pytest.fixture(scope="module")
+def hf_logits(moe, tmp_path_factory) -> dict[str, str]:
+    """The env for moe_logits.py: HF's logits on the token ids of data-parallel ranks 0 and 1 (24 and
+    19 tokens per row), computed here once instead of by transformers in each rank of each launch."""
+    path = tmp_path_factory.mktemp("hf-logits") / "logits.pt"
+    runpy.run_path(str(SCRIPTS / "mcore_logits.py"))["write_hf_logits"](path, [moe], [(2, 24, 7), (2, 19, 8)])
+    return {"SLIMECTL_TEST_HF_LOGITS": str(path)}
+
+
 COPIED: list[int] = []
 
 
@@ -55,6 +68,41 @@ def checkpoint_tensors(ckpt: Path, tmp_path: Path) -> dict:
     out = tmp_path / f"{ckpt.name}-{len(list(tmp_path.iterdir()))}.pt"
     dcp_to_torch_save(str(ckpt / "release"), str(out))
     return torch.load(out, weights_only=True)
+
+
+def check(res, n, tp, pp, ep):
+    assert len(res) == n
+    for r in res:
+        assert r["hf_logits_from"] == "file"  # the reference computed once in the test's process
+        assert (r["tp"], r["pp"], r["ep"]) == (tp, pp, ep)
+        assert r["max_abs_diff"] <= TOL, r
+        assert r["scale"] > 1.0
+
+
+def test_logits_parity_ep2(moe, converted, two_ranks, hf_logits):
+    # two expert-parallel ranks holding experts 0-1 and 2-3, each feeding its own tokens (24 and
+    # 19 per row): the alltoall dispatcher exchanges unequal token counts over gloo
+    res = results(two_ranks.run(MOE_LOGITS, "1", "1", "2", str(converted), str(moe), env=hf_logits))
+    check(res, 2, 1, 1, 2)
+    assert res[0]["experts_per_rank"] == [[0, 1], [2, 3]]
+    assert sorted(r["seq_len"] for r in res) == [19, 24]
+
+
+def test_logits_parity_tp2_and_pp2(moe, converted, two_ranks, hf_logits):
+    check(results(two_ranks.run(MOE_LOGITS, "2", "1", "1", str(converted), str(moe), env=hf_logits)), 1, 2, 1, 1)
+    check(results(two_ranks.run(MOE_LOGITS, "1", "2", "1", str(converted), str(moe), env=hf_logits)), 1, 1, 2, 1)
+
+
+def test_tp2_and_pp2_conversions_hold_the_tp1_tensors(moe, converted, two_ranks, tmp_path):
+    two_ranks.run(SCRIPTS / "convert_batch.py", "2", "1", str(moe), str(tmp_path / "tp2"))
+    two_ranks.run(SCRIPTS / "convert_batch.py", "1", "2", str(moe), str(tmp_path / "pp2"))
+    ref = checkpoint_tensors(converted, tmp_path)
+    for name in ("tp2", "pp2"):
+        got = checkpoint_tensors(tmp_path / name, tmp_path)
+        assert sorted(got) == sorted(ref), name
+        for k, v in ref.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got[k], v), f"{name}: {k} differs"
 
 
 def test_checkpoint_holds_the_router_and_every_expert(moe, converted, tmp_path):
@@ -95,50 +143,16 @@ def test_roundtrip_is_bit_exact_for_every_tensor(moe, converted, tmp_path):
     assert type(m).__name__ == "Qwen3MoeForCausalLM"
 
 
-def check(res, n, tp, pp, ep):
-    assert len(res) == n
-    for r in res:
-        assert (r["tp"], r["pp"], r["ep"]) == (tp, pp, ep)
-        assert r["max_abs_diff"] <= TOL, r
-        assert r["scale"] > 1.0
-
-
-def test_logits_parity_ep1(moe, converted):
-    res = results(run_script_in_process(MOE_LOGITS, "1", "1", "1", str(converted), str(moe)))
+def test_logits_parity_ep1(moe, converted, hf_logits):
+    res = results(run_script_in_process(MOE_LOGITS, "1", "1", "1", str(converted), str(moe), env=hf_logits))
     check(res, 1, 1, 1, 1)
     assert res[0]["experts_per_rank"] == [[0, 1, 2, 3]]
 
 
-def test_logits_parity_ep2(moe, converted, two_ranks):
-    # two expert-parallel ranks holding experts 0-1 and 2-3, each feeding its own tokens (24 and
-    # 19 per row): the alltoall dispatcher exchanges unequal token counts over gloo
-    res = results(two_ranks.run(MOE_LOGITS, "1", "1", "2", str(converted), str(moe)))
-    check(res, 2, 1, 1, 2)
-    assert res[0]["experts_per_rank"] == [[0, 1], [2, 3]]
-    assert sorted(r["seq_len"] for r in res) == [19, 24]
-
-
-def test_logits_parity_tp2_and_pp2(moe, converted, two_ranks):
-    check(results(two_ranks.run(MOE_LOGITS, "2", "1", "1", str(converted), str(moe))), 1, 2, 1, 1)
-    check(results(two_ranks.run(MOE_LOGITS, "1", "2", "1", str(converted), str(moe))), 1, 1, 2, 1)
-
-
-def test_tp2_and_pp2_conversions_hold_the_tp1_tensors(moe, converted, two_ranks, tmp_path):
-    two_ranks.run(SCRIPTS / "convert_batch.py", "2", "1", str(moe), str(tmp_path / "tp2"))
-    two_ranks.run(SCRIPTS / "convert_batch.py", "1", "2", str(moe), str(tmp_path / "pp2"))
-    ref = checkpoint_tensors(converted, tmp_path)
-    for name in ("tp2", "pp2"):
-        got = checkpoint_tensors(tmp_path / name, tmp_path)
-        assert sorted(got) == sorted(ref), name
-        for k, v in ref.items():
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(got[k], v), f"{name}: {k} differs"
-
-
-def test_logits_parity_ep2_pp2_on_four_ranks(moe, converted, tmp_path):
+def test_logits_parity_ep2_pp2_on_four_ranks(moe, converted, tmp_path, hf_logits):
     worker = RankWorker(4, tmp_path / "four-ranks")
     try:
-        res = results(worker.run(MOE_LOGITS, "1", "2", "2", str(converted), str(moe), timeout=400))
+        res = results(worker.run(MOE_LOGITS, "1", "2", "2", str(converted), str(moe), env=hf_logits, timeout=400))
     finally:
         worker.stop()
     check(res, 2, 1, 2, 2)  # the two last-stage ranks, one per expert-parallel rank

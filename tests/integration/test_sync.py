@@ -1,11 +1,19 @@
-"""slimectl sync: disk and distributed (gloo) weight handoff to live embedded engines, --verify, failures."""
+"""slimectl sync: disk and distributed (gloo) weight handoff to live embedded engines, --verify, failures.
+
+The module's one `slimectl serve` (two embedded engines) is also where serve's own lifecycle is
+checked (first test and the fixture's teardown): registration, health, logs, one serve per run dir,
+another run registering one of its engines as external, and a clean SIGTERM (exit 0, engines
+unregistered, no child left). One serve start for both modules' checks.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
+import psutil
 import pytest
 import torch
 
@@ -27,23 +35,64 @@ def greedy(url, ids=(5, 6, 7, 8)):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A run with a tiny qwen2 model, weights/1 and weights/2, and `slimectl serve` with two engines."""
+    """A run with a tiny qwen2 model and `slimectl serve` with two engines, started on the initial
+    model (weight version 0); then weights/1 and weights/2 are published. After the module, SIGTERM
+    must stop serve cleanly: exit 0, the engines unregistered, none of its children left running."""
 
     root = tmp_path_factory.mktemp("sync")
     res = slimectl_in_process("init", root / "run", "--tiny-model", "qwen2", "--set", "logging.tensorboard=false")
     assert res.returncode == 0, res.stderr
     run = RunDir.open(root / "run")
-    w1, w2 = publish_weights(run, 1, 1), publish_weights(run, 2, 2)
     proc, urls = start_serve(run, "--num-engines", "2")
+    children = psutil.Process(proc.pid).children(recursive=True)
     try:
-        yield run, urls, {1: w1, 2: w2}
+        w1, w2 = publish_weights(run, 1, 1), publish_weights(run, 2, 2)
+        yield run, urls, {1: w1, 2: w2}, proc, children
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+    # serve's clean stop (was test_serve.py::test_serve_two_embedded_engines_register_and_clean_up)
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]
+    assert run.engines.list() == []
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_serve_two_embedded_engines_register_and_another_run_uses_one_as_external(served, tmp_path, cli):
+    """(Moved from test_serve.py, on this module's serve; its SIGTERM checks are the fixture's teardown.)
+    Two embedded engines: registered at weight version 0, healthy, logged, one serve per run dir.
+    Engine-0 doubles as another run's external engine: `serve --engine-url` registers it (no pid,
+    the engine's weight version), checks its health, and unregisters it on SIGTERM without stopping it."""
+    run, urls, _, _, children = served
+    assert all(u.startswith("http://127.0.0.1:") for u in urls) and len(set(urls)) == 2
+    recs = run.engines.list()
+    assert sorted(r.url for r in recs) == sorted(urls)
+    assert all(r.backend == "embedded" and r.weight_version == "0" and r.alive() for r in recs)
+    assert len(children) >= 2
+    st = json.loads(cli("status", "-r", run.path, "--json").output)
+    assert [e["health"] for e in st["engines"]] == ["ok", "ok"]
+    assert st["running"]["serve"]["stale"] is False
+    for i in range(2):
+        assert (run.path / "logs" / f"engine-{i}.log").stat().st_size > 0
+    second = slimectl_in_process("serve", "-r", run.path)
+    assert second.returncode == 1 and "already running" in second.stderr  # one serve per run dir
+
+    other = cli("init", tmp_path / "other", "--set", f"model.path={run.config().model.path}")
+    assert other.exit_code == 0
+    other_run = RunDir.open(tmp_path / "other")
+    ext, ext_urls = start_serve(other_run, "--engine-url", urls[0])
+    try:
+        (rec,) = other_run.engines.list()
+        assert rec.url == urls[0] and rec.backend == "external" and rec.pid is None and rec.weight_version == "0"
+    finally:
+        ext.send_signal(signal.SIGTERM)
+        ext.wait(timeout=30)
+    assert other_run.engines.list() == []
+    assert sorted(r.url for r in run.engines.list()) == sorted(urls)  # the external engine lives on
+    assert greedy(urls[0])[1] == "0"
 
 
 def test_disk_sync_changes_outputs_and_verifies(served):
-    run, urls, _ = served
+    run, urls, *_ = served
     assert slimectl_in_process("sync", "-r", run.path, "--version", "0").returncode == 0
     before = [greedy(u) for u in urls]
     assert {v for _, v in before} == {"0"}
@@ -61,7 +110,7 @@ def test_disk_sync_changes_outputs_and_verifies(served):
 
 
 def test_distributed_sync_matches_disk_sync(served):
-    run, urls, weights = served
+    run, urls, weights, *_ = served
     assert slimectl_in_process("sync", "-r", run.path, "--version", "2").returncode == 0
     by_disk = greedy(urls[0])
     assert slimectl_in_process("sync", "-r", run.path, "--version", "0").returncode == 0
@@ -80,7 +129,7 @@ def test_verify_detects_engines_holding_other_weights(served):
     from slimectl.stages.sync import WeightSource
     from slimectl.stages.sync.verify import verify_engines
 
-    run, urls, _ = served
+    run, urls, *_ = served
     assert slimectl_in_process("sync", "-r", run.path, "--version", "1").returncode == 0
 
     async def check(version):
@@ -98,7 +147,7 @@ def test_verify_detects_engines_holding_other_weights(served):
 
 
 def test_a_dead_engine_is_named_and_the_live_one_is_not_left_paused(served):
-    run, urls, _ = served
+    run, urls, *_ = served
     dead = "http://127.0.0.1:9"
     res = slimectl_in_process("sync", "-r", run.path, "--version", "2", "--engine-url", urls[0], "--engine-url", dead,
                    "--set", "sync.timeout_s=5")
@@ -109,7 +158,7 @@ def test_a_dead_engine_is_named_and_the_live_one_is_not_left_paused(served):
 
 
 def test_unpublished_version_and_no_engines(served, tmp_path):
-    run, _, _ = served
+    run, *_ = served
     res = slimectl_in_process("sync", "-r", run.path, "--version", "7")
     assert res.returncode == 2 and "weights/000007 is not published (published versions: 1, 2)" in res.stderr
     other = tmp_path / "other"

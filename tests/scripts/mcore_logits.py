@@ -3,9 +3,15 @@ the HF models' on the same tokens. Prints one RESULT JSON line per checkpoint. R
 or torchrun.
 
     [torchrun --nproc_per_node N] mcore_logits.py TP PP CKPT_ROOT HF_DIR [CKPT_ROOT HF_DIR ...]
+
+HF's logits come from transformers in this process, or, when SLIMECTL_TEST_HF_LOGITS names a file
+written by :func:`write_hf_logits` (by the test, in its own process, where transformers is imported
+already) holding HF's logits for this HF_DIR and these very token ids, from that file: a rank then
+never imports transformers (~7 CPU-s per rank and launch).
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -30,7 +36,7 @@ def compare(info, ckpt, hf_dir, tp, pp) -> None:
     model = build_gpt_model(arch, meta["padded_vocab_size"], tp=tp, pp=pp, init=False).eval()
     load_megatron_checkpoint(model, it_dir)
     B, S = 2, 24
-    ids = torch.randint(0, arch.vocab_size, (B, S), generator=torch.Generator().manual_seed(7))
+    ids = draw_ids(arch.vocab_size, B, S, seed=7)
     logits = forward_logits(model, ids)
     result = {"rank": info.rank, "tp": tp, "pp": pp, "ckpt": ckpt}
     if info.is_last_stage and info.tp_rank == 0:
@@ -65,16 +71,47 @@ def forward_logits(model, ids):
     return outputs[0] if outputs else None
 
 
-def hf_diff(hf_dir, ids, logits, vocab_size: int) -> dict:
-    """max |Megatron - HF| over the real vocabulary, the HF logits' scale and the padded vocabulary."""
+def draw_ids(vocab_size: int, B: int, S: int, seed: int) -> torch.Tensor:
+    """The token ids a comparison feeds (the same in every rank and in :func:`write_hf_logits`)."""
+    return torch.randint(0, vocab_size, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf_dir, ids) -> tuple[torch.Tensor, str]:
+    """HF's fp32 logits for IDS: from SLIMECTL_TEST_HF_LOGITS when it holds this model and these ids,
+    else computed with transformers here. Also says which."""
+    path = os.environ.get("SLIMECTL_TEST_HF_LOGITS")
+    if path and os.path.isfile(path):
+        for d, ref_ids, ref in torch.load(path, weights_only=True):
+            if d == os.path.abspath(hf_dir) and torch.equal(ref_ids, ids):
+                return ref, "file"
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = hf(ids).logits
+        return hf(ids).logits, "transformers"
+
+
+def write_hf_logits(path, hf_dirs, draws) -> None:
+    """PATH: HF's logits (transformers, fp32) of each HF dir on draw_ids(vocab, B, S, seed) for each
+    (B, S, seed) in DRAWS, for the ranks' :func:`hf_logits` (run in the test's process)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    refs = []
+    for d in hf_dirs:
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        for B, S, seed in draws:
+            ids = draw_ids(AutoConfig.from_pretrained(d).vocab_size, B, S, seed)
+            with torch.no_grad():
+                refs.append((os.path.abspath(d), ids, hf(ids).logits))
+    torch.save(refs, path)
+
+
+def hf_diff(hf_dir, ids, logits, vocab_size: int) -> dict:
+    """max |Megatron - HF| over the real vocabulary, the HF logits' scale and the padded vocabulary."""
+    ref, source = hf_logits(hf_dir, ids)
     got = logits[..., :vocab_size]
     return {"max_abs_diff": (got - ref).abs().max().item(), "scale": ref.abs().max().item(),
-            "padded_vocab": int(logits.shape[-1])}
+            "padded_vocab": int(logits.shape[-1]), "hf_logits_from": source}
 
 
 if __name__ == "__main__":

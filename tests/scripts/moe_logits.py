@@ -1,6 +1,7 @@
 """Load slimectl Megatron checkpoints of MoE models at the TP/PP/EP of this launch and compare their
 logits with the HF models' on the same tokens; also report this rank's local experts. One RESULT
-JSON line per checkpoint (from the last stage's TP rank 0). Run with python or torchrun.
+JSON line per checkpoint (from the last stage's TP rank 0). Run with python or torchrun. HF's
+logits as in mcore_logits.py (SLIMECTL_TEST_HF_LOGITS: precomputed by the test).
 
     [torchrun --nproc_per_node N] moe_logits.py TP PP EP CKPT_ROOT HF_DIR [CKPT_ROOT HF_DIR ...]
 """
@@ -9,10 +10,8 @@ import json
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path, in-process or under torchrun
-from mcore_logits import forward_logits, hf_diff  # noqa: E402  (this folder's: one logits comparison for both)
+from mcore_logits import draw_ids, forward_logits, hf_diff  # noqa: E402  (this folder's: one logits comparison for both)
 
 
 def main() -> None:
@@ -40,7 +39,7 @@ def compare(info, ckpt, hf_dir, tp, pp, ep) -> None:
     # Data-parallel ranks (the expert-parallel ones among them) feed different tokens and lengths:
     # their MoE layers exchange unequal token counts, as in training on packed micro-batches.
     B, S = 2, 24 - 5 * info.dp_rank
-    ids = torch.randint(0, arch.vocab_size, (B, S), generator=torch.Generator().manual_seed(7 + info.dp_rank))
+    ids = draw_ids(arch.vocab_size, B, S, seed=7 + info.dp_rank)
     logits = forward_logits(model, ids)
     all_experts = [None] * dist.get_world_size()
     dist.all_gather_object(all_experts, experts)

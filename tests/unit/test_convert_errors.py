@@ -114,24 +114,21 @@ def test_export_bad_checkpoint(cli, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(llama, tmp_path):
+def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(llama, tmp_path, monkeypatch):
     # torch_dist reports a writer's failure as CheckpointException, a BaseException with the
     # cause pickled away; convert must still say "no space left" in one line and clean up.
-    import subprocess
-    import sys
+    # (In this process: the save writes synchronously from it, so the patched copy is the one called.)
+    import errno
 
-    script = (
-        "import errno, sys\n"
-        "import slimectl.backends.megatron.copy_save as cs\n"
-        "def full(*args):\n"
-        "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
-        "cs.copy_range = full\n"
-        "from slimectl.commands.cli import cli\n"
-        "cli(sys.argv[1:], prog_name='slimectl')\n"
-    )
+    import slimectl.backends.megatron.copy_save as cs
+    from tests.helpers import slimectl_in_process
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cs, "copy_range", full)
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, "-c", script, "convert", "--hf", str(llama), "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    res = slimectl_in_process("convert", "--hf", llama, "--out", out)
     assert res.returncode == 1, res.stderr[-3000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "no space left on the device holding" in errors[0], res.stderr[-3000:]
