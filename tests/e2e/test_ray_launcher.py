@@ -1,16 +1,15 @@
 """slimectl rl --launcher ray on a real two-node Ray cluster (Ray's own ``cluster_utils.Cluster``,
 both nodes on this machine): engines and trainer in separate Ray actors, colocated and
-disaggregated placement, the same run directory as a local run, resume after kill -9 of the driver."""
+disaggregated placement, the same run directory as a local run, resume after kill -9 of the driver.
+The drivers are processes of their own, forked by one fork server for the module (tests/e2e/prefork.py)
+so that their imports are paid once."""
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
 import time
 
 import psutil
@@ -20,7 +19,8 @@ from slimectl.contract.errors import UsageError
 from slimectl.orchestration.ray_launcher import Slot, placement_layout
 from slimectl.contract.metrics import read_metrics
 from slimectl.contract.rundir import RunDir
-from tests.helpers import ENV, assert_trained_once, read_jsonl, slimectl, slimectl_in_process, write_config
+from tests.e2e.prefork import ForkServer
+from tests.helpers import assert_trained_once, read_jsonl, slimectl_in_process, write_config
 
 pytestmark = pytest.mark.xdist_group("ray")  # under pytest-xdist, one worker runs the module: one Ray cluster
 
@@ -40,42 +40,56 @@ def cluster():
         c.shutdown()
 
 
+@pytest.fixture(scope="module")
+def forks():
+    """The module's `slimectl rl` drivers, forked by one fork server (tests/e2e/prefork.py): the
+    driver's imports are paid once, each driver is still a process of its own (killed, signalled)."""
+    server = ForkServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 class Driver:
-    """`slimectl rl` as a subprocess whose stderr is read line by line in the background."""
+    """`slimectl rl` as a process of its own (forked by the fork server) whose stderr is read line by line."""
 
-    def __init__(self, *args):
-        self.proc = subprocess.Popen([sys.executable, "-m", "slimectl", "rl", *map(str, args)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=ENV)
+    def __init__(self, forks: ForkServer, tmp_path, *args):
+        n = forks.count
+        self.proc = forks.run(["rl", *map(str, args)], tmp_path / f"driver-{n}.out", tmp_path / f"driver-{n}.err")
         self.lines: list[str] = []
-        self._q: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._err = None
+        self._tail = ""
 
-    def _read(self):
-        for line in self.proc.stderr:
-            self._q.put(line)
-        self._q.put(None)
+    def _read(self) -> list[str]:
+        """The stderr lines written since the last call (a partial last line waits for its end)."""
+        if self._err is None:
+            self._err = open(self.proc.stderr, errors="replace")
+        *new, self._tail = (self._tail + self._err.read()).split("\n")
+        return [line + "\n" for line in new]
 
-    def wait_for(self, marker: str, timeout: float = 120) -> None:
+    def wait_for(self, marker: str, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                line = self._q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
+            ended = self.proc.poll() is not None
+            for line in self._read():
+                self.lines.append(line)
+                if marker in line:
+                    return
+            if ended:
                 break
-            if line is None:
-                break
-            self.lines.append(line)
-            if marker in line:
-                return
+            time.sleep(0.05)
         self.proc.kill()
+        self.proc.wait(30)
         raise AssertionError(f"no {marker!r} from the driver:\n" + "".join(self.lines)[-4000:])
 
     def finish(self, timeout: float = 180) -> tuple[int, str, str]:
-        out = self.proc.stdout.read()
         rc = self.proc.wait(timeout=timeout)
-        while (line := self._q.get(timeout=10)) is not None:
-            self.lines.append(line)
-        return rc, out, "".join(self.lines)
+        self.lines += self._read()
+        if self._tail:
+            self.lines.append(self._tail)
+        self._err.close()
+        return rc, self.proc.stdout.read_text(), "".join(self.lines)
 
 
 def placement(run: RunDir, driver_pid: int) -> dict:
@@ -101,20 +115,21 @@ def wait_gone(pids, timeout=30.0) -> list[int]:
 
 
 @pytest.mark.slow
-def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_killed(tmp_path, cluster, clean_rl_run):
+def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_killed(tmp_path, cluster, clean_rl_run,
+                                                                                  forks):
     cfg = write_config(tmp_path, rollout={"num_rollout": 2})
     path = tmp_path / "run"
     ray_args = ("--launcher", "ray", "--address", cluster.address)
 
     # 1. colocated: trainer and engine share one bundle (one node); kill -9 the driver after rollout 0
-    first = Driver("-c", cfg, "-r", path, "--tiny-model", "qwen2", *ray_args, "--colocate")
+    first = Driver(forks, tmp_path, "-c", cfg, "-r", path, "--tiny-model", "qwen2", *ray_args, "--colocate")
     first.wait_for("resuming at rollout 0")
     run = RunDir.open(path)
     where = placement(run, first.proc.pid)
     assert where["same_node"], where
     first.wait_for("rl 1/2")
     first.proc.kill()
-    first.proc.wait()
+    assert first.proc.wait() == -signal.SIGKILL
     # Ray ends a dead driver's actors; the engine follows its actor
     assert wait_gone([where["trainer"], where["engine_actor"], where["engine"]]) == []
     # Checkpoints are written in the background and the cursor commits after them: killed right after
@@ -123,7 +138,7 @@ def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_kille
     assert done in ([], [0]), done
 
     # 2. rerun, disaggregated: separate bundles, which on these one-CPU nodes means separate nodes
-    second = Driver("-c", cfg, "-r", path, *ray_args)
+    second = Driver(forks, tmp_path, "-c", cfg, "-r", path, *ray_args)
     second.wait_for(f"resuming at rollout {len(done)}")
     where2 = placement(run, second.proc.pid)
     assert not where2["same_node"], where2
@@ -152,10 +167,10 @@ def test_rl_on_a_ray_cluster_places_actors_and_resumes_after_the_driver_is_kille
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_actors_cleanly(tmp_path, cluster):
+def test_sigterm_stops_the_actors_cleanly(tmp_path, cluster, forks):
     """ray.init replaces the driver's signal handlers; rl's own must still stop every actor cleanly."""
     cfg = write_config(tmp_path, rollout={"num_rollout": 2})
-    driver = Driver("-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2", "--launcher", "ray",
+    driver = Driver(forks, tmp_path, "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2", "--launcher", "ray",
                     "--address", cluster.address)
     driver.wait_for("resuming at rollout 0")
     run = RunDir.open(tmp_path / "run")
@@ -167,13 +182,13 @@ def test_sigterm_stops_the_actors_cleanly(tmp_path, cluster):
     assert wait_gone([where["trainer"], where["engine_actor"], where["engine"]]) == []
 
 
-def test_an_error_inside_an_actor_is_one_line(tmp_path, cluster):
+def test_an_error_inside_an_actor_is_one_line(tmp_path, cluster, forks):
     """The trainer actor cannot take the train lock held here: the driver says so in one line."""
     cfg = write_config(tmp_path, rollout={"num_rollout": 1})
     assert slimectl_in_process("init", tmp_path / "run", "-c", cfg, "--tiny-model", "qwen2").returncode == 0
     run = RunDir.open(tmp_path / "run")
     with run.lock("train"):
-        res = slimectl("rl", "-r", run.path, "--launcher", "ray", "--address", cluster.address)
+        res = forks.slimectl("rl", "-r", run.path, "--launcher", "ray", "--address", cluster.address, out_dir=tmp_path)
     assert res.returncode == 1, res.stderr[-3000:]
     (line,) = [x for x in res.stderr.splitlines() if x.startswith("Error:")]
     assert f"stage 'train' is already running in this run directory: pid {os.getpid()}" in line
@@ -181,16 +196,12 @@ def test_an_error_inside_an_actor_is_one_line(tmp_path, cluster):
     assert run.engines.list() == [] and not list((run.path / "locks").glob("*.lock"))
 
 
-def test_ray_options_need_the_ray_launcher_and_ray_itself(tmp_path):
+def test_ray_options_need_the_ray_launcher_and_ray_itself(tmp_path, monkeypatch):
     res = slimectl_in_process("rl", "-r", tmp_path, "--address", "auto")
     assert res.returncode == 2 and "--address places actors on Ray; add --launcher ray" in res.stderr
-    # A Python where `import ray` fails, as on an install without the extra
-    shadow = tmp_path / "no-ray" / "ray"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'ray'\")\n")
-    res = subprocess.run([sys.executable, "-m", "slimectl", "rl", "-r", tmp_path, "--launcher", "ray"],
-                         capture_output=True, text=True, timeout=120,
-                         env={**ENV, "PYTHONPATH": str(tmp_path / "no-ray")})
+    # `import ray` fails, as on an install without the extra (None in sys.modules: ImportError)
+    monkeypatch.setitem(sys.modules, "ray", None)
+    res = slimectl_in_process("rl", "-r", tmp_path, "--launcher", "ray")
     assert res.returncode == 2
     assert "--launcher ray needs Ray, which is not installed; pip install 'slimectl[ray]'" in res.stderr
 
@@ -211,13 +222,24 @@ def test_placement_layout_colocated_shares_bundles_disaggregated_separates_them(
 
 
 @pytest.fixture(scope="module")
-def one_rank_reference(tmp_path_factory):
+def one_rank_reference(tmp_path_factory, clean_rl_run):
     """The one-rank local run a two-rank Ray run is compared with, made once per sync transport for
-    the module (tp and pp share the distributed one: the same config, so the same run)."""
+    the module (tp and pp share the distributed one: the same config, so the same run). The disk one
+    is the session's clean_rl_run: the same config but for sync.verify, which only reads the engines'
+    weights back."""
+    import yaml
+
+    clean, clean_cfg = clean_rl_run
     runs: dict[str, RunDir] = {}
 
     def get(sections: dict) -> RunDir:
         key = sections["sync"]["transport"]
+        if key == "disk" and key not in runs:
+            d = tmp_path_factory.mktemp("one-rank-disk")
+            want = yaml.safe_load(write_config(d, train={"lr": 1e-3}, **sections).read_text())
+            assert want.pop("sync") == {"transport": "disk", "verify": True}  # the default transport
+            assert want == yaml.safe_load(clean_cfg.read_text())
+            runs[key] = clean
         if key not in runs:
             d = tmp_path_factory.mktemp(f"one-rank-{key}")
             cfg1 = write_config(d, train={"lr": 1e-3}, **sections)  # the same config, one trainer rank
@@ -231,8 +253,8 @@ def one_rank_reference(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("split,transport", [("tp", "distributed"), ("pp", "distributed"), ("dp", "disk")])
-def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, cluster, one_rank_reference, split,
-                                                                  transport):
+def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, cluster, forks, one_rank_reference,
+                                                                  split, transport):
     """train.tp=2, pp=2 or dp=2 under Ray: two trainer actors, one per node (the colocated group's
     two bundles), form one torch.distributed job. Rank 0 holds the lock and writes the run
     directory; rank 1 joins the training, the publishing of weights/N (disk) or the TP gathers /
@@ -242,8 +264,8 @@ def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, clus
 
     sections = dict(rollout={"num_rollout": 2}, sync={"transport": transport, "verify": True})
     cfg = write_config(tmp_path, train={"lr": 1e-3, split: 2}, **sections)
-    res = slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2", "--launcher", "ray",
-                   "--address", cluster.address, "--colocate", timeout=600)
+    res = forks.slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2", "--launcher", "ray",
+                         "--address", cluster.address, "--colocate", out_dir=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     ranks = re.findall(r"ray: trainer rank (\d)/2 in actor \S+ \(pid (\d+)\) on node (\S+),", res.stderr)
     assert sorted(r[0] for r in ranks) == ["0", "1"], res.stderr[-3000:]
