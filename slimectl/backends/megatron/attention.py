@@ -6,7 +6,9 @@ time and memory grow with the square of the pack. :class:`SegmentAttention` is t
 one change: while :func:`packed_segments` is active (``forward_micro_batch`` sets it from the
 micro-batch's sequence boundaries) it attends causally within each sequence alone — ``sum(len_i^2)``
 scores instead of ``T^2``, no ``[T, T]`` mask, Megatron's arithmetic on one ``[heads, len_i, len_i]``
-block per sequence (thread-count independent, see ``_causal``). RoPE is applied before (by absolute row
+block per sequence (thread-count independent, see ``_causal``), the sequences of one length batched
+into one block (:func:`causal_by_length`: a few dozen ops per layer for a pack of many short samples,
+not hundreds; bit for bit the same numbers). RoPE is applied before (by absolute row
 position); scores depend only on query-key distance, so each sequence gets what it would alone.
 
 Without segments (a plain ``model(ids, pos, mask)`` call) it is Megatron's module unchanged.
