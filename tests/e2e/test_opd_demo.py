@@ -16,6 +16,11 @@ from tests.helpers import ENV, ROOT
 
 # Shorter than the demo's defaults (100 SFT steps for the teacher, 40 rollouts of 16 x 8 at lr 2e-3);
 # with these settings seeds 0-3 ended at x0.14-x0.33 of the start (0.8 is the bar), in 52-76 s each.
+# Shorter, tried (issue #14, `examples/opd_demo.py RUN --seed 0 ...`, CPU-s of the demo and its children):
+#   the same with --set rollout.num_rollout=12: 115.8 CPU-s (against 141 in CI for 32 rollouts: the SFT
+#     run, the subprocess starts and the two KL measurements are most of it), 2.967 -> 2.618 (x0.88;
+#     rollout/opd_reverse_kl first 5 mean 3.05, last 5 2.81): fails the 0.8 bar, rejected (seeds 1/2 not run).
+#   Fewer rollouts barely save CPU here and a shorter SFT changes both models: these settings stay.
 QUICK = ["--teacher-steps", "50", "--student-steps", "10", "--kl-samples", "2",
          "--set", "rollout.num_rollout=32", "--set", "rollout.batch_size=8", "--set", "train.lr=3e-3"]
 

@@ -1,5 +1,6 @@
-"""slimectl rl: the whole loop on the embedded engine and real Megatron (gloo), resume after kill -9,
-the same artifacts by hand, eval with pass@k."""
+"""slimectl rl: the whole loop on the embedded engine and real Megatron (gloo) with eval and pass@k,
+one step off with a distributed sync, resume after kill -9 and SIGTERM, the same artifacts by hand,
+on-policy distillation from a served teacher."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import pytest
 
 from slimectl.stages.rollout.eval import pass_at_k
 from slimectl.contract.rundir import RunDir
-from tests.helpers import (ARITH, ENV, assert_trained_once, engine_pids, post, read_jsonl, slimectl_in_process, start_serve,
-                           write_config)
+from tests.helpers import (ARITH, ENV, assert_trained_once, engine_pids, post, read_jsonl, slimectl_in_process, start_engine,
+                           start_serve, wait_healthy, write_config)
 
 
-def test_rl_synchronous_loop_end_to_end(tmp_path):
-    cfg = write_config(tmp_path, engine={"offload_during_train": True})
+def test_rl_synchronous_loop_end_to_end_and_evaluates_with_pass_at_k(tmp_path):
+    """One synchronous run of 3 rollouts (engines offloaded while training) that also evaluates every
+    2 rollouts and at the end (pass@1 and pass@4 on 3 eval prompts); the rerun has nothing to do."""
+    cfg = write_config(tmp_path, engine={"offload_during_train": True},
+                       rollout={"eval_interval": 2, "eval_n_samples": 4, "eval_pass_k": [1, 4]},
+                       data={"eval_data": {"arith": f"{ARITH}@[0:3]"}})
     res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "trained rollouts 0-2; weight version 3" in res.stdout
@@ -36,6 +41,14 @@ def test_rl_synchronous_loop_end_to_end(tmp_path):
     assert "rl 3/3: reward" in logs["rl"] and "step 3 (rollout 2)" in logs["rl"]  # the loop's log has everything
     assert "step 3 (rollout 2)" in logs["train"] and "rollout 2: reward" not in logs["train"]
     assert "rollout 2: reward" in logs["rollout"] and " D " in logs["rl"]  # DEBUG lines, though stderr is at INFO
+    # eval at every eval_interval-th weight version and after the last rollout (3 is no multiple of 2)
+    assert run.evals.ids() == [2, 3]
+    results = json.loads(run.evals.get(3).file("results.json").read_text())
+    m = results["arith"]
+    assert m["num_prompts"] == 3 and 0 <= m["pass@1"] <= m["pass@4"] <= 1
+    assert abs(m["pass@1"] - m["reward_mean"]) < 1e-9 or m["reward_mean"] < 0  # random reward is 0/1: pass@1 = mean
+    recs = read_jsonl(run.metrics_path("eval"))
+    assert [r["step"] for r in recs] == [2, 3] and "eval/arith/pass@4" in recs[-1]
     again = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run")
     assert again.returncode == 0 and "nothing to do" in again.stderr and "trained rollouts none;" in again.stdout
 
@@ -86,33 +99,33 @@ def _rl_until(cfg, path, marker: str, sig: int) -> tuple[subprocess.Popen, list[
 
 @pytest.mark.slow
 def test_kill_9_then_sigterm_each_rerun_resumes_and_trains_each_rollout_once(tmp_path):
-    """One run, stopped twice: kill -9 right after a marker on stderr ("step 2 " = step done, publish
-    and sync next; the deterministic kill points are tests/e2e/test_fault_injection.py's), the rerun resuming
-    where it left off; then SIGTERM ("rl 3/4"), which stops every stage cleanly (exit 143 with the
-    command that resumes it, options kept; no engine, no lock), checkpointing first what it trained
-    since the last checkpoint (save_interval 4: none before the end). The last rerun finishes, every
-    rollout trained once."""
-    cfg = write_config(tmp_path, rollout={"num_rollout": 4}, train={"lr": 1e-3, "save_interval": 4})
+    """One run of 3 rollouts, stopped twice: kill -9 right after a marker on stderr ("step 1 " = step
+    done, publish and sync next; the deterministic kill points are tests/e2e/test_fault_injection.py's),
+    the rerun resuming where it left off; then SIGTERM ("rl 2/3"), which stops every stage cleanly
+    (exit 143 with the command that resumes it, options kept; no engine, no lock), checkpointing first
+    what it trained since the last checkpoint (save_interval 3: none before the end). The last rerun
+    finishes, every rollout trained once."""
+    cfg = write_config(tmp_path, rollout={"num_rollout": 3}, train={"lr": 1e-3, "save_interval": 3})
     path = tmp_path / "run"
-    proc, seen = _rl_until(cfg, path, "step 2 ", signal.SIGKILL)
+    proc, seen = _rl_until(cfg, path, "step 1 ", signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL, "".join(seen)[-3000:]
     run = RunDir.open(path)
     deadline = time.monotonic() + 20
     while engine_pids(run) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert engine_pids(run) == []  # the engine noticed its parent died
-    proc, seen = _rl_until(cfg, path, "rl 3/4", signal.SIGTERM)
+    proc, seen = _rl_until(cfg, path, "rl 2/3", signal.SIGTERM)
     assert any("resuming at rollout" in x for x in seen), "".join(seen)[-3000:]
     assert proc.returncode == 143, "".join(seen)[-3000:]  # 128 + SIGTERM
     assert f"interrupted; resume with: slimectl rl -c {cfg} -r {path} --tiny-model qwen2" in "".join(seen)
     assert run.engines.list() == [] and engine_pids(run) == []
     assert not list((run.path / "locks").glob("*.lock"))
-    assert run.cursor("train").read().next == 3  # stopped after "rl 3/4", before the end
-    assert run.checkpoints.ids()[-1] == 3  # what it trained since the last checkpoint is not lost
+    assert run.cursor("train").read().next == 2  # stopped after "rl 2/3", before the end
+    assert run.checkpoints.ids()[-1] == 2  # what it trained since the last checkpoint is not lost
     res = slimectl_in_process("rl", "-c", cfg, "-r", path)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming at rollout 3, 1 to go" in res.stderr, res.stderr[-3000:]
-    assert_trained_once(run, 4)
+    assert "resuming at rollout 2, 1 to go" in res.stderr, res.stderr[-3000:]
+    assert_trained_once(run, 3)
     assert engine_pids(run) == []
 
 
@@ -171,22 +184,6 @@ def test_stages_by_hand_make_the_same_artifacts_as_rl(tmp_path, clean_rl_run):
     assert sorted(wa) == sorted(wh) and max(float((wa[k] - wh[k]).abs().max()) for k in wa) <= 1e-6
 
 
-def test_rl_evaluates_with_pass_at_k(tmp_path):
-    cfg = write_config(tmp_path, rollout={"num_rollout": 2, "eval_interval": 1, "eval_n_samples": 4,
-                                          "eval_pass_k": [1, 4]},
-                       data={"eval_data": {"arith": f"{ARITH}@[0:3]"}})
-    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
-    assert res.returncode == 0, res.stderr[-3000:]
-    run = RunDir.open(tmp_path / "run")
-    assert run.evals.ids() == [1, 2]
-    results = json.loads(run.evals.get(2).file("results.json").read_text())
-    m = results["arith"]
-    assert m["num_prompts"] == 3 and 0 <= m["pass@1"] <= m["pass@4"] <= 1
-    assert abs(m["pass@1"] - m["reward_mean"]) < 1e-9 or m["reward_mean"] < 0  # random reward is 0/1: pass@1 = mean
-    recs = read_jsonl(run.metrics_path("eval"))
-    assert [r["step"] for r in recs] == [1, 2] and "eval/arith/pass@4" in recs[-1]
-
-
 def test_pass_at_k_hand_computed():
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)
@@ -205,16 +202,18 @@ def test_rl_refuses_bad_input(tmp_path):
 
 
 def test_on_policy_distillation_takes_teacher_log_probs_and_shapes_advantages(tmp_path):
-    """A second `slimectl serve` is the teacher; each sample carries the teacher's log-probs of its
-    response tokens (checked against the teacher directly), and with zero task reward the policy
-    loss of the first (on-policy) step is exactly the reverse-KL estimate: A_t = -(lp_s - lp_t)."""
+    """A second embedded engine (another tiny model) is the teacher; each sample carries the teacher's
+    log-probs of its response tokens (checked against the teacher directly), and with zero task reward
+    the policy loss of the first (on-policy) step is exactly the reverse-KL estimate:
+    A_t = -(lp_s - lp_t). One rollout is all the checks read (tests/e2e/test_opd_demo.py serves the
+    teacher with `slimectl serve` and trains for many)."""
     from slimectl.fixtures.tiny_models import build_tiny_model
 
     teacher_model = build_tiny_model("qwen2", tmp_path / "teacher-model", seed=3, initializer_range=0.2)
-    assert slimectl_in_process("init", tmp_path / "teacher", "--set", f"model.path={teacher_model}").returncode == 0
-    proc, (teacher_url,) = start_serve(RunDir.open(tmp_path / "teacher"))
+    proc, teacher_url = start_engine(teacher_model, tmp_path / "teacher.log")
     try:
-        cfg = write_config(tmp_path, rollout={"num_rollout": 2, "batch_size": 2, "max_response_len": 6,
+        wait_healthy(teacher_url)
+        cfg = write_config(tmp_path, rollout={"num_rollout": 1, "batch_size": 2, "max_response_len": 6,
                                               "reward": "tests.helpers:zero_reward", "teacher_urls": [teacher_url]},
                            algorithm={"use_opd": True, "opd_kl_coef": 1.0})
         res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
@@ -228,8 +227,8 @@ def test_on_policy_distillation_takes_teacher_log_probs_and_shapes_advantages(tm
         want = [x[0] for x in direct["meta_info"]["input_token_logprobs"][-s.response_length:]]
         assert s.teacher_log_probs == pytest.approx(want, abs=1e-5)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        proc.kill()
+        proc.wait()
     roll, train = read_jsonl(run.metrics_path("rollout")), read_jsonl(run.metrics_path("train"))
     assert roll[0]["rollout/opd_reverse_kl"] > 0.1  # a different model: a clear gap to distil
     m = train[0]

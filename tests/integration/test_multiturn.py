@@ -244,9 +244,13 @@ def test_python_tool_cancelled_from_outside_leaves_no_process(tmp_path):
 # --------------------------------------------------------------------------- real engine
 
 
-def memorise_transcripts(model_dir: Path, steps: int = 160):
+def memorise_transcripts(model_dir: Path, steps: int = 100):
     """Train the tiny model until greedy decoding reproduces every FIRST_TURNS turn (and the
-    answer after the 1234 * 5678 tool result); returns (tokenizer, trained model)."""
+    answer after the 1234 * 5678 tool result); returns (tokenizer, trained model).
+
+    Measured (seed 3, torch seed 0): every memorised token is the argmax from step 80 on; at step 100
+    the smallest logit margin of a memorised token over the runner-up is 4.3 (5.3 at step 160, the
+    old count), far above the engine's float noise, at 60% of the CPU time."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

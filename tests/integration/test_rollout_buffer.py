@@ -145,7 +145,7 @@ def test_concurrent_producers_then_collect_publishes_their_tokens_and_rewards(se
     assert after["trajectories"]["buffered"] == 0
 
 
-@pytest.mark.parametrize("body, message", [
+MALFORMED = [
     (traj(0, 1.0, group=0, tokens=[1, 2, 999999, 4, 5, 6]), "token id 999999 is outside the model's vocabulary"),
     (traj(0, 1.0, group=0, loss_mask=[1, 1]), "loss_mask has 2 entries for 3 response tokens"),
     (traj(0, None, group=0), "no usable reward"),
@@ -154,16 +154,21 @@ def test_concurrent_producers_then_collect_publishes_their_tokens_and_rewards(se
     (traj(0, 1.0, group=0, response_length="3"), "response_length must be an integer"),
     (traj(0, 1.0, group=0, rollout_log_probs=[-1, "x", -1]), "rollout_log_probs must be a list of finite numbers"),
     ({"trajectories": [traj(0, 1.0, group=0), "not a sample"]}, "trajectory 1: expected a JSON object"),
-])
-def test_malformed_trajectories_get_400_are_counted_and_never_stored(serve, body, message):
+]
+
+
+def test_malformed_trajectories_get_400_are_counted_and_never_stored(serve):
+    """Each malformed body (and a body that is not JSON after it) on one service: a one-line 400,
+    counted by reason, nothing stored."""
     buf = serve("--vocab-size", "512")
-    status, out = buf.call("POST", "/buffer/write", body)
-    assert status == 400 and message in out["message"] and "\n" not in out["message"]
-    status, out = buf.call("POST", "/buffer/write", raw=b'{"tokens": [1,')
-    assert status == 400 and "not valid JSON" in out["message"]
-    stats = buf.stats()
-    assert stats["rejected"]["by_reason"] == {"invalid_json": 1, "invalid_trajectory": 1}
-    assert stats["trajectories"]["received"] == 0 and stats["groups"]["pending"] == 0
+    for n, (body, message) in enumerate(MALFORMED, 1):
+        status, out = buf.call("POST", "/buffer/write", body)
+        assert status == 400 and message in out["message"] and "\n" not in out["message"], (message, out)
+        status, out = buf.call("POST", "/buffer/write", raw=b'{"tokens": [1,')
+        assert status == 400 and "not valid JSON" in out["message"]
+        stats = buf.stats()
+        assert stats["rejected"]["by_reason"] == {"invalid_json": n, "invalid_trajectory": n}, message
+        assert stats["trajectories"]["received"] == 0 and stats["groups"]["pending"] == 0, message
 
 
 def test_oversized_bodies_and_overfull_or_duplicate_groups_are_refused(serve):
