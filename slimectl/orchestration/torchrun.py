@@ -6,12 +6,17 @@ the command's parameter objects (click's, duck-typed: this library never imports
 every non-default value in the option's own spelling, so an option added to the command later
 is passed to every rank without anyone remembering to. The ranks import the slimectl this process
 runs, never a ``slimectl/`` folder in the working directory (:func:`child_env`).
+
+The launching process only builds a command line and waits: nothing here imports torch (a
+relaunching ``train``/``rl`` would pay ~3 CPU-s for it, on top of torchrun's own import);
+tests/unit/test_import_cost.py checks it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 from typing import Any, Iterable, Mapping
@@ -29,6 +34,13 @@ def under_torchrun() -> bool:
 def launch_rank() -> int:
     """This process's rank in a torchrun job (0 when not under torchrun); valid before dist init."""
     return int(os.environ.get("RANK", "0"))
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for torchrun's rendezvous when none is given)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _spelling(param: Any) -> str:
@@ -114,8 +126,6 @@ def torchrun_command(nproc: int, argv: list[str], nnodes: int = 1, node_rank: in
                      master_addr: str | None = None, master_port: int | None = None,
                      torchrun_args: list[str] | tuple[str, ...] = ()) -> list[str]:
     """``python -m torch.distributed.run ... [TORCHRUN_ARGS] -m slimectl ARGV`` (a free port when none is given)."""
-    from slimectl.backends.megatron.parallel import free_port
-
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
             "--nproc_per_node", str(nproc), "--master_addr", master_addr or "127.0.0.1",
             "--master_port", str(master_port or free_port()), *torchrun_args, "-m", "slimectl", *argv]

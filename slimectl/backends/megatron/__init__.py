@@ -2,9 +2,13 @@
 
 Everything that imports megatron lives in this package; the rest of slimectl talks to it
 through :mod:`slimectl.backends.megatron.checkpoint` (convert/export/train) and the model provider.
+Whatever imports megatron first in a process, the import goes through :mod:`.importing` (installed
+here, before any module of this package runs): no import-time torch.compile on CPU, no wandb.
 """
 
 import warnings as _warnings
+
+from slimectl.backends.megatron import importing as _importing
 
 # megatron-core announces every missing optional accelerator (Transformer Engine, Apex) at import
 # time; on CPU that is expected, so keep stderr for what matters.
@@ -16,3 +20,5 @@ for _pattern in (
     r"Please use DTensor instead",
 ):
     _warnings.filterwarnings("ignore", message=_pattern)
+
+_importing.install()

@@ -11,7 +11,6 @@ RNG tracker. This module redirects exactly those to the CPU. It changes process-
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -54,7 +53,9 @@ def apply() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("cpu_compat.apply() must not run where CUDA is available")
-    import_megatron_without_torch_compile()
+    from slimectl.backends.megatron.importing import import_megatron
+
+    import_megatron()  # through the one door: torch.compile off for megatron on CPU (importing.py)
     from megatron.core.tensor_parallel import random as mrandom
 
     torch.cuda.current_device = lambda: torch.device("cpu")
@@ -68,33 +69,6 @@ def apply() -> None:
     _mode = CudaToCpuMode()
     _mode.__enter__()
     _applied = True
-
-
-def _no_compile(model=None, **_kwargs):
-    """``torch.compile`` as a no-op, both as ``@torch.compile`` and ``@torch.compile(...)``."""
-    return model if model is not None else (lambda fn: fn)
-
-
-def import_megatron_without_torch_compile() -> None:
-    """Import megatron-core with its fusion decorators as no-ops (megatron's own ``disable_jit_fuser``).
-
-    ``megatron.core.jit`` binds ``jit_fuser = torch.compile`` and decorates its fused kernels at
-    import time, which imports torch._dynamo and inductor: ~1.5 s of every CPU process's start
-    (2.8 s -> 1.25 s for ``import megatron.core``, measured on 2 cores), for kernels the configs
-    here never call (every ``*_fusion`` flag is off) and that would run eagerly on CPU anyway.
-    Nothing changes when megatron is already imported, and the GPU path never calls this.
-    """
-    if "megatron.core" in sys.modules:
-        return
-    real = torch.compile
-    torch.compile = _no_compile
-    try:
-        import megatron.core  # noqa: F401
-    finally:
-        torch.compile = real
-    from megatron.core import jit
-
-    jit.disable_jit_fuser()
 
 
 class suspended:

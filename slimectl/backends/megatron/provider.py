@@ -1,11 +1,12 @@
-"""Build a Megatron GPTModel for an HF architecture (from config.json alone)."""
+"""Build a Megatron GPTModel for an HF architecture (from config.json alone).
+
+torch is imported inside the functions that use it: the preflight checks (:func:`check_expert_parallel`)
+run in processes that only relaunch themselves under torchrun and must not pay for torch.
+"""
 
 from __future__ import annotations
 
-import torch
-
 from slimectl.backends.hf.arch import ModelArch
-from slimectl.backends.hf.dtypes import torch_dtype
 
 
 # The MoE token dispatcher on CPU/gloo: "alltoall" (what slime's Qwen3-MoE scripts use). "allgather"
@@ -62,6 +63,7 @@ def patch_moe_without_te() -> None:
     """megatron-core 0.16's router reads ``moe_utils.te_general_gemm``, which is only defined when
     Transformer Engine imports (NameError otherwise, on CPU and on GPUs without TE alike): define it
     as None, megatron's own "no TE" value, so the router takes its torch.mm path. Idempotent."""
+    import torch
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -78,6 +80,7 @@ def _alltoall_dispatcher_on_cpu() -> None:
     a CPU-only torch cannot create. On CPU the tensors already live on the host: the same method
     without streams turns the split sizes into numpy arrays as the GPU path does, nothing else.
     """
+    import torch
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
 
     if getattr(D, "_slimectl_cpu", False):
@@ -98,7 +101,10 @@ def _alltoall_dispatcher_on_cpu() -> None:
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "fp32", init: bool = True,
                        ep: int = 1, aux_loss_coeff: float = 0.0):
+    import torch
     from megatron.core.transformer import TransformerConfig
+
+    from slimectl.backends.hf.dtypes import torch_dtype
 
     cpu = not torch.cuda.is_available()
     params_dtype = torch_dtype(dtype)
