@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 from typing import Any, Iterable, Mapping
 
 from slimectl.contract.errors import UsageError
+from slimectl.contract.net import free_port
 
 log = logging.getLogger("slimectl.torchrun")
 
@@ -34,13 +34,6 @@ def under_torchrun() -> bool:
 def launch_rank() -> int:
     """This process's rank in a torchrun job (0 when not under torchrun); valid before dist init."""
     return int(os.environ.get("RANK", "0"))
-
-
-def free_port() -> int:
-    """A TCP port free on this host right now (for torchrun's rendezvous when none is given)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spelling(param: Any) -> str:

@@ -37,6 +37,7 @@ from typing import Literal, Union
 
 from slimectl.contract.config import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.net import free_port
 from slimectl.contract.rundir import EngineRecord, RunDir
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV
 from slimectl.orchestration.signals import set_on_signals
@@ -48,14 +49,6 @@ INITIAL_WEIGHT_VERSION = "0"
 #: What ``serve --weight-version``/``--initial`` asks for: None (the newest published weights),
 #: a version N, or ``"initial"`` (model.path at version 0).
 WeightChoice = Union[int, Literal["initial"], None]
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host if host not in ("0.0.0.0", "::") else "127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -177,7 +170,7 @@ class EngineGroup:
                 launched = []
                 reach = advertised_host(ec.host, ec.advertise_host)
                 for i in self.engine_indices:
-                    port = ec.port + i if ec.port else _free_port(ec.host)
+                    port = ec.port + i if ec.port else free_port(ec.host)
                     url = _url(reach, port)
                     argv, env, secrets = self._launch_argv(i, port)
                     nonce = env.get(ENGINE_NONCE_ENV) if self.backend == "embedded" else None
@@ -230,7 +223,7 @@ class EngineGroup:
 
         ec = self.cfg.engine
         urls = self.urls
-        port = ec.port + ec.num_engines if ec.port else _free_port(ec.host)
+        port = ec.port + ec.num_engines if ec.port else free_port(ec.host)
         router = launch_router(self.supervisor, urls, port, host=ec.host, python=python,
                                log_path=self.run.path / "logs" / "router.log", health_timeout=ec.startup_timeout_s,
                                interval=0.25, wait_workers=True)

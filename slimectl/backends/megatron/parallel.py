@@ -6,7 +6,6 @@ Works the same under ``torchrun`` (env:// rendezvous) and in a single plain proc
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from slimectl.contract.errors import SlimectlError
+from slimectl.contract.net import free_port
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,6 @@ class ParallelInfo:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_parallel(tp: int = 1, pp: int = 1, backend: str = "auto", seed: int = 1234,

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.net import free_port
 from slimectl.stages.sync.source import WeightSource
 from slimectl.stages.sync.transport import WeightTransport
 
@@ -54,12 +55,6 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return backend
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _addresses(host: str) -> list[str]:
@@ -132,7 +127,7 @@ class DistributedTransport(WeightTransport):
         self.world_size = 1 + sum(tp_sizes)
         addr = self.cfg.master_addr
         check_master_addr(addr, self.cfg.master_port, clients)
-        port = self.cfg.master_port or _free_port(addr)
+        port = self.cfg.master_port or free_port(addr)
         offsets, off = [], 1
         for n in tp_sizes:
             offsets.append(off)
