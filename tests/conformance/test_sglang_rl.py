@@ -1,4 +1,8 @@
-"""A 2-rollout `slimectl rl` with real SGLang (CPU) as the engine backend: one server start.
+"""A 2-rollout `slimectl rl` with real SGLang (CPU) as the engine backend: one server start of its own.
+
+Not the suite's shared engines (test_sglang_serve.py): what is tested here is rl starting the SGLang
+engine itself and stopping it when it ends, on Qwen2 (the shared pair is Llama, which sync --verify can
+read back from).
 
 rl starts the engine itself (EngineGroup, backend sglang), rolls out on it, trains, syncs weights/1 to
 it (disk), rolls out again on version 1 and stops it. The trainer recomputes the old log-probs of every

@@ -1,27 +1,37 @@
-"""Real SGLang (CPU) behind `slimectl serve --backend sglang`: two engines, one start for the module.
+"""Real SGLang (CPU) behind `slimectl serve --backend sglang`: two engines and the real sglang-router 0.3.2
+in front of them (`engine.router: true`), started ONCE for the whole conformance suite (only the 2-rollout
+`rl` of test_sglang_rl.py starts its own engine: it tests rl's own engine lifecycle, on Qwen2).
 
-In order (each test leaves the engines as the next expects): serve + register; greedy tokens and
-log-probs against the embedded engine; a rollout through SGLang and the trainer's (Megatron's) log-probs
-of its samples; pause/abort/continue; partial rollout (aborted samples continued); disk sync and
-distributed (gloo) sync with --verify (Llama: SGLang's Qwen2 has no get_weights_by_name); an OPD teacher
-served by SGLang; the agent harness in front of SGLang; stop.
+In order (each test leaves the engines as the next expects; those that change the weights or stop the
+servers come last): serve + register; serve starts, records and shows the router; greedy tokens and
+log-probs against the embedded engine; a dead router sends the pool to the engines; a rollout through
+the router and the trainer's (Megatron's) log-probs of its samples; partial rollout (aborted samples
+continued); pause/abort/continue on an engine (the router does not forward pause: 404); disk sync and
+distributed (gloo) sync with --verify go to each engine, and /generate through the router then serves
+the new weights (Llama: SGLang's Qwen2 has no get_weights_by_name); an OPD teacher served by SGLang (its
+rollout through the router); the agent harness in front of SGLang; stop (servers and router gone, records removed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 
+import psutil
 import pytest
 import torch
 
 from slimectl.contract.samples import SAMPLES_FILE, Status, read_samples
 from tests.conformance.sglang_helpers import (greedy, init_sglang_run, publish_weights, sglang_pids,
                                               start_sglang_serve, stop_serve)
-from tests.helpers import SCRIPTS, post, run_script_in_process, slimectl_in_process, start_engine, wait_healthy
+from tests.helpers import (SCRIPTS, free_port, post, run_script_in_process, slimectl_in_process, start_engine,
+                           wait_healthy)
 
 pytestmark = [pytest.mark.xdist_group("sglang"), pytest.mark.slow]
 
@@ -33,27 +43,37 @@ ROLLOUT_SETS = ("rollout.batch_size=1", "rollout.n_samples_per_prompt=2", "rollo
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, sglang_python, figures):
+def router_python(sglang_python) -> str:
+    """The interpreter of sglang-router: ``$SLIMECTL_ROUTER_PYTHON``, else the suite's SGLang venv
+    (scripts/sglang_cpu/requirements.txt pins sglang-router 0.3.2)."""
+    return os.environ.get("SLIMECTL_ROUTER_PYTHON") or sglang_python
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, sglang_python, router_python, figures):
+    """The suite's one `serve`: two SGLang engines (Llama, initial weights) with sglang-router in front,
+    and our embedded engine on the same model as the reference."""
     root = tmp_path_factory.mktemp("conf-serve")
-    run = init_sglang_run(root, "llama", sglang_python, *ROLLOUT_SETS)
+    run = init_sglang_run(root, "llama", sglang_python, *ROLLOUT_SETS, "engine.router=true",
+                          f"engine.router_python={router_python}")
     weights = {}  # published by the sync tests (rollouts refuse to run behind published weights)
     model = run.config().model.path
     emb, emb_url = start_engine(model, root / "embedded.log")  # the reference: our embedded engine, same model
-    t0 = time.monotonic()
-    proc, urls = start_sglang_serve(run, "--num-engines", "2", "--initial")
-    figures["serve_2_engines_start_s"] = round(time.monotonic() - t0, 1)
-    wait_healthy(emb_url)
+    proc = None
     try:
+        t0 = time.monotonic()
+        proc, urls = start_sglang_serve(run, "--num-engines", "2", "--initial")
+        figures["serve_2_engines_plus_router_start_s"] = round(time.monotonic() - t0, 1)
+        wait_healthy(emb_url)
         yield {"run": run, "urls": urls, "proc": proc, "weights": weights, "emb": emb_url, "model": model}
     finally:
-        stop_serve(proc)
+        if proc is not None:
+            stop_serve(proc)
         emb.kill()
         emb.wait()
 
 
 def test_serve_registers_two_real_sglang_engines(served):
-    import psutil
-
     run, urls = served["run"], served["urls"]
     recs = run.engines.list()
     assert sorted(r.url for r in recs) == sorted(urls) and len(set(urls)) == 2
@@ -63,10 +83,26 @@ def test_serve_registers_two_real_sglang_engines(served):
         assert "sglang.launch_server" in cmd and cmd[cmd.index("--dtype") + 1] == "float32", cmd
         assert cmd[cmd.index("--attention-backend") + 1] == "torch_native"
     for u in urls:  # SGLang's own view: its weight version and the model we gave it
-        from urllib.request import urlopen
-
-        info = json.loads(urlopen(u + "/model_info", timeout=30).read())
+        info = json.loads(urllib.request.urlopen(u + "/model_info", timeout=30).read())
         assert info["weight_version"] == "0" and info["model_path"] == str(served["model"])
+
+
+def test_serve_starts_records_and_shows_the_router(served):
+    """serve started sglang-router after the engines, waited for both in its /workers, recorded it
+    (RUN/engines/routers/, not as an engine) and status shows it."""
+    run, urls = served["run"], served["urls"]
+    (rec,) = run.routers.list()
+    assert rec.backend == "sglang-router" and rec.alive() and sorted(rec.extra["workers"]) == sorted(urls)
+    assert psutil.Process(rec.pid).name().startswith("sglang")  # sglang-router names its process sglang::router
+    assert sorted(r.url for r in run.engines.list()) == sorted(urls)  # the router is no engine: sync skips it
+    assert run.live_router(urls) == rec.url and run.live_router(urls[:1]) is None
+    with urllib.request.urlopen(rec.url + "/workers", timeout=10) as r:
+        workers = json.loads(r.read())["workers"]
+    assert sorted(w["url"] for w in workers) == sorted(urls) and all(w["is_healthy"] for w in workers)
+    st = json.loads(slimectl_in_process("status", "-r", run.path, "--json").stdout)
+    assert [(r["url"], r["health"], sorted(r["workers"])) for r in st["routers"]] == [(rec.url, "ok", sorted(urls))]
+    text = slimectl_in_process("status", "-r", run.path).stdout
+    assert f"router     {rec.id} {rec.url} [sglang-router]" in text and "routes /generate to 2 engine(s)" in text
 
 
 def test_greedy_tokens_and_logprobs_equal_the_embedded_engine(served, figures):
@@ -84,9 +120,31 @@ def test_greedy_tokens_and_logprobs_equal_the_embedded_engine(served, figures):
     assert worst < 1e-4
 
 
+def test_a_dead_router_sends_generate_to_the_engines(served):
+    from slimectl.stages.rollout.generate import EnginePool
+
+    urls = served["urls"]
+
+    async def go():
+        pool = EnginePool(urls, router=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+        try:
+            out = await pool.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "temperature": 0})
+            return out["meta_info"]["engine_url"], pool.router
+        finally:
+            await pool.close()
+
+    url, router = asyncio.run(go())
+    assert url in urls and router is None
+
+
+def router_url(served) -> str:
+    (rec,) = served["run"].routers.list()
+    return rec.url
+
+
 @pytest.fixture(scope="module")
 def rollout0(served):
-    """Rollout 0 through the two SGLang engines, made once for the module (whichever test asks first)."""
+    """Rollout 0 through the router in front of the two SGLang engines, made once (whichever test asks first)."""
     run = served["run"]
     if not run.rollouts.exists(0):
         res = slimectl_in_process("rollout", "-r", run.path)
@@ -99,6 +157,7 @@ def test_rollout_through_sglang_and_trainer_logprobs(served, rollout0, figures, 
     samples = read_samples(run.rollouts.get(0, verify="full").file(SAMPLES_FILE))
     assert samples and all(s.weight_versions == ["0"] and len(s.rollout_log_probs) == s.response_length >= 1
                            for s in samples)
+    assert {s.metadata["engine_url"] for s in samples} == {router_url(served)}  # /generate went through the router
     # with the samples SGLang was generating when the rollout had its batch (aborted, buffered): more tokens
     samples += [s for s in read_samples(run.rollouts.get(0).file("buffer.parquet")) if s.response_length]
     # the trainer: Megatron's log-probs of the same tokens, packed as training packs them
@@ -122,7 +181,9 @@ def test_partial_rollout_continues_samples_sglang_aborted(served, rollout0, figu
     before = {s.index: s for s in buffered}
     res = slimectl_in_process("rollout", "-r", run.path)
     assert res.returncode == 0, res.stderr[-3000:]
-    continued = [s for s in read_samples(run.rollouts.get(1).file(SAMPLES_FILE)) if s.index in before]
+    samples1 = read_samples(run.rollouts.get(1).file(SAMPLES_FILE))
+    assert {s.metadata["engine_url"] for s in samples1} == {router_url(served)}  # continued through the router too
+    continued = [s for s in samples1 if s.index in before]
     resumed = [s for s in continued if before[s.index].response_length > 0]
     assert resumed and all(s.metadata.get("partial_continued") for s in resumed)
     hf = AutoModelForCausalLM.from_pretrained(served["model"], dtype=torch.float32).eval()
@@ -140,8 +201,13 @@ def test_partial_rollout_continues_samples_sglang_aborted(served, rollout0, figu
 
 
 def test_pause_abort_continue(served):
+    """/pause_generation (abort) and /continue_generation on an engine; the router does not forward them
+    (404): rollout, sync and abort call each engine directly."""
     from slimectl.engines.client import EngineClient
 
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(router_url(served), "/pause_generation", {})
+    assert e.value.code == 404
     url, n = served["urls"][0], 480  # the tiny model's context is 512 tokens (SGLang refuses longer with 400)
     box = {}
 
@@ -183,6 +249,9 @@ def test_disk_sync_with_verify_changes_weights_and_version(served, figures):
     after = [greedy(u, PROMPTS[0]) for u in urls]
     assert [v for *_, v in after] == ["1", "1"] and {r.weight_version for r in run.engines.list()} == {"1"}
     assert all(a[0] == ref_ids != b[0] for a, b in zip(after, before))  # changed, to what weights/1 gives
+    # sync went to each engine (the router forwards no weight update); /generate through the router now
+    # serves weights/1
+    assert greedy(router_url(served), PROMPTS[0])[::2] == (ref_ids, "1")
     figures["disk_sync_versions"] = [v for *_, v in after]
     figures["logprob_maxdiff_after_disk_sync"] = f"{max(abs(x - y) for a in after for x, y in zip(a[1], ref_lp)):.2e}"
 
@@ -210,11 +279,14 @@ def test_distributed_sync_with_verify_changes_weights_and_version(served, figure
 
 def test_opd_teacher_served_by_sglang(served, figures):
     """The teacher path (prompt scoring: max_new_tokens 0, input_token_logprobs) on SGLang, against the
-    embedded engine teacher-forced on the same tokens with the same weights (weights/2)."""
+    embedded engine teacher-forced on the same tokens with the same weights (weights/2); the rollout itself
+    goes through the router."""
     run, urls = served["run"], served["urls"]
     res = slimectl_in_process("rollout", "-r", run.path, "--set", f"rollout.teacher_urls=[{urls[1]}]")
     assert res.returncode == 0, res.stderr[-3000:]
-    samples = [s for s in read_samples(run.rollouts.get(run.rollouts.ids()[-1]).file(SAMPLES_FILE)) if s.response_length]
+    every = read_samples(run.rollouts.get(run.rollouts.ids()[-1]).file(SAMPLES_FILE))
+    assert {s.metadata["engine_url"] for s in every} == {router_url(served)}
+    samples = [s for s in every if s.response_length]
     assert samples and all(len(s.teacher_log_probs) == s.response_length for s in samples)
     worst = 0.0
     for s in samples:
@@ -233,7 +305,6 @@ def test_harness_records_what_sglang_generated(served, figures):
     log-probs the engine produced."""
     import subprocess
     import sys
-    import urllib.request
 
     from transformers import AutoTokenizer
 
@@ -277,16 +348,16 @@ def test_harness_records_what_sglang_generated(served, figures):
         proc.wait(timeout=60)
 
 
-def test_serve_stop_unregisters_and_stops_the_servers(served):
+def test_serve_stop_unregisters_and_stops_the_servers_and_the_router(served):
     run = served["run"]
     assert len(sglang_pids(run)) >= 2
+    (rec,) = run.routers.list()
     rc = stop_serve(served["proc"])
-    assert rc in (0, 130, 143), rc
-    assert run.engines.list() == []
+    assert rc == 0, rc
+    assert run.engines.list() == [] and run.routers.list() == []
+    assert not psutil.pid_exists(rec.pid) or psutil.Process(rec.pid).status() == psutil.STATUS_ZOMBIE
     deadline = time.monotonic() + 30
     while sglang_pids(run) and time.monotonic() < deadline:
         time.sleep(0.5)
-    import psutil
-
     left = {p: " ".join(psutil.Process(p).cmdline()) for p in sglang_pids(run)}
     assert left == {}, f"SGLang servers left running after serve stopped: {left}"

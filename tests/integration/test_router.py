@@ -1,6 +1,6 @@
 """`engine.router`: what is refused, in one line naming the key and the fix, before any engine starts.
 
-(The real sglang-router in front of engines: tests/conformance/test_sglang_router.py.)
+(The real sglang-router in front of engines: tests/conformance/test_sglang_serve.py.)
 """
 
 from __future__ import annotations
