@@ -225,24 +225,26 @@ def check(res, n, tp, pp):
         assert r["scale"] > 1.0  # logits large enough for a mistake to show
 
 
+def _parity(run, tp: int, pp: int, checkpoint_tp: int, models, converted, hf_logits) -> None:
+    """The TP=``checkpoint_tp`` checkpoints loaded at tp x pp (``run``: this process or the two ranks)."""
+    pairs = parity_pairs(models, converted, checkpoint_tp)
+    check(results(run(SCRIPTS / "mcore_logits.py", str(tp), str(pp), *pairs, env=hf_logits)), 3, tp, pp)
+
+
 def test_logits_parity_tp1(models, converted, hf_logits):
-    check(results(run_script_in_process(SCRIPTS / "mcore_logits.py", "1", "1", *parity_pairs(models, converted, 1),
-                                        env=hf_logits)), 3, 1, 1)
+    _parity(run_script_in_process, 1, 1, 1, models, converted, hf_logits)
 
 
 def test_logits_parity_tp2(models, converted, two_ranks, hf_logits):
-    check(results(two_ranks.run(SCRIPTS / "mcore_logits.py", "2", "1", *parity_pairs(models, converted, 2),
-                                env=hf_logits)), 3, 2, 1)
+    _parity(two_ranks.run, 2, 1, 2, models, converted, hf_logits)
 
 
 def test_tp2_checkpoint_resharded_to_tp1(models, converted, hf_logits):
-    check(results(run_script_in_process(SCRIPTS / "mcore_logits.py", "1", "1", *parity_pairs(models, converted, 2),
-                                        env=hf_logits)), 3, 1, 1)
+    _parity(run_script_in_process, 1, 1, 2, models, converted, hf_logits)
 
 
 def test_tp2_checkpoint_resharded_to_pp2(models, converted, two_ranks, hf_logits):
-    check(results(two_ranks.run(SCRIPTS / "mcore_logits.py", "1", "2", *parity_pairs(models, converted, 2),
-                                env=hf_logits)), 3, 1, 2)
+    _parity(two_ranks.run, 1, 2, 2, models, converted, hf_logits)
 
 
 def test_export_cli_and_dtype(converted, tmp_path):
