@@ -45,7 +45,8 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
         relaunch_under_torchrun,
         under_torchrun,
     )
-    from slimectl.stages.train import launch_rank, plan_training, run_train
+    from slimectl.orchestration.torchrun import launch_rank
+    from slimectl.stages.train import plan_training, run_train
 
     opened = open_stage(ctx, "train", run_dir, overrides, dry_run)
     if opened is None:

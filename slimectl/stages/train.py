@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimectl.backends.megatron.host_memory import release_free_memory
-from slimectl.orchestration.torchrun import launch_rank  # noqa: F401  (commands/train.py imports it from here)
 from slimectl.contract.config import SlimectlConfig
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ConfigError, SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
+from slimectl.orchestration.torchrun import launch_rank
 
 log = logging.getLogger("slimectl.train")
 

@@ -125,8 +125,10 @@ def causal_by_length(q, k, v, seg: Sequence[int], scale: float):
     and row-wise reductions treat every batch entry the same way), so the result and its gradients
     are bit for bit the per-sequence loop's; ``tests/unit/test_segment_attention.py`` checks it."""
     h, _, d = q.shape
-    if len(seg) == 1:
-        return torch.bmm(_causal_probs(q, k, scale), v)
+
+    def alone(s: int, n: int):  # one sequence's block, as the per-sequence loop computes it
+        return torch.bmm(_causal_probs(q[:, s:s + n], k[:, s:s + n], scale), v[:, s:s + n])
+
     starts, pos = [], 0
     for n in seg:
         starts.append(pos)
@@ -134,18 +136,16 @@ def causal_by_length(q, k, v, seg: Sequence[int], scale: float):
     by_len: dict[int, list[int]] = {}
     for n, s in zip(seg, starts):
         by_len.setdefault(n, []).append(s)
-    if len(by_len) == len(seg):  # all lengths differ: nothing to batch
-        outs = [torch.bmm(_causal_probs(q[:, s:s + n], k[:, s:s + n], scale), v[:, s:s + n])
-                for n, s in zip(seg, starts)]
-        return torch.cat(outs, dim=1)
+    if len(by_len) == len(seg):  # all lengths differ (or one sequence): nothing to batch
+        outs = [alone(s, n) for n, s in zip(seg, starts)]
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     order, outs = [], []
     for n, group in by_len.items():
         idx = [s + j for s in group for j in range(n)]  # the group's rows, sequence after sequence
         order.extend(idx)
         c = len(group)
         if c == 1:
-            s = group[0]
-            outs.append(torch.bmm(_causal_probs(q[:, s:s + n], k[:, s:s + n], scale), v[:, s:s + n]))
+            outs.append(alone(group[0], n))
             continue
         index = torch.tensor(idx, dtype=torch.long, device=q.device)
         # [h, c*n, d] -> [c*h, n, d]: one attention block per (sequence, head)
