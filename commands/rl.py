@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-
 import click
 
 from slimectl.commands._options import (
@@ -59,63 +56,24 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
       slimectl extend -r runs/demo --num-rollout 60 && slimectl rl -r runs/demo   # go on for longer
       slimectl rl -r runs/demo --launcher ray --address auto     # engines and trainer as Ray actors
     """
-    from slimectl.orchestration.loop import make_launcher
-    from slimectl.orchestration.preflight import prepare_rl
-    from slimectl.orchestration.torchrun import under_torchrun
+    from slimectl.orchestration.rl_process import run_rl_process
 
-    placer = make_launcher(launcher, address, colocate)
-    torchrun_rank = launcher == "local" and under_torchrun()
-    if torchrun_rank:
-        from slimectl.orchestration import torchrun_trainer as tt
+    def rank_argv(run_path) -> list[str]:  # every torchrun rank gets this command's own options
+        from slimectl.orchestration.torchrun_trainer import rank_argv
 
-        if tt.launch_rank() > 0:  # a trainer rank > 0: rank 0 runs the loop, this one follows its trainer calls
-            tt.follow_rank0(*tt.follower_config(resolve_run_dir(ctx, run_dir), overrides))
-            return
-        tt.write_status(pid=os.getpid())
-    run, cfg = prepare_rl(config_path, resolve_run_dir(ctx, run_dir), overrides, tiny_model, dry_run, pretrained)
-    if run is None:
-        click.echo(cfg.to_yaml(), nl=False)
-        return
-    from slimectl.orchestration.signals import InterruptOnSignal, StageInterrupted
+        state = ctx.find_object(AppState)
+        return rank_argv(ctx.command.params, ctx.params, run_path, state.verbosity if state else 0)
 
-    if launcher == "local" and not under_torchrun():
-        from slimectl.orchestration.torchrun_trainer import rank_argv, relaunch_rl, trainer_world
+    out = run_rl_process(
+        resolve_run_dir(ctx, run_dir), config_path, overrides, tiny_model=tiny_model, pretrained=pretrained,
+        dry_run=dry_run, engine_urls=engine_urls, launcher=launcher, address=address, colocate=colocate,
+        rank_argv=rank_argv)
+    if out.dry_run_yaml is not None:
+        click.echo(out.dry_run_yaml, nl=False)
+    elif out.exit_code:
+        ctx.exit(out.exit_code)
+    elif out.result is not None:
+        from slimectl.commands._stage import format_ids
 
-        world = trainer_world(cfg)
-        if world > 1:  # the trainer's ranks under torchrun: rank 0 runs this command's loop, the others follow
-            with run.lock("rl"):
-                pass  # fail here, in a second, when another rl runs, not on every rank
-            state = ctx.find_object(AppState)
-            argv = rank_argv(ctx.command.params, ctx.params, run.path, state.verbosity if state else 0)
-            res = relaunch_rl(world, argv)
-            if res.signal is not None:
-                raise StageInterrupted(res.signal)
-            if res.code:
-                ctx.exit(res.code)
-            return
-    import threading
-
-    from slimectl.orchestration.loop import run_rl
-
-    # The first SIGINT/SIGTERM stops every stage cleanly; the root group prints the command that
-    # resumes the run (this one, every option kept) and exits 128 + the signal.
-    signals = InterruptOnSignal(threading.Event()).install()
-    if torchrun_rank:
-        tt.check_world(cfg)
-        placer = tt.TorchrunLauncher(critical=signals.deferred)
-    try:
-        res = run_rl(run, cfg, engine_urls, stop=signals.stop, critical=signals.deferred, launcher=placer)
-    except KeyboardInterrupt:
-        res = None
-    except Exception:
-        if signals.signal is None:
-            raise
-        res = None  # whatever the interrupt broke on its way out
-    if res is None or signals.signal is not None:
-        if torchrun_rank and tt.reports_to_launcher():
-            tt.write_status(signal=signals.signal or signal.SIGINT)  # the launching rl reports it and exits 128+N
-            return
-        raise StageInterrupted(signals.signal)
-    from slimectl.commands._stage import format_ids
-
-    click.echo(f"trained rollouts {format_ids(res.trained)}; weight version {res.weight_version}; {res.seconds:.1f} s")
+        res = out.result
+        click.echo(f"trained rollouts {format_ids(res.trained)}; weight version {res.weight_version}; {res.seconds:.1f} s")

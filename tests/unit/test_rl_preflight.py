@@ -84,3 +84,18 @@ def test_rl_pretrained_sets_the_model_like_init(cli, tmp_path, fake_model):
     assert cli("init", tmp_path / "old", "--set", f"model.path={fake_model}").exit_code == 0
     res = cli("rl", "-r", tmp_path / "old", "--pretrained", "smollm2-135m", "--dry-run", env=env)
     assert res.exit_code == 2 and _last(res) == "Error: --pretrained smollm2-135m needs --config (it sets the model of a new run)"
+
+
+def test_the_rl_process_runs_from_python_without_click(tmp_path, nine_heads):
+    """`slimectl rl` is a thin adapter over run_rl_process: from Python, a dry run gives the resolved
+    config and writes nothing; a trainer of several ranks without rank_argv cannot be relaunched."""
+    from slimectl.orchestration.rl_process import run_rl_process
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"name": "py", "model": {"path": str(nine_heads)}, "train": {"tp": 3}}))
+    out = run_rl_process(tmp_path / "run", cfg, ["train.lr=2e-5"], dry_run=True)
+    resolved = yaml.safe_load(out.dry_run_yaml)
+    assert (resolved["name"], resolved["train"]["tp"], resolved["train"]["lr"]) == ("py", 3, 2e-5)
+    assert out.result is None and out.exit_code == 0 and not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="needs rank_argv"):
+        run_rl_process(tmp_path / "run", cfg, ["data.prompt_data=null"])

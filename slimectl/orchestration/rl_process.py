@@ -1,0 +1,103 @@
+"""What one ``slimectl rl`` process does: follow rank 0, relaunch itself under torchrun, or run the loop.
+
+The ``rl`` command is a thin adapter over :func:`run_rl_process`, which also works from Python.
+A process is in one of four roles:
+
+- a trainer rank > 0 under torchrun: it follows rank 0's trainer calls and returns (no lock, no
+  engine, nothing written);
+- ``dry_run``: the resolved config, nothing written;
+- the launching ``rl`` of a trainer with ``train.tp*pp*dp > 1`` (local launcher): it checks that no
+  other ``rl`` holds the run, relaunches itself under torchrun with ``rank_argv(run_path)`` and
+  reports torchrun's exit code or the signal rank 0 stopped on;
+- otherwise (one process, or rank 0 of the relaunched job): the loop, with the first SIGINT/SIGTERM
+  stopping every stage cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from slimectl.orchestration.signals import InterruptOnSignal, StageInterrupted
+
+
+@dataclass
+class RlProcessOutcome:
+    """How one ``rl`` process ended (a signal is raised as :class:`StageInterrupted` instead)."""
+
+    result: object | None = None
+    """The loop's :class:`~slimectl.orchestration.loop.RLResult` (one process or rank 0), else None."""
+    dry_run_yaml: str | None = None
+    """With ``dry_run``: the resolved config as YAML."""
+    exit_code: int = 0
+    """The relaunched torchrun job's exit code (the launching process), else 0."""
+
+
+def run_rl_process(run_path: str | Path | None, config_path: str | Path | None = None,
+                   overrides: list[str] | tuple[str, ...] = (), *, tiny_model: str | None = None,
+                   pretrained: str | None = None, dry_run: bool = False,
+                   engine_urls: list[str] | tuple[str, ...] = (), launcher: str = "local",
+                   address: str | None = None, colocate: bool | None = None,
+                   rank_argv: Callable[[Path], list[str]] | None = None) -> RlProcessOutcome:
+    """Run this process's part of ``slimectl rl`` (see the module docstring).
+
+    ``rank_argv(run_path)`` gives the ``slimectl`` arguments every torchrun rank is started with
+    (the CLI builds them from click's own parameters); it is needed only when the trainer has
+    several ranks. Raises :class:`StageInterrupted` when a signal stopped the run."""
+    from slimectl.orchestration.loop import make_launcher
+    from slimectl.orchestration.preflight import prepare_rl
+    from slimectl.orchestration.torchrun import under_torchrun
+
+    placer = make_launcher(launcher, address, colocate)
+    torchrun_rank = launcher == "local" and under_torchrun()
+    if torchrun_rank:
+        from slimectl.orchestration import torchrun_trainer as tt
+
+        if tt.launch_rank() > 0:  # a trainer rank > 0: rank 0 runs the loop, this one follows its trainer calls
+            tt.follow_rank0(*tt.follower_config(run_path, overrides))
+            return RlProcessOutcome()
+        tt.write_status(pid=os.getpid())
+    run, cfg = prepare_rl(config_path, run_path, overrides, tiny_model, dry_run, pretrained)
+    if run is None:
+        return RlProcessOutcome(dry_run_yaml=cfg.to_yaml())
+
+    if launcher == "local" and not torchrun_rank:
+        from slimectl.orchestration.torchrun_trainer import relaunch_rl, trainer_world
+
+        world = trainer_world(cfg)
+        if world > 1:  # the trainer's ranks under torchrun: rank 0 runs this command's loop, the others follow
+            if rank_argv is None:
+                raise ValueError("run_rl_process: a trainer of several ranks needs rank_argv to relaunch under torchrun")
+            with run.lock("rl"):
+                pass  # fail here, in a second, when another rl runs, not on every rank
+            res = relaunch_rl(world, rank_argv(run.path))
+            if res.signal is not None:
+                raise StageInterrupted(res.signal)
+            return RlProcessOutcome(exit_code=res.code)
+
+    from slimectl.orchestration.loop import run_rl
+
+    # The first SIGINT/SIGTERM stops every stage cleanly; the CLI prints the command that resumes
+    # the run and exits 128 + the signal.
+    signals = InterruptOnSignal(threading.Event()).install()
+    if torchrun_rank:
+        tt.check_world(cfg)
+        placer = tt.TorchrunLauncher(critical=signals.deferred)
+    try:
+        res = run_rl(run, cfg, engine_urls, stop=signals.stop, critical=signals.deferred, launcher=placer)
+    except KeyboardInterrupt:
+        res = None
+    except Exception:
+        if signals.signal is None:
+            raise
+        res = None  # whatever the interrupt broke on its way out
+    if res is None or signals.signal is not None:
+        if torchrun_rank and tt.reports_to_launcher():
+            tt.write_status(signal=signals.signal or signal.SIGINT)  # the launching rl reports it and exits 128+N
+            return RlProcessOutcome()
+        raise StageInterrupted(signals.signal)
+    return RlProcessOutcome(result=res)
