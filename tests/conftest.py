@@ -19,6 +19,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:  # `tests.helpers` 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.helpers import ROOT, run_py  # noqa: E402,F401  (re-exported: `from conftest import ROOT` still works)
+from tests.xdist_groups import tag_xdist_groups, xdist_groups  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -55,14 +56,29 @@ def run_dir(tmp_path: Path, fake_model: Path):
 
 
 _ORDER = {"unit": 0, "integration": 2, "conformance": 2.5, "e2e": 3}  # top-level files (not yet sorted into a folder) run as 1
+FIRST_GROUPS = ("two_ranks",)
+"""Under xdist, the xdist_group that starts first: the costliest unit of work (~450 CPU-s of Megatron tests
+sharing one pair of torchrun ranks, all on one worker), while the other worker starts on the e2e tests."""
 
 
-def pytest_collection_modifyitems(items):
+def pytest_configure(config):
+    # pytest-xdist's loadgroup scheduler sorts the units of work by their number of tests by default
+    # (--loadscope-reorder); this suite hands them out in its own order instead (pytest_collection_modifyitems):
+    # by count, the SGLang group would start while its venv is still being built in the background.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook
+def pytest_collection_modifyitems(config, items):
     """Run unit, then integration, then e2e (a stable sort: each module's tests stay together, in order).
 
-    Under pytest-xdist (README command 2 runs `-n 2 --dist loadgroup`) the order is reversed: the
-    scheduler hands tests out in this order as workers free up, so the longest (e2e) go first and
-    the many short unit tests fill the gaps at the end (longest-first keeps both cores busy to the end).
+    Under pytest-xdist (README command 2 runs `-n 2 --dist loadgroup`) the order is reversed and
+    FIRST_GROUPS go first: the scheduler hands tests out in this order as workers free up, so the
+    longest go first and the many short unit tests fill the gaps at the end (longest-first keeps both
+    cores busy to the end). Each xdist_group's tests go to one worker: they share module-scoped set-ups
+    (a Ray cluster, two SGLang engines, a pair of torchrun ranks) that a split group would start once per
+    worker (tests/xdist_groups.py makes groups hold under pytest 9; tests/unit/test_xdist_groups.py checks).
     """
     tests_dir = Path(__file__).resolve().parent
 
@@ -70,7 +86,11 @@ def pytest_collection_modifyitems(items):
         rel = Path(str(item.path)).resolve().relative_to(tests_dir)
         return _ORDER.get(rel.parts[0], 1) if len(rel.parts) > 1 else 1
 
-    items.sort(key=rank, reverse=bool(os.environ.get("PYTEST_XDIST_WORKER")))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: (not (xdist_groups(item) & set(FIRST_GROUPS)), -rank(item)))
+    else:
+        items.sort(key=rank)
+    tag_xdist_groups(config, items)
 
 
 # --- CPU seconds per test ---------------------------------------------------------------------------------
