@@ -78,7 +78,8 @@ def pytest_collection_modifyitems(config, items):
     longest go first and the many short unit tests fill the gaps at the end (longest-first keeps both
     cores busy to the end). Each xdist_group's tests go to one worker: they share module-scoped set-ups
     (a Ray cluster, two SGLang engines, a pair of torchrun ranks) that a split group would start once per
-    worker (tests/xdist_groups.py makes groups hold under pytest 9; tests/unit/test_xdist_groups.py checks).
+    worker (tests/xdist_groups.py makes groups hold under pytest 9; tests/unit/test_xdist_groups.py checks);
+    so do the tests of a module without a group.
     """
     tests_dir = Path(__file__).resolve().parent
 
@@ -90,7 +91,7 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: (not (xdist_groups(item) & set(FIRST_GROUPS)), -rank(item)))
     else:
         items.sort(key=rank)
-    tag_xdist_groups(config, items)
+    tag_xdist_groups(config, items, by_module=True)  # a module's fixtures built once, on one worker
 
 
 # --- CPU seconds per test ---------------------------------------------------------------------------------

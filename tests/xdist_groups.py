@@ -5,7 +5,8 @@ worker and its scheduler sends all tests of a tag to one worker. pytest-xdist 3.
 ``item._nodeid``, which pytest 9 no longer reads (node ids are structured, ``item._id``), so under
 pytest 9 every group is split without a word (pytest-xdist#1386, fix pending in #1388) and each worker
 starts the set-ups the group shares (a Ray cluster, two SGLang engines and a router, a pair of torchrun
-ranks). :func:`tag_xdist_groups` sets the tag where the installed pytest reads it.
+ranks). :func:`tag_xdist_groups` sets the tag where the installed pytest reads it, and tags a test
+without a mark with its module, so that a module's module-scoped fixtures are built once, on one worker.
 """
 
 from __future__ import annotations
@@ -20,16 +21,19 @@ def _tagged(nodeid: str) -> bool:
     return nodeid.rfind("@") > nodeid.rfind("]")  # how pytest-xdist's loadgroup scheduler reads a tag
 
 
-def tag_xdist_groups(config, items) -> None:
+def tag_xdist_groups(config, items, by_module: bool = False) -> None:
     """In an xdist worker under ``--dist loadgroup``: tag each grouped item's node id ``ID@GROUP`` if
-    pytest-xdist's own hook (which runs before) could not. Call from a trylast collection hook."""
+    pytest-xdist's own hook (which runs before) could not; with ``by_module``, an item without a group
+    is tagged with its module (``tests/e2e/test_rl.py`` -> ``@tests_e2e_test_rl``). Call from a trylast
+    collection hook."""
     if not getattr(config.option, "loadgroup", False):
         return
     for item in items:
         groups = xdist_groups(item)
-        if not groups or _tagged(item.nodeid):
+        if _tagged(item.nodeid) or not (groups or by_module):
             continue
-        tagged = f"{item.nodeid}@{'_'.join(sorted(groups))}"
+        name = "_".join(sorted(groups)) if groups else item.nodeid.split("::")[0].removesuffix(".py").replace("/", "_")
+        tagged = f"{item.nodeid}@{name}"
         if hasattr(item, "_id"):  # pytest 9: a structured id; parse() keeps the string it was given
             from _pytest.nodeid import NodeId
 

@@ -21,7 +21,7 @@ from tests.xdist_groups import tag_xdist_groups
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    tag_xdist_groups(config, items)
+    tag_xdist_groups(config, items, by_module="by_module" in str(config.rootpath))
 '''
 GROUPED = '''
 import pytest
@@ -39,6 +39,7 @@ def test_5(): pass
 
 def _run(tmp_path) -> dict[str, str]:
     """{test id: the worker that ran it} for a run of the tree under -n 2 --dist loadgroup."""
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "conftest.py").write_text(CONFTEST)  # without it, under pytest 9 the group runs on both workers
     (tmp_path / "test_a.py").write_text(GROUPED)
@@ -58,3 +59,10 @@ def test_an_xdist_group_runs_on_one_worker(tmp_path):
     assert sorted(grouped) == ["test_a.py::test_1@shared", "test_a.py::test_2[x@y]@shared", "test_a.py::test_2[z]@shared",
                                "test_a.py::test_3@shared"]
     assert sorted(t for t in ran if t.startswith("test_b.py")) == ["test_b.py::test_4", "test_b.py::test_5"]
+
+
+def test_tests_without_a_group_go_by_module(tmp_path):
+    ran = _run(tmp_path / "by_module")
+    assert sorted(t for t in ran if t.startswith("test_b.py")) == ["test_b.py::test_4@test_b", "test_b.py::test_5@test_b"]
+    assert ran["test_b.py::test_4@test_b"] == ran["test_b.py::test_5@test_b"]
+    assert len({w for t, w in ran.items() if t.startswith("test_a.py")}) == 1
