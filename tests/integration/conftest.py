@@ -13,16 +13,37 @@ _workers: list[RankWorker] = []
 def two_ranks(tmp_path_factory) -> RankWorker:
     """Two gloo ranks that run tests/scripts jobs (convert, logits, log-probs, actor checks) one after
     another: one torchrun launch for a run of two-rank checks instead of one per check. Stopped as
-    soon as the next test does not use them: idle ranks holding Megatron's gloo groups are not free
-    (measured ~0.03 CPU-s per second per rank, 64 threads each), and reaping them there makes their
-    CPU seconds count for the tests that used them."""
+    soon as neither the next test nor a later test of the same module uses them: idle ranks holding
+    Megatron's gloo groups are not free (measured ~0.03 CPU-s per second per rank, 64 threads each),
+    and reaping them there makes their CPU seconds count for the tests that used them."""
     worker = RankWorker(2, tmp_path_factory.mktemp("two-ranks"))
     _workers.append(worker)
     yield worker
     worker.stop()
 
 
+def _uses_ranks(item) -> bool:
+    return "two_ranks" in getattr(item, "fixturenames", ())
+
+
+def _module_uses_ranks_later(item, nextitem) -> bool:
+    """Whether a test of ITEM's module from NEXTITEM on (in run order) uses the ranks: a module may run
+    a few tests in this process between its two-rank ones (test_moe_convert.py), and idle ranks cost
+    far less over those than a relaunch (~25 CPU-s)."""
+    items = item.session.items
+    try:
+        i = items.index(nextitem)
+    except ValueError:
+        return False
+    for later in items[i:]:
+        if later.path != item.path:
+            return False
+        if _uses_ranks(later):
+            return True
+    return False
+
+
 def pytest_runtest_teardown(item, nextitem):
-    if nextitem is None or "two_ranks" not in getattr(nextitem, "fixturenames", ()):
+    if nextitem is None or not (_uses_ranks(nextitem) or _module_uses_ranks_later(item, nextitem)):
         for w in _workers:
             w.stop()

@@ -4,10 +4,11 @@ The model is built and converted (TP=1, in this process) once per module, and HF
 once (in this process; the ranks read them instead of importing transformers). First the
 session's two-rank worker (so a worker left running by the module before is reused): the logits
 match HF's within 1e-4 (fp32) at EP=2 (alltoall token dispatcher, the two ranks feeding different
-tokens and lengths), TP=2 and PP=2; converting at TP=2 or PP=2 gives the TP=1 tensors. Then, in
-this process: the checkpoint holds the router and every expert under Megatron-LM's keys; export
-gives back every HF tensor bit for bit; the logits match at EP=1. Last, one four-rank launch
-checks EP=2 x PP=2.
+tokens and lengths), TP=2 and PP=2. Then, in this process: the checkpoint holds the router and
+every expert under Megatron-LM's keys; export gives back every HF tensor bit for bit; the logits
+match at EP=1. Then four ranks forked from one interpreter check EP=2 x PP=2. Last, on the
+two-rank worker again (kept through the tests in between; test_moe_train.py's first tests use it
+next): converting at TP=2 or PP=2 gives the TP=1 tensors.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import json
 import runpy
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import SCRIPTS, RankWorker, run_script_in_process
+from tests.helpers import ENV, SCRIPTS, run_script_in_process
 
 pytestmark = pytest.mark.xdist_group("two_ranks")
 
@@ -93,18 +95,6 @@ def test_logits_parity_tp2_and_pp2(moe, converted, two_ranks, hf_logits):
     check(results(two_ranks.run(MOE_LOGITS, "1", "2", "1", str(converted), str(moe), env=hf_logits)), 1, 1, 2, 1)
 
 
-def test_tp2_and_pp2_conversions_hold_the_tp1_tensors(moe, converted, two_ranks, tmp_path):
-    two_ranks.run(SCRIPTS / "convert_batch.py", "2", "1", str(moe), str(tmp_path / "tp2"))
-    two_ranks.run(SCRIPTS / "convert_batch.py", "1", "2", str(moe), str(tmp_path / "pp2"))
-    ref = checkpoint_tensors(converted, tmp_path)
-    for name in ("tp2", "pp2"):
-        got = checkpoint_tensors(tmp_path / name, tmp_path)
-        assert sorted(got) == sorted(ref), name
-        for k, v in ref.items():
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(got[k], v), f"{name}: {k} differs"
-
-
 def test_checkpoint_holds_the_router_and_every_expert(moe, converted, tmp_path):
     tensors = checkpoint_tensors(converted, tmp_path)
     ref = load_file(str(moe / "model.safetensors"))
@@ -149,11 +139,25 @@ def test_logits_parity_ep1(moe, converted, hf_logits):
     assert res[0]["experts_per_rank"] == [[0, 1, 2, 3]]
 
 
-def test_logits_parity_ep2_pp2_on_four_ranks(moe, converted, tmp_path, hf_logits):
-    worker = RankWorker(4, tmp_path / "four-ranks")
-    try:
-        res = results(worker.run(MOE_LOGITS, "1", "2", "2", str(converted), str(moe), env=hf_logits, timeout=400))
-    finally:
-        worker.stop()
+def test_logits_parity_ep2_pp2_on_four_ranks(moe, converted, hf_logits):
+    # four real ranks in one gloo group, forked from one interpreter (tests/scripts/fork_ranks.py:
+    # torch and megatron-core imported once instead of once per rank)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "fork_ranks.py"), "4", str(MOE_LOGITS), "1", "2", "2",
+                           str(converted), str(moe)], capture_output=True, text=True, timeout=400,
+                          env={**ENV, **hf_logits})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = results(proc)
     check(res, 2, 1, 2, 2)  # the two last-stage ranks, one per expert-parallel rank
     assert res[0]["experts_per_rank"] == [[0, 1], [2, 3], [0, 1], [2, 3]]
+
+
+def test_tp2_and_pp2_conversions_hold_the_tp1_tensors(moe, converted, two_ranks, tmp_path):
+    two_ranks.run(SCRIPTS / "convert_batch.py", "2", "1", str(moe), str(tmp_path / "tp2"))
+    two_ranks.run(SCRIPTS / "convert_batch.py", "1", "2", str(moe), str(tmp_path / "pp2"))
+    ref = checkpoint_tensors(converted, tmp_path)
+    for name in ("tp2", "pp2"):
+        got = checkpoint_tensors(tmp_path / name, tmp_path)
+        assert sorted(got) == sorted(ref), name
+        for k, v in ref.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got[k], v), f"{name}: {k} differs"

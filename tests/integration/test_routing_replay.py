@@ -1,14 +1,17 @@
 """Routing replay (slime's use_rollout_routing_replay, R3) end to end on a tiny Qwen3-MoE in fp32:
 the embedded engine records the routes, the sample stores them, the Megatron actor replays them
-(tests/scripts/routing_replay_check.py, one rank, in this process)."""
+(tests/scripts/routing_replay_check.py, one rank, in this process; and at EP=2 on the session's
+two-rank worker). The engine's two rollouts are made once, in this process, and handed to both runs
+as a file: the ranks never load the engine's transformers model."""
 
 from __future__ import annotations
 
 import json
+import runpy
 
 import pytest
 
-from tests.helpers import SCRIPTS, run_script_in_process
+from tests.helpers import SCRIPTS, in_process_stage, run_script_in_process
 
 CHECK = SCRIPTS / "routing_replay_check.py"
 
@@ -28,8 +31,17 @@ def moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def replay(moe) -> dict:
-    return result(run_script_in_process(CHECK, str(moe)))
+def rollouts(moe, tmp_path_factory) -> str:
+    """The embedded engine's two rollouts (same and perturbed routers), with their routes, as a file."""
+    path = tmp_path_factory.mktemp("rollouts") / "samples.pkl"
+    with in_process_stage():
+        runpy.run_path(str(CHECK), run_name="__in_process__")["write_rollouts"](str(moe), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def replay(moe, rollouts) -> dict:
+    return result(run_script_in_process(CHECK, str(moe), rollouts))
 
 
 def test_replay_step0_train_vs_rollout_within_1e5_with_the_recorded_routes(replay):
@@ -59,10 +71,10 @@ def test_a_sample_without_routes_is_one_clear_line(replay):
 
 
 @pytest.mark.xdist_group("two_ranks")
-def test_replay_under_expert_parallelism(moe, two_ranks):
+def test_replay_under_expert_parallelism(moe, rollouts, two_ranks):
     # EP=2 (two data-parallel ranks, two experts each, all-to-all dispatch): each rank's routers
     # replay its own micro-batches' rows; the worst rank's figures
-    res = result(two_ranks.run(CHECK, str(moe), timeout=600))
+    res = result(two_ranks.run(CHECK, str(moe), rollouts, timeout=600))
     assert res["ep"] == 2
     same, p = res["same_weights"], res["perturbed_router"]
     assert same["gap_replay_on"] <= 1e-5 and same["train_step_rollout_abs_diff_mean"] <= 1e-5

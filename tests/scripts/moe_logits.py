@@ -40,6 +40,12 @@ def compare(info, ckpt, hf_dir, tp, pp, ep) -> None:
     # their MoE layers exchange unequal token counts, as in training on packed micro-batches.
     B, S = 2, 24 - 5 * info.dp_rank
     ids = draw_ids(arch.vocab_size, B, S, seed=7 + info.dp_rank)
+    # Megatron keeps the MoE aux-loss scale in a class attribute whose shape its first setter picks: the
+    # actor's training sets a 0-d one, the forward schedule below copies a [1] one in. A process that
+    # trained an MoE actor before (the test process, a long-lived rank) would fail here without a reset.
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     logits = forward_logits(model, ids)
     all_experts = [None] * dist.get_world_size()
     dist.all_gather_object(all_experts, experts)

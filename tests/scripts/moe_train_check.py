@@ -6,10 +6,10 @@
 Samples are made here (fixed random tokens and rewards; lengths such that under EP=2 the two
 data-parallel ranks pack a different number of micro-batches). Writes under WORK_DIR (rank 0,
 ``ep{EP}_*``): one GRPO step from the HF weights with aux coefficient 0 (``c0``), one with
-AUX_COEFF (``aux``), each its metrics and updated weights (HF names, the whole model); then
-``resume``: a step with AUX_COEFF, save_state, a second step with coefficient 0 (weights and
-metrics), and a fresh actor (coefficient 0) that loads the state and takes the second step again;
-the state directory is kept (``ep{EP}_state``). With RESUME_STATE (a state saved by another
+AUX_COEFF (``aux``), each its metrics and updated weights (HF names, the whole model); the actor
+of ``aux`` then goes on (``resume``: its step is ``resume_first``): save_state, a second step
+with coefficient 0 (weights and metrics), and a fresh actor (coefficient 0) that loads the state
+and takes the second step again; the state directory is kept (``ep{EP}_state``). With RESUME_STATE (a state saved by another
 launch): a fresh actor loads it, its weights are written (``loaded``) and it takes the second
 step with coefficient 0 (``cross``). Prints ``RESULT {json}`` (rank 0) with the paths and the
 micro-batch counts each rank packed.
@@ -81,16 +81,14 @@ def main() -> None:
             torch.save(w, work / f"{tag}_{name}.pt")
             out[name] = {"weights": str(work / f"{tag}_{name}.pt"), "metrics": metrics}
 
-    for name, c in (("c0", 0.0), ("aux", coeff)):
-        a = actor(c)
-        m = a.train_on_samples(samples)[0]
-        dump(name, a, m)
-        del a
+    a = actor(0.0)
+    dump("c0", a, a.train_on_samples(samples)[0])
+    del a
 
     state = work / f"{tag}_state"
-    a = actor(coeff)
-    first = a.train_on_samples(samples)[0]
-    dump("resume_first", a, first)
+    a = actor(coeff)  # one actor for ``aux`` and the first step of ``resume``: the same step from the HF weights
+    dump("aux", a, a.train_on_samples(samples)[0])
+    out["resume_first"] = out.get("aux")
     a.save_state(state)
     a.moe.coeff = 0.0  # (not saved: a resume may change it, as `--set train.moe_aux_loss_coeff` would)
     dump("resume_second", a, a.train_on_samples(samples)[0])

@@ -2,7 +2,7 @@
 rolls out samples with their routed experts, the Megatron actor recomputes their log-probs with
 ``train.use_rollout_routing_replay`` on and off.
 
-    [torchrun --nproc_per_node EP] routing_replay_check.py HF_DIR
+    [torchrun --nproc_per_node EP] routing_replay_check.py HF_DIR [ROLLOUTS]
 
 (EP = the world size: every rank a data-parallel rank holding num_experts / EP experts; each rank
 rolls out the same samples, and the figures are the worst over the ranks.)
@@ -11,6 +11,9 @@ Samples: 6 prompts of different lengths, 10 sampled tokens each (temperature 1, 
 the rollout stores them (``Sample.append_response_tokens`` with SGLang's base64 ``routed_experts``).
 Then a second rollout of the same prompts by an engine whose routers are perturbed (routes recorded
 under slightly different weights, so some differ from what the trainer's routers pick).
+With ROLLOUTS (a file :func:`write_rollouts` wrote, e.g. in the test's process, which has
+transformers imported already) both rollouts are read from it instead: the ranks then never load
+the engine's transformers model (~7 CPU-s a rank); the samples are the same (seeded).
 Prints ``RESULT {json}``: for each rollout the max |train - rollout| log-prob with replay on and off,
 whether the experts the trainer's routers used equal the recorded ones (read back from every router),
 and how many (token, layer) routes the trainer picks differently on its own.
@@ -58,8 +61,28 @@ def rollout(hf_dir: str, perturb: float):
     return samples
 
 
+ROLLOUTS = (("same_weights", 0.0), ("perturbed_router", PERTURB))
+
+
+def write_rollouts(hf_dir: str, path) -> None:
+    """Both rollouts of HF_DIR (``{name: [Sample]}``), pickled to PATH for :func:`main`'s ROLLOUTS."""
+    import pickle
+    from pathlib import Path
+
+    data = pickle.dumps({name: rollout(hf_dir, perturb) for name, perturb in ROLLOUTS})
+    tmp = Path(f"{path}.tmp")
+    tmp.write_bytes(data)
+    tmp.rename(path)
+
+
 def main() -> None:
     hf_dir = sys.argv[1]
+    recorded = None
+    if len(sys.argv) > 2:
+        import pickle
+        from pathlib import Path
+
+        recorded = pickle.loads(Path(sys.argv[2]).read_bytes())
     t0 = time.perf_counter()
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.megatron.actor import MegatronActor
@@ -90,8 +113,8 @@ def main() -> None:
     def used_routes():  # [row tokens, layers, topk] as the routers used them in the last forward
         return torch.stack([r.router_replay.recorded_topk_idx for r in routers], 1)
 
-    for name, perturb in (("same_weights", 0.0), ("perturbed_router", PERTURB)):
-        samples = rollout(hf_dir, perturb)
+    for name, perturb in ROLLOUTS:
+        samples = recorded[name] if recorded is not None else rollout(hf_dir, perturb)
         res: dict = {}
         # one micro-batch holds every sample: the routers' last forward covers them all
         assert actor.train_cfg.max_tokens_per_micro_batch >= sum(len(s.tokens) for s in samples)
