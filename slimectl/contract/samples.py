@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -201,6 +201,13 @@ def _schema():
     ], metadata={b"slimectl_samples_format": str(FORMAT_VERSION).encode()})
 
 
+def _json_default(obj):
+    """A dataclass inside a JSON field is written as ``asdict`` makes it (what ``to_dict`` did)."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return asdict(obj)
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
 def write_samples(samples: Iterable[Sample], path: str | Path) -> int:
     """Write samples to a Parquet file; returns how many. Float log-probs are stored as float32."""
     import pyarrow as pa
@@ -210,14 +217,16 @@ def write_samples(samples: Iterable[Sample], path: str | Path) -> int:
     n = 0
     for s in samples:
         s.validate()
-        d = s.to_dict()
-        for k in rows:
-            v = d[k]
+        # The fields as they are (no deep copy as to_dict makes: Arrow and json copy them anyway).
+        for k, col in rows.items():
+            v = getattr(s, k)
             if k in _JSON_FIELDS:
-                v = json.dumps(v, ensure_ascii=False)
+                v = json.dumps(v, ensure_ascii=False, default=_json_default)
+            elif k == "status":
+                v = Status(v).value
             elif k == "label" and v is not None and not isinstance(v, str):
-                v = json.dumps(v)
-            rows[k].append(v)
+                v = json.dumps(v, default=_json_default)
+            col.append(v)
         n += 1
     table = pa.Table.from_pydict(rows, schema=_schema())
     pq.write_table(table, str(path), compression="zstd")

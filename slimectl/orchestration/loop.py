@@ -111,10 +111,17 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
             sync_metrics.log(version, metrics)
             return seconds
 
+        # One loop and one keep-alive session per engine for every rollout of this process (each
+        # rollout runs on one thread at a time: this one, or the one-step-off rollout thread).
+        from slimectl.engines.client import KeptConnections
+
+        kept = KeptConnections()
+        stack.callback(kept.close)  # (after the rollout thread is shut down below)
+
         def rollout(rid: int):
             if not run.rollouts.exists(rid):
                 engines.check_alive()
-                run_rollout(run, cfg, rid, engines.urls)
+                run_rollout(run, cfg, rid, engines.urls, connections=kept)
                 result.generated.append(rid)
             return run.rollouts.get(rid, verify="full")
 

@@ -42,17 +42,24 @@ class EnginePool:
     answering. Each engine's failure is reported once, however many requests were in flight."""
 
     def __init__(self, urls: list[str], token: str | None = None, concurrency_per_engine: int = 64,
-                 timeout: float = 600.0, registry=None, router: str | None = None):
+                 timeout: float = 600.0, registry=None, router: str | None = None, connections=None):
+        """``connections``: a :class:`~slimectl.engines.client.KeptConnections` whose sessions the
+        clients use (kept open after :meth:`close`); None: each client opens and closes its own."""
         if not urls:
             raise SlimectlError("no engines registered; start them with `slimectl serve -r RUN` or pass --engine-url")
         self.router = router.rstrip("/") if router else None
+
+        def session(url: str):
+            return connections.session(url) if connections is not None else None
+
         # the router only forwards /generate, which engines serve without the admin token
         self.router_client = EngineClient(self.router, timeout=timeout, retries=1, backoff=0.2,
-                                          retry_log_level=logging.DEBUG) if self.router else None
+                                          retry_log_level=logging.DEBUG, session=session(self.router)) \
+            if self.router else None
         self.router_sem = asyncio.Semaphore(concurrency_per_engine * len(urls))
         self.router_requests = 0
         self.clients = {u: EngineClient(u, token=token, timeout=timeout, retries=1, backoff=0.2,
-                                        retry_log_level=logging.DEBUG) for u in urls}
+                                        retry_log_level=logging.DEBUG, session=session(u)) for u in urls}
         self.inflight = {u: 0 for u in urls}
         self.sems = {u: asyncio.Semaphore(concurrency_per_engine) for u in urls}
         self.dead: set[str] = set()

@@ -276,8 +276,12 @@ def _prepared_prompts(cfg: SlimectlConfig, skip_bad_rows: bool | None):
 
 
 def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, engine_urls: list[str] | tuple[str, ...] = (),
-                force: bool = False, skip_bad_rows: bool | None = None) -> RolloutResult:
-    """Produce rollout ``rollout_id`` (default: the next one) and publish it."""
+                force: bool = False, skip_bad_rows: bool | None = None, connections=None) -> RolloutResult:
+    """Produce rollout ``rollout_id`` (default: the next one) and publish it.
+
+    ``connections``: a :class:`~slimectl.engines.client.KeptConnections` (``slimectl rl``: the
+    rollout runs on its loop and reuses its connections to the engines); None: a fresh loop and
+    fresh connections, closed at the end."""
     with run.stage_log("rollout"):
         if cfg.data.prompt_data is None:
             raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
@@ -300,7 +304,8 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
             rows, bad, too_long, tok = _prepared_prompts(cfg, skip_bad_rows)
             source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=state)
             urls = _engine_urls(run, engine_urls)
-            result = asyncio.run(_rollout_async(run, cfg, rid, source, urls, tok, lock, buffered))
+            work = _rollout_async(run, cfg, rid, source, urls, tok, lock, buffered, connections)
+            result = connections.run(work) if connections is not None else asyncio.run(work)
             samples, metrics, trace, leftover = result
             metrics.update({"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
             meta = {
@@ -388,12 +393,14 @@ async def teacher_log_probs(samples: list[Sample], urls: list[str], temperature:
 
 
 async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: PromptSource, urls: list[str], tok,
-                         lock, buffered: list[list[Sample]]) -> tuple[list[Sample], dict[str, Any], list[dict[str, Any]], list[list[Sample]]]:
+                         lock, buffered: list[list[Sample]], connections=None
+                         ) -> tuple[list[Sample], dict[str, Any], list[dict[str, Any]], list[list[Sample]]]:
     r = cfg.rollout
     token = os.environ.get(cfg.engine.token_env) or None
     pool = EnginePool(urls, token=token, concurrency_per_engine=r.concurrency_per_engine,
                       timeout=cfg.engine.request_timeout_s, registry=run.engines,
-                      router=run.live_router(urls))  # serve's sglang-router in front of exactly these engines
+                      router=run.live_router(urls),  # serve's sglang-router in front of exactly these engines
+                      connections=connections)
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=rid,
                            rollout_max_response_len=r.max_response_len, n_samples_per_prompt=r.n_samples_per_prompt,
                            reward_key=r.reward_key, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
