@@ -127,11 +127,16 @@ def _serve(path: str, log: str | None = None) -> None:
             elif r is listener:
                 conn, _ = listener.accept()
                 data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-                while not data.endswith(b"\n"):
+                while data and not data.endswith(b"\n"):
                     more = conn.recv(1 << 16)
                     if not more:
                         break
                     data += more
+                if len(fds) != 3 or not data.endswith(b"\n"):  # a client that died before its job was sent
+                    for fd in fds:
+                        os.close(fd)
+                    conn.close()
+                    continue
                 job = json.loads(data)
                 assert threading.active_count() == 1, threading.enumerate()  # fork only a single-threaded process
                 pid = os.fork()
