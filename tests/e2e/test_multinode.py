@@ -5,6 +5,12 @@ Each "host" is its own process tree (``start_new_session``) with its own host id
 trusting a pid), and the serve host binds its own loopback address (127.0.0.2), so URLs and the
 weight-update rendezvous cross "hosts" as they would across machines. They share nothing but
 the run directory. The role scripts under examples/multinode/ run as they are.
+
+Every `slimectl` and `wait_for.py` a script starts (through common.sh's ``SLIMECTL`` and
+``PYTHON``) is forked from one fork server for the module (tests/e2e/forkhosts.py), which paid
+the imports once: ~40 interpreters per test otherwise. Each forked command is still a process of
+its own (its own session, pid recorded for its host), and a host's kill -9 sends SIGKILL to the
+script's process group and to every process forked for it.
 """
 
 from __future__ import annotations
@@ -21,11 +27,22 @@ import pytest
 import yaml
 
 from slimectl.contract.rundir import RunDir
+from tests.e2e.forkhosts import ForkHosts
 from tests.helpers import ARITH, ROOT, free_port, read_jsonl, slimectl_in_process
 
 RECIPE = ROOT / "examples" / "multinode"
 SERVE_ADDR = "127.0.0.2"  # the serve "host"; train and sync live on 127.0.0.1
 TOKEN = "multinode-test-token"
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+    """One fork server for the module's simulated hosts (tests/e2e/forkhosts.py): every `slimectl`
+    and `wait_for.py` the role scripts start is forked from it instead of paying the imports again
+    (children.log: CPU seconds, wall seconds, exit code and command of each)."""
+    server = ForkHosts(log=tmp_path_factory.mktemp("forkhosts") / "children.log")
+    yield server
+    server.close()
 
 
 def init_run(tmp_path: Path, num_rollout: int, *sets: str) -> RunDir:
@@ -46,11 +63,13 @@ def init_run(tmp_path: Path, num_rollout: int, *sets: str) -> RunDir:
 class Host:
     """One simulated machine running one role script of the recipe, in its own session."""
 
-    def __init__(self, run: RunDir, name: str, host_id: str, script: str, *args: str, **env: str):
+    def __init__(self, forks: ForkHosts, run: RunDir, name: str, host_id: str, script: str, *args: str, **env: str):
         self.run, self.name, self.host_id, self.script, self.args = run, name, host_id, script, args
+        self.forks = forks
+        self.pids_file = run.path.parent / f"{name}.pids"  # the processes forked for this host (their own groups)
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "SLIMECTL_RUN_DIR": str(run.path),
-                    "SLIMECTL": f"{sys.executable} -m slimectl", "PYTHON": sys.executable,
-                    "SLIMECTL_HOST_ID": host_id, "SLIMECTL_ENGINE_TOKEN": TOKEN, "WAIT_TIMEOUT": "150", **env}
+                    "SLIMECTL_HOST_ID": host_id, "SLIMECTL_ENGINE_TOKEN": TOKEN, "WAIT_TIMEOUT": "150",
+                    **forks.env(self.pids_file), **env}
         self.starts = 0
         self.proc: subprocess.Popen | None = None
 
@@ -68,32 +87,52 @@ class Host:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def groups(self) -> list[int]:
+        """The machine's process groups: the script's, and each forked `slimectl`/`wait_for.py`'s."""
+        return [self.proc.pid, *self.forks.children(self.pids_file)]
+
     def signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)  # the whole machine: the script and every process it started
-        except ProcessLookupError:
-            pass
+        for group in self.groups():  # the whole machine: the script and every process it started
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         """kill -9 everything on the machine, and return once all of it is gone (not merely signalled)."""
-        self.signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while self.alive_members():
-            assert time.monotonic() < deadline, f"{self.name}: processes survived kill -9: {self.alive_members()}"
-            time.sleep(0.05)
-
-    def alive_members(self) -> list[int]:
         import psutil
 
-        out = []
-        for p in psutil.process_iter(["status"]):
+        procs = self.members()  # before the kill: an orphan leaves the tree (an engine leads a session of its own)
+        deadline = time.monotonic() + 30
+        while True:
+            self.signal(signal.SIGKILL)
+            for p in procs:
+                try:
+                    p.kill()  # psutil checks it is still the same process
+                except psutil.NoSuchProcess:
+                    pass
+            if self.proc.poll() is None:
+                self.proc.wait(timeout=30)
+            procs = [p for p in procs if _running(p)] + self.members()  # and any process forked for it meanwhile
+            if not procs:
+                return
+            assert time.monotonic() < deadline, f"{self.name}: processes survived kill -9: {[p.pid for p in procs]}"
+            time.sleep(0.05)
+
+    def members(self) -> list:
+        """The machine's live processes: the script's process group, each forked command's, and all
+        their descendants (`serve` starts each engine in a session of its own)."""
+        import psutil
+
+        groups, found = set(self.groups()), {}
+        for p in psutil.process_iter():
             try:
-                if os.getpgid(p.pid) == self.proc.pid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                    out.append(p.pid)
-            except (ProcessLookupError, PermissionError):
+                if os.getpgid(p.pid) in groups:
+                    found[p.pid] = p
+                    found.update((c.pid, c) for c in p.children(recursive=True))
+            except (ProcessLookupError, PermissionError, psutil.Error):
                 continue
-        return out
+        return [p for p in found.values() if _running(p)]
 
     def wait(self, timeout: float) -> int:
         try:
@@ -108,6 +147,15 @@ class Host:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def wait_until(cond, timeout: float, what: str, hosts=()) -> None:
@@ -143,7 +191,8 @@ def assert_engines_serve(run: RunDir, version: int) -> None:
 
 
 @pytest.mark.slow
-def test_three_hosts_one_step_off_survive_kill_9_of_the_rollout_and_train_hosts(tmp_path, monkeypatch):
+@pytest.mark.xdist_group("multinode")  # xdist: one worker, one fork server for both
+def test_three_hosts_one_step_off_survive_kill_9_of_the_rollout_and_train_hosts(tmp_path, monkeypatch, forks):
     """serve (127.0.0.2) / rollout / train + sync driver on three "hosts", one-step-off (rollout N
     on version N-1, overlapping training on N-1), NCCL-style distributed sync (gloo here). The
     rollout host is killed -9 holding the rollout lock, and the train host in the middle of a
@@ -151,10 +200,10 @@ def test_three_hosts_one_step_off_survive_kill_9_of_the_rollout_and_train_hosts(
     rollouts: one for each kill to land in, one after both)."""
     run = init_run(tmp_path, 3)
     lag = {"ROLLOUT_LAG": "1"}
-    serve = Host(run, "serve", "serve-host", "serve_host.sh", SERVE_BIND=SERVE_ADDR)
-    rollout = Host(run, "rollout", "rollout-host", "rollout_host.sh", **lag)
-    train = Host(run, "train", "train-host", "train_host.sh")
-    sync = Host(run, "sync", "train-host", "sync_loop.sh", **lag)
+    serve = Host(forks, run, "serve", "serve-host", "serve_host.sh", SERVE_BIND=SERVE_ADDR)
+    rollout = Host(forks, run, "rollout", "rollout-host", "rollout_host.sh", **lag)
+    train = Host(forks, run, "train", "train-host", "train_host.sh")
+    sync = Host(forks, run, "sync", "train-host", "sync_loop.sh", **lag)
     hosts = [serve, rollout, train, sync]
     try:
         for h in hosts:
@@ -362,7 +411,8 @@ def test_gpu_summary_says_when_a_run_has_no_training_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_train_nodes_under_torchrun_and_the_serve_host_killed_mid_rollout(tmp_path):
+@pytest.mark.xdist_group("multinode")  # xdist: one worker, one fork server for both
+def test_two_train_nodes_under_torchrun_and_the_serve_host_killed_mid_rollout(tmp_path, forks):
     """train.dp=2 spread over two train "hosts" (--nnodes 2, one rank each, torchrun's static
     rendezvous on node 0), on-policy: the run trains each rollout once and node 1 never writes.
 
@@ -375,11 +425,11 @@ def test_two_train_nodes_under_torchrun_and_the_serve_host_killed_mid_rollout(tm
     run = init_run(tmp_path, 2, "train.dp=2", "rollout.max_response_len=48")
     port = free_port()
     nodes = {"NNODES": "2", "TRAIN_MASTER_ADDR": "127.0.0.1", "TRAIN_MASTER_PORT": str(port)}
-    serve = Host(run, "serve", "serve-host", "serve_host.sh", SERVE_BIND=SERVE_ADDR)
-    rollout = Host(run, "rollout", "rollout-host", "rollout_host.sh")
-    train0 = Host(run, "train0", "train-node-0", "train_host.sh", NODE_RANK="0", **nodes)
-    train1 = Host(run, "train1", "train-node-1", "train_host.sh", NODE_RANK="1", **nodes)
-    sync = Host(run, "sync", "train-node-0", "sync_loop.sh")
+    serve = Host(forks, run, "serve", "serve-host", "serve_host.sh", SERVE_BIND=SERVE_ADDR)
+    rollout = Host(forks, run, "rollout", "rollout-host", "rollout_host.sh")
+    train0 = Host(forks, run, "train0", "train-node-0", "train_host.sh", NODE_RANK="0", **nodes)
+    train1 = Host(forks, run, "train1", "train-node-1", "train_host.sh", NODE_RANK="1", **nodes)
+    sync = Host(forks, run, "sync", "train-node-0", "sync_loop.sh")
     hosts = [serve, rollout, train0, train1, sync]
     try:
         for h in hosts:

@@ -1,0 +1,52 @@
+"""The client of tests/e2e/forkhosts.py: a stand-in for ``python -m slimectl ARGS`` or ``python SCRIPT ARGS``.
+
+    python -I -S forkclient.py slimectl ARGS...     (what the recipe's scripts call as $SLIMECTL)
+    python -I -S forkclient.py python SCRIPT ARGS... (what they call as $PYTHON: wait_for.py)
+
+It asks the fork server at $SLIMECTL_FORK_SOCKET to fork a child that runs the command with this
+process's argv, environment, working directory and stdin/stdout/stderr (the file descriptors
+themselves travel over the Unix socket), then waits and exits as the child did (the same exit code,
+or the same signal). SIGTERM/SIGINT/SIGHUP sent to this process go on to the child's process group.
+If this process dies (kill -9 of its host), the server sees the socket close and kills the child's
+process group with SIGKILL. Standard library only, so it starts in a few hundredths of a CPU second.
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+
+
+def main() -> None:
+    mode, *argv = sys.argv[1:]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(os.environ["SLIMECTL_FORK_SOCKET"])
+    job = {"mode": mode, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+    socket.send_fds(sock, [json.dumps(job).encode() + b"\n"], [0, 1, 2])
+    answers = sock.makefile("rb")
+    line = answers.readline()
+    if not line:
+        sys.exit("forkclient: the fork server closed the connection")
+    pid = json.loads(line)["pid"]
+
+    def forward(sig, _frame):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    line = answers.readline()
+    if not line:
+        sys.exit("forkclient: the fork server died")
+    rc = json.loads(line)["rc"]
+    if rc < 0:  # died by a signal: die by the same one
+        signal.signal(-rc, signal.SIG_DFL)
+        os.kill(os.getpid(), -rc)
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

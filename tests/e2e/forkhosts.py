@@ -1,0 +1,237 @@
+"""A fork server for the simulated hosts of tests/e2e/test_multinode.py: the imports paid once.
+
+The recipe's role scripts (examples/multinode/) start a fresh ``$SLIMECTL ...`` for every rollout,
+sync and trainer, and a fresh ``$PYTHON wait_for.py ...`` for every wait: ~40 interpreters per
+test, each paying torch, megatron-core, transformers and the typed config again (0.8 CPU-s for a
+``wait_for.py`` query, 6-13 for a stage). Here one server imports all of that once; the scripts get
+``SLIMECTL``/``PYTHON`` set to tests/e2e/forkclient.py (both are documented knobs of common.sh),
+which hands the server its argv, environment, working directory and stdin/stdout/stderr, and the
+server forks a child that runs ``slimectl.commands.cli.main(argv)`` (what ``python -m slimectl``
+runs) or the script (``runpy``, as ``python SCRIPT`` would). The scripts themselves run as they are.
+
+Each child is a real process: it starts a session of its own (so its own children, torchrun and
+its ranks, are in its process group), and dies by itself or by the signal it is sent. Its pid goes
+into the file named by ``SLIMECTL_FORK_PIDS`` (one per simulated host) before it runs anything, so
+a test's kill -9 of a host reaches it directly (:meth:`ForkHosts.children`); should the client die first,
+the server sends the child's process group SIGKILL as soon as it sees the client's socket close.
+Nothing in the server has started a thread or touched a tensor when it forks (it refuses to fork
+with more than one thread), so each child starts as clean as a fresh interpreter, minus the imports.
+
+Unlike tests/e2e/prefork.py (one run at a time, driven by the test), this one runs many children
+at once, for clients that are processes of their own. The server is a child of the test process
+and reaps every child, so their CPU seconds count in tests/conftest.py's figures once the server
+itself is reaped (:meth:`ForkHosts.close`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CLIENT = Path(__file__).resolve().parent / "forkclient.py"
+SOCKET_ENV = "SLIMECTL_FORK_SOCKET"
+PIDS_ENV = "SLIMECTL_FORK_PIDS"
+
+
+def _preload() -> None:
+    """What the stages of the recipe import before their first step, and wait_for.py's run directory."""
+    import slimectl.commands.cli  # noqa: F401
+    import torch, megatron.core, transformers  # noqa: E401,F401
+    import slimectl.commands.rollout, slimectl.commands.serve, slimectl.commands.sync  # noqa: E401,F401
+    import slimectl.commands.train, slimectl.commands._stage  # noqa: E401,F401
+    import slimectl.backends.megatron.actor, slimectl.stages.train  # noqa: E401,F401
+    import slimectl.stages.serve, slimectl.stages.rollout.stage, slimectl.stages.sync  # noqa: E401,F401
+    import slimectl.contract.rundir, slimectl.contract.config  # noqa: E401,F401
+
+
+def _child(job: dict, fds: list[int]) -> None:
+    """In the forked child: become the job's process and run it; never returns."""
+    code = 1
+    try:
+        os.setsid()
+        pids = job["env"].get(PIDS_ENV)
+        if pids:
+            with open(pids, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+        os.closerange(3, 1 << 16)  # the listener, other clients' sockets, the received copies
+        sys.stdin = open(0, "r", closefd=False)
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", closefd=False)
+        os.environ.clear()
+        os.environ.update(job["env"])
+        os.chdir(job["cwd"])
+        if job["mode"] == "slimectl":
+            import slimectl.commands.cli as cli
+
+            sys.argv = [cli.__file__, *job["argv"]]
+            cli.main(job["argv"])
+        elif job["mode"] == "python":
+            import runpy
+
+            script, *args = job["argv"]
+            sys.argv = [script, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
+        else:
+            raise ValueError(f"unknown mode {job['mode']!r}")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _serve(path: str, log: str | None = None) -> None:
+    """The server's loop: accept clients, fork one child per job, answer its pid, then its exit code.
+    With ``log``, one line per child reaped: its CPU seconds, wall seconds, exit code and command."""
+    import json
+    import select
+    import signal
+    import socket
+    import threading
+
+    _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    clients: dict[socket.socket, int] = {}  # a client's socket -> its child's pid
+    by_pid: dict[int, socket.socket] = {}
+    started: dict[int, tuple[float, str]] = {}  # pid -> (start, command) for the log
+    while True:
+        readable, _, _ = select.select([listener, sys.stdin, *clients], [], [], 0.05)
+        for r in readable:
+            if r is sys.stdin:
+                if not sys.stdin.readline():  # the test closed our stdin: stop
+                    for pid in by_pid:
+                        _killpg(pid, signal.SIGKILL)
+                    for pid in list(by_pid):
+                        os.waitpid(pid, 0)
+                    return
+            elif r is listener:
+                conn, _ = listener.accept()
+                data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+                while data and not data.endswith(b"\n"):
+                    more = conn.recv(1 << 16)
+                    if not more:
+                        break
+                    data += more
+                if len(fds) != 3 or not data.endswith(b"\n"):  # a client that died before its job was sent
+                    for fd in fds:
+                        os.close(fd)
+                    conn.close()
+                    continue
+                job = json.loads(data)
+                assert threading.active_count() == 1, threading.enumerate()  # fork only a single-threaded process
+                pid = os.fork()
+                if pid == 0:
+                    _child(job, fds)
+                for fd in fds:
+                    os.close(fd)
+                clients[conn] = pid
+                by_pid[pid] = conn
+                started[pid] = (time.monotonic(), " ".join([job["mode"], *job["argv"]]))
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            else:  # a client that talks after its job is sent has gone away: kill -9 its child, as its host died
+                if not r.recv(1):
+                    _killpg(clients[r], signal.SIGKILL)
+                    del by_pid[clients.pop(r)]  # reaped below (no answer to send)
+                    r.close()
+        while True:
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            t0, what = started.pop(pid, (time.monotonic(), "?"))
+            if log:
+                with open(log, "a") as f:
+                    f.write(f"{usage.ru_utime + usage.ru_stime:7.2f} cpu_s {time.monotonic() - t0:7.2f} wall_s "
+                            f"rc {os.waitstatus_to_exitcode(status):4d}  {what}\n")
+            conn = by_pid.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                except OSError:
+                    pass
+                del clients[conn]
+                conn.close()
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class ForkHosts:
+    """The server, started by the test: ``env()`` is what a simulated host's environment needs."""
+
+    def __init__(self, env: dict[str, str] | None = None, log: Path | None = None) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="forkhosts-"))  # short: a socket path has ~100 characters
+        self.socket = self.dir / "s"
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**(env or os.environ), "OMP_NUM_THREADS": "1"}
+        paths = [root, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        code = f"from tests.e2e.forkhosts import _serve; _serve({str(self.socket)!r}, {log and str(log)!r})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, cwd=root, text=True)
+        line = self.proc.stdout.readline()
+        assert "ready" in line, f"the fork server did not start (exit {self.proc.poll()})"
+
+    def env(self, pids_file: Path) -> dict[str, str]:
+        client = f"{sys.executable} -I -S {CLIENT}"
+        return {"SLIMECTL": f"{client} slimectl", "PYTHON": f"{client} python", SOCKET_ENV: str(self.socket),
+                PIDS_ENV: str(pids_file)}
+
+    def children(self, pids_file: Path) -> list[int]:
+        """The children forked for one host (their pids in ``pids_file``) that still run: each leads a
+        process group of its own. A pid is taken only while it is this server's child, so a number the
+        system gave to another process after ours exited is never signalled."""
+        import psutil
+
+        try:
+            pids = [int(x) for x in Path(pids_file).read_text().split()]
+        except FileNotFoundError:
+            return []
+        out = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).ppid() == self.proc.pid:
+                    out.append(pid)
+            except psutil.NoSuchProcess:
+                continue
+        return out
+
+    def close(self) -> None:
+        """Stop the server (it kills -9 and reaps any child still running) and reap it: its children's CPU
+        seconds count from here."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            for p in self.dir.iterdir():
+                p.unlink()
+            self.dir.rmdir()
