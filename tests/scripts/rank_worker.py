@@ -30,6 +30,25 @@ def cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime
 
 
+def destroy_subgroups() -> None:
+    """Destroy every process group but the default one. A job's init_parallel makes Megatron's groups and
+    its teardown only forgets them: each gloo group kept ~25 threads per rank alive, and the pair's idle
+    CPU grew by ~0.06 CPU-s per second with every job (0.39 after six; 0.025 with this, measured)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():  # a job that kept them: the next job's init_parallel makes new ones
+        ps.destroy_model_parallel()
+    default = c10d._get_default_group()
+    for pg in list(c10d._world.pg_map):
+        if pg is not default:
+            dist.destroy_process_group(pg)
+
+
 def main() -> None:
     jobs = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
@@ -56,6 +75,10 @@ def main() -> None:
             sys.argv = saved_argv
             os.environ.clear()
             os.environ.update(saved_env)
+        try:
+            destroy_subgroups()
+        except BaseException:  # noqa: BLE001
+            error = error or traceback.format_exc()
         tmp = jobs / f".job-{i}.rank{rank}.tmp"
         tmp.write_text(json.dumps({"stdout": out.getvalue(), "error": error, "cpu_s": cpu_seconds() - cpu0}))
         tmp.rename(jobs / f"job-{i}.rank{rank}.json")
