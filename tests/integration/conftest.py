@@ -13,7 +13,8 @@ _workers: list[RankWorker] = []
 def two_ranks(tmp_path_factory) -> RankWorker:
     """Two gloo ranks that run tests/scripts jobs (convert, logits, log-probs, actor checks) one after
     another: one torchrun launch for a run of two-rank checks instead of one per check. Stopped as
-    soon as neither the next test nor a later test of the same module uses them: idle ranks holding
+    soon as neither the next test nor a later test of the same module uses them, and the next test is
+    not of the `two_ranks` xdist group (:func:`_in_group`): idle ranks holding
     Megatron's gloo groups are not free (measured ~0.03 CPU-s per second per rank, 64 threads each),
     and reaping them there makes their CPU seconds count for the tests that used them."""
     worker = RankWorker(2, tmp_path_factory.mktemp("two-ranks"))
@@ -43,7 +44,18 @@ def _module_uses_ranks_later(item, nextitem) -> bool:
     return False
 
 
+def _in_group(item) -> bool:
+    """Whether ITEM is one of the `two_ranks` xdist group's tests: under xdist (README command 2) one worker
+    runs the whole group in a row (tests/conftest.py hands it out first), so the ranks live from its first
+    two-rank job to its end: one launch for the group instead of one per run of two-rank tests (~25 CPU-s
+    each), for idle ranks over its in-process tests."""
+    from tests.xdist_groups import xdist_groups
+
+    return "two_ranks" in xdist_groups(item)
+
+
 def pytest_runtest_teardown(item, nextitem):
-    if nextitem is None or not (_uses_ranks(nextitem) or _module_uses_ranks_later(item, nextitem)):
+    if nextitem is None or not (_uses_ranks(nextitem) or _module_uses_ranks_later(item, nextitem)
+                                or (_in_group(item) and _in_group(nextitem))):
         for w in _workers:
             w.stop()
