@@ -94,7 +94,7 @@ def report(out: Path, block: int, cpu: dict[str, float]) -> None:
         b = rb[name]
         if b:
             print(f"{name}: {len(rewards[name])} rollouts, reward first block {b[0]:.3f} -> last {b[-1]:.3f} "
-                  f"(+{b[-1] - b[0]:.3f}), best block {max(b):.3f}"
+                  f"({b[-1] - b[0]:+.3f}), best block {max(b):.3f}"
                   + (f"; cpu {cpu[name]:.0f} s" if name in cpu else ""))
     if ev:
         print(f"ppo: explained variance max {max(ev):.3f}, last block {eb[-1]:.3f}; rollouts with EV > 0.5: "
