@@ -24,10 +24,14 @@ from tests.helpers import (ENV, assert_trained_once, engine_pids, read_jsonl, sl
                            write_config)
 
 TOL = 1e-5
+CRITIC_TOL = 1e-4
+"""The critic's (critic.lr 1e-2, ten times the actor's): Adam turns the first steps' tiny trunk gradients (the
+value head starts at zero) into full-size steps, so TP's summation order shows more (measured 2.1e-5);
+test_ppo_critic.py's TP=2 vs one-process bound."""
 
 
-def one_rank_weights(tmp_path, cfg, run: RunDir, version: int) -> dict:
-    """weights/VERSION of a one-rank `slimectl train` of RUN's model on RUN's rollouts 0..VERSION-1."""
+def one_rank_weights(tmp_path, cfg, run: RunDir, version: int) -> tuple[dict, RunDir]:
+    """weights/VERSION of a one-rank `slimectl train` of RUN's model on RUN's rollouts 0..VERSION-1, and that run."""
     from safetensors.torch import load_file
 
     from slimectl.contract.samples import SAMPLES_FILE
@@ -42,7 +46,7 @@ def one_rank_weights(tmp_path, cfg, run: RunDir, version: int) -> dict:
             (d / SAMPLES_FILE).write_bytes(art.file(SAMPLES_FILE).read_bytes())
     res = slimectl_in_process("train", "-r", ref.path)
     assert res.returncode == 0, res.stderr[-3000:]
-    return load_file(str(ref.weights.get(version).file("model.safetensors")))
+    return load_file(str(ref.weights.get(version).file("model.safetensors"))), ref
 
 
 def assert_same_weights(run: RunDir, version: int, want: dict) -> None:
@@ -52,6 +56,30 @@ def assert_same_weights(run: RunDir, version: int, want: dict) -> None:
     assert sorted(got) == sorted(want)  # the whole model, gathered from both ranks
     diff = max(float((got[k] - want[k]).abs().max()) for k in want)
     assert diff <= TOL, diff
+
+
+def critic_tensors(run: RunDir, version: int) -> dict:
+    """critic_checkpoints/VERSION's model tensors (the torch_dist shards of every rank, read without a process
+    group) and its step."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    art = run.artifacts("critic_checkpoints").get(version)
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(art.path / "state", f"{tmp}/all.pt")
+        flat = torch.load(f"{tmp}/all.pt", weights_only=False)  # our own file, just written
+    model = {k: v for k, v in flat.items() if k.startswith(("gpt.", "value_head.")) and "_extra_state" not in k}
+    return {"step": art.meta["critic_step"], "model": model}
+
+
+def assert_same_critic(run: RunDir, ref: RunDir, version: int) -> None:
+    got, want = critic_tensors(run, version), critic_tensors(ref, version)
+    assert got["step"] == want["step"] == version  # one critic step per rollout, none twice
+    assert sorted(got["model"]) == sorted(want["model"]) and "value_head.weight" in want["model"]
+    diff = max(float((got["model"][k] - want["model"][k]).abs().max()) for k in want["model"])
+    assert diff <= CRITIC_TOL, diff
 
 
 def rank_pids(run: RunDir) -> list[int]:
@@ -66,16 +94,18 @@ def rank_pids(run: RunDir) -> list[int]:
 
 @pytest.mark.slow
 def test_rl_at_tp2_under_torchrun_stops_on_sigterm_resumes_and_matches_one_rank(tmp_path):
-    """train.tp=2, distributed sync with verify, save_interval 3: `rl` relaunches itself as two ranks
-    (rank 0 runs the loop; rank 1 joins each train, the TP gathers of every sync and the
-    checkpoints). SIGTERM to the launching `rl` after the first rollout: rank 0 stops gracefully,
+    """PPO (a critic on the actor's TP layout), train.tp=2, distributed sync with verify, save_interval 3:
+    `rl` relaunches itself as two ranks (rank 0 runs the loop; rank 1 joins each train — the critic's
+    values and steps too —, the TP gathers of every sync and the checkpoints, the critic's included).
+    SIGTERM to the launching `rl` after the first rollout: rank 0 stops gracefully,
     checkpointing what was trained (a collective: rank 1 joins), tells rank 1 to stop, and the
     launcher exits 143 with the resume command; no rank, engine or lock is left. The same command
     then resumes and trains the rest: each rollout once, one metrics record per step, and weights/3
-    equal to a one-rank train's on the same rollouts. (dp=2 with disk sync under torchrun: the MoE
-    rl test in test_moe_train.py.)"""
+    equal to a one-rank train's on the same rollouts, critic_checkpoints/3 too. (GRPO under torchrun,
+    dp=2 with disk sync: the MoE rl test in test_moe_train.py.)"""
     cfg = write_config(tmp_path, rollout={"num_rollout": 3}, train={"lr": 1e-3, "tp": 2, "save_interval": 3},
-                       sync={"transport": "distributed", "verify": True, "bucket_size_mb": 1})
+                       sync={"transport": "distributed", "verify": True, "bucket_size_mb": 1},
+                       algorithm={"advantage_estimator": "ppo"}, critic={"lr": 1e-2})
     path = tmp_path / "run"
     args = ["rl", "-c", str(cfg), "-r", str(path), "--tiny-model", "qwen2"]
     proc = subprocess.Popen([sys.executable, "-m", "slimectl", *args], stdout=subprocess.PIPE,
@@ -103,6 +133,8 @@ def test_rl_at_tp2_under_torchrun_stops_on_sigterm_resumes_and_matches_one_rank(
     assert run.checkpoints.ids()[-1] == nxt  # checkpointed before stopping (save_interval 3: none before the end)
     saved = json.loads((run.checkpoints.get(nxt).path / "slimectl_checkpoint.json").read_text())["saved_with"]
     assert saved["tp"] == 2  # by both ranks
+    critics = run.artifacts("critic_checkpoints")
+    assert critics.ids() == [nxt] and critics.get(nxt).meta["critic_step"] == nxt  # the critic's, with the actor's
     deadline = time.monotonic() + 20
     while (rank_pids(run) or engine_pids(run)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -119,7 +151,9 @@ def test_rl_at_tp2_under_torchrun_stops_on_sigterm_resumes_and_matches_one_rank(
     # verified after each sync; the rerun syncs its new engines to the version it resumes at again
     assert synced == sorted(synced) and set(synced) == {0, 1, 2, 3}, synced
     assert run.engines.list() == [] and engine_pids(run) == [] and rank_pids(run) == []
-    assert_same_weights(run, 3, one_rank_weights(tmp_path, cfg, run, 3))
+    want, ref = one_rank_weights(tmp_path, cfg, run, 3)
+    assert_same_weights(run, 3, want)
+    assert_same_critic(run, ref, 3)  # the critic resumed from the checkpoint both ranks wrote, trained as one rank
 
 
 # ----------------------------------------------------------------------------- cheap: the ranks' command line
