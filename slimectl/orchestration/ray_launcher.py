@@ -441,7 +441,7 @@ class RayLauncher:
         if not pg.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
             raise SlimectlError(f"the Ray cluster could not place the {name} bundles {bundles} within "
                                 f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {self.ray.available_resources()}); add nodes or "
-                                f"lower engine.num_engines")
+                                f"lower engine.num_engines{' or critic.tp x pp x dp' if name == 'critic' else ''}")
         self._groups[name] = pg
         return pg
 

@@ -286,7 +286,7 @@ def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, clus
     ppo = split == "dp"
     if ppo:
         sections["algorithm"] = {"advantage_estimator": "ppo"}
-    cfg = write_config(tmp_path, train={"lr": 1e-3, split: 2}, **sections, **({"critic": {"tp": 2}} if ppo else {}))
+    cfg = write_config(tmp_path, train={"lr": 1e-3, split: 2}, **sections, **({"critic": {"tp": 2, "dp": 1}} if ppo else {}))
     args = ("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2", "--launcher", "ray",
             "--address", cluster.address, "--colocate")
     if ppo:  # killed -9 after rollout 0 (checkpoints/1 and critic_checkpoints/1 published), then resumed
@@ -355,10 +355,10 @@ def check_the_critic_group(run: RunDir, ref: RunDir, stderr: str, train: list[di
                 diffs[key] = max(diffs.get(key, 0.0), abs(got[key] - want[key]))
     assert {"critic/value_loss", "critic/values_mean", "critic/grad_norm"} <= set(diffs), diffs
     assert diffs["critic/step"] == 0
-    assert max(diffs.values()) <= 1e-4, diffs
+    assert max(diffs.values()) <= 1e-5, diffs  # measured: 2.3e-7 (critic/grad_norm)
     a = load_file(str(run.weights.get(2).file("model.safetensors")))
     b = load_file(str(ref.weights.get(2).file("model.safetensors")))
     assert a.keys() == b.keys()
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     print(f"critic group vs one process: metrics {diffs}, actor weights {worst:.2e}")
-    assert worst <= 1e-5, worst
+    assert worst <= 1e-5, worst  # measured: 7.8e-7
