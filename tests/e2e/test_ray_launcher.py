@@ -245,7 +245,7 @@ def one_rank_reference(tmp_path_factory, clean_rl_run):
     runs: dict[str, RunDir] = {}
 
     def get(sections: dict) -> RunDir:
-        key = sections["sync"]["transport"] + ("-ppo" if "algorithm" in sections else "")
+        key = sections["sync"]["transport"]
         if key == "disk" and key not in runs:
             d = tmp_path_factory.mktemp("one-rank-disk")
             want = yaml.safe_load(write_config(d, train={"lr": 1e-3}, **sections).read_text())
@@ -319,7 +319,8 @@ def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, clus
     train = read_jsonl(run.metrics_path("train"))
     assert [r["step"] for r in train] == [1, 2]  # one record per step: rank 1 logs nothing
 
-    ref = one_rank_reference(sections)
+    # PPO: the same rollouts trained by `slimectl train` in one process, its critic on the actor's layout
+    ref = trained_in_one_process(tmp_path / "one-process", run, sections) if ppo else one_rank_reference(sections)
     assert [run.rollouts.get(i).meta["reward_mean"] for i in (0, 1)] == \
            [ref.rollouts.get(i).meta["reward_mean"] for i in (0, 1)]
     for got, want in zip(train, read_jsonl(ref.metrics_path("train")), strict=True):
@@ -329,6 +330,24 @@ def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, clus
                 assert abs(got[key] - want[key]) <= 1e-4, (key, got[key], want[key])
     if ppo:
         check_the_critic_group(run, ref, res.stderr, train)
+
+
+def trained_in_one_process(d, ray_run: RunDir, sections: dict) -> RunDir:
+    """The Ray run's rollouts trained by `slimectl train` in this process (one rank, the critic on the actor's
+    tp=1 layout), from the same initial model: cheaper than a local `rl` (no engine, no sync)."""
+    import shutil
+
+    d.mkdir()
+    cfg = write_config(d, train={"lr": 1e-3}, **sections)
+    model = f"model.path={ray_run.path / 'models' / 'tiny-qwen2'}"
+    for args in (("init", d / "run", "-c", cfg, "--set", model), ("convert", "-r", d / "run")):
+        res = slimectl_in_process(*args)
+        assert res.returncode == 0, res.stderr[-3000:]
+    for i in ray_run.rollouts.ids():
+        shutil.copytree(ray_run.rollouts.get(i).path, d / "run" / "rollouts" / f"{i:06d}")
+    res = slimectl_in_process("train", "-r", d / "run")
+    assert res.returncode == 0 and "trained rollouts 0-1; weight version 2" in res.stdout, res.stderr[-3000:]
+    return RunDir.open(d / "run")
 
 
 def check_the_critic_group(run: RunDir, ref: RunDir, stderr: str, train: list[dict]) -> None:
