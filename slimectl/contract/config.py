@@ -462,7 +462,12 @@ def algorithm_conflict(a: "AlgorithmSection") -> str | None:
 class CriticSection(Section):
     """PPO's value model (``algorithm.advantage_estimator: ppo``; slime ``--use-critic``, ``--value-clip``,
     ``--num-critic-only-steps`` and the critic role of ``--megatron-config-path``). A key left null takes the
-    actor's value from ``train``. Unused by the other estimators."""
+    actor's value from ``train``. Unused by the other estimators. Placement: ``slimectl train``, a local ``rl`` (and its torchrun ranks) run the critic in the trainer's
+    processes, on the actor's layout (``critic.tp``/``pp``/``dp`` unset or equal to ``train``'s). Under
+    ``rl --launcher ray`` the critic is its own group of Ray actors (slime's critic RayTrainGroup):
+    ``critic.tp x critic.pp x critic.dp`` ranks with their own torch.distributed world and Megatron layout,
+    which may differ from the actor's; placed like the trainer (own bundles, or sharing the ``--colocate``
+    bundles)."""
 
     path: Optional[str] = None
     """HF model directory the critic's transformer starts from (same architecture as the actor; its LM head is
@@ -476,9 +481,15 @@ class CriticSection(Section):
     lr_decay_style: Optional[Literal["constant", "linear", "cosine"]] = None
     """Critic learning-rate schedule after warmup; null: ``train.lr_decay_style``."""
     tp: Optional[int] = Field(default=None, gt=0)
-    """Tensor-parallel size of the critic; null: ``train.tp``. tp x pp must divide the trainer's processes."""
+    """Tensor-parallel size of the critic; null: ``train.tp``. Another value than ``train.tp`` needs
+    ``rl --launcher ray`` (the critic's own actor group)."""
     pp: Optional[int] = Field(default=None, gt=0)
-    """Pipeline-parallel size of the critic; null: ``train.pp``."""
+    """Pipeline-parallel size of the critic; null: ``train.pp``. Another value than ``train.pp`` needs
+    ``rl --launcher ray``."""
+    dp: Optional[int] = Field(default=None, gt=0)
+    """Data-parallel size of the critic; null: ``train.dp``. Under ``rl --launcher ray`` the critic group has
+    ``critic.tp x critic.pp x critic.dp`` ranks (one Ray actor and one CPU or GPU each); elsewhere the critic
+    runs on the trainer's ranks, so it must equal ``train.dp``."""
     value_clip: float = Field(default=algo_registry.DEFAULT_VALUE_CLIP, gt=0)
     """Value clip: the loss is ``max((V_old + clamp(V - V_old, -value_clip, value_clip) - G)^2, (V - G)^2)``."""
     num_critic_only_steps: int = Field(default=algo_registry.DEFAULT_NUM_CRITIC_ONLY_STEPS, ge=0)
@@ -486,8 +497,8 @@ class CriticSection(Section):
 
     def resolved(self, train: "TrainSection") -> "CriticSection":
         """A copy with every null key replaced by the actor's value from ``train``."""
-        inherit = {k: getattr(train, k) for k in ("lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "tp", "pp")
-                   if getattr(self, k) is None}
+        inherit = {k: getattr(train, k) for k in ("lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "tp", "pp",
+                                                      "dp") if getattr(self, k) is None}
         return self.model_copy(update=inherit)
 
 
@@ -503,16 +514,24 @@ def critic_problem(cfg: "SlimectlConfig") -> str | None:
         return (f"critic.lr_warmup_steps = {c.lr_warmup_steps} must be below the run's {steps} optimizer steps "
                 f"(rollout.num_rollout x train.num_steps_per_rollout) to decay the critic's LR ({c.lr_decay_style}); "
                 f"lower it or train longer")
-    world = t.tp * t.pp * t.dp
-    if cfg.algorithm.advantage_estimator == "ppo" and (c.tp, c.pp) != (t.tp, t.pp):
-        return (f"critic.tp x critic.pp = {c.tp} x {c.pp}: the critic runs on the actor's layout only for now "
-                f"(train.tp x train.pp = {t.tp} x {t.pp}); leave critic.tp and critic.pp unset")
-    if world % (c.tp * c.pp):
-        return (f"critic.tp x critic.pp = {c.tp} x {c.pp} does not divide the trainer's {world} processes "
-                f"(train.tp x train.pp x train.dp = {t.tp} x {t.pp} x {t.dp}); the critic runs on the same ranks")
     if c.num_critic_only_steps and c.num_critic_only_steps >= cfg.rollout.num_rollout:
         return (f"critic.num_critic_only_steps = {c.num_critic_only_steps} must be below rollout.num_rollout = "
                 f"{cfg.rollout.num_rollout}, or the actor never trains")
+    return None
+
+
+def critic_layout_problem(cfg: "SlimectlConfig", own_group: bool = False) -> str | None:
+    """Where the critic runs (``algorithm.advantage_estimator: ppo``): ``own_group`` (``rl --launcher ray``) its
+    own ranks at any ``critic.tp x pp x dp``; else the trainer's ranks, at the actor's layout only. The problem
+    in one line, else None."""
+    if cfg.algorithm.advantage_estimator != "ppo" or own_group:
+        return None
+    c, t = cfg.critic.resolved(cfg.train), cfg.train
+    if (c.tp, c.pp, c.dp) != (t.tp, t.pp, t.dp):
+        return (f"critic.tp x critic.pp x critic.dp = {c.tp} x {c.pp} x {c.dp}: outside Ray the critic runs on the "
+                f"actor's ranks and layout (train.tp x train.pp x train.dp = {t.tp} x {t.pp} x {t.dp}); leave "
+                f"critic.tp, critic.pp and critic.dp unset, or run `slimectl rl --launcher ray`, where the critic "
+                f"is its own actor group at any layout")
     return None
 
 

@@ -109,12 +109,12 @@ class InProcessTrainer:
     Takes the ``train`` lock; trains each rollout exactly once (:class:`Trainer`); syncs the
     engines from its live weights (distributed transport) or from ``weights/N`` (disk)."""
 
-    def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack):
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack, critic_factory=None):
         from slimectl.stages.train import Trainer
 
         self.run, self.cfg, self.stack = run, cfg, stack
         self.disk = cfg.sync.transport == "disk"
-        self.trainer = Trainer(run, cfg, stack.enter_context(run.lock("train")))
+        self.trainer = Trainer(run, cfg, stack.enter_context(run.lock("train")), critic_factory=critic_factory)
         stack.callback(self.trainer.close)  # a checkpoint still being written is published before the lock goes
         self.loop = self.clients = self.transport = self.metrics = None
 
@@ -187,12 +187,12 @@ class FollowerTrainer:
     like the ranks > 0 of ``slimectl train`` under torchrun, holds no lock, writes nothing to the
     run directory and talks to no engine."""
 
-    def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack):
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack, critic_factory=None):
         from slimectl.stages.train import FollowerLock, Trainer
 
         self.run, self.cfg = run, cfg
         self.disk = cfg.sync.transport == "disk"
-        self.trainer = Trainer(run, cfg, FollowerLock())
+        self.trainer = Trainer(run, cfg, FollowerLock(), critic_factory=critic_factory)
 
     @property
     def weight_version(self) -> int:

@@ -16,13 +16,17 @@ loop and the rollout stage (HTTP clients of the engines); only where engines and
   :class:`~slimectl.orchestration.local_launcher.FollowerTrainer`, which joins its collectives, as
   the ranks of ``slimectl train`` under torchrun do. The ranks form one torch.distributed job:
   ``MASTER_ADDR``/``MASTER_PORT`` are rank 0's node and a free port there, ``RANK``/``WORLD_SIZE``
-  the worker's, ``LOCAL_RANK`` 0 (Ray gives each rank its own GPU).
+  the worker's, ``LOCAL_RANK`` 0 (Ray gives each rank its own GPU);
+- with ``algorithm.advantage_estimator: ppo``, PPO's critic as its own group (slime's critic
+  RayTrainGroup, :mod:`slimectl.orchestration.ray_critic`): ``critic.tp*pp*dp``
+  :class:`~slimectl.orchestration.ray_critic.CriticWorker` ranks with their own torch.distributed
+  world and Megatron layout (which may differ from the actor's), called by trainer rank 0.
 
 Placement follows slime: bundles ``{"CPU": 1}`` (plus ``"GPU"`` when the cluster has GPUs).
-Disaggregated (the default): a placement group of trainer bundles and one of engine bundles,
-so each actor has a bundle of its own. Colocated (``--colocate``): one group of
-``max(engines, trainer ranks)`` bundles, engine *i* and trainer rank *i* sharing bundle *i*
-with half of it each. The run directory stays the source of truth: a rerun resumes from it
+Disaggregated (the default): a placement group of trainer bundles, one of engine bundles (and
+one of critic bundles), so each actor has a bundle of its own. Colocated (``--colocate``): one
+group of ``max(engines, trainer ranks, critic ranks)`` bundles, engine *i*, trainer rank *i* (and
+critic rank *i*) sharing bundle *i*, each with an equal part of it. The run directory stays the source of truth: a rerun resumes from it
 whatever the launcher, and every path in it must be reachable from every Ray node (a shared
 filesystem on a multi-node cluster).
 """
@@ -34,7 +38,7 @@ import logging
 import os
 import sys
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from slimectl.contract.config import SlimectlConfig, build_config
 from slimectl.contract.errors import SlimectlError, UsageError
@@ -76,34 +80,58 @@ class Layout:
     trainer: list[Slot]
     engines: list[Slot]
     colocate: bool
+    critic: list[Slot] = field(default_factory=list)
+    """PPO's critic group (empty without a critic)."""
+
+
+def _part(total: float, n: int) -> float:
+    """An equal ``1/n`` part of ``total``, rounded down to Ray's resource granularity (1e-4)."""
+    return int(total / n * 10_000) / 10_000
 
 
 def placement_layout(num_engines: int, trainer_ranks: int, colocate: bool, trainer_gpus: int = 0,
-                     engine_gpus: int = 0) -> Layout:
-    """Bundles and slots for ``num_engines`` engines and ``trainer_ranks`` trainer ranks.
+                     engine_gpus: int = 0, critic_ranks: int = 0) -> Layout:
+    """Bundles and slots for ``num_engines`` engines, ``trainer_ranks`` trainer ranks and ``critic_ranks``
+    ranks of PPO's critic group (0: none; a critic rank takes what a trainer rank takes).
 
     ``trainer_gpus``/``engine_gpus``: GPUs each rank/engine uses (0 on a CPU cluster). Colocated
-    actors share a bundle half and half, so a shared bundle holds one GPU and the engines that
-    share it must fit on that one GPU (``engine.tp_size`` 1)."""
+    actors share a bundle in equal parts (halves, thirds with a critic), so a shared bundle holds
+    one GPU and the engines that share it must fit on that one GPU (``engine.tp_size`` 1)."""
     if colocate:
         if engine_gpus > 1:
             raise UsageError(f"--colocate puts each engine on one shared GPU, but engine.tp_size = {engine_gpus}; "
                              f"use --no-colocate for engines that span several GPUs")
         gpu = 1.0 if trainer_gpus or engine_gpus else 0.0
-        bundles = [{"CPU": 1.0, **({"GPU": gpu} if gpu else {})} for _ in range(max(num_engines, trainer_ranks))]
+        roles = 3 if critic_ranks else 2
+        cpu, gpu_part = _part(1.0, roles), _part(gpu, roles)
+        bundles = [{"CPU": 1.0, **({"GPU": gpu} if gpu else {})}
+                   for _ in range(max(num_engines, trainer_ranks, critic_ranks))]
         return Layout({"shared": bundles},
-                      [Slot("shared", r, 0.5, gpu / 2 if trainer_gpus else 0.0) for r in range(trainer_ranks)],
-                      [Slot("shared", i, 0.5, gpu / 2 if engine_gpus else 0.0) for i in range(num_engines)],
-                      colocate=True)
+                      [Slot("shared", r, cpu, gpu_part if trainer_gpus else 0.0) for r in range(trainer_ranks)],
+                      [Slot("shared", i, cpu, gpu_part if engine_gpus else 0.0) for i in range(num_engines)],
+                      colocate=True,
+                      critic=[Slot("shared", r, cpu, gpu_part if trainer_gpus else 0.0) for r in range(critic_ranks)])
 
     def bundle(gpus: int) -> dict[str, float]:
         return {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}
 
-    return Layout({"trainer": [bundle(trainer_gpus) for _ in range(trainer_ranks)],
-                   "engines": [bundle(engine_gpus) for _ in range(num_engines)]},
+    groups = {"trainer": [bundle(trainer_gpus) for _ in range(trainer_ranks)],
+              "engines": [bundle(engine_gpus) for _ in range(num_engines)]}
+    if critic_ranks:
+        groups["critic"] = [bundle(trainer_gpus) for _ in range(critic_ranks)]
+    return Layout(groups,
                   [Slot("trainer", r, 1.0, float(trainer_gpus)) for r in range(trainer_ranks)],
                   [Slot("engines", i, 1.0, float(engine_gpus)) for i in range(num_engines)],
-                  colocate=False)
+                  colocate=False,
+                  critic=[Slot("critic", r, 1.0, float(trainer_gpus)) for r in range(critic_ranks)])
+
+
+def critic_world(cfg: SlimectlConfig) -> int:
+    """Ranks of PPO's critic group under Ray (``critic.tp*pp*dp``), 0 without a critic."""
+    if cfg.algorithm.advantage_estimator != "ppo":
+        return 0
+    c = cfg.critic.resolved(cfg.train)
+    return c.tp * c.pp * c.dp
 
 
 def _url_host(url: str) -> str:
@@ -135,6 +163,24 @@ def _worker_logging(level: int) -> None:
     logging.getLogger("slimectl").setLevel(level)
 
 
+def remote_result(refs, what: str):
+    """``ray.get`` with remote failures turned into slimectl's one-line errors (the driver's, or a
+    worker's own calls of other workers: trainer rank 0 calls the critic group)."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, SlimectlError):
+            raise cause from None
+        raise SlimectlError(f"the {what} actor failed: {type(cause).__name__}: {cause}") from None
+    except ray.exceptions.RayActorError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SlimectlError(f"the {what} actor died ({first}); see its log under the Ray session's logs/ "
+                            f"on its node") from None
+
+
 # ------------------------------------------------------------------------------------ workers
 class TrainerWorker:
     """One trainer rank in its own Ray worker process (a Ray actor): the train stage and the weight
@@ -157,10 +203,12 @@ class TrainerWorker:
             return host, s.getsockname()[1]
 
     def start(self, run_path: str, cfg_data: dict, log_level: int, rank: int = 0, world: int = 1,
-              master: tuple[str, int] | None = None) -> dict:
+              master: tuple[str, int] | None = None, critic: dict | None = None) -> dict:
         """Join the trainer's ranks (when several), take the train lock (rank 0) and load the actor
-        from the run directory, as ``slimectl train`` does."""
+        from the run directory, as ``slimectl train`` does. ``critic``: PPO's critic group (its
+        workers and rendezvous), which rank 0 starts and calls (:mod:`slimectl.orchestration.ray_critic`)."""
         from slimectl.orchestration.local_launcher import FollowerTrainer, InProcessTrainer
+        from slimectl.orchestration.ray_critic import critic_factory
 
         _worker_logging(log_level if rank == 0 else logging.WARNING)
         if world > 1:
@@ -168,7 +216,9 @@ class TrainerWorker:
                                "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
         self.run = RunDir.open(run_path)
         self.cfg = build_config(cfg_data, origin="the rl driver's config")
-        self.trainer = (InProcessTrainer if rank == 0 else FollowerTrainer)(self.run, self.cfg, self.stack)
+        factory = critic_factory(critic, run_path, cfg_data, log_level, rank) if critic is not None else None
+        self.trainer = (InProcessTrainer if rank == 0 else FollowerTrainer)(self.run, self.cfg, self.stack,
+                                                                             critic_factory=factory)
         return {**_worker_context(), "rank": rank, "weight_version": self.trainer.weight_version}
 
     def connect(self, urls: list[str]) -> None:
@@ -325,13 +375,20 @@ class RayLauncher:
         gpus = self.ray.cluster_resources().get("GPU", 0) >= 1
         engine_gpus = cfg.engine.tp_size if gpus and cfg.engine.backend == "sglang" else 0
         self.layout = placement_layout(cfg.engine.num_engines, world, self.colocate, trainer_gpus=1 if gpus else 0,
-                                       engine_gpus=engine_gpus)
+                                       engine_gpus=engine_gpus, critic_ranks=critic_world(cfg))
         log.info("ray: %s placement; bundles %s", "colocated" if self.colocate else "disaggregated",
                  {name: len(b) for name, b in self.layout.groups.items()})
+        critic = None
+        if self.layout.critic:  # PPO's critic group; stopped after the trainer (whose last save still writes it)
+            from slimectl.orchestration.ray_critic import CriticWorker
+
+            critic_workers = [self.worker(CriticWorker, slot) for slot in self.layout.critic]
+            stack.callback(self.stop_workers, critic_workers, "critic")
+            critic = {"workers": critic_workers, "master": self.get(critic_workers[0].address.remote(), "critic")}
         workers = [self.worker(TrainerWorker, slot) for slot in self.layout.trainer]
         stack.callback(self.stop_workers, workers, "trainer")
         master = self.get(workers[0].address.remote(), "trainer") if world > 1 else None
-        infos = self.get([a.start.remote(str(run.path), cfg.to_dict(), self.log_level, rank, world, master)
+        infos = self.get([a.start.remote(str(run.path), cfg.to_dict(), self.log_level, rank, world, master, critic)
                           for rank, a in enumerate(workers)], "trainer")
         for info in infos:
             log.info("ray: trainer rank %d/%d in actor %s (pid %d) on node %s, at weight version %d", info["rank"],
@@ -354,7 +411,8 @@ class RayLauncher:
         # cluster RAY_ADDRESS or the last `ray start` on this machine names).
         kwargs: dict = {"address": self.address or "local", "log_to_driver": True}
         if self.address is None:
-            need = max(cfg.engine.num_engines, 1) + 1  # enough logical CPUs for every bundle, even on a small box
+            # enough logical CPUs for every bundle, even on a small box
+            need = max(cfg.engine.num_engines, 1) + 1 + critic_world(cfg)
             kwargs.update(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False)
         if not sys.stderr.isatty():
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no color codes in the actors' forwarded lines
@@ -383,7 +441,7 @@ class RayLauncher:
         if not pg.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
             raise SlimectlError(f"the Ray cluster could not place the {name} bundles {bundles} within "
                                 f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {self.ray.available_resources()}); add nodes or "
-                                f"lower engine.num_engines")
+                                f"lower engine.num_engines{' or critic.tp x pp x dp' if name == 'critic' else ''}")
         self._groups[name] = pg
         return pg
 
@@ -398,18 +456,7 @@ class RayLauncher:
 
     def get(self, refs, what: str):
         """``ray.get`` with remote failures turned into slimectl's one-line errors."""
-        ray = self.ray
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause
-            if isinstance(cause, SlimectlError):
-                raise cause from None
-            raise SlimectlError(f"the {what} actor failed: {type(cause).__name__}: {cause}") from None
-        except ray.exceptions.RayActorError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise SlimectlError(f"the {what} actor died ({first}); see its log under the Ray session's logs/ "
-                                f"on its node") from None
+        return remote_result(refs, what)
 
     def stop_workers(self, workers: list, what: str) -> None:
         """Ask each actor to stop cleanly (unregister, release locks), then kill it."""

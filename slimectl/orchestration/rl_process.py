@@ -64,6 +64,13 @@ def run_rl_process(run_path: str | Path | None, config_path: str | Path | None =
     run, cfg = prepare_rl(config_path, run_path, overrides, tiny_model, dry_run, pretrained)
     if run is None:
         return RlProcessOutcome(dry_run_yaml=cfg.to_yaml())
+    if launcher != "ray":  # the critic runs on the trainer's ranks: refused here once, not on every rank
+        from slimectl.contract.config import critic_layout_problem
+        from slimectl.contract.errors import ConfigError
+
+        problem = critic_layout_problem(cfg)
+        if problem:
+            raise ConfigError(problem)
 
     if launcher == "local" and not torchrun_rank:
         from slimectl.orchestration.torchrun_trainer import relaunch_rl, trainer_world

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimectl.backends.megatron.host_memory import release_free_memory
-from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.config import SlimectlConfig, critic_layout_problem
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ConfigError, SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
@@ -200,6 +200,9 @@ def plan_training(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = Non
         from slimectl.backends.hf.arch import check_parallel_sizes
 
         check_parallel_sizes(_initial_arch(run, cfg)[0], cfg.train.tp, cfg.train.pp, "train.tp", "train.pp")
+    problem = critic_layout_problem(cfg)  # `slimectl train` runs the critic on its own ranks
+    if problem:
+        raise ConfigError(problem)
     if cfg.train.ep > 1:
         from slimectl.backends.megatron.provider import check_expert_parallel
 
@@ -226,19 +229,24 @@ class Trainer:
     at a time. ``run_train`` drives it alone; ``slimectl rl`` drives it between rollouts and syncs.
 
     Must be used inside ``run.lock("train")`` (pass the held lock).
+
+    ``critic_factory(trainer, last, total_steps)``: PPO's critic when it runs elsewhere (``rl --launcher ray``:
+    a proxy of the critic's own actor group, with :class:`~slimectl.backends.megatron.critic_trainer.MegatronCritic`'s
+    interface: ``values``, ``advantages``, ``train_on_returns``, ``state_to_save``/``save_to``, ``step``,
+    ``before_update``); None: :class:`MegatronCritic` in this process, on the actor's layout.
     """
 
-    def __init__(self, run: RunDir, cfg: SlimectlConfig, lock):
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, lock, critic_factory=None):
         from slimectl.backends.megatron.actor import MegatronActor
 
         self.run, self.cfg, self.lock = run, cfg, lock
         self.rank0 = launch_rank() == 0
         t = cfg.train
         self.ppo = cfg.algorithm.advantage_estimator == "ppo"
-        c = cfg.critic.resolved(t)
-        if self.ppo and (c.tp, c.pp) != (t.tp, t.pp):
-            raise ConfigError(f"critic.tp x critic.pp = {c.tp} x {c.pp}: the critic runs on the actor's layout only for "
-                              f"now (train.tp x train.pp = {t.tp} x {t.pp}); leave critic.tp and critic.pp unset")
+        problem = critic_layout_problem(cfg, own_group=critic_factory is not None)
+        if problem:
+            raise ConfigError(problem)
+        self.critic_factory = critic_factory
         self.cursor = run.cursor("train")
         self.arch, self.padded, init_dir = _initial_arch(run, cfg)
         total_steps = cfg.rollout.num_rollout * t.num_steps_per_rollout
@@ -277,19 +285,10 @@ class Trainer:
     def _build_critic(self, last, total_steps: int):
         """PPO's critic: from ``critic_checkpoints/N`` of the actor's checkpoint N on resume, else the
         trunk of ``critic.path`` (or the actor's ``model.path``) with a zero value head."""
-        from slimectl.backends.megatron.critic_trainer import MegatronCritic
-
-        cfg = self.cfg
-        critic = MegatronCritic(self.arch, self.padded, cfg.train, cfg.critic, cfg.algorithm, dtype=cfg.model.dtype,
-                                total_steps=total_steps, tp=cfg.train.tp, pp=cfg.train.pp)
-        critic.load_hf(cfg.critic.path or cfg.model.path)
-        if last is not None:
-            if not _critic_store(self.run).exists(last.id):
-                raise SlimectlError(f"checkpoints/{last.id:06d} has no critic_checkpoints/{last.id:06d}: this run was "
-                                    f"not trained with algorithm.advantage_estimator = ppo up to there; resume it with "
-                                    f"the estimator it was trained with")
-            critic.load_from(_critic_store(self.run).get(last.id).path)
-        return critic
+        if self.critic_factory is not None:
+            return self.critic_factory(self, last, total_steps)
+        return build_critic(self.run, self.cfg, self.arch, self.padded, last.id if last is not None else None,
+                            total_steps, tp=self.cfg.train.tp, pp=self.cfg.train.pp)
 
     def close(self) -> None:
         """Finish (publish) a checkpoint still being written; call before the train lock goes."""
@@ -432,6 +431,46 @@ def critic_line(m: dict) -> str:
                                                          ("critic/explained_variance", "explained_variance"))
              if key in m]
     return "".join(", " + p for p in parts)
+
+
+def build_critic(run: RunDir, cfg: SlimectlConfig, arch, padded: int, checkpoint_id: int | None, total_steps: int,
+                 tp: int, pp: int):
+    """PPO's :class:`~slimectl.backends.megatron.critic_trainer.MegatronCritic` at ``tp`` x ``pp`` (Megatron's
+    parallel state already at that layout): from ``critic_checkpoints/N`` of the actor's checkpoint
+    ``checkpoint_id`` on resume, else the trunk of ``critic.path`` (or the actor's ``model.path``) with a zero
+    value head."""
+    from slimectl.backends.megatron.critic_trainer import MegatronCritic
+
+    critic = MegatronCritic(arch, padded, cfg.train, cfg.critic, cfg.algorithm, dtype=cfg.model.dtype,
+                            total_steps=total_steps, tp=tp, pp=pp)
+    critic.load_hf(cfg.critic.path or cfg.model.path)
+    if checkpoint_id is not None:
+        if not _critic_store(run).exists(checkpoint_id):
+            raise SlimectlError(f"checkpoints/{checkpoint_id:06d} has no critic_checkpoints/{checkpoint_id:06d}: this "
+                                f"run was not trained with algorithm.advantage_estimator = ppo up to there; resume it "
+                                f"with the estimator it was trained with")
+        critic.load_from(_critic_store(run).get(checkpoint_id).path)
+    return critic
+
+
+def build_critic_group_rank(run: RunDir, cfg: SlimectlConfig, checkpoint_id: int | None):
+    """One rank of a critic running in processes of its own (``rl --launcher ray``: the critic's actor group):
+    joins this process's torch.distributed world (``MASTER_ADDR``/``PORT``, ``RANK``, ``WORLD_SIZE`` set by the
+    caller; ``critic.tp x critic.pp x critic.dp`` ranks), sets Megatron's parallel state up at the critic's
+    layout and builds the critic as :func:`build_critic` does (resumed from ``critic_checkpoints/checkpoint_id``:
+    torch_dist reshards a checkpoint saved at another layout)."""
+    from slimectl.backends.hf.arch import check_parallel_sizes
+    from slimectl.backends.megatron.parallel import init_parallel
+
+    c, t = cfg.critic.resolved(cfg.train), cfg.train
+    arch, padded, _ = _initial_arch(run, cfg)
+    check_parallel_sizes(arch, c.tp, c.pp, "critic.tp", "critic.pp")
+    if padded % c.tp:
+        raise ConfigError(f"critic.tp = {c.tp} does not divide the model's padded vocabulary ({padded}); pick a "
+                          f"critic.tp that does")
+    init_parallel(tp=c.tp, pp=c.pp, seed=t.seed)
+    return build_critic(run, cfg, arch, padded, checkpoint_id, cfg.rollout.num_rollout * t.num_steps_per_rollout,
+                        tp=c.tp, pp=c.pp)
 
 
 def _critic_store(run: RunDir):
@@ -579,7 +618,8 @@ def _publish_checkpoint(run: RunDir, actor, arch, padded: int, cfg: SlimectlConf
         if critic_state is not None:
             with ExitStack() as stack:
                 staging = stack.enter_context(_critic_store(run).publish(
-                    version, meta=dict(meta, critic_step=critic_state["step"]), stage="train", overwrite=True)) \
+                    version, meta=dict(meta, critic_step=critic_state["step"], critic_saved_with=dict(
+                        zip(("pp", "tp", "dp"), critic_state["parallel_layout"]))), stage="train", overwrite=True)) \
                     if rank0 else None
                 critic.save_to(broadcast_from_rank0(str(staging) if rank0 else None), critic_state)
                 _barrier()

@@ -219,6 +219,18 @@ def test_placement_layout_colocated_shares_bundles_disaggregated_separates_them(
     assert gpu.groups == {"trainer": [{"CPU": 1.0, "GPU": 1.0}], "engines": [{"CPU": 1.0, "GPU": 2.0}]}
     with pytest.raises(UsageError, match="engine.tp_size = 2"):
         placement_layout(num_engines=1, trainer_ranks=1, colocate=True, trainer_gpus=1, engine_gpus=2)
+    # PPO's critic group: bundles of its own, or a third of the shared ones (its ranks' GPUs like the trainer's)
+    dis = placement_layout(num_engines=1, trainer_ranks=1, colocate=False, trainer_gpus=1, critic_ranks=2)
+    assert dis.groups["critic"] == [{"CPU": 1.0, "GPU": 1.0}] * 2 and dis.trainer == [Slot("trainer", 0, 1.0, 1.0)]
+    assert dis.critic == [Slot("critic", 0, 1.0, 1.0), Slot("critic", 1, 1.0, 1.0)]
+    co = placement_layout(num_engines=1, trainer_ranks=2, colocate=True, critic_ranks=2)
+    assert co.groups == {"shared": [{"CPU": 1.0}] * 2}
+    assert co.trainer == co.critic == [Slot("shared", 0, 0.3333, 0.0), Slot("shared", 1, 0.3333, 0.0)]
+    assert co.engines == [Slot("shared", 0, 0.3333, 0.0)]
+    gpu = placement_layout(num_engines=1, trainer_ranks=1, colocate=True, trainer_gpus=1, engine_gpus=1, critic_ranks=3)
+    assert gpu.groups == {"shared": [{"CPU": 1.0, "GPU": 1.0}] * 3}
+    assert gpu.critic[2] == Slot("shared", 2, 0.3333, 0.3333)
+    assert placement_layout(num_engines=1, trainer_ranks=1, colocate=False).critic == []
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +263,9 @@ def one_rank_reference(tmp_path_factory, clean_rl_run):
     return get
 
 
+CRITIC_RANK = r"ray: critic rank (\d)/2 \(tp 2, pp 1, dp 1\) in actor \S+ \(pid (\d+)\) on node (\S+), at step (\d+)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("split,transport", [("tp", "distributed"), ("pp", "distributed"), ("dp", "disk")])
 def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, cluster, forks, one_rank_reference,
@@ -259,13 +274,34 @@ def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, clus
     two bundles), form one torch.distributed job. Rank 0 holds the lock and writes the run
     directory; rank 1 joins the training, the publishing of weights/N (disk) or the TP gathers /
     pipeline-stage streaming of the distributed weight sync. The numbers match a one-rank local run of the same config (same
-    samples, losses within 1e-4)."""
+    samples, losses within 1e-4).
+
+    dp=2 trains PPO with its critic as its own actor group at another layout (critic.tp=2: two critic
+    actors, one per node, their own torch.distributed world; the actor is at tp=1), killed -9 after
+    rollout 0 and resumed: the critic and the actor match the one-process run whose critic is on the
+    actor's layout (tp=1), before and after the resume."""
     import re
 
     sections = dict(rollout={"num_rollout": 2}, sync={"transport": transport, "verify": True})
-    cfg = write_config(tmp_path, train={"lr": 1e-3, split: 2}, **sections)
-    res = forks.slimectl("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2", "--launcher", "ray",
-                         "--address", cluster.address, "--colocate", out_dir=tmp_path, timeout=600)
+    ppo = split == "dp"
+    if ppo:
+        sections["algorithm"] = {"advantage_estimator": "ppo"}
+    cfg = write_config(tmp_path, train={"lr": 1e-3, split: 2}, **sections, **({"critic": {"tp": 2, "dp": 1}} if ppo else {}))
+    args = ("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2", "--launcher", "ray",
+            "--address", cluster.address, "--colocate")
+    if ppo:  # killed -9 after rollout 0 (checkpoints/1 and critic_checkpoints/1 published), then resumed
+        first = Driver(forks, tmp_path, *args[1:])
+        first.wait_for("rl 1/2")
+        critics = re.findall(CRITIC_RANK, "".join(first.lines))
+        assert sorted(c[0] for c in critics) == ["0", "1"] and {c[3] for c in critics} == {"0"}, first.lines[-30:]
+        assert len({c[2] for c in critics}) == 2  # one critic actor per node
+        for c in critics:
+            assert "ray::CriticWorker" in " ".join(psutil.Process(int(c[1])).cmdline())
+        first.proc.kill()
+        assert first.proc.wait() == -signal.SIGKILL
+        assert wait_gone([int(c[1]) for c in critics]) == []  # Ray ends a dead driver's critic actors too
+        assert RunDir.open(tmp_path / "run").cursor("train").read().consumed == [0]  # committed before "rl 1/2"
+    res = forks.slimectl(*args, out_dir=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     ranks = re.findall(r"ray: trainer rank (\d)/2 in actor \S+ \(pid (\d+)\) on node (\S+),", res.stderr)
     assert sorted(r[0] for r in ranks) == ["0", "1"], res.stderr[-3000:]
@@ -278,11 +314,13 @@ def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, clus
     if transport == "disk":
         assert run.weights.ids()[-2:] == [1, 2]  # published by both ranks together, sealed by rank 0
     sync = read_jsonl(run.metrics_path("sync"))
-    assert [r["step"] for r in sync] == [0, 1, 2]  # verified after every sync (sync.verify)
+    # verified after every sync (sync.verify); the resumed run syncs the version it resumes at once more
+    assert [r["step"] for r in sync] == ([0, 1, 1, 2] if ppo else [0, 1, 2])
     train = read_jsonl(run.metrics_path("train"))
     assert [r["step"] for r in train] == [1, 2]  # one record per step: rank 1 logs nothing
 
-    ref = one_rank_reference(sections)
+    # PPO: the same rollouts trained by `slimectl train` in one process, its critic on the actor's layout
+    ref = trained_in_one_process(tmp_path / "one-process", run, sections) if ppo else one_rank_reference(sections)
     assert [run.rollouts.get(i).meta["reward_mean"] for i in (0, 1)] == \
            [ref.rollouts.get(i).meta["reward_mean"] for i in (0, 1)]
     for got, want in zip(train, read_jsonl(ref.metrics_path("train")), strict=True):
@@ -290,3 +328,56 @@ def test_a_trainer_with_two_ranks_runs_as_two_actors_on_two_nodes(tmp_path, clus
         for key in ("train/loss", "train/pg_loss", "train/entropy_loss"):
             if key in want:
                 assert abs(got[key] - want[key]) <= 1e-4, (key, got[key], want[key])
+    if ppo:
+        check_the_critic_group(run, ref, res.stderr, train)
+
+
+def trained_in_one_process(d, ray_run: RunDir, sections: dict) -> RunDir:
+    """The Ray run's rollouts trained by `slimectl train` in this process (one rank, the critic on the actor's
+    tp=1 layout), from the same initial model: cheaper than a local `rl` (no engine, no sync)."""
+    import shutil
+
+    d.mkdir()
+    cfg = write_config(d, train={"lr": 1e-3}, **sections)
+    model = f"model.path={ray_run.path / 'models' / 'tiny-qwen2'}"
+    for args in (("init", d / "run", "-c", cfg, "--set", model), ("convert", "-r", d / "run")):
+        res = slimectl_in_process(*args)
+        assert res.returncode == 0, res.stderr[-3000:]
+    for i in ray_run.rollouts.ids():
+        shutil.copytree(ray_run.rollouts.get(i).path, d / "run" / "rollouts" / f"{i:06d}")
+    res = slimectl_in_process("train", "-r", d / "run")
+    assert res.returncode == 0 and "trained rollouts 0-1; weight version 2" in res.stdout, res.stderr[-3000:]
+    return RunDir.open(d / "run")
+
+
+def check_the_critic_group(run: RunDir, ref: RunDir, stderr: str, train: list[dict]) -> None:
+    """The resumed run's critic group (two actors at tp=2, resumed at step 1 from critic_checkpoints/1)
+    trained as the one-process critic at tp=1 did: the same critic metrics at every step, the same
+    actor weights at the end (the actor's advantages come from the critic's values)."""
+    import re
+
+    from safetensors.torch import load_file
+
+    critics = re.findall(CRITIC_RANK, stderr)
+    assert sorted(c[0] for c in critics) == ["0", "1"] and {c[3] for c in critics} == {"1"}, stderr[-3000:]
+    store = run.artifacts("critic_checkpoints")
+    assert store.ids() == [1, 2]
+    for i in (1, 2):
+        meta = store.get(i).meta
+        assert meta["critic_saved_with"] == {"tp": 2, "pp": 1, "dp": 1} and meta["critic_step"] == i
+    assert ref.artifacts("critic_checkpoints").get(2).meta["critic_saved_with"] == {"tp": 1, "pp": 1, "dp": 1}
+    diffs = {}
+    for got, want in zip(train, read_jsonl(ref.metrics_path("train")), strict=True):
+        for key in ("critic/value_loss", "critic/value_clipfrac", "critic/values_mean", "critic/explained_variance",
+                    "critic/returns_mean", "critic/grad_norm", "critic/step", "train/grad_norm"):
+            if key in want:
+                diffs[key] = max(diffs.get(key, 0.0), abs(got[key] - want[key]))
+    assert {"critic/value_loss", "critic/values_mean", "critic/grad_norm"} <= set(diffs), diffs
+    assert diffs["critic/step"] == 0
+    assert max(diffs.values()) <= 1e-5, diffs  # measured: 2.3e-7 (critic/grad_norm)
+    a = load_file(str(run.weights.get(2).file("model.safetensors")))
+    b = load_file(str(ref.weights.get(2).file("model.safetensors")))
+    assert a.keys() == b.keys()
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"critic group vs one process: metrics {diffs}, actor weights {worst:.2e}")
+    assert worst <= 1e-5, worst  # measured: 7.8e-7

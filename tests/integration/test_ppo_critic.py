@@ -156,16 +156,18 @@ def test_kill_9_between_critic_and_actor_checkpoint_then_resume(tmp_path, rollou
     assert cb["step"] == 3 and same_model(ca["model"], cb["model"])
 
 
-def test_ppo_on_several_ranks_is_accepted_but_a_critic_layout_of_its_own_is_refused(tmp_path):
+def test_ppo_on_several_ranks_is_accepted_but_a_critic_layout_of_its_own_is_refused(run_dir):
     from slimectl.contract.config import build_config
 
     cfg = build_config({"algorithm": {"advantage_estimator": "ppo"}, "train": {"tp": 2, "pp": 2, "dp": 2}})
     assert cfg.critic.resolved(cfg.train).tp == 2  # the critic takes the actor's layout
-    res = slimectl_in_process("init", tmp_path / "run", "--set", "algorithm.advantage_estimator=ppo",
+    # (a valid config: `rl --launcher ray` runs the critic as its own group; `train` refuses it)
+    res = slimectl_in_process("train", "-r", run_dir.path, "--set", "algorithm.advantage_estimator=ppo",
                               "--set", "critic.tp=2")
     assert res.returncode == 2
-    assert ("critic.tp x critic.pp = 2 x 1: the critic runs on the actor's layout only for now (train.tp x train.pp "
-            "= 1 x 1); leave critic.tp and critic.pp unset") in res.stderr
+    assert ("critic.tp x critic.pp x critic.dp = 2 x 1 x 1: outside Ray the critic runs on the actor's ranks and "
+            "layout (train.tp x train.pp x train.dp = 1 x 1 x 1)") in res.stderr
+    assert "`slimectl rl --launcher ray`" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
 

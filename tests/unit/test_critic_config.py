@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slimectl.contract.config import STAGE_SECTIONS, apply_overrides, load_config
+from slimectl.contract.config import STAGE_SECTIONS, apply_overrides, critic_layout_problem, load_config
 from slimectl.contract.errors import ConfigError
 from slimectl.contract.slime_launch import translate_slime_args
 from tests.helpers import slimectl_in_process
@@ -17,13 +17,16 @@ def error(*overrides: str) -> str:
     return msg
 
 
-def test_ppo_runs_on_the_actors_layout_only():
+def test_ppo_runs_on_the_actors_layout_outside_ray():
     assert load_config(None, ["algorithm.advantage_estimator=ppo"]).algorithm.advantage_estimator == "ppo"
     cfg = load_config(None, ["algorithm.advantage_estimator=ppo", "train.tp=2", "train.pp=2", "train.dp=2"])
     assert (cfg.critic.resolved(cfg.train).tp, cfg.critic.resolved(cfg.train).pp) == (2, 2)
-    assert error("algorithm.advantage_estimator=ppo", "train.tp=2", "train.dp=2", "critic.tp=1") == (
-        "config with --set overrides: critic.tp x critic.pp = 1 x 1: the critic runs on the actor's layout only for "
-        "now (train.tp x train.pp = 2 x 1); leave critic.tp and critic.pp unset")
+    # a layout of its own is a valid config (rl --launcher ray runs it), refused where the critic shares the
+    # trainer's ranks (tests/unit/test_critic_layout.py)
+    own = load_config(None, ["algorithm.advantage_estimator=ppo", "train.tp=2", "train.dp=2", "critic.tp=1"])
+    assert critic_layout_problem(own).startswith(
+        "critic.tp x critic.pp x critic.dp = 1 x 1 x 2: outside Ray the critic runs on the actor's ranks and layout "
+        "(train.tp x train.pp x train.dp = 2 x 1 x 2)")
 
 
 def test_defaults_follow_slime_and_null_keys_take_the_actors():
@@ -54,8 +57,6 @@ def test_defaults_follow_slime_and_null_keys_take_the_actors():
     (["critic.lr_decay_style=exp"], "critic.lr_decay_style = \"exp\": must be one of 'constant', 'linear' or 'cosine'"),
     (["critic.min_lr=1", "critic.lr=0.5"], "critic.min_lr = 1.0 must be <= critic.lr = 0.5"),
     (["critic.min_lr=1"], "critic.min_lr = 1.0 must be <= critic.lr (= train.lr) = 1e-06"),
-    (["critic.tp=2"], "critic.tp x critic.pp = 2 x 1 does not divide the trainer's 1 processes "
-                      "(train.tp x train.pp x train.dp = 1 x 1 x 1); the critic runs on the same ranks"),
     (["critic.num_critic_only_steps=3", "rollout.num_rollout=3"],
      "critic.num_critic_only_steps = 3 must be below rollout.num_rollout = 3, or the actor never trains"),
     (["critic.lr_decay_style=cosine", "critic.lr_warmup_steps=5", "rollout.num_rollout=5"],

@@ -65,7 +65,8 @@ def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 class MegatronCritic:
-    """The value model, its optimizer and LR schedule (Megatron's parallel state set up by the actor)."""
+    """The value model, its optimizer and LR schedule (Megatron's parallel state set up by the actor, or, in
+    the critic's own Ray actor group, by :func:`slimectl.stages.train.build_critic_group_rank`)."""
 
     def __init__(self, arch, padded_vocab: int, train, critic, algo, dtype: str = "fp32",
                  total_steps: int | None = None, tp: int = 1, pp: int = 1):
@@ -294,14 +295,8 @@ class MegatronCritic:
 
     def advantages(self, rewards: torch.Tensor, mask: torch.Tensor, values: list[torch.Tensor],
                    log_probs: torch.Tensor | None = None, ref_log_probs: torch.Tensor | None = None):
-        """GAE (:func:`compute_gae`) of one rollout: ``[B, T]`` advantages, returns (and the rest)."""
-        a = self.algo
-        v = _pad(values)
-        if v.shape[-1] < mask.shape[-1]:
-            v = torch.nn.functional.pad(v, (0, mask.shape[-1] - v.shape[-1]))
-        return compute_gae(rewards, v, mask, gamma=a.gamma, lambd=a.lambd, log_probs=log_probs,
-                           ref_log_probs=ref_log_probs, kl_coef=a.kl_coef, kl_type=a.kl_loss_type,
-                           normalize_advantages=a.normalize_advantages)
+        """GAE (:func:`gae_advantages`) of one rollout: ``[B, T]`` advantages, returns (and the rest)."""
+        return gae_advantages(self.algo, rewards, mask, values, log_probs, ref_log_probs)
 
     # ------------------------------------------------------------------ training
     def train_on_returns(self, samples: Sequence[Any], batches: list[list[int]], masks: list[torch.Tensor],
@@ -369,6 +364,20 @@ class MegatronCritic:
             out.append({**acc, "critic/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                         "critic/lr": lr, "critic/step": float(self.step), "perf/critic_train_time": dt})
         return out
+
+
+def gae_advantages(algo, rewards: torch.Tensor, mask: torch.Tensor, values: list[torch.Tensor],
+                   log_probs: torch.Tensor | None = None, ref_log_probs: torch.Tensor | None = None):
+    """GAE (:func:`compute_gae`) of one rollout from the critic's per-sample ``values``, with the algorithm
+    section's ``gamma``, ``lambd``, KL shaping and whitening: ``[B, T]`` advantages, returns (and the rest).
+    Needs no model: a critic running elsewhere (``rl --launcher ray``) gets its advantages from here too."""
+    a = algo
+    v = _pad(values)
+    if v.shape[-1] < mask.shape[-1]:
+        v = torch.nn.functional.pad(v, (0, mask.shape[-1] - v.shape[-1]))
+    return compute_gae(rewards, v, mask, gamma=a.gamma, lambd=a.lambd, log_probs=log_probs,
+                       ref_log_probs=ref_log_probs, kl_coef=a.kl_coef, kl_type=a.kl_loss_type,
+                       normalize_advantages=a.normalize_advantages)
 
 
 def rollout_critic_metrics(res, values: list[torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
