@@ -99,7 +99,8 @@ def backward(*a, **k):
     with phase("backward"):
         return _backward(*a, **k)
 torch.autograd.backward = backward
-wrap(ckpt_mod, "write_hf_weights", "weights")
+import slimectl.backends.hf.checkpoint as hf_ckpt_mod
+wrap(hf_ckpt_mod, "write_safetensors_sharded", "weights")
 _save = ckpt_mod.save_torch_dist
 def save(*a, **k):
     state["saving"] += 1
@@ -110,7 +111,6 @@ def save(*a, **k):
         state["saving"] -= 1
         event("save-end")
 ckpt_mod.save_torch_dist = save
-train_mod_publish_ckpt = train_mod._publish_checkpoint
 wrap(train_mod, "_publish_checkpoint", "save")
 
 run = RunDir.open(spec["run"])

@@ -84,6 +84,31 @@ def lr_scheduler(optimizer, train, total_steps: int | None):
         override_opt_param_scheduler=True)
 
 
+def set_recompute(gpt, train, pp: int = 1) -> None:
+    """Activation recompute of the training forward (``train.recompute``): megatron-core's own
+    full-granularity recompute (``TransformerConfig.recompute_granularity/method/num_layers``, read
+    by the transformer block at each training forward), set on the built model's config.
+
+    With ``full`` the backward keeps each checkpointed chunk's input instead of every layer's
+    activations and runs the chunk's forward again (the packed segments included:
+    :func:`~slimectl.backends.megatron.attention.install_recompute_segments`); gradients are the
+    same to rounding. No-grad forwards (log-probs, reference) are not affected."""
+    mode = getattr(train, "recompute", "none")
+    if mode == "none":
+        return
+    config = gpt.config
+    layers = config.num_layers // pp  # this pipeline stage's layers (megatron splits them evenly here)
+    n = int(getattr(train, "recompute_num_layers", 1))
+    method = getattr(train, "recompute_method", "uniform")
+    if n > layers or (method == "uniform" and layers % n):
+        raise ConfigError(f"train.recompute_num_layers ({n}) must {'divide' if method == 'uniform' else 'be at most'} "
+                          f"the {layers} transformer layers of a pipeline stage with train.recompute_method {method}; "
+                          f"set it to {'a divisor of ' if method == 'uniform' else 'at most '}{layers}")
+    config.recompute_granularity = mode
+    config.recompute_method = method
+    config.recompute_num_layers = n
+
+
 def _loss_mask(sample) -> torch.Tensor:
     if getattr(sample, "remove_sample", False):
         return torch.zeros(sample.response_length)
@@ -217,6 +242,7 @@ class MegatronActor:
 
         aux = float(getattr(train, "moe_aux_loss_coeff", 0.0)) if arch.is_moe else 0.0
         gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True, ep=ep, aux_loss_coeff=aux)
+        set_recompute(gpt, train, pp)
         cfg = transformer_config(arch, tp, pp, dtype, ep=ep, aux_loss_coeff=aux)
         # MoE: routing statistics of the training forwards, the aux loss's scale per step
         self.moe = MoERouting(gpt, arch, aux) if arch.is_moe else None
