@@ -20,6 +20,7 @@ the process's peak (``ru_maxrss``) in B/param, and the parameter count. ``--mall
 glibc's ``malloc_trim(0)`` after every rollout (to measure what fragmentation holds).
 
     python bench/train_memory_phases.py --model ~/.cache/slimectl/models/smollm2-135m-instruct
+    python bench/train_memory_phases.py --model ... --set train.recompute=none   # (default auto: full here)
     python bench/train_memory_phases.py --tiny --hidden 256 --layers 4 --vocab 8192
 """
 

@@ -57,6 +57,7 @@ def test_full_recompute_gives_the_same_gradients_attending_per_sequence(model):
     with in_process_stage():
         for mode in ("none", "full"):
             a = _actor(model, recompute=mode)
+            a.compute_log_probs(_samples())  # an inference-mode forward first (its cached rotary table)
             SCORES.reset()
             m = a.train_on_samples(_samples())
             got[mode] = ({n: p.main_grad.clone() for n, p in a.module.named_parameters()}, SCORES.scores,

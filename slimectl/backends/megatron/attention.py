@@ -82,9 +82,14 @@ def install_recompute_segments() -> None:
         return
 
     def checkpoint(function, distribute_saved_activations, *args):
+        if not torch.is_grad_enabled():  # no-grad / inference-mode forwards: no backward, nothing to recompute
+            return function(*args)
         seg = _SEGMENTS.get()
         if seg is not None:
             function = _keeping_segments(function, seg)
+        # An input made in inference mode (megatron's cached rotary table, first built by a log-prob
+        # forward) cannot be saved for the backward: a plain copy can (a small table).
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_inference() else a for a in args)
         return original(function, distribute_saved_activations, *args)
 
     checkpoint._slimectl_segments = True  # type: ignore[attr-defined]
