@@ -20,6 +20,7 @@ the process's peak (``ru_maxrss``) in B/param, and the parameter count. ``--mall
 glibc's ``malloc_trim(0)`` after every rollout (to measure what fragmentation holds).
 
     python bench/train_memory_phases.py --model ~/.cache/slimectl/models/smollm2-135m-instruct
+    python bench/train_memory_phases.py --model ... --set train.recompute=none   # (default auto: full here)
     python bench/train_memory_phases.py --tiny --hidden 256 --layers 4 --vocab 8192
 """
 
@@ -99,7 +100,8 @@ def backward(*a, **k):
     with phase("backward"):
         return _backward(*a, **k)
 torch.autograd.backward = backward
-wrap(ckpt_mod, "write_hf_weights", "weights")
+import slimectl.backends.hf.checkpoint as hf_ckpt_mod
+wrap(hf_ckpt_mod, "write_safetensors_sharded", "weights")
 _save = ckpt_mod.save_torch_dist
 def save(*a, **k):
     state["saving"] += 1
@@ -110,7 +112,6 @@ def save(*a, **k):
         state["saving"] -= 1
         event("save-end")
 ckpt_mod.save_torch_dist = save
-train_mod_publish_ckpt = train_mod._publish_checkpoint
 wrap(train_mod, "_publish_checkpoint", "save")
 
 run = RunDir.open(spec["run"])

@@ -274,7 +274,7 @@ _ARCH_WHY = "model architecture: slimectl reads it from model.path's config.json
 
 #: Megatron/slime performance and plumbing knobs that slimectl sets itself.
 _PERF = {
-    "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--attention-dropout",
+    "--attention-dropout",
     "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32",
     "--attention-backend", "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
     "--use-precision-aware-optimizer", "--micro-batch-size", "--use-dynamic-batch-size",
@@ -411,6 +411,8 @@ def translate_slime_args(argv: list[str], script_name: str = "train.py") -> Slim
         "--global-batch-size": ("train.global_batch_size", int),
         "--num-steps-per-rollout": ("train.num_steps_per_rollout", int),
         "--max-tokens-per-gpu": ("train.max_tokens_per_micro_batch", int),
+        "--recompute-method": ("train.recompute_method", str),
+        "--recompute-num-layers": ("train.recompute_num_layers", int),
         "--save-interval": ("train.save_interval", int),
         "--seed": ("train.seed", int),
         "--advantage-estimator": ("algorithm.advantage_estimator", str),
@@ -488,6 +490,13 @@ def translate_slime_args(argv: list[str], script_name: str = "train.py") -> Slim
             seed = int(_one(flag, values))
             t.set("data.seed", seed)
             t.set("rollout.seed", seed)
+        elif flag == "--recompute-granularity":
+            granularity = _one(flag, values)
+            if granularity == "full":
+                t.set("train.recompute", "full", flag)
+            else:  # selective: Megatron's per-module recompute (core attention, MLP...)
+                t.ignored.append((flag, f"{granularity!r} recompute: slimectl recomputes whole layers "
+                                        "(train.recompute: full) or nothing (none, kept)"))
         elif flag == "--rollout-stop":
             t.set("rollout.stop", list(values), flag)
         elif flag == "--rollout-stop-token-ids":

@@ -41,7 +41,8 @@ def test_colocated_grpo_script_behind_ray_job_submit():
     assert d["sync"]["transport"] == "disk"
     # commented-out flags are not read; the multi-line JSON string and `ray start` do not confuse the parser
     assert "--hf-checkpoint" not in flags_of(tr) and "--runtime-env-json" not in flags_of(tr)
-    assert {"--load", "--save", "--ref-load", "--attention-backend", "--recompute-granularity"} <= flags_of(tr, "ignored")
+    assert {"--load", "--save", "--ref-load", "--attention-backend"} <= flags_of(tr, "ignored")
+    assert (t["recompute"], t["recompute_method"], t["recompute_num_layers"]) == ("full", "uniform", 1)
     assert any("models/qwen3-4B.sh was not found" in n for n in tr.notes)
     assert build_config(d)  # a valid slimectl config as it stands
 

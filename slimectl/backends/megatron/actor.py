@@ -84,6 +84,72 @@ def lr_scheduler(optimizer, train, total_steps: int | None):
         override_opt_param_scheduler=True)
 
 
+def recompute_mode(train, pp: int = 1, moe: bool = False) -> str:
+    """``train.recompute`` resolved: ``auto`` is ``full`` for a dense model on one pipeline stage
+    without routing replay (the case measured: SmolLM2-135M's trainer peak 39.8 -> 25.6 B/param for
+    +0-12 % CPU seconds, bench/train_memory_phases.py), ``none`` otherwise."""
+    mode = getattr(train, "recompute", "none")
+    if mode == "auto":
+        return "full" if not moe and pp == 1 and not getattr(train, "use_rollout_routing_replay", False) else "none"
+    if mode == "full" and moe:
+        raise ConfigError("train.recompute full is not supported for MoE models (the recomputed forward would route "
+                          "again: routing statistics and replay count each forward); set train.recompute: none")
+    return mode
+
+
+def set_recompute(gpt, train, pp: int = 1, moe: bool = False) -> None:
+    """Activation recompute of the training forward (``train.recompute``, :func:`recompute_mode`):
+    megatron-core's own full-granularity recompute (``TransformerConfig.recompute_granularity/
+    method/num_layers``, read by the transformer block at each training forward), set on the built
+    model's config.
+
+    With ``full`` the backward keeps each checkpointed chunk's input instead of every layer's
+    activations and runs the chunk's forward again (the packed segments included:
+    :func:`~slimectl.backends.megatron.attention.install_recompute_segments`); gradients are the
+    same to rounding. No-grad forwards (log-probs, reference) are not affected."""
+    mode = recompute_mode(train, pp, moe)
+    if mode == "none":
+        return
+    config = gpt.config
+    layers = config.num_layers // pp  # this pipeline stage's layers (megatron splits them evenly here)
+    n = int(getattr(train, "recompute_num_layers", 1))
+    method = getattr(train, "recompute_method", "uniform")
+    if n > layers or (method == "uniform" and layers % n):
+        raise ConfigError(f"train.recompute_num_layers ({n}) must {'divide' if method == 'uniform' else 'be at most'} "
+                          f"the {layers} transformer layers of a pipeline stage with train.recompute_method {method}; "
+                          f"set it to {'a divisor of ' if method == 'uniform' else 'at most '}{layers}")
+    config.recompute_granularity = mode
+    config.recompute_method = method
+    config.recompute_num_layers = n
+
+
+def _release_before_layers_backward(gpt) -> None:
+    """Give freed backward blocks back to the OS when the gradient reaches the transformer layers
+    and again when it reaches the embedding (hooks on those outputs; numbers unchanged).
+
+    The LM head's backward (logits recomputed chunk by chunk, each chunk's ``[V, H]`` weight
+    gradient summed) frees its blocks into glibc's heap just before the layers' backward, whose
+    blocks are of other sizes: without this they stayed resident through the whole layers'
+    backward, under the step's peak; the recomputed layers' freed blocks likewise stayed under the
+    embedding's dense gradient (``bench/train_memory_phases.py``)."""
+    from slimectl.backends.megatron.host_memory import release_free_memory
+
+    def release(_grad):
+        release_free_memory()
+
+    def hook(_module, _args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(release)
+
+    # when the gradient reaches the layers' output (the LM head's backward done) and their input
+    # (the layers' backward done: before the embedding's dense [V, H] gradient is allocated)
+    for name in ("decoder", "embedding"):
+        module = getattr(gpt, name, None)
+        if module is not None:
+            module.register_forward_hook(hook)
+
+
 def _loss_mask(sample) -> torch.Tensor:
     if getattr(sample, "remove_sample", False):
         return torch.zeros(sample.response_length)
@@ -217,6 +283,8 @@ class MegatronActor:
 
         aux = float(getattr(train, "moe_aux_loss_coeff", 0.0)) if arch.is_moe else 0.0
         gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True, ep=ep, aux_loss_coeff=aux)
+        set_recompute(gpt, train, pp, moe=arch.is_moe)
+        _release_before_layers_backward(gpt)
         cfg = transformer_config(arch, tp, pp, dtype, ep=ep, aux_loss_coeff=aux)
         # MoE: routing statistics of the training forwards, the aux loss's scale per step
         self.moe = MoERouting(gpt, arch, aux) if arch.is_moe else None
@@ -738,7 +806,12 @@ class MegatronActor:
         return loss * (w * self.dp), {k: float(v) * w for k, v in metrics.items()}
 
     def _train_step(self, layout, idx: list[int], rows: "_SampleRows", temperature: float) -> dict[str, float]:
+        from slimectl.backends.megatron.host_memory import release_free_memory
+
         t0 = time.perf_counter()
+        # Freed heap blocks of what ran before (weights publishing, no-grad log-prob forwards) back
+        # to the OS: the step's own allocations are of other sizes and would come on top of them.
+        release_free_memory()
         lr = self.optimizer.param_groups[0]["lr"]  # the scheduler's LR for this step
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -764,6 +837,9 @@ class MegatronActor:
                 with cpu_compat.suspended():  # forward + backward: no CUDA literal, no per-call mode overhead
                     res = compute_log_probs(self.model, mb, self.arch.vocab_size, temperature, True, self.tp_group)
                     loss, part = self._micro_batch_loss(res, gidx, rows, step_size)
+                    # the forward's freed blocks (under recompute: every layer's internals) back to the
+                    # OS before the LM head's backward allocates its own, larger ones
+                    release_free_memory()
                     loss.backward()
                 merge(part)
             self.model.finish_grad_sync()
@@ -787,6 +863,9 @@ class MegatronActor:
         if self.moe is not None:
             acc.update(self.moe.step_metrics())  # collective: every rank's routers
         waited = self.before_update() if self.before_update is not None else 0.0  # a save still reading the state
+        # The backward's freed blocks back to the OS before Adam's temporaries (param-sized, mmapped) are
+        # allocated beside them: that was the step's peak (bench/train_memory_phases.py).
+        release_free_memory()
         ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
         if ok:

@@ -53,6 +53,49 @@ def packed_segments(lengths: Sequence[int]) -> Iterator[None]:
         _SEGMENTS.reset(token)
 
 
+def _keeping_segments(function, seg: tuple[int, ...]):
+    """``function`` run with the packed segments ``seg`` active (for a recomputed forward)."""
+
+    def run(*args):
+        token = _SEGMENTS.set(seg)
+        try:
+            return function(*args)
+        finally:
+            _SEGMENTS.reset(token)
+
+    return run
+
+
+def install_recompute_segments() -> None:
+    """Make megatron-core's activation recompute (``tensor_parallel.checkpoint``: the
+    ``recompute_granularity`` of ``TransformerConfig``) recompute a packed micro-batch with its own
+    segments (idempotent).
+
+    The recomputed forward runs inside the backward, after :func:`packed_segments` has been left
+    (and under pipeline parallelism, while another micro-batch's forward may be the active one):
+    the checkpointed function is wrapped so that it sees the segments that were active when its
+    forward first ran. Without segments (a plain forward) it is megatron's function unchanged."""
+    from megatron.core import tensor_parallel
+
+    original = tensor_parallel.checkpoint
+    if getattr(original, "_slimectl_segments", False):
+        return
+
+    def checkpoint(function, distribute_saved_activations, *args):
+        if not torch.is_grad_enabled():  # no-grad / inference-mode forwards: no backward, nothing to recompute
+            return function(*args)
+        seg = _SEGMENTS.get()
+        if seg is not None:
+            function = _keeping_segments(function, seg)
+        # An input made in inference mode (megatron's cached rotary table, first built by a log-prob
+        # forward) cannot be saved for the backward: a plain copy can (a small table).
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_inference() else a for a in args)
+        return original(function, distribute_saved_activations, *args)
+
+    checkpoint._slimectl_segments = True  # type: ignore[attr-defined]
+    tensor_parallel.checkpoint = checkpoint
+
+
 class SegmentAttention(DotProductAttention):
     """Megatron's ``DotProductAttention`` (same constructor, weights-free), per packed sequence."""
 
@@ -156,3 +199,6 @@ def causal_by_length(q, k, v, seg: Sequence[int], scale: float):
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
     return torch.cat(outs, dim=1).index_select(1, inverse.to(q.device))
+
+
+install_recompute_segments()
