@@ -37,10 +37,14 @@ def test_gradients_do_not_depend_on_the_thread_count(result):
 
 
 def test_logits_never_whole(result):
-    """Forward and backward hold at most one chunk of [rows, V] logits, never the pack's [T, V]."""
+    """Forward and backward hold at most one chunk of [rows, V] logits, never the pack's [T, V], and the
+    backward no [V, H] weight gradient per chunk."""
     d = result["logits"]
     print(d)
     assert d["largest_vocab_output"] <= d["chunk_elements"] < d["N_times_V"] < d["T_times_V"]
+    # The backward makes one LM-head weight gradient, not one per chunk (14 here before, at 6 chunks): the
+    # head's gradient buffer, the tied embedding's gradient, their sum in .grad and the test's clone of it.
+    assert d["chunks"] >= 4 and d["weight_sized_new"] <= 4, d
 
 
 def test_doubling_the_pack_costs_at_most_2_2x(result):

@@ -30,15 +30,19 @@ class OutputSizes(TorchDispatchMode):
         super().__init__()
         self.total = 0
         self.shapes: list[tuple[int, ...]] = []
+        self.fresh_shapes: list[tuple[int, ...]] = []  # outputs of ops that write no input (new tensors)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if getattr(func, "is_view", False):
             return out
+        fresh = not any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
                 self.total += t.numel()
                 self.shapes.append(tuple(t.shape))
+                if fresh:
+                    self.fresh_shapes.append(tuple(t.shape))
         return out
 
 
@@ -47,7 +51,7 @@ def main() -> None:
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.hf.checkpoint import HFCheckpoint
     from slimectl.backends.megatron.checkpoint import load_hf_into_model
-    from slimectl.backends.megatron.logprobs import compute_log_probs, log_probs_from_output
+    from slimectl.backends.megatron.logprobs import compute_log_probs, log_probs_from_output, output_weight
     from slimectl.backends.megatron.packing import pack_samples
     from slimectl.backends.megatron.parallel import init_parallel, shutdown_parallel
     from slimectl.backends.megatron.provider import build_gpt_model
@@ -109,7 +113,10 @@ def main() -> None:
     vocab_outputs = [s for s in sizes.shapes if s and s[-1] == padded]
     res["logits"] = {"largest_vocab_output": max(torch.Size(s).numel() for s in vocab_outputs),
                      "T_times_V": mb.length * padded, "N_times_V": res["logprobs"]["n_response"] * padded,
-                     "chunk_elements": chunk}
+                     "chunk_elements": chunk,
+                     "chunks": -(-res["logprobs"]["n_response"] // (chunk // padded)),
+                     # new [V, H] tensors (the LM head's weight gradient) made in the forward and backward
+                     "weight_sized_new": sum(s == tuple(output_weight(model).shape) for s in sizes.fresh_shapes)}
 
     # ------------------------------------------------------------ gradients independent of the thread count
     long_mb = pack_samples([sample(200, 100, i) for i in range(3)], 10_000)[0]

@@ -211,6 +211,46 @@ def output_weight(model) -> torch.Tensor:
     return gpt.output_layer.weight
 
 
+class _ChunkedHead(torch.autograd.Function):
+    """``head(h @ W^T)`` over the rows of ``h``, ``step`` rows at a time, without ever holding the logits
+    of all rows — nor, in the backward, a second ``[V, H]`` weight gradient per chunk: each chunk's logits
+    are recomputed, their gradient taken with autograd through ``head`` (the vocab-parallel log-softmax,
+    collectives included), and folded into one ``grad_W`` in place (``addmm_``) and into its rows of
+    ``grad_h``. Peak extra memory of the backward: one weight-sized gradient plus one chunk's logits.
+    (``torch.utils.checkpoint`` per chunk would let autograd sum a weight-sized gradient per chunk.)"""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, step, head):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(h, weight, targets)
+        ctx.step, ctx.head = step, head
+        outs = [head(torch.nn.functional.linear(h[i:i + step], weight), targets[i:i + step])
+                for i in range(0, h.shape[0], step)]
+        return tuple(torch.cat(o) for o in zip(*outs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        h, weight, targets = ctx.saved_tensors
+        step, head = ctx.step, ctx.head
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(h) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        for i in range(0, h.shape[0], step):
+            pairs = [(o, g[i:i + step]) for o, g in enumerate(grads) if g is not None]
+            if not pairs:
+                continue
+            h_c = h[i:i + step].detach()
+            logits = torch.nn.functional.linear(h_c, weight.detach()).requires_grad_()
+            with torch.enable_grad():
+                outs = head(logits, targets[i:i + step])
+                (grad_logits,) = torch.autograd.grad([outs[o] for o, _ in pairs], [logits], [g for _, g in pairs])
+            if need_h:
+                grad_h[i:i + step] = grad_logits @ weight
+            if need_w:
+                grad_w.addmm_(grad_logits.t(), h_c)
+        return grad_h, grad_w, None, None, None
+
+
 def log_probs_from_hidden(model, hidden: torch.Tensor, micro_batch: MicroBatch, vocab_size: int,
                           temperature: float = 1.0, with_entropy: bool = False, tp_group=None,
                           chunk_elements: int | None = None) -> list[SeqLogProbs]:
@@ -229,22 +269,16 @@ def log_probs_from_hidden(model, hidden: torch.Tensor, micro_batch: MicroBatch, 
 
         h = copy_to_tensor_model_parallel_region(h, group=group)  # backward: sum over the vocab shards
 
-    def head(h_c, w, t_c):
-        lp, ent = vocab_parallel_log_probs(torch.nn.functional.linear(h_c, w), t_c, vocab_size, temperature,
-                                           with_entropy, group)
+    def head(logits, t_c):
+        lp, ent = vocab_parallel_log_probs(logits, t_c, vocab_size, temperature, with_entropy, group)
         return (lp, ent) if with_entropy else (lp,)
 
     step = max(1, (chunk_elements or LOGITS_CHUNK_ELEMENTS) // max(1, weight.shape[0]))
-    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    parts = []
-    for i in range(0, h.shape[0], step):
-        args = (h[i:i + step], weight, targets[i:i + step])
-        if grad:
-            from torch.utils.checkpoint import checkpoint
-
-            parts.append(checkpoint(head, *args, use_reentrant=False))
-        else:
-            parts.append(head(*args))
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        parts = [_ChunkedHead.apply(h, weight, targets, step, head)] if h.shape[0] else []
+    else:
+        parts = [head(torch.nn.functional.linear(h[i:i + step], weight), targets[i:i + step])
+                 for i in range(0, h.shape[0], step)]
     if parts:
         lp = torch.cat([p[0] for p in parts])
         ent = torch.cat([p[1] for p in parts]) if with_entropy else None
