@@ -1,4 +1,4 @@
-"""The client of tests/e2e/forkhosts.py: a stand-in for ``python -m slimectl ARGS`` or ``python SCRIPT ARGS``.
+"""The client of tests/e2e/forkserver.py: a stand-in for ``python -m slimectl ARGS`` or ``python SCRIPT ARGS``.
 
     python -I -S forkclient.py slimectl ARGS...     (what the recipe's scripts call as $SLIMECTL)
     python -I -S forkclient.py python SCRIPT ARGS... (what they call as $PYTHON: wait_for.py)

@@ -576,3 +576,9 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # Stopped cleanly: skip the interpreter's teardown, which frees torch's and transformers' module
+    # graph object by object (~1.5 CPU-s; seconds of wall on a busy machine) while a supervisor waits.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,31 +1,38 @@
-"""A fork server for the simulated hosts of tests/e2e/test_multinode.py: the imports paid once.
+"""The fork server of the e2e tests: one interpreter pays the imports of the stages once (torch,
+megatron-core, transformers, the typed config: 6-13 CPU-s a stage, 0.8 for a ``wait_for.py``
+query), then forks one child per command. Each child is a real process of its own that runs
+``slimectl.commands.cli.main(argv)`` (what ``python -m slimectl`` runs) or a script (``runpy``, as
+``python SCRIPT`` would) with the job's argv, environment, working directory and stdin/stdout/stderr
+(the file descriptors themselves travel over the server's Unix socket), and dies by itself (its exit
+code) or by the signal it is sent. Nothing in the server has started a thread or touched a tensor
+when it forks (it refuses to fork with more than one thread), so each child starts as clean as a
+fresh interpreter, minus the imports. Each child starts a session of its own (so its own children,
+torchrun and its ranks, are in its process group).
 
-The recipe's role scripts (examples/multinode/) start a fresh ``$SLIMECTL ...`` for every rollout,
-sync and trainer, and a fresh ``$PYTHON wait_for.py ...`` for every wait: ~40 interpreters per
-test, each paying torch, megatron-core, transformers and the typed config again (0.8 CPU-s for a
-``wait_for.py`` query, 6-13 for a stage). Here one server imports all of that once; the scripts get
-``SLIMECTL``/``PYTHON`` set to tests/e2e/forkclient.py (both are documented knobs of common.sh),
-which hands the server its argv, environment, working directory and stdin/stdout/stderr, and the
-server forks a child that runs ``slimectl.commands.cli.main(argv)`` (what ``python -m slimectl``
-runs) or the script (``runpy``, as ``python SCRIPT`` would). The scripts themselves run as they are.
+Two kinds of client, any number at once:
 
-Each child is a real process: it starts a session of its own (so its own children, torchrun and
-its ranks, are in its process group), and dies by itself or by the signal it is sent. Its pid goes
-into the file named by ``SLIMECTL_FORK_PIDS`` (one per simulated host) before it runs anything, so
-a test's kill -9 of a host reaches it directly (:meth:`ForkHosts.children`); should the client die first,
-the server sends the child's process group SIGKILL as soon as it sees the client's socket close.
-Nothing in the server has started a thread or touched a tensor when it forks (it refuses to fork
-with more than one thread), so each child starts as clean as a fresh interpreter, minus the imports.
+- the test itself: :meth:`ForkServer.run` starts ``slimectl ARGV`` and returns a :class:`Run`
+  (``pid``, ``poll``/``wait`` -> the exit code, negative for the signal that ended it, as
+  :class:`subprocess.Popen` reports it; ``send_signal``/``kill`` to that pid);
+  :meth:`ForkServer.slimectl` runs one to its end (tests/e2e/test_fault_injection.py,
+  tests/e2e/test_ray_launcher.py);
+- processes of their own: the role scripts of examples/multinode/ get ``SLIMECTL``/``PYTHON`` set to
+  tests/e2e/forkclient.py (:meth:`ForkServer.env`; both are documented knobs of common.sh), which
+  hands the server its own argv, environment, working directory and descriptors, and exits as the
+  child did (tests/e2e/test_multinode.py). A child's pid goes into the file named by
+  ``SLIMECTL_FORK_PIDS`` (one per simulated host) before it runs anything, so a test's kill -9 of a
+  host reaches it directly (:meth:`ForkServer.children`).
 
-Unlike tests/e2e/prefork.py (one run at a time, driven by the test), this one runs many children
-at once, for clients that are processes of their own. The server is a child of the test process
-and reaps every child, so their CPU seconds count in tests/conftest.py's figures once the server
-itself is reaped (:meth:`ForkHosts.close`).
+Should a client go away before its child ends (its socket closes: kill -9 of a host, a test that
+dropped its :class:`Run`), the server sends the child's process group SIGKILL at once. The server
+is a child of the test process and reaps every child, so their CPU seconds count in
+tests/conftest.py's figures once the server itself is reaped (:meth:`ForkServer.close`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,16 +42,19 @@ from pathlib import Path
 CLIENT = Path(__file__).resolve().parent / "forkclient.py"
 SOCKET_ENV = "SLIMECTL_FORK_SOCKET"
 PIDS_ENV = "SLIMECTL_FORK_PIDS"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _preload() -> None:
-    """What the stages of the recipe import before their first step, and wait_for.py's run directory."""
+    """What the stages import before their first step (the recipe's stages, `rl` and its local
+    launcher), and wait_for.py's run directory."""
     import slimectl.commands.cli  # noqa: F401
     import torch, megatron.core, transformers  # noqa: E401,F401
     import slimectl.commands.rollout, slimectl.commands.serve, slimectl.commands.sync  # noqa: E401,F401
-    import slimectl.commands.train, slimectl.commands._stage  # noqa: E401,F401
+    import slimectl.commands.train, slimectl.commands.rl, slimectl.commands._stage  # noqa: E401,F401
     import slimectl.backends.megatron.actor, slimectl.stages.train  # noqa: E401,F401
     import slimectl.stages.serve, slimectl.stages.rollout.stage, slimectl.stages.sync  # noqa: E401,F401
+    import slimectl.orchestration.loop, slimectl.orchestration.local_launcher  # noqa: E401,F401
     import slimectl.contract.rundir, slimectl.contract.config  # noqa: E401,F401
 
 
@@ -102,7 +112,6 @@ def _serve(path: str, log: str | None = None) -> None:
     With ``log``, one line per child reaped: its CPU seconds, wall seconds, exit code and command."""
     import json
     import select
-    import signal
     import socket
     import threading
 
@@ -182,23 +191,108 @@ def _killpg(pid: int, sig: int) -> None:
         pass
 
 
-class ForkHosts:
-    """The server, started by the test: ``env()`` is what a simulated host's environment needs."""
+class Run:
+    """One command forked for the test itself: ``pid``, ``poll()``/``wait()`` -> its exit code
+    (negative: the signal that ended it, as :class:`subprocess.Popen` reports it), its stdout and
+    stderr files. Its socket to the server stays open until the exit code comes."""
+
+    def __init__(self, sock, pid: int, stdout: Path, stderr: Path):
+        self._sock, self.pid, self.stdout, self.stderr = sock, pid, Path(stdout), Path(stderr)
+        self._buf = b""
+        self.returncode: int | None = None
+
+    def poll(self, timeout: float = 0) -> int | None:
+        """The exit code once the server has reaped the child; waits at most ``timeout`` seconds for it."""
+        import json
+        import select
+
+        deadline = time.monotonic() + timeout
+        while self.returncode is None and b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if not select.select([self._sock], [], [], max(left, 0))[0]:
+                if left <= 0:
+                    return None
+                continue
+            chunk = self._sock.recv(4096)
+            assert chunk, f"the fork server closed the connection of pid {self.pid}"
+            self._buf += chunk
+        if self.returncode is None:
+            self.returncode = json.loads(self._buf.split(b"\n", 1)[0])["rc"]
+            self._sock.close()
+        return self.returncode
+
+    def wait(self, timeout: float = 300) -> int:
+        if self.poll(timeout) is None:
+            self.kill()
+            self.poll(60)  # reaped
+            raise AssertionError(f"slimectl pid {self.pid} still running after {timeout:.0f} s:\n"
+                                 f"{self.stderr.read_text(errors='replace')[-3000:]}")
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The server, started by the test (one per test module): :meth:`run` and :meth:`slimectl` fork
+    commands for the test; :meth:`env` is what a simulated host's environment needs to fork its own."""
 
     def __init__(self, env: dict[str, str] | None = None, log: Path | None = None) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="forkhosts-"))  # short: a socket path has ~100 characters
+        self.dir = Path(tempfile.mkdtemp(prefix="forkserver-"))  # short: a socket path has ~100 characters
         self.socket = self.dir / "s"
-        root = str(Path(__file__).resolve().parents[2])
         env = {**(env or os.environ), "OMP_NUM_THREADS": "1"}
-        paths = [root, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        paths = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        code = f"from tests.e2e.forkhosts import _serve; _serve({str(self.socket)!r}, {log and str(log)!r})"
+        code = f"from tests.e2e.forkserver import _serve; _serve({str(self.socket)!r}, {log and str(log)!r})"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, cwd=root, text=True)
+                                     env=env, cwd=ROOT, text=True)
         line = self.proc.stdout.readline()
         assert "ready" in line, f"the fork server did not start (exit {self.proc.poll()})"
+        self.count = 0  # commands run through :meth:`run`
+
+    def run(self, argv, stdout: Path, stderr: Path, env: dict[str, str] | None = None) -> Run:
+        """Start `slimectl ARGV` (stdin /dev/null, stdout and stderr to these files, truncated; the
+        environment of tests.helpers.ENV plus ``env``; the working directory the repository's root)."""
+        import json
+        import socket
+
+        from tests.helpers import ENV
+
+        job = {"mode": "slimectl", "argv": [str(a) for a in argv], "env": {**ENV, **(env or {})}, "cwd": str(ROOT)}
+        files = [os.open(os.devnull, os.O_RDONLY),
+                 *(os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for f in (stdout, stderr))]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(self.socket))
+            socket.send_fds(sock, [json.dumps(job).encode() + b"\n"], files)
+        finally:
+            for fd in files:
+                os.close(fd)
+        answer = b""
+        while not answer.endswith(b"\n"):
+            chunk = sock.recv(1)  # one byte at a time: what follows the pid line is the exit code's
+            assert chunk, f"the fork server did not start {argv} (exit {self.proc.poll()})"
+            answer += chunk
+        self.count += 1
+        return Run(sock, json.loads(answer)["pid"], stdout, stderr)
+
+    def slimectl(self, *argv, out_dir: Path, env: dict[str, str] | None = None,
+                 timeout: float = 600) -> subprocess.CompletedProcess:
+        """`slimectl ARGV` to its end, answered like :func:`tests.helpers.slimectl`."""
+        n = self.count
+        out, err = Path(out_dir) / f"fork-{n}.out", Path(out_dir) / f"fork-{n}.err"
+        rc = self.run(argv, out, err, env).wait(timeout)
+        return subprocess.CompletedProcess(["slimectl", *map(str, argv)], rc, out.read_text(), err.read_text())
 
     def env(self, pids_file: Path) -> dict[str, str]:
+        """For a process of its own (a simulated host's role script): ``$SLIMECTL``/``$PYTHON`` fork here."""
         client = f"{sys.executable} -I -S {CLIENT}"
         return {"SLIMECTL": f"{client} slimectl", "PYTHON": f"{client} python", SOCKET_ENV: str(self.socket),
                 PIDS_ENV: str(pids_file)}
