@@ -579,6 +579,9 @@ if __name__ == "__main__":
     # Stopped cleanly: skip the interpreter's teardown, which frees torch's and transformers' module
     # graph object by object (~1.5 CPU-s; seconds of wall on a busy machine) while a supervisor waits.
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:  # a reader that went away: nothing left to tell it
+        pass
     os._exit(0)
