@@ -127,8 +127,8 @@ def _release_before_layers_backward(gpt) -> None:
     """Give freed backward blocks back to the OS when the gradient reaches the transformer layers
     and again when it reaches the embedding (hooks on those outputs; numbers unchanged).
 
-    The LM head's backward (logits recomputed chunk by chunk, each chunk's ``[V, H]`` weight
-    gradient summed) frees its blocks into glibc's heap just before the layers' backward, whose
+    The LM head's backward (logits recomputed chunk by chunk, their weight gradient folded into
+    one ``[V, H]`` buffer) frees its blocks into glibc's heap just before the layers' backward, whose
     blocks are of other sizes: without this they stayed resident through the whole layers'
     backward, under the step's peak; the recomputed layers' freed blocks likewise stayed under the
     embedding's dense gradient (``bench/train_memory_phases.py``)."""
