@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import socket
 from typing import Any
 
 from aiohttp import web
@@ -34,12 +35,33 @@ async def request_json(request: web.Request, allow_nan: bool = True) -> Any:
         raise InvalidJSON(f"request body is not valid JSON ({exc})") from None
 
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on ``host:port``; returns the runner and the bound port (``port`` 0: a free one)."""
+async def start_site(app: web.Application, host: str, port: int,
+                     sock: socket.socket | None = None) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``host:port``; returns the runner and the bound port (``port`` 0: a free one).
+    ``sock``: a socket :func:`reserve_port` bound to that address earlier, served as it is."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
+    if sock is not None:
+        await web.SockSite(runner, sock).start()
+        return runner, sock.getsockname()[1]
     await web.TCPSite(runner, host, port, reuse_address=True).start()
     return runner, (runner.addresses[0][1] if port == 0 else port)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and not yet listening, for a server that starts seconds later (an
+    engine loading its model): from now on no other socket — an outgoing connection's ephemeral port
+    included — can take the port its supervisor picked. Connections are refused until the server
+    listens on it (:func:`start_site` with ``sock``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def http_url(host: str, port: int) -> str:

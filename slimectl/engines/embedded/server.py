@@ -32,7 +32,7 @@ from aiohttp import web
 from slimectl.contract.faults import fault_point
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV, NONCE_FIELD
 from slimectl.orchestration.signals import set_on_signals
-from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, start_site
+from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, reserve_port, start_site
 
 log = logging.getLogger("slimectl.engine")
 
@@ -85,13 +85,16 @@ class EmbeddedEngine:
 
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "fp32",
                  max_batch_size: int = 64, weight_version: str = "default", admin_token: str | None = None,
-                 num_threads: int | None = None, nonce: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
+                 num_threads: int | None = None, nonce: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 reserved_socket=None):
         """``nonce``: reported as ``slimectl_nonce`` in ``/get_server_info``, so the launcher can tell
-        this engine from another server that answers on the same port."""
+        this engine from another server that answers on the same port. ``reserved_socket``: a socket already
+        bound to ``host:port`` (:func:`~slimectl.web.server.reserve_port`), served by :meth:`start`."""
         from slimectl.engines.embedded.scheduler import BatchRunner
 
         self.model_path = model_path
         self.host, self.port = host, port
+        self.reserved_socket = reserved_socket  # bound before the model loaded (main): served by start()
         self.admin_token = admin_token
         self.nonce = nonce
         self.runner = BatchRunner(model_path, dtype=dtype, max_batch_size=max_batch_size,
@@ -508,7 +511,7 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> web.AppRunner:
         self.runner.start()
-        app_runner, self.port = await start_site(self.app, self.host, self.port)
+        app_runner, self.port = await start_site(self.app, self.host, self.port, sock=self.reserved_socket)
         return app_runner
 
     @property
@@ -548,11 +551,19 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s embedded: %(message)s", stream=sys.stderr)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to the engine's log (a hung engine explains itself)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # The port first, before the seconds of imports and model loading: the supervisor picked a free one, and
+    # until it is bound any socket (an outgoing connection's ephemeral port too) could take it.
+    try:
+        sock = reserve_port(args.host, args.port)
+    except OSError as exc:
+        log.error("cannot bind %s:%d (%s): another process holds the port; pick another port", args.host, args.port,
+                  exc.strerror or exc)
+        sys.exit(1)
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"}.get(args.dtype, args.dtype)
     token = os.environ.get(args.admin_api_key_env) if args.admin_api_key_env else None
     engine = EmbeddedEngine(args.model_path, args.host, args.port, dtype=dtype, max_batch_size=args.max_running_requests,
                             weight_version=args.weight_version, admin_token=token or None, num_threads=args.num_threads,
-                            nonce=os.environ.get(ENGINE_NONCE_ENV) or None)
+                            nonce=os.environ.get(ENGINE_NONCE_ENV) or None, reserved_socket=sock)
 
     async def serve() -> None:
         app_runner = await engine.start()
