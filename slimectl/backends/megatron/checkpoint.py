@@ -413,15 +413,11 @@ def _write_bucket_views(transform_list: list, idx: int, bucket, results_queue, v
     order, fsynced), a deferred view cloned just before its own record and released after it.
 
     Puts ``(idx, [WriteResult, ...])`` or ``(idx, exception)`` on ``results_queue``."""
-    import inspect
     import os
 
-    from torch.distributed.checkpoint import filesystem as fs
+    from slimectl.backends.megatron.copy_save import dcp_item_writer
 
-    _write_item = fs._write_item
-    fmt = {}
-    if "serialization_format" in inspect.signature(_write_item).parameters:  # as megatron's writer passes it
-        fmt["serialization_format"] = fs.SerializationFormat.TORCH_SAVE
+    _write_item, fmt = dcp_item_writer()
     file_name, storage_key, (bytes_data, tensor_data) = bucket
     out = []
     try:

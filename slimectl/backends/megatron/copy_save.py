@@ -242,20 +242,26 @@ def write_item_copied(stream, tensor: torch.Tensor, item, storage_key: str,
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(storage_key, offset, length))
 
 
+def dcp_item_writer():
+    """torch.distributed.checkpoint's record writer and the keyword arguments megatron's torch_dist writer
+    passes it (``serialization_format``, where this torch has it): ``(_write_item, kwargs)``."""
+    import inspect
+
+    from torch.distributed.checkpoint import filesystem as fs
+
+    fmt = {}
+    if "serialization_format" in inspect.signature(fs._write_item).parameters:
+        fmt["serialization_format"] = fs.SerializationFormat.TORCH_SAVE
+    return fs._write_item, fmt
+
+
 def write_bucket(transform_list: list, idx: int, bucket, results_queue, source: RowSource) -> None:
     """Write one torch_dist file as megatron's writer does, deferred tensors copied from the HF files.
 
     Puts ``(idx, [WriteResult, ...])`` on ``results_queue``, or ``(idx, exception)``, as megatron's
     ``write_preloaded_data`` does.
     """
-    import inspect
-
-    from torch.distributed.checkpoint import filesystem as fs
-
-    _write_item = fs._write_item
-    fmt = {}
-    if "serialization_format" in inspect.signature(_write_item).parameters:  # as megatron's writer passes it
-        fmt["serialization_format"] = fs.SerializationFormat.TORCH_SAVE
+    _write_item, fmt = dcp_item_writer()
     file_name, storage_key, (bytes_data, tensor_data) = bucket
     plain = not transform_list or not getattr(transform_list[0], "extensions", None)
     out = []
