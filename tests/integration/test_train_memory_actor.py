@@ -126,7 +126,8 @@ def test_a_checkpoint_save_clones_one_fused_half_at_a_time(model, tmp_path):
         # before: every gate/up half of every fc1 weight and of both its Adam moments cloned up front
         # (2 layers x 3 tensors x 2 halves = 12 halves, 384 KiB here) and held through the writes;
         # now one half at a time per file being written
-        assert 1 <= files <= 4 and clones.peak <= files * half, (clones.peak, files, half)
+        assert files in range(1, 5), files
+        assert clones.peak <= files * half, (clones.peak, files, half)
         b = _actor(model, lr=1e-3)
         b.load_state(tmp_path / "state")
     for (n, p), q in zip(a.module.named_parameters(), b.module.parameters()):

@@ -413,31 +413,18 @@ def _write_bucket_views(transform_list: list, idx: int, bucket, results_queue, v
     order, fsynced), a deferred view cloned just before its own record and released after it.
 
     Puts ``(idx, [WriteResult, ...])`` or ``(idx, exception)`` on ``results_queue``."""
-    import os
+    from slimectl.backends.megatron.copy_save import write_dcp_file
 
-    from slimectl.backends.megatron.copy_save import dcp_item_writer
+    def tensor_record(stream, item, tensor, record):
+        if tensor.is_meta:
+            view = views.get(item.index)
+            if view is None:
+                raise MegatronCheckpointError(f"{item.index.fqn}: a tensor with no data reached the "
+                                              f"checkpoint writer; the checkpoint would be incomplete")
+            tensor = view.clone()  # this record's bytes only (torch.save writes a view's whole storage)
+        return record(stream, tensor, item)  # the clone is released on return
 
-    _write_item, fmt = dcp_item_writer()
-    file_name, storage_key, (bytes_data, tensor_data) = bucket
-    out = []
-    try:
-        with open(file_name, "wb") as stream:
-            for item, data in bytes_data:
-                out.append(_write_item(*transform_list, stream, data, item, storage_key, **fmt))
-            for item, tensor in tensor_data:
-                if tensor.is_meta:
-                    view = views.get(item.index)
-                    if view is None:
-                        raise MegatronCheckpointError(f"{item.index.fqn}: a tensor with no data reached the "
-                                                      f"checkpoint writer; the checkpoint would be incomplete")
-                    tensor = view.clone()  # this record's bytes only (torch.save writes a view's whole storage)
-                out.append(_write_item(*transform_list, stream, tensor, item, storage_key, **fmt))
-                del tensor
-            stream.flush()
-            os.fsync(stream.fileno())
-        results_queue.put((idx, out))
-    except Exception as exc:  # reported to the caller, which raises it
-        results_queue.put((idx, exc))
+    write_dcp_file(transform_list, idx, bucket, results_queue, tensor_record)
 
 
 def _cpu_shim_in_this_thread():

@@ -23,6 +23,7 @@ with; per-layer keys carry the global layer index as their first offset.
 from __future__ import annotations
 
 import errno
+import inspect
 import io
 import os
 import threading
@@ -242,49 +243,55 @@ def write_item_copied(stream, tensor: torch.Tensor, item, storage_key: str,
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(storage_key, offset, length))
 
 
-def dcp_item_writer():
-    """torch.distributed.checkpoint's record writer and the keyword arguments megatron's torch_dist writer
-    passes it (``serialization_format``, where this torch has it): ``(_write_item, kwargs)``."""
-    import inspect
+def write_dcp_file(transform_list: list, idx: int, bucket, results_queue, tensor_record) -> None:
+    """Write one torch_dist file as megatron's ``write_preloaded_data`` does (same records, same order,
+    fsynced), each tensor record written by ``tensor_record(stream, item, tensor, record)``, which returns its
+    ``WriteResult`` (``record(stream, data, item)`` writes a record the usual way).
 
+    Puts ``(idx, [WriteResult, ...])`` on ``results_queue``, or ``(idx, exception)``."""
     from torch.distributed.checkpoint import filesystem as fs
 
     fmt = {}
-    if "serialization_format" in inspect.signature(fs._write_item).parameters:
+    if "serialization_format" in inspect.signature(fs._write_item).parameters:  # as megatron's writer passes it
         fmt["serialization_format"] = fs.SerializationFormat.TORCH_SAVE
-    return fs._write_item, fmt
-
-
-def write_bucket(transform_list: list, idx: int, bucket, results_queue, source: RowSource) -> None:
-    """Write one torch_dist file as megatron's writer does, deferred tensors copied from the HF files.
-
-    Puts ``(idx, [WriteResult, ...])`` on ``results_queue``, or ``(idx, exception)``, as megatron's
-    ``write_preloaded_data`` does.
-    """
-    _write_item, fmt = dcp_item_writer()
     file_name, storage_key, (bytes_data, tensor_data) = bucket
-    plain = not transform_list or not getattr(transform_list[0], "extensions", None)
+
+    def record(stream, data, item):
+        return fs._write_item(*transform_list, stream, data, item, storage_key, **fmt)
+
     out = []
     try:
         with open(file_name, "wb") as stream:
             for item, data in bytes_data:
-                out.append(_write_item(*transform_list, stream, data, item, storage_key, **fmt))
+                out.append(record(stream, data, item))
             for item, tensor in tensor_data:
-                found = source.spans(item)
-                if found is None and tensor.is_meta:
-                    raise CopySaveError(f"{item.index.fqn}: a tensor with no data is not among the ones copied "
-                                        f"from the HF files; the checkpoint would be incomplete")
-                if found is None:
-                    out.append(_write_item(*transform_list, stream, tensor, item, storage_key, **fmt))
-                    continue
-                if not plain:
-                    raise CopySaveError(f"{item.index.fqn}: the checkpoint writer transforms its records; "
-                                        f"convert cannot copy them from the HF files")
-                name, spans = found
-                out.append(write_item_copied(stream, tensor, item, storage_key, spans))
-                source.mark_copied(name)
+                out.append(tensor_record(stream, item, tensor, record))
             stream.flush()
             os.fsync(stream.fileno())
         results_queue.put((idx, out))
     except Exception as exc:  # reported to the caller, which raises it
         results_queue.put((idx, exc))
+
+
+def write_bucket(transform_list: list, idx: int, bucket, results_queue, source: RowSource) -> None:
+    """Write one torch_dist file as megatron's writer does, deferred tensors copied from the HF files
+    (:func:`write_dcp_file`)."""
+    plain = not transform_list or not getattr(transform_list[0], "extensions", None)
+    storage_key = bucket[1]
+
+    def tensor_record(stream, item, tensor, record):
+        found = source.spans(item)
+        if found is None and tensor.is_meta:
+            raise CopySaveError(f"{item.index.fqn}: a tensor with no data is not among the ones copied "
+                                f"from the HF files; the checkpoint would be incomplete")
+        if found is None:
+            return record(stream, tensor, item)
+        if not plain:
+            raise CopySaveError(f"{item.index.fqn}: the checkpoint writer transforms its records; "
+                                f"convert cannot copy them from the HF files")
+        name, spans = found
+        result = write_item_copied(stream, tensor, item, storage_key, spans)
+        source.mark_copied(name)
+        return result
+
+    write_dcp_file(transform_list, idx, bucket, results_queue, tensor_record)
