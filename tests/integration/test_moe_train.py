@@ -10,6 +10,7 @@ tests compare what they wrote. Plus the one-line refusals of an expert-parallel 
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -203,34 +204,56 @@ def test_train_stage_with_ep2_under_torchrun_then_resumes_on_one_rank(moe, tmp_p
 
 
 @pytest.mark.slow
-def test_rl_trains_the_moe_model_with_ep2_and_disk_sync(tmp_path):
-    """`slimectl rl` for 2 rollouts with train.ep=2 (dp=2): two trainer ranks (the local launcher
-    relaunches rl under torchrun), disk sync of weights/N with every expert in it."""
+def test_rl_trains_the_moe_model_with_ep2_and_disk_then_distributed_sync(tmp_path):
+    """`slimectl rl` with train.ep=2 (dp=2): two trainer ranks (the local launcher relaunches rl
+    under torchrun) on the engine of one `slimectl serve`. Rollout 0 with disk sync (weights/1 has
+    every expert), then the same run resumed for rollout 1 with `--set sync.transport=distributed`
+    (gloo): the trainer's rank 0 joins a weight-update group with the engine while both ranks run
+    their own EP/DP groups, and pushes versions 1 and 2. Proves: both transports ran, the engine
+    reports version 2, and every expert matrix the engine serves, read back by name, is bit-equal
+    to the one in checkpoints/2's weights/2 (a skipped or misnamed expert keeps version 1's values)."""
     from safetensors import safe_open
 
     from slimectl.contract.rundir import RunDir
-    from tests.helpers import assert_trained_once, read_jsonl, write_config
+    from tests.helpers import assert_trained_once, post, read_jsonl, start_serve, write_config
 
     cfg = write_config(tmp_path, rollout={"num_rollout": 2}, sync={"transport": "disk", "verify": True},
                        train={"lr": 1e-3, "ep": 2, "dp": 2, "moe_aux_loss_coeff": 0.01})
     init = slimectl_in_process("init", tmp_path / "run", "-c", cfg, "--tiny-model", "qwen3-moe")
     assert init.returncode == 0, init.stderr[-3000:]
-    # the launching `slimectl rl` in this process (its imports are paid already); the ranks are torchrun's
-    res = slimectl_in_process("rl", "-r", tmp_path / "run")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "launching 2 processes" in res.stderr
     run = RunDir.open(tmp_path / "run")
-    assert_trained_once(run, 2)
-    last = run.checkpoints.get(run.checkpoints.ids()[-1])
-    saved = json.loads((last.path / "slimectl_checkpoint.json").read_text())["saved_with"]
-    assert saved == {"tp": 1, "pp": 1, "dp": 2, "ep": 2}
-    train = read_jsonl(run.metrics_path("train"))
-    assert [r["step"] for r in train] == [1, 2]
-    assert all(r["train/moe_aux_loss"] > 0 and "train/moe_expert_share/3" in r for r in train)
-    names = set()
-    for f in run.weights.get(2).path.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as st:
-            names |= set(st.keys())
-    experts = {n for n in names if ".mlp.experts." in n}
-    arch = json.loads((last.path / "slimectl_checkpoint.json").read_text())["arch"]
-    assert len(experts) == arch["num_layers"] * arch["num_experts"] * 3
+    serve, (url,) = start_serve(run, stderr_file=tmp_path / "serve.log")
+    try:
+        # the launching `slimectl rl` in this process (its imports are paid already); the ranks are torchrun's
+        res = slimectl_in_process("rl", "-r", run.path, "--set", "rollout.num_rollout=1")
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "launching 2 processes" in res.stderr
+        assert run.weights.ids() == [1]  # disk sync: rollout 0's weights published for the engine
+        res = slimectl_in_process("rl", "-r", run.path, "--set", "sync.transport=distributed")
+        assert res.returncode == 0, res.stderr[-3000:]
+        rl_log = (run.path / "logs" / "rl.log").read_text()
+        assert "disk sync" in rl_log and "distributed sync" in rl_log, rl_log[-3000:]
+        assert_trained_once(run, 2)
+        last = run.checkpoints.get(run.checkpoints.ids()[-1])
+        saved = json.loads((last.path / "slimectl_checkpoint.json").read_text())["saved_with"]
+        assert saved == {"tp": 1, "pp": 1, "dp": 2, "ep": 2}
+        train = read_jsonl(run.metrics_path("train"))
+        assert [r["step"] for r in train] == [1, 2]
+        assert all(r["train/moe_aux_loss"] > 0 and "train/moe_expert_share/3" in r for r in train)
+        syncs = read_jsonl(run.metrics_path("sync"))
+        assert [r["sync/weight_version"] for r in syncs] == [0, 1, 1, 2]
+        # weights/2: published with checkpoints/2 (the last rollout), never handed to the engine by disk
+        with urllib.request.urlopen(f"{url}/get_model_info", timeout=30) as r:
+            assert json.loads(r.read())["weight_version"] == "2"
+        experts = {}
+        for f in run.weights.get(2).path.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as st:
+                experts |= {n: st.get_tensor(n) for n in st.keys() if ".mlp.experts." in n}
+        arch = json.loads((last.path / "slimectl_checkpoint.json").read_text())["arch"]
+        assert len(experts) == arch["num_layers"] * arch["num_experts"] * 3
+        for name, want in sorted(experts.items()):
+            got = torch.tensor(post(url, "/get_weights_by_name", {"name": name, "truncate_size": want.shape[0]}))
+            assert torch.equal(got, want.float()), name
+    finally:
+        serve.terminate()
+        serve.wait(60)
