@@ -110,8 +110,9 @@ def test_checkpoint_holds_the_router_and_every_expert(moe, converted, tmp_path):
     assert torch.equal(tensors["decoder.layers.pre_mlp_layernorm.weight"][0],
                        ref["model.layers.0.post_attention_layernorm.weight"])
     assert not any("linear_fc1.layer_norm" in k for k in tensors)
-    # the dense tensors and the router are copied file to file; the experts are read (per-expert keys)
-    assert COPIED == [2 + 2 * 7]
+    # every tensor is copied file to file, the experts too (by the layer and expert axes of their key):
+    # 2 global, 7 per layer, 2 per expert
+    assert COPIED == [2 + 2 * 7 + 2 * 4 * 2]
     import argparse
 
     extra = [] if argparse.Namespace in torch.serialization.get_safe_globals() else [argparse.Namespace]

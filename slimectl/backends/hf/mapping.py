@@ -47,8 +47,8 @@ class Rule:
     tp_dim: int | None
     """Dimension split across TP ranks (None: replicated)."""
     expert: bool = False
-    """An expert's weight (MoE): its checkpoint key is per-expert sharded, so it is never copied
-    file to file by convert's row copier; it is read into the parameter."""
+    """An expert's weight (MoE): its checkpoint key holds every expert of the layer, the global
+    expert index on the axis after the layer's (convert's row copier reads both)."""
 
     def layer(self, i: int) -> "Rule":
         return Rule(self.megatron.format(i=i), tuple(n.format(i=i) for n in self.hf), self.kind, self.tp_dim,

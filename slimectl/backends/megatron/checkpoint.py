@@ -131,8 +131,6 @@ def _row_plan(p, arch: ModelArch, rule, hf: HFCheckpoint, padded_vocab: int, tp_
     """
     if p.device.type != "cpu" or not p.is_contiguous() or any(n not in hf for n in rule.hf):
         return None
-    if rule.expert:  # saved under a per-expert sharded key the row copier does not address: read it
-        return None
     shapes = [hf.shape(n) for n in rule.hf]
     if any(hf.dtype(n) != p.dtype for n in rule.hf) or any(not s or s[1:] != shapes[0][1:] for s in shapes):
         return None

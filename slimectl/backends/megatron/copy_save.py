@@ -17,7 +17,8 @@ as records saved with ``torch.serialization.set_crc32_options(False)`` do.
 
 A chunk of the checkpoint is named by its sharded key and its offsets in the *global* tensor,
 so the source rows are found from the key and offsets, whatever TP/PP the model was built
-with; per-layer keys carry the global layer index as their first offset.
+with; per-layer keys carry the global layer index as their first offset, and a layer's expert keys
+the global expert index as their second (so MoE experts stream too, one expert's rows at a time).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import errno
 import inspect
 import io
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,10 @@ from slimectl.contract.errors import SlimectlError
 from slimectl.backends.hf.mapping import RowBlock
 
 _LAYERS = "decoder.layers."
+# A layer's expert weights in the checkpoint: megatron's SequentialMLP saves local expert E's
+# ``mlp.experts.local_experts.E.X`` under the key ``mlp.experts.experts.X`` with the global E as an
+# axis after the layer's.
+_EXPERT_KEY = re.compile(r"^(.*\.experts\.)experts\.(.+)$")
 _ZEROS = bytes(1 << 20)
 _NO_COPY_RANGE = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
 
@@ -105,17 +111,25 @@ class RowSource:
         fqn = item.index.fqn
         chunk = item.tensor_data.chunk
         offsets, sizes = list(chunk.offsets), list(chunk.sizes)
+        layer_size = expert_size = 1
         if fqn.startswith(_LAYERS):
             if not offsets:
                 return None
-            name = f"{_LAYERS}{offsets[0]}.{fqn[len(_LAYERS):]}"
-            layer_size, offsets, sizes = sizes[0], offsets[1:], sizes[1:]
+            tail = fqn[len(_LAYERS):]
+            number, layer_size, offsets, sizes = offsets[0], sizes[0], offsets[1:], sizes[1:]
+            expert = _EXPERT_KEY.match(tail)
+            if expert is not None:  # MoE: one key for every expert of a layer, the expert on the next axis
+                if not offsets:
+                    return None
+                tail = f"{expert.group(1)}local_experts.{offsets[0]}.{expert.group(2)}"
+                expert_size, offsets, sizes = sizes[0], offsets[1:], sizes[1:]
+            name = f"{_LAYERS}{number}.{tail}"
         else:
-            name, layer_size = fqn, 1
+            name = fqn
         e = self._params.get(name)
         if e is None:
             return None
-        if (layer_size != 1 or len(sizes) != 1 + len(e.trailing) or any(offsets[1:])
+        if (layer_size != 1 or expert_size != 1 or len(sizes) != 1 + len(e.trailing) or any(offsets[1:])
                 or tuple(sizes[1:]) != e.trailing or offsets[0] + sizes[0] > e.full_rows):
             raise CopySaveError(
                 f"{fqn}: checkpoint chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} is not whole rows "
