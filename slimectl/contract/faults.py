@@ -23,8 +23,8 @@ FAULT_POINTS = (
     "artifact.renamed",            # any artifact: renamed into KIND/N, READY not written yet
     "train.state_saved",           # checkpoints/N: model + optimizer shards written into .staging, metadata not
     "train.critic_published",      # critic_checkpoints/N READY (ppo); checkpoints/N not written yet
-    "train.checkpoint_published",  # checkpoints/N READY; weights/N and the train cursor not
-    "train.weights_published",     # weights/N READY; the train cursor not committed, the engines not synced
+    "train.checkpoint_published",  # checkpoints/N READY (weights/N before it); the train cursor not
+    "train.weights_published",     # weights/N READY, checkpoints/N not begun; the cursor not committed, engines not synced
     "train.cursor_committed",      # the train cursor committed rollout N; the engines not synced to N+1
     "train.resumed",               # a rerun loaded the latest checkpoint; the cursor not yet reconciled with it
     "sync.paused",                 # every engine paused and flushed; no weight moved yet

@@ -143,6 +143,25 @@ class CheckpointWriter:
 
         self._pending = self._pool.submit(after)
 
+    def tidy(self, job) -> None:
+        """Housekeeping off the critical path (removing old ``weights/N``): ``job`` runs in the
+        background after the jobs handed over so far, whether they succeed or not, and before any
+        handed over later; a failure is logged, not raised (inline without a background thread)."""
+        def quiet():
+            try:
+                job()
+            except Exception as exc:  # noqa: BLE001 — housekeeping never fails the training
+                log.warning("background clean-up failed: %s", exc)
+
+        if not self.background:
+            quiet()
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-save")
+        self._pool.submit(quiet)  # one worker: runs after what is queued, before what comes next
+
     def close(self) -> None:
         """Finish the pending save (normal exit, SIGTERM, an error: a save already running is
         finished, its checkpoint published); raises its failure."""
@@ -564,12 +583,10 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
     rank0 = launch_rank() == 0
     hf_src = Path(cfg.model.path)
     meta = {"source": "train", "next_rollout": rid + 1, "weight_version": version, "actor_step": actor.step}
+    writer = writer or CheckpointWriter(background=False)
     phases: dict[str, float] = {}
-    t = time.perf_counter()
-    if checkpoint:
-        _publish_checkpoint(run, actor, arch, padded, cfg, meta, version, hf_src, rank0,
-                            writer or CheckpointWriter(background=False), critic=critic)
-        phases["perf/save_time"] = time.perf_counter() - t
+    # weights/N first: the engines wait for it, and it is written alone, before the checkpoint's
+    # background job competes with it for the disk.
     t = time.perf_counter()
     if weights:
         tensors = actor.iter_hf_tensors()  # collective under TP/PP; views of the parameters on rank 0
@@ -585,9 +602,14 @@ def _publish(run: RunDir, actor, arch, padded: int, cfg: SlimectlConfig, rid: in
         phases["perf/update_weights_time"] = time.perf_counter() - t
         fault_point("train.weights_published")
         if rank0:
-            if cfg.sync.keep_weights:
-                run.weights.prune(cfg.sync.keep_weights)
             log.info("published weights/%06d", version)
+    t = time.perf_counter()
+    if checkpoint:
+        _publish_checkpoint(run, actor, arch, padded, cfg, meta, version, hf_src, rank0, writer, critic=critic)
+        phases["perf/save_time"] = time.perf_counter() - t
+    if weights and rank0 and cfg.sync.keep_weights:
+        keep = cfg.sync.keep_weights
+        writer.tidy(lambda: run.weights.prune(keep))
     _barrier()
     return phases
 

@@ -142,3 +142,29 @@ def test_publishing_weights_makes_no_copy_of_the_model(tmp_path, tiny):
     # A clone of every tensor (the old hf_state_dict path) allocates >= the model's bytes; streaming
     # the parameters allocates only the few converted pieces that are not contiguous (QKV split).
     assert allocated < 0.5 * model_bytes, (allocated, model_bytes)
+
+
+def test_weights_go_out_before_the_checkpoint_and_old_weights_are_removed_in_the_background(tmp_path, tiny):
+    """weights/N (what the engines wait for) is published before checkpoints/N is handed to the
+    background writer, so the checkpoint's writing never competes with it; weights beyond
+    ``sync.keep_weights`` are removed by the writer's thread, not on the critical path."""
+    from slimectl.stages.train import NullMetrics, Trainer
+
+    run = _run(tmp_path, tiny, n=3)
+    cfg = run.config()
+    cfg.sync.keep_weights = 1
+    handed_over: list[list[int]] = []
+    tidied: list = []
+    with in_process_stage(), run.lock("train") as lock:
+        trainer = Trainer(run, cfg, lock)
+        try:
+            submit, tidy = trainer.writer.submit, trainer.writer.tidy
+            trainer.writer.submit = lambda job: (handed_over.append(run.weights.ids()), submit(job))[1]
+            trainer.writer.tidy = lambda job: (tidied.append(job), tidy(job))[1]
+            for rid in range(3):
+                trainer.train_rollout(rid, run.rollouts.get(rid), NullMetrics(), publish_weights=True, last=rid == 2)
+        finally:
+            trainer.close()
+    # at each hand-over of checkpoints/N, weights/N was already READY
+    assert [ids[-1] for ids in handed_over] == [1, 2, 3], handed_over
+    assert len(tidied) == 3 and run.weights.ids() == [3] and run.checkpoints.ids() == [1, 2, 3]

@@ -233,3 +233,23 @@ def test_full_disk_is_a_clear_error(run_dir, monkeypatch):
     monkeypatch.undo()
     assert run_dir.rollouts.state(1) == "absent"
     assert not list((run_dir.path / ".staging").iterdir())
+
+
+def test_a_published_file_is_hashed_from_the_bytes_written_unless_it_changed(tmp_path):
+    """The safetensors writer hashes what it writes (no read-back when the artifact is sealed); a file
+    changed after that is read and hashed again, so the manifest always describes the file on disk."""
+    import torch
+
+    from slimectl.backends.hf.checkpoint import write_safetensors_file
+    from slimectl.contract.rundir import atomic
+
+    p = tmp_path / "model.safetensors"
+    write_safetensors_file({"a": torch.arange(1000.0), "b": torch.ones(3, 4)}, p)
+    key = atomic._identity(p)
+    assert atomic._WRITTEN_DIGESTS[key] == atomic.sha256_file(p)
+    assert atomic.manifest_sha256(p) == atomic.sha256_file(p) and key not in atomic._WRITTEN_DIGESTS
+    write_safetensors_file({"a": torch.zeros(1000)}, p)
+    recorded = atomic._WRITTEN_DIGESTS[atomic._identity(p)]
+    with open(p, "ab") as f:  # changed behind the writer's back
+        f.write(b"x")
+    assert atomic.manifest_sha256(p) == atomic.sha256_file(p) != recorded

@@ -5,14 +5,17 @@ Only safetensors are read: ``pytorch_model.bin`` files are pickles and are refus
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.rundir.atomic import record_written_digest
 from slimectl.backends.hf.arch import CheckpointMismatch, ModelArch, expected_hf_shapes
 from slimectl.backends.hf.dtypes import SAFETENSORS_DTYPES
 
@@ -259,14 +262,21 @@ def write_safetensors_file(tensors: dict[str, torch.Tensor], path: str | Path) -
         at += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes with spaces
-    with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
-        for t in tensors.values():
-            if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    pieces = [len(head).to_bytes(8, "little"), head]
+    pieces += [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors.values() if t.numel()]
+    # The file's sha256 is taken from the bytes as they are written, on a second thread (both the
+    # hash and the write release the GIL), and recorded for the run directory's manifest, which then
+    # need not read the file back.
+    digest = hashlib.sha256()
+    with ThreadPoolExecutor(1) as hasher, open(path, "wb") as f:
+        hashed = [hasher.submit(digest.update, piece) for piece in pieces]  # one worker: in order
+        for piece in pieces:
+            f.write(piece)
+        for h in hashed:
+            h.result()
         f.flush()
         os.fsync(f.fileno())
+    record_written_digest(path, digest.hexdigest())
 
 
 def write_safetensors_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,

@@ -38,6 +38,7 @@ from slimectl.contract.rundir.atomic import (
     fsync_file,
     host_id,
     hostname,
+    manifest_sha256,
     process_alive,
     process_create_time,
     read_json,
@@ -163,7 +164,7 @@ def build_manifest(staging: Path, kind: str, artifact_id: int, meta: dict[str, A
             if rel in (WRITER_FILE, READY):
                 continue
             fsync_file(p)
-            files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+            files[rel] = {"size": p.stat().st_size, "sha256": manifest_sha256(p)}
         fsync_dir(dirpath)
     body = {
         "contract": CONTRACT,

@@ -137,6 +137,28 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+# sha256 digests of files this process wrote itself, hashed from the bytes it wrote (so a publish
+# need not read a just-written model back), keyed by the file's identity: device, inode, size and
+# modification time survive the rename into place and change with any rewrite.
+_WRITTEN_DIGESTS: dict[tuple[int, int, int, int], str] = {}
+
+
+def _identity(path: str | Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def record_written_digest(path: str | Path, digest: str) -> None:
+    """Remember ``digest`` (sha256 hex of exactly the bytes just written and closed) for ``path``."""
+    _WRITTEN_DIGESTS[_identity(path)] = digest
+
+
+def manifest_sha256(path: str | Path) -> str:
+    """The sha256 of a file being published: the digest its writer recorded if the file is still the
+    one written (same inode, size and mtime), else read and hashed. Verification never uses this."""
+    return _WRITTEN_DIGESTS.pop(_identity(path), None) or sha256_file(path)
+
+
 def fsync_file(path: str | Path) -> None:
     fd = os.open(str(path), os.O_RDONLY)
     try:
