@@ -1,0 +1,145 @@
+"""A second MoE family: a tiny random GLM-4.5 (transformers' Glm4MoeForCausalLM) through convert / export
+and Megatron's forward (real megatron-core, gloo, sequential experts).
+
+The fixture model has GLM-4.5's layout in miniature: a dense first layer (first_k_dense_replace 1),
+then 3 MoE layers of 8 routed experts (top 2, sigmoid router with a random e_score_correction_bias,
+routed_scaling_factor 2.5) and one shared expert; QKV biases, rotary on half of each head. It is
+built and converted (TP=1, in this process) once per module; HF's logits are computed once here.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import SCRIPTS, run_script_in_process
+
+pytestmark = pytest.mark.xdist_group("two_ranks")
+
+TOL = 1e-4
+MOE_LOGITS = SCRIPTS / "moe_logits.py"
+
+
+def results(proc: subprocess.CompletedProcess) -> list[dict]:
+    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory) -> Path:
+    from slimectl.fixtures.tiny_models import build_tiny_model
+
+    # initializer_range 0.3: routing, bias and expert mistakes show in the logits
+    return build_tiny_model("glm4-moe", tmp_path_factory.mktemp("hf") / "glm", initializer_range=0.3, seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_logits(glm, tmp_path_factory) -> dict[str, str]:
+    path = tmp_path_factory.mktemp("hf-logits") / "logits.pt"
+    runpy.run_path(str(SCRIPTS / "mcore_logits.py"))["write_hf_logits"](path, [glm], [(2, 24, 7), (2, 19, 8)])
+    return {"SLIMECTL_TEST_HF_LOGITS": str(path)}
+
+
+COPIED: list[int] = []
+
+
+@pytest.fixture(scope="module")
+def converted(glm, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mcore") / "tp1"
+    res = results(run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", str(glm), str(out)))[-1]
+    COPIED[:] = res["copied"]
+    return out
+
+
+def check(res, n, tp, pp, ep):
+    assert len(res) == n
+    for r in res:
+        assert r["hf_logits_from"] == "file"
+        assert (r["tp"], r["pp"], r["ep"]) == (tp, pp, ep)
+        assert r["max_abs_diff"] <= TOL, r
+        assert r["scale"] > 1.0
+
+
+def test_roundtrip_is_bit_exact_for_every_tensor(glm, converted, tmp_path):
+    from slimectl.backends.megatron.checkpoint import read_checkpoint_meta
+
+    meta, _, _ = read_checkpoint_meta(converted)
+    assert meta["arch"]["family"] == "glm4_moe" and meta["arch"]["moe_first_dense_layers"] == 1
+    assert meta["arch"]["moe_shared_intermediate_size"] == 32 and meta["arch"]["rotary_percent"] == 0.5
+    # copied file to file (per-layer keys: the model's dense and MoE layers differ): embedding, output
+    # layer and final norm, the dense layer's 7 tensors, each MoE layer's 8 (norms, QKV + bias, proj,
+    # router, shared fc1/fc2) and its 8 experts x 2; only the routers' bias buffers are read
+    assert COPIED == [3 + 7 + 3 * 8 + 3 * 8 * 2]
+    run_script_in_process(SCRIPTS / "export_batch.py", str(converted), str(tmp_path / "back"))
+    ref = load_file(str(glm / "model.safetensors"))
+    got = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+    bias = ref["model.layers.2.mlp.gate.e_score_correction_bias"]
+    assert bias.abs().min() > 0  # the fixture's bias is not HF's zeros: the round trip carries real values
+    assert "model.layers.0.mlp.gate_proj.weight" in got and "model.layers.1.mlp.shared_experts.down_proj.weight" in got
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32)
+    assert type(m).__name__ == "Glm4MoeForCausalLM"
+
+
+def test_logits_parity_ep1(glm, converted, hf_logits):
+    res = results(run_script_in_process(MOE_LOGITS, "1", "1", "1", str(converted), str(glm), env=hf_logits))
+    check(res, 1, 1, 1, 1)
+    assert res[0]["experts_per_rank"] == [list(range(8))]
+
+
+def test_logits_parity_ep2_and_tp2(glm, converted, two_ranks, hf_logits):
+    # two expert-parallel ranks holding experts 0-3 and 4-7, each feeding its own tokens (24 and 19 per row)
+    res = results(two_ranks.run(MOE_LOGITS, "1", "1", "2", str(converted), str(glm), env=hf_logits))
+    check(res, 2, 1, 1, 2)
+    assert res[0]["experts_per_rank"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    check(results(two_ranks.run(MOE_LOGITS, "2", "1", "1", str(converted), str(glm), env=hf_logits)), 1, 2, 1, 1)
+
+
+@pytest.mark.parametrize("groups", [(1, 1, 2), (4, 2, 4)])
+def test_megatron_routing_equals_hf_router(groups):
+    # HF's Glm4MoeTopkRouter and megatron-core's routing with the TransformerConfig arguments we pass
+    # (sigmoid, expert bias, renormalised top k, scaling factor; group-limited routing where accepted)
+    # pick the same experts with the same weights, on logits where the bias changes the choice.
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    import slimectl.backends.megatron.importing  # noqa: F401  (megatron's first import goes through it)
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    from slimectl.backends.hf.arch import arch_from_config
+    from slimectl.backends.megatron.provider import moe_config_kwargs
+
+    n_group, topk_group, topk = groups
+    cfg = Glm4MoeConfig(hidden_size=16, n_routed_experts=8, num_experts_per_tok=topk, n_group=n_group,
+                        topk_group=topk_group, routed_scaling_factor=2.5, norm_topk_prob=True, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=2, head_dim=8, moe_intermediate_size=8,
+                        intermediate_size=32, vocab_size=64, first_k_dense_replace=1, num_mtp_layers=0)
+    g = torch.Generator().manual_seed(0)
+    hf = Glm4MoeTopkRouter(cfg)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(8, 16, generator=g))
+        hf.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.3)
+    x = torch.randn(64, 16, generator=g)
+    logits, weights, idx = hf(x)
+    kw = moe_config_kwargs(arch_from_config(cfg.to_dict()))
+    probs, routing_map = topk_routing_with_score_function(
+        logits, topk, use_pre_softmax=kw["moe_router_pre_softmax"], num_groups=kw.get("moe_router_num_groups"),
+        group_topk=kw.get("moe_router_group_topk"), scaling_factor=kw["moe_router_topk_scaling_factor"],
+        score_function=kw["moe_router_score_function"], expert_bias=hf.e_score_correction_bias)
+    want = torch.zeros(64, 8).scatter(1, idx, weights)
+    assert torch.equal(routing_map, want > 0)
+    assert torch.allclose(probs, want, atol=1e-6, rtol=0)
+    # the bias matters here: without it some tokens pick other experts
+    _, unbiased = topk_routing_with_score_function(logits, topk, num_groups=kw.get("moe_router_num_groups"),
+                                                   group_topk=kw.get("moe_router_group_topk"),
+                                                   score_function="sigmoid")
+    assert not torch.equal(unbiased, routing_map)
