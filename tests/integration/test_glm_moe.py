@@ -56,6 +56,13 @@ def converted(glm, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def exported(converted, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "back"
+    run_script_in_process(SCRIPTS / "export_batch.py", str(converted), str(out))
+    return out
+
+
 def check(res, n, tp, pp, ep):
     assert len(res) == n
     for r in res:
@@ -65,7 +72,7 @@ def check(res, n, tp, pp, ep):
         assert r["scale"] > 1.0
 
 
-def test_roundtrip_is_bit_exact_for_every_tensor(glm, converted, tmp_path):
+def test_roundtrip_is_bit_exact_for_every_tensor(glm, converted, exported):
     from slimectl.backends.megatron.checkpoint import read_checkpoint_meta
 
     meta, _, _ = read_checkpoint_meta(converted)
@@ -75,9 +82,8 @@ def test_roundtrip_is_bit_exact_for_every_tensor(glm, converted, tmp_path):
     # layer and final norm, the dense layer's 7 tensors, each MoE layer's 8 (norms, QKV + bias, proj,
     # router, shared fc1/fc2) and its 8 experts x 2; only the routers' bias buffers are read
     assert COPIED == [3 + 7 + 3 * 8 + 3 * 8 * 2]
-    run_script_in_process(SCRIPTS / "export_batch.py", str(converted), str(tmp_path / "back"))
     ref = load_file(str(glm / "model.safetensors"))
-    got = load_file(str(tmp_path / "back" / "model.safetensors"))
+    got = load_file(str(exported / "model.safetensors"))
     assert sorted(got) == sorted(ref)
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
@@ -86,7 +92,7 @@ def test_roundtrip_is_bit_exact_for_every_tensor(glm, converted, tmp_path):
     assert "model.layers.0.mlp.gate_proj.weight" in got and "model.layers.1.mlp.shared_experts.down_proj.weight" in got
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32)
+    m = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
     assert type(m).__name__ == "Glm4MoeForCausalLM"
 
 
@@ -143,3 +149,45 @@ def test_megatron_routing_equals_hf_router(groups):
                                                    group_topk=kw.get("moe_router_group_topk"),
                                                    score_function="sigmoid")
     assert not torch.equal(unbiased, routing_map)
+
+
+def test_disk_sync_of_the_exported_weights_gives_transformers_greedy_tokens(glm, exported, tmp_path):
+    # The embedded engine serves another glm4-moe (same shape, other weights: the default fixture) and
+    # loads the converted-then-exported checkpoint from disk: every expert by its per-expert name (into
+    # the fused tensors), the shared experts, the dense layer and each router's e_score_correction_bias
+    # (a buffer, not a parameter). Its greedy tokens are then transformers' own on that checkpoint.
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams
+    from slimectl.fixtures.tiny_models import build_tiny_model
+
+    other = build_tiny_model("glm4-moe", tmp_path / "other")
+    ref = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    runner = BatchRunner(str(other), max_batch_size=4)
+    runner.start()
+    try:
+        prompts = [[random.Random(i).randrange(3, 500) for _ in range(3 + 4 * i)] for i in range(3)]
+
+        def greedy() -> list:
+            reqs = [GenRequest(rid=f"g{i}", input_ids=p, return_logprob=True,
+                               params=SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+                    for i, p in enumerate(prompts)]
+            return [f.result(60) for f in [runner.submit(q) for q in reqs]]
+
+        before = greedy()
+        runner.update_weights_from_disk(str(exported), weight_version="7")
+        after = greedy()
+        bias = "model.layers.3.mlp.gate.e_score_correction_bias"
+        assert torch.equal(torch.tensor(runner.get_weights_by_name(bias)), ref.state_dict()[bias])
+        for p, b, a in zip(prompts, before, after):
+            with torch.inference_mode():
+                want = ref.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+                lp = torch.log_softmax(ref(input_ids=torch.tensor([p + a.output_ids])).logits[0], dim=-1)
+            assert a.output_ids == want[0, len(p):].tolist()
+            assert a.output_token_logprobs == pytest.approx(
+                [lp[len(p) - 1 + i, t].item() for i, t in enumerate(a.output_ids)], abs=1e-4)
+        assert [b.output_ids for b in before] != [a.output_ids for a in after]  # the new weights took effect
+    finally:
+        runner.stop()
