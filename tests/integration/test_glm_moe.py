@@ -191,3 +191,67 @@ def test_disk_sync_of_the_exported_weights_gives_transformers_greedy_tokens(glm,
         assert [b.output_ids for b in before] != [a.output_ids for a in after]  # the new weights took effect
     finally:
         runner.stop()
+
+
+def test_a_train_step_moves_the_expert_bias_and_checkpoints_carry_it(glm, tmp_path):
+    # One GRPO step of the Megatron actor (EP=1, in this process): finite loss, the MoE metrics, and
+    # megatron-core's aux-loss-free balancing: each router's expert_bias (HF's e_score_correction_bias)
+    # moves by the update rate towards balance, outside the optimizer. weights/N (hf_state_dict: what
+    # sync and publish send) and the torch_dist state carry the moved bias.
+    import math
+
+    import torch.distributed as dist
+
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.megatron.actor import MegatronActor
+    from slimectl.backends.megatron.parallel import init_parallel
+    from slimectl.backends.megatron.provider import MOE_ROUTER_BIAS_UPDATE_RATE
+    from slimectl.contract.config import AlgorithmSection, TrainSection
+    from slimectl.contract.samples import Sample
+
+    init_parallel()
+    arch = arch_from_dir(glm)
+    g = torch.Generator().manual_seed(11)
+    samples = [Sample(index=i, group_index=i // 3, tokens=torch.randint(0, arch.vocab_size, (p + r,), generator=g).tolist(),
+                      response_length=r, reward=w)
+               for i, ((p, r), w) in enumerate(zip([(8, 12), (4, 6), (10, 12), (3, 5), (6, 9), (4, 6)],
+                                                   [1.0, 0.0, 0.2, 1.0, 0.7, 0.1]))]
+
+    def actor() -> MegatronActor:
+        a = MegatronActor(arch, arch.padded_vocab_size(1), TrainSection(lr=1e-2, max_tokens_per_micro_batch=40),
+                          AlgorithmSection(), ep=1)
+        a.load_hf(glm)
+        return a
+
+    from safetensors.torch import load_file
+
+    hf = load_file(str(glm / "model.safetensors"))
+    names = [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)]
+    a = actor()
+    routers = [r for r in a.module.modules() if type(r).__name__ == "TopKRouter"]
+    assert len(routers) == 3  # layer 0 is dense
+    metrics = a.train_on_samples(samples)[0]
+    assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+    assert metrics["train/moe_aux_loss"] > 0 and metrics["train/moe_load_imbalance"] >= 1.0
+    assert sum(metrics[f"train/moe_expert_share/{e}"] for e in range(8)) == pytest.approx(1.0)
+    after = a.hf_state_dict()
+    for n in names:
+        step = after[n] - hf[n]
+        assert torch.allclose(step.abs(), torch.full_like(step, MOE_ROUTER_BIAS_UPDATE_RATE), atol=1e-7), (n, step)
+        assert (step > 0).any() and (step < 0).any()  # some experts got fewer tokens than the mean, some more
+    for r in routers:
+        assert float(r.local_tokens_per_expert.sum()) == 0  # the counts restart for the next step
+    state = tmp_path / "state"
+    a.save_state(state)
+    del a
+    b = actor()
+    assert not torch.equal(b.hf_state_dict()[names[0]], after[names[0]])
+    b.load_state(state)
+    back = b.hf_state_dict()
+    for n in names:
+        assert torch.equal(back[n], after[n]), n
+    del b
+    if dist.is_initialized():
+        from slimectl.backends.megatron.parallel import shutdown_parallel
+
+        shutdown_parallel(destroy_process_group=False)

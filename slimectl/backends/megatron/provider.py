@@ -232,6 +232,23 @@ _LOCAL_EXPERT = "mlp.experts.local_experts."
 _EXPERT_BIAS = ".mlp.router.expert_bias"
 
 
+def update_expert_bias(model) -> None:
+    """megatron-core's per-step update of the routers' expert_bias (GLM-4.5/DeepSeek-V3's aux-loss-free
+    load balancing), for a training step that does not end in ``finalize_model_grads`` (which does
+    it under pipeline parallelism): each bias moves by ``moe_router_bias_update_rate`` towards
+    balance, from the tokens its router counted this step (summed over the TP x DP ranks), and the
+    counts restart. Outside the optimizer, as in Megatron-LM; a no-op for other models."""
+    from megatron.core.distributed.finalize_model_grads import (
+        _update_router_expert_bias,
+        reset_model_temporary_tensors,
+    )
+
+    config = model.config
+    if getattr(config, "moe_router_enable_expert_bias", False):
+        _update_router_expert_bias([model], config)
+        reset_model_temporary_tensors(config, [model])
+
+
 def named_weights(model) -> list:
     """(local name, tensor) of every tensor HF stores: the parameters, and the routers' expert_bias
     buffers (GLM-4.5's e_score_correction_bias: not a parameter, megatron-core updates it itself)."""
