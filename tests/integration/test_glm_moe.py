@@ -102,12 +102,14 @@ def test_logits_parity_ep1(glm, converted, hf_logits):
     assert res[0]["experts_per_rank"] == [list(range(8))]
 
 
-def test_logits_parity_ep2_and_tp2(glm, converted, two_ranks, hf_logits):
+def test_logits_parity_ep2_tp2_and_pp2(glm, converted, two_ranks, hf_logits):
     # two expert-parallel ranks holding experts 0-3 and 4-7, each feeding its own tokens (24 and 19 per row)
     res = results(two_ranks.run(MOE_LOGITS, "1", "1", "2", str(converted), str(glm), env=hf_logits))
     check(res, 2, 1, 1, 2)
     assert res[0]["experts_per_rank"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     check(results(two_ranks.run(MOE_LOGITS, "2", "1", "1", str(converted), str(glm), env=hf_logits)), 1, 2, 1, 1)
+    # PP=2: the first stage holds the dense layer and one MoE layer (megatron's per-layer specs, sliced)
+    check(results(two_ranks.run(MOE_LOGITS, "1", "2", "1", str(converted), str(glm), env=hf_logits)), 1, 1, 2, 1)
 
 
 @pytest.mark.parametrize("groups", [(1, 1, 2), (4, 2, 4)])
@@ -200,8 +202,6 @@ def test_a_train_step_moves_the_expert_bias_and_checkpoints_carry_it(glm, tmp_pa
     # sync and publish send) and the torch_dist state carry the moved bias.
     import math
 
-    import torch.distributed as dist
-
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.megatron.actor import MegatronActor
     from slimectl.backends.megatron.parallel import init_parallel
@@ -209,49 +209,94 @@ def test_a_train_step_moves_the_expert_bias_and_checkpoints_carry_it(glm, tmp_pa
     from slimectl.contract.config import AlgorithmSection, TrainSection
     from slimectl.contract.samples import Sample
 
-    init_parallel()
-    arch = arch_from_dir(glm)
-    g = torch.Generator().manual_seed(11)
-    samples = [Sample(index=i, group_index=i // 3, tokens=torch.randint(0, arch.vocab_size, (p + r,), generator=g).tolist(),
-                      response_length=r, reward=w)
-               for i, ((p, r), w) in enumerate(zip([(8, 12), (4, 6), (10, 12), (3, 5), (6, 9), (4, 6)],
-                                                   [1.0, 0.0, 0.2, 1.0, 0.7, 0.1]))]
+    from tests.helpers import in_process_stage
 
-    def actor() -> MegatronActor:
-        a = MegatronActor(arch, arch.padded_vocab_size(1), TrainSection(lr=1e-2, max_tokens_per_micro_batch=40),
-                          AlgorithmSection(), ep=1)
-        a.load_hf(glm)
-        return a
+    with in_process_stage():  # the CPU shim's mode on, Megatron's one-rank groups kept, as the stages run
+        init_parallel()
+        arch = arch_from_dir(glm)
+        g = torch.Generator().manual_seed(11)
+        samples = [Sample(index=i, group_index=i // 3, tokens=torch.randint(0, arch.vocab_size, (p + r,), generator=g).tolist(),
+                          response_length=r, reward=w)
+                   for i, ((p, r), w) in enumerate(zip([(8, 12), (4, 6), (10, 12), (3, 5), (6, 9), (4, 6)],
+                                                       [1.0, 0.0, 0.2, 1.0, 0.7, 0.1]))]
 
+        def actor() -> MegatronActor:
+            a = MegatronActor(arch, arch.padded_vocab_size(1), TrainSection(lr=1e-2, max_tokens_per_micro_batch=40),
+                              AlgorithmSection(), ep=1)
+            a.load_hf(glm)
+            return a
+
+        from safetensors.torch import load_file
+
+        hf = load_file(str(glm / "model.safetensors"))
+        names = [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)]
+        a = actor()
+        routers = [r for r in a.module.modules() if type(r).__name__ == "TopKRouter"]
+        assert len(routers) == 3  # layer 0 is dense
+        metrics = a.train_on_samples(samples)[0]
+        assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+        assert metrics["train/moe_aux_loss"] > 0 and metrics["train/moe_load_imbalance"] >= 1.0
+        assert sum(metrics[f"train/moe_expert_share/{e}"] for e in range(8)) == pytest.approx(1.0)
+        after = a.hf_state_dict()
+        for n in names:
+            step = after[n] - hf[n]
+            assert torch.allclose(step.abs(), torch.full_like(step, MOE_ROUTER_BIAS_UPDATE_RATE), atol=1e-7), (n, step)
+            assert (step > 0).any() and (step < 0).any()  # some experts got fewer tokens than the mean, some more
+        for r in routers:
+            assert float(r.local_tokens_per_expert.sum()) == 0  # the counts restart for the next step
+        state = tmp_path / "state"
+        a.save_state(state)
+        del a
+        b = actor()
+        assert not torch.equal(b.hf_state_dict()[names[0]], after[names[0]])
+        b.load_state(state)
+        back = b.hf_state_dict()
+        for n in names:
+            assert torch.equal(back[n], after[n]), n
+        del b
+
+
+def test_slimectl_train_on_a_converted_glm_run_then_export_carries_the_moved_bias(tmp_path):
+    # The stages end to end, in this process: init --tiny-model glm4-moe, convert into the run
+    # (checkpoints/0), one rollout, `slimectl train` (one step from the converted checkpoint), then
+    # `slimectl export`: the exported e_score_correction_bias is the trained one (moved off the HF
+    # model's), equal to what weights/1 (the synced weights) holds.
     from safetensors.torch import load_file
 
-    hf = load_file(str(glm / "model.safetensors"))
-    names = [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)]
-    a = actor()
-    routers = [r for r in a.module.modules() if type(r).__name__ == "TopKRouter"]
-    assert len(routers) == 3  # layer 0 is dense
-    metrics = a.train_on_samples(samples)[0]
-    assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
-    assert metrics["train/moe_aux_loss"] > 0 and metrics["train/moe_load_imbalance"] >= 1.0
-    assert sum(metrics[f"train/moe_expert_share/{e}"] for e in range(8)) == pytest.approx(1.0)
-    after = a.hf_state_dict()
-    for n in names:
-        step = after[n] - hf[n]
-        assert torch.allclose(step.abs(), torch.full_like(step, MOE_ROUTER_BIAS_UPDATE_RATE), atol=1e-7), (n, step)
-        assert (step > 0).any() and (step < 0).any()  # some experts got fewer tokens than the mean, some more
-    for r in routers:
-        assert float(r.local_tokens_per_expert.sum()) == 0  # the counts restart for the next step
-    state = tmp_path / "state"
-    a.save_state(state)
-    del a
-    b = actor()
-    assert not torch.equal(b.hf_state_dict()[names[0]], after[names[0]])
-    b.load_state(state)
-    back = b.hf_state_dict()
-    for n in names:
-        assert torch.equal(back[n], after[n]), n
-    del b
-    if dist.is_initialized():
-        from slimectl.backends.megatron.parallel import shutdown_parallel
+    from slimectl.contract.metrics import read_metrics
+    from slimectl.contract.rundir import RunDir
+    from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, write_samples
+    from tests.helpers import slimectl_in_process
 
-        shutdown_parallel(destroy_process_group=False)
+    init = slimectl_in_process("init", tmp_path / "run", "--tiny-model", "glm4-moe", "--set", "train.lr=1e-3",
+                               "--set", "logging.tensorboard=false")
+    assert init.returncode == 0, init.stderr[-3000:]
+    run = RunDir.open(tmp_path / "run")
+    conv = slimectl_in_process("convert", "-r", run.path)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for idx in range(8):
+        s = Sample(group_index=idx // 2, index=idx, rollout_id=0, prompt="p",
+                   tokens=torch.randint(0, 500, (4 + idx % 3,), generator=g).tolist())
+        resp = torch.randint(0, 500, (6 + idx % 4,), generator=g).tolist()
+        s.append_response_tokens(resp, [-2.0] * len(resp), True, {"weight_version": "0"})
+        s.status, s.reward = Status.COMPLETED, float(idx % 2 == 0)
+        samples.append(s)
+    with run.rollouts.publish(0, meta={"weight_version": "0"}) as d:
+        write_samples(samples, d / SAMPLES_FILE)
+    res = slimectl_in_process("train", "-r", run.path, "--max-rollouts", "1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = read_metrics(run.metrics_path("train"))
+    assert len(m) == 1 and m[0]["train/moe_aux_loss"] > 0 and "train/moe_expert_share/7" in m[0]
+    exp = slimectl_in_process("export", "-r", run.path, "--out", tmp_path / "exported")
+    assert exp.returncode == 0, exp.stderr[-3000:]
+    original = load_file(str(run.config().model.path) + "/model.safetensors")
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    published = {}
+    for f in run.weights.get(1).path.glob("*.safetensors"):
+        published.update(load_file(str(f)))
+    for i in (1, 2, 3):
+        n = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        assert not torch.equal(exported[n], original[n]), n
+        assert torch.equal(exported[n], published[n]), n
