@@ -82,6 +82,14 @@ def test_roundtrip_is_bit_exact_for_every_tensor(glm, converted, exported):
     # layer and final norm, the dense layer's 7 tensors, each MoE layer's 8 (norms, QKV + bias, proj,
     # router, shared fc1/fc2) and its 8 experts x 2; only the routers' bias buffers are read
     assert COPIED == [3 + 7 + 3 * 8 + 3 * 8 * 2]
+    import argparse
+
+    extra = [] if argparse.Namespace in torch.serialization.get_safe_globals() else [argparse.Namespace]
+    with torch.serialization.safe_globals(extra):
+        args = torch.load(converted / "release" / "common.pt", weights_only=True)["args"]
+    assert (args.moe_router_score_function, args.moe_router_enable_expert_bias, args.moe_layer_freq) == \
+        ("sigmoid", True, [0, 1, 1, 1])
+    assert (args.moe_router_topk_scaling_factor, args.moe_shared_expert_intermediate_size) == (2.5, 32)
     ref = load_file(str(glm / "model.safetensors"))
     got = load_file(str(exported / "model.safetensors"))
     assert sorted(got) == sorted(ref)
@@ -300,3 +308,16 @@ def test_slimectl_train_on_a_converted_glm_run_then_export_carries_the_moved_bia
         n = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
         assert not torch.equal(exported[n], original[n]), n
         assert torch.equal(exported[n], published[n]), n
+
+
+def test_routing_replay_with_a_dense_first_layer(glm):
+    # The engine records routes for the 3 MoE layers only; the trainer's router of layer l (1..3)
+    # takes row l - 1 (first_k_dense_replace 1), for the policy and the reference model alike.
+    res = results(run_script_in_process(SCRIPTS / "routing_replay_check.py", str(glm)))[-1]
+    same, perturbed = res["same_weights"], res["perturbed_router"]
+    assert res["moe_layers"] == 3 and same["ref_routers"] == 3
+    assert same["forced_equal_recorded"] and same["forced_rows_equal_samples"] and same["replayed_positions"] > 100
+    assert same["train_and_ref_forced_equal_recorded"] and same["gap_replay_on"] <= 1e-4
+    # routes recorded under perturbed router weights: the trainer takes them (its own would differ)
+    assert perturbed["forced_equal_recorded"] and perturbed["own_routes_differ"] > 0
+    assert perturbed["gap_replay_on"] < perturbed["gap_replay_off"] / 10

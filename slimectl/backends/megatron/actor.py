@@ -323,7 +323,8 @@ class MegatronActor:
             from slimectl.backends.megatron.routing_replay import RoutingReplay
 
             self.replay = RoutingReplay([gpt] + ([self.ref_model] if self.ref_model is not None else []),
-                                        arch.num_layers, arch.moe_topk)
+                                        sum(arch.moe_layer_pattern), arch.moe_topk,
+                                        first_moe_layer=arch.moe_first_dense_layers)
         self.step = 0  # optimizer steps taken
         # Called before every optimizer step (the only in-place change of the parameters and the
         # Adam moments): waits for a checkpoint still being written from them; returns seconds waited.
