@@ -204,6 +204,13 @@ def _megatron_moe_args(arch) -> dict:
     """Megatron-LM's MoE flags for an MoE architecture (as slime's Qwen3-MoE scripts set them)."""
     if not getattr(arch, "is_moe", False):
         return {}
-    return dict(num_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_intermediate_size,
-                moe_router_topk=arch.moe_topk, moe_router_pre_softmax=not arch.moe_norm_topk_prob,
-                moe_router_score_function="softmax", moe_grouped_gemm=False, expert_model_parallel_size=1)
+    out = dict(num_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_intermediate_size,
+               moe_router_topk=arch.moe_topk, moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+               moe_router_score_function="softmax", moe_grouped_gemm=False, expert_model_parallel_size=1)
+    if getattr(arch, "moe_score_function", "softmax") == "sigmoid":  # GLM-4.5 (slime's glm4.5 model script)
+        out.update(moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+                   moe_router_enable_expert_bias=arch.moe_expert_bias,
+                   moe_router_topk_scaling_factor=arch.moe_routed_scaling_factor,
+                   moe_shared_expert_intermediate_size=arch.moe_shared_intermediate_size or None,
+                   moe_layer_freq=arch.moe_layer_pattern, rotary_percent=arch.rotary_percent)
+    return out

@@ -155,3 +155,99 @@ def test_embedded_engine_serves_it_greedy_tokens_equal_hf(moe_dir):
                 [lp[n - 1 + i, t].item() for i, t in enumerate(res.output_ids)], abs=1e-5)
     finally:
         runner.stop()
+
+
+# ----------------------------------------------------------------------------- GLM-4.5 (glm4_moe)
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    """Built once, through the CLI: `slimectl init RUN --tiny-model glm4-moe`."""
+    run = tmp_path_factory.mktemp("glm") / "run"
+    res = slimectl_in_process("init", str(run), "--tiny-model", "glm4-moe")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return run / "models" / "tiny-glm4-moe"
+
+
+def test_init_builds_a_transformers_glm4_moe_with_dense_first_layer_and_shared_expert(glm_dir):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((glm_dir / "config.json").read_text())
+    assert cfg["model_type"] == "glm4_moe" and cfg["architectures"] == ["Glm4MoeForCausalLM"]
+    assert (cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["n_shared_experts"]) == (8, 2, 1)
+    assert (cfg["first_k_dense_replace"], cfg["num_hidden_layers"], cfg["routed_scaling_factor"]) == (1, 4, 2.5)
+    assert cfg["attention_bias"] is True and cfg["use_qk_norm"] is False and cfg["num_nextn_predict_layers"] == 0
+    assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.5
+    model = AutoModelForCausalLM.from_pretrained(glm_dir, dtype=torch.float32)
+    assert type(model.model.layers[0].mlp).__name__ == "Glm4MoeMLP"
+    block = model.model.layers[1].mlp
+    assert type(block).__name__ == "Glm4MoeMoE" and tuple(block.experts.gate_up_proj.shape) == (8, 64, 64)
+    assert block.gate.e_score_correction_bias.abs().min() > 0  # random, not HF's zeros: it steers routing
+    with safe_open(str(glm_dir / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes["model.layers.2.mlp.gate.e_score_correction_bias"] == (8,)
+    assert shapes["model.layers.2.mlp.shared_experts.gate_proj.weight"] == (32, 64)
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (128, 64)
+    arch = arch_from_dir(glm_dir)
+    assert (arch.family, arch.num_experts, arch.moe_topk, arch.moe_first_dense_layers) == ("glm4_moe", 8, 2, 1)
+    assert (arch.moe_score_function, arch.moe_expert_bias, arch.moe_routed_scaling_factor) == ("sigmoid", True, 2.5)
+    assert (arch.moe_shared_intermediate_size, arch.rotary_percent, arch.qkv_bias, arch.qk_norm) == (32, 0.5, True, False)
+    assert arch.moe_layer_pattern == [0, 1, 1, 1]
+    assert expected_hf_shapes(arch) == shapes
+    assert arch.num_params() == model.num_parameters() + 3 * 8  # + the three routers' bias buffers
+    hf_names = [n for r in all_rules(arch) for n in r.hf]
+    assert sorted(hf_names) == sorted(shapes)  # every tensor is mapped, once
+    bias = rule_for(arch, "decoder.layers.3.mlp.router.expert_bias")
+    assert bias.hf == ("model.layers.3.mlp.gate.e_score_correction_bias",) and bias.tp_dim is None
+    shared = rule_for(arch, "decoder.layers.1.mlp.shared_experts.linear_fc1.weight")
+    assert shared.kind == "fc1" and shared.tp_dim == 0 and not shared.expert
+    assert rule_for(arch, "decoder.layers.0.mlp.linear_fc1.weight").hf[0] == "model.layers.0.mlp.gate_proj.weight"
+    with pytest.raises(KeyError):
+        rule_for(arch, "decoder.layers.0.mlp.router.weight")  # layer 0 is dense
+    with pytest.raises(KeyError):
+        rule_for(arch, "decoder.layers.1.mlp.linear_fc1.weight")  # layer 1 is MoE
+    # TP must divide the dense layer's 128, the experts' 32 and the shared expert's 32 alike
+    assert valid_tp_sizes(arch) == [1, 2]
+
+
+def glm_config(**change):
+    cfg = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 512, "n_routed_experts": 8,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+           "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "attention_bias": True,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+    cfg.update(change)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def test_glm_group_routing_is_read_when_megatron_computes_it_the_same_way():
+    # HF ranks a group by its 2 best experts, Megatron by its top k // topk_group: equal when that is 2
+    arch = arch_from_config(glm_config(n_group=4, topk_group=2, num_experts_per_tok=4))
+    assert (arch.moe_num_groups, arch.moe_group_topk) == (4, 2)
+    assert arch_from_config(glm_config(n_shared_experts=0)).moe_shared_intermediate_size == 0
+    assert arch_from_config(glm_config(first_k_dense_replace=0)).moe_layer_pattern == [1, 1, 1, 1]
+    assert arch_from_config(glm_config(rope_parameters={"rope_type": "default", "rope_theta": 1e4})).rotary_percent == 0.5
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"n_group": 2, "topk_group": 2}, "n_group = 2 with num_experts_per_tok // topk_group = 1 is not supported"),
+    ({"n_group": 3}, "n_group must divide n_routed_experts (8)"),
+    ({"norm_topk_prob": False}, "norm_topk_prob = false is not supported for glm4_moe"),
+    ({"num_experts_per_tok": 1}, "num_experts_per_tok = 1 is not supported for glm4_moe"),
+    ({"first_k_dense_replace": 4}, "first_k_dense_replace = 4 must be an integer in 0..3"),
+    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers = 1 is not supported"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}},
+     "partial_rotary_factor = 0.1 rotates 1 of head_dim 16"),
+    ({"routed_scaling_factor": 0}, "routed_scaling_factor = 0 must be a positive number"),
+])
+def test_unsupported_glm_layouts_are_refused_by_name(change, needle):
+    with pytest.raises(UnsupportedModel) as exc:
+        arch_from_config(glm_config(**change))
+    assert needle in str(exc.value), str(exc.value)
+
+
+def test_partial_rotary_is_refused_for_families_that_rotate_whole_heads():
+    with pytest.raises(UnsupportedModel, match="partial_rotary_factor = 0.5 is not supported for qwen3_moe"):
+        arch_from_config(moe_config(partial_rotary_factor=0.5))

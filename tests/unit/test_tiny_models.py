@@ -26,6 +26,7 @@ EXPECTED = {
     "qwen2": ("Qwen2ForCausalLM", True),
     "qwen3": ("Qwen3ForCausalLM", True),
     "qwen3-moe": ("Qwen3MoeForCausalLM", True),
+    "glm4-moe": ("Glm4MoeForCausalLM", False),
 }
 
 MESSAGES = [
@@ -95,6 +96,9 @@ def test_loads_offline_as_expected_family(built, monkeypatch):
         assert hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
         assert attn.q_proj.bias is None
         assert model.config.head_dim == model.config.hidden_size // model.config.num_attention_heads
+    if family == "glm4-moe":  # GLM-4.5: QKV biases, no q/k norm, rotary on half of each head
+        assert attn.q_proj.bias is not None and attn.o_proj.bias is None and not hasattr(attn, "q_norm")
+        assert model.config.rope_parameters["partial_rotary_factor"] == 0.5
 
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     assert model.config.tie_word_embeddings is tied

@@ -2,8 +2,10 @@
 
 This module is the only place that decides whether an HF checkpoint can be converted. It
 handles the Llama family as Megatron's GPT model implements it: Llama 2/3, Qwen2/2.5 (QKV
-bias), Qwen3 (q/k RMSNorm) and Qwen3-MoE (Qwen3 attention, every layer a top-k softmax-routed
-mixture of SwiGLU experts, no shared expert). Anything else — another rope scaling, sliding-window
+bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 attention, every layer a top-k softmax-routed
+mixture of SwiGLU experts, no shared expert) and GLM-4.5 (``glm4_moe``: QKV biases, rotary on a
+part of each head, the first ``first_k_dense_replace`` layers dense, the others a sigmoid-routed
+mixture with a per-expert routing bias, a scaling factor and shared experts). Anything else — another rope scaling, sliding-window
 attention, another MoE layout, biases where the family has none, another activation — is refused by
 name, because converting it silently would give a model that loads but computes something else.
 """
@@ -32,9 +34,10 @@ FAMILIES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
-MOE_FAMILIES = ("qwen3_moe",)
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
 
 VOCAB_PAD_MULTIPLE = 128
 """Megatron-LM's default ``make_vocab_size_divisible_by``; the padded vocab is a multiple of
@@ -65,10 +68,35 @@ class ModelArch:
     moe_topk: int = 0
     moe_intermediate_size: int = 0
     moe_norm_topk_prob: bool = True
+    # GLM-4.5 / DeepSeek-V3-style routing (defaults: Qwen3-MoE's softmax router). A sigmoid router
+    # picks the top k of sigmoid(logits) + a per-expert bias (HF's e_score_correction_bias, a buffer
+    # that training updates outside the optimizer) and weights them by their sigmoid scores,
+    # renormalised and times moe_routed_scaling_factor; with moe_num_groups > 0, only experts of the
+    # moe_group_topk best groups are eligible.
+    moe_score_function: str = "softmax"
+    moe_expert_bias: bool = False
+    moe_routed_scaling_factor: float = 1.0
+    moe_num_groups: int = 0
+    moe_group_topk: int = 0
+    # shared experts: one SwiGLU MLP of this size every token goes through, beside the routed ones
+    moe_shared_intermediate_size: int = 0
+    # the first moe_first_dense_layers layers are dense (an MLP of intermediate_size), the rest MoE
+    moe_first_dense_layers: int = 0
+    # rotary embedding on the first rotary_percent of each head's dimensions (rotate-half)
+    rotary_percent: float = 1.0
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` (global, from 0) has a mixture of experts (else a dense MLP)."""
+        return self.is_moe and i >= self.moe_first_dense_layers
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """Megatron's ``moe_layer_freq`` as a list: 1 for an MoE layer, 0 for a dense one."""
+        return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
 
     @property
     def mlp_intermediate_size(self) -> int:
@@ -91,16 +119,25 @@ class ModelArch:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         experts = max(self.num_experts, 1)
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * f * experts + 2 * h + self.num_experts * h
+        per_layer = h * (q + 2 * kv) + q * h + 2 * h
         per_layer += (q + 2 * kv) if self.qkv_bias else 0
         per_layer += 2 * self.head_dim if self.qk_norm else 0
-        return L * per_layer + V * h * (1 if self.tie_word_embeddings else 2) + h
+        moe = 3 * h * f * experts + self.num_experts * h + 3 * h * self.moe_shared_intermediate_size
+        moe += self.num_experts if self.moe_expert_bias else 0
+        dense = 3 * h * self.intermediate_size
+        n_moe = sum(self.moe_layer_pattern) if self.is_moe else L
+        return (L * per_layer + n_moe * moe + (L - n_moe) * dense
+                + V * h * (1 if self.tie_word_embeddings else 2) + h)
 
 
 def valid_tp_sizes(arch: ModelArch) -> list[int]:
     """Tensor-parallel sizes Megatron can split ``arch`` into: the divisors of the attention heads,
     the key/value heads (query groups) and the MLP's intermediate size alike."""
     g = math.gcd(math.gcd(arch.num_attention_heads, arch.num_kv_heads), arch.mlp_intermediate_size)
+    if arch.moe_first_dense_layers:  # dense layers split their own MLP too
+        g = math.gcd(g, arch.intermediate_size)
+    if arch.moe_shared_intermediate_size:
+        g = math.gcd(g, arch.moe_shared_intermediate_size)
     return [d for d in range(1, g + 1) if g % d == 0]
 
 
@@ -124,6 +161,24 @@ def check_parallel_sizes(arch: ModelArch, tp: int, pp: int, tp_name: str = "--tp
     if pp not in (ok := valid_pp_sizes(arch)):
         raise UsageError(f"{pp_name} {pp} must divide num_hidden_layers ({arch.num_layers}) of this model; "
                          f"valid {pp_name} sizes: {', '.join(map(str, ok))}")
+
+
+def _rotary_percent(cfg: dict[str, Any], model_type: str, where: str, head_dim: int) -> float:
+    """The share of each head's dimensions that RoPE rotates (``partial_rotary_factor``; transformers 5
+    keeps it in ``rope_parameters``, GLM-4.5's config defaults it to 0.5)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    default = 0.5 if model_type == "glm4_moe" else 1.0
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default))
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+        raise UnsupportedModel(f"{where}: partial_rotary_factor = {factor!r} must be a number in (0, 1]")
+    if factor != 1 and model_type != "glm4_moe":
+        raise UnsupportedModel(f"{where}: partial_rotary_factor = {factor} is not supported for {model_type} "
+                               f"(its rotary embedding covers the whole head); use 1.0")
+    rot = int(head_dim * factor)
+    if rot < 2 or rot % 2:
+        raise UnsupportedModel(f"{where}: partial_rotary_factor = {factor} rotates {rot} of head_dim {head_dim} "
+                               f"dimensions; it must be an even number >= 2")
+    return float(factor)
 
 
 def _rope(cfg: dict[str, Any], where: str) -> float:
@@ -175,6 +230,12 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
             raise UnsupportedModel(f"{where}: mlp_bias = true is not supported for llama")
         if cfg.get("pretraining_tp", 1) != 1:
             raise UnsupportedModel(f"{where}: pretraining_tp = {cfg.get('pretraining_tp')} is not supported (must be 1)")
+    if model_type == "glm4_moe" and cfg.get("num_nextn_predict_layers"):
+        # transformers builds no MTP layers (it ignores their tensors) and neither do we: their
+        # weights are dropped, so an export holds none of them. Refuse rather than drop silently.
+        raise UnsupportedModel(f"{where}: num_nextn_predict_layers = {cfg['num_nextn_predict_layers']} is not "
+                               f"supported (multi-token-prediction layers are not converted); use a checkpoint "
+                               f"without MTP layers (num_nextn_predict_layers 0)")
     if model_type in ("qwen3", "qwen3_moe") and cfg.get("attention_bias"):
         raise UnsupportedModel(f"{where}: attention_bias = true is not supported for {model_type}")
     hidden = _require(cfg, "hidden_size", where)
@@ -183,7 +244,7 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
     if heads % kv_heads:
         raise UnsupportedModel(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     head_dim = cfg.get("head_dim") or hidden // heads
-    if model_type not in ("qwen3", "qwen3_moe") and cfg.get("head_dim") is None and hidden % heads:
+    if model_type not in ("qwen3", "qwen3_moe", "glm4_moe") and cfg.get("head_dim") is None and hidden % heads:
         raise UnsupportedModel(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
     for key in ("attention_dropout", "hidden_dropout"):
         if cfg.get(key):
@@ -202,9 +263,10 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope(cfg, where),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
-        qkv_bias=model_type == "qwen2",
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qkv_bias=model_type == "qwen2" or (model_type == "glm4_moe" and bool(cfg.get("attention_bias"))),
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
         dtype=str(dtype),
+        rotary_percent=_rotary_percent(cfg, model_type, where, head_dim),
         **moe,
     )
 
@@ -217,6 +279,8 @@ def _moe(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
                 raise UnsupportedModel(f"{where}: MoE models ({moe_key} = {cfg[moe_key]}) are not supported "
                                        f"for model_type {model_type!r}; slimectl converts MoE as {', '.join(MOE_FAMILIES)}")
         return {}
+    if model_type == "glm4_moe":
+        return _glm_moe(cfg, where)
     # transformers 5 writes num_local_experts (num_experts is an alias); real Qwen3-MoE configs say num_experts.
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2:
@@ -236,6 +300,53 @@ def _moe(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
     return dict(num_experts=experts, moe_topk=topk,
                 moe_intermediate_size=_require(cfg, "moe_intermediate_size", where),
                 moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+
+
+def _glm_moe(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """GLM-4.5's MoE fields, refusing what Megatron's sigmoid router would compute differently."""
+    experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2:
+        raise UnsupportedModel(f"{where}: n_routed_experts = {experts!r} must be an integer >= 2 for glm4_moe")
+    topk = _require(cfg, "num_experts_per_tok", where)
+    if topk > experts:
+        raise UnsupportedModel(f"{where}: num_experts_per_tok {topk} exceeds n_routed_experts {experts}")
+    layers = _require(cfg, "num_hidden_layers", where)
+    dense = cfg.get("first_k_dense_replace", 1)
+    if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense < layers:
+        raise UnsupportedModel(f"{where}: first_k_dense_replace = {dense!r} must be an integer in 0..{layers - 1} "
+                               f"(at least one MoE layer)")
+    # Megatron's sigmoid router always renormalises more than one pick (and never one): HF only with norm_topk_prob.
+    if not cfg.get("norm_topk_prob", True):
+        raise UnsupportedModel(f"{where}: norm_topk_prob = false is not supported for glm4_moe (Megatron's sigmoid "
+                               f"router renormalises the top-k weights); use norm_topk_prob = true")
+    if topk < 2:
+        raise UnsupportedModel(f"{where}: num_experts_per_tok = 1 is not supported for glm4_moe (Megatron's sigmoid "
+                               f"router does not renormalise a single pick, HF does); use num_experts_per_tok >= 2")
+    groups, group_topk = cfg.get("n_group", 1) or 1, cfg.get("topk_group", 1) or 1
+    for key, value in (("n_group", groups), ("topk_group", group_topk)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UnsupportedModel(f"{where}: {key} = {value!r} must be a positive integer")
+    if groups > 1:
+        if experts % groups or group_topk > groups:
+            raise UnsupportedModel(f"{where}: n_group = {groups}, topk_group = {group_topk}: n_group must divide "
+                                   f"n_routed_experts ({experts}) and topk_group must not exceed n_group")
+        # HF ranks groups by the sum of each group's 2 best scores, Megatron by its top k/topk_group.
+        if topk // group_topk != 2:
+            raise UnsupportedModel(f"{where}: n_group = {groups} with num_experts_per_tok // topk_group = "
+                                   f"{topk // group_topk} is not supported (HF ranks a group by its 2 best experts, "
+                                   f"Megatron by its top num_experts_per_tok // topk_group); use topk_group = "
+                                   f"num_experts_per_tok / 2, or n_group = 1")
+    scale = cfg.get("routed_scaling_factor", 1.0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
+        raise UnsupportedModel(f"{where}: routed_scaling_factor = {scale!r} must be a positive number")
+    shared = cfg.get("n_shared_experts") or 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise UnsupportedModel(f"{where}: n_shared_experts = {shared!r} must be a non-negative integer")
+    size = _require(cfg, "moe_intermediate_size", where)
+    return dict(num_experts=experts, moe_topk=topk, moe_intermediate_size=size, moe_norm_topk_prob=True,
+                moe_score_function="sigmoid", moe_expert_bias=True, moe_routed_scaling_factor=float(scale),
+                moe_num_groups=groups if groups > 1 else 0, moe_group_topk=group_topk if groups > 1 else 0,
+                moe_shared_intermediate_size=shared * size, moe_first_dense_layers=dense)
 
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -283,9 +394,15 @@ def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         if arch.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (d,)
             out[p + "self_attn.k_norm.weight"] = (d,)
-        if arch.is_moe:
+        if arch.is_moe_layer(i):
             fe = arch.moe_intermediate_size
             out[p + "mlp.gate.weight"] = (arch.num_experts, h)
+            if arch.moe_expert_bias:
+                out[p + "mlp.gate.e_score_correction_bias"] = (arch.num_experts,)
+            if (fs := arch.moe_shared_intermediate_size):
+                out[p + "mlp.shared_experts.gate_proj.weight"] = (fs, h)
+                out[p + "mlp.shared_experts.up_proj.weight"] = (fs, h)
+                out[p + "mlp.shared_experts.down_proj.weight"] = (h, fs)
             for e in range(arch.num_experts):
                 out[p + f"mlp.experts.{e}.gate_proj.weight"] = (fe, h)
                 out[p + f"mlp.experts.{e}.up_proj.weight"] = (fe, h)

@@ -21,6 +21,11 @@ Layouts (Megatron's local/TE GPT layer spec):
   MLP. ``E`` is the *global* expert index (:func:`~slimectl.backends.megatron.provider.global_param_names`
   renumbers an expert-parallel rank's local experts). On disk transformers 5 writes these
   per-expert 2-D tensors (it fuses them into 3-D ``gate_up_proj``/``down_proj`` only in memory).
+- GLM-4.5 (``glm4_moe``): the router's per-expert routing bias ``mlp.router.expert_bias`` (a
+  Megatron *buffer*, fp32, replicated) is HF's ``mlp.gate.e_score_correction_bias``; the shared
+  experts ``mlp.shared_experts.linear_fc1`` / ``linear_fc2`` are HF's ``mlp.shared_experts.gate_proj``
+  / ``up_proj`` / ``down_proj`` (laid out and split like the dense MLP); the first
+  ``first_k_dense_replace`` layers are dense (the dense MLP's rules).
 """
 
 from __future__ import annotations
@@ -59,8 +64,10 @@ class Rule:
                     self.kind, self.tp_dim, True)
 
 
-def layer_rules(arch: ModelArch) -> list[Rule]:
+def layer_rules(arch: ModelArch, moe: bool | None = None) -> list[Rule]:
+    """The rules of one layer; ``moe``: whether it is an MoE layer (default: the model is MoE)."""
     p, m = "model.layers.{i}.", "decoder.layers.{i}."
+    moe = arch.is_moe if moe is None else moe
     rules = [
         Rule(m + "input_layernorm.weight", (p + "input_layernorm.weight",), "copy", None),
         Rule(
@@ -72,8 +79,17 @@ def layer_rules(arch: ModelArch) -> list[Rule]:
         Rule(m + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), "copy", 1),
         Rule(m + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",), "copy", None),
     ]
-    if arch.is_moe:
+    if moe:
         rules.append(Rule(m + "mlp.router.weight", (p + "mlp.gate.weight",), "copy", None))
+        if arch.moe_expert_bias:
+            rules.append(Rule(m + "mlp.router.expert_bias", (p + "mlp.gate.e_score_correction_bias",), "copy", None))
+        if arch.moe_shared_intermediate_size:
+            rules += [
+                Rule(m + "mlp.shared_experts.linear_fc1.weight",
+                     (p + "mlp.shared_experts.gate_proj.weight", p + "mlp.shared_experts.up_proj.weight"), "fc1", 0),
+                Rule(m + "mlp.shared_experts.linear_fc2.weight", (p + "mlp.shared_experts.down_proj.weight",),
+                     "copy", 1),
+            ]
         for e in range(arch.num_experts):
             rules.extend(r.expert_rule(e) for r in expert_rules())
     else:
@@ -124,7 +140,7 @@ def tied_output_rule() -> Rule:
 def all_rules(arch: ModelArch) -> list[Rule]:
     out = global_rules(arch)
     for i in range(arch.num_layers):
-        out.extend(r.layer(i) for r in layer_rules(arch))
+        out.extend(r.layer(i) for r in layer_rules(arch, arch.is_moe_layer(i)))
     return out
 
 
@@ -139,7 +155,7 @@ def rule_for(arch: ModelArch, megatron_name: str) -> Rule:
         i = int(m.group(1))
         if i >= arch.num_layers:
             raise KeyError(f"{megatron_name}: layer {i} out of range (model has {arch.num_layers})")
-        x = _EXPERT_RE.match(m.group(2)) if arch.is_moe else None
+        x = _EXPERT_RE.match(m.group(2)) if arch.is_moe_layer(i) else None
         if x:
             e = int(x.group(1))
             if e >= arch.num_experts:
@@ -148,7 +164,7 @@ def rule_for(arch: ModelArch, megatron_name: str) -> Rule:
                 if r.megatron == "decoder.layers.{i}.mlp.experts.local_experts.{e}." + x.group(2):
                     return r.expert_rule(e).layer(i)
             raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
-        for r in layer_rules(arch):
+        for r in layer_rules(arch, arch.is_moe_layer(i)):
             if r.megatron == "decoder.layers.{i}." + m.group(2):
                 return r.layer(i)
     else:

@@ -210,10 +210,14 @@ class MoERouting:
         training = router.training and torch.is_grad_enabled()
         if training and self.padding:
             router.training = False  # Megatron attaches the aux loss only in training mode
+            counted = getattr(router, "local_tokens_per_expert", None)  # the expert-bias update's counts
+            saved = counted.clone() if counted is not None else None
             try:
                 return routing(logits, *args, **kwargs)
             finally:
                 router.training = True
+                if saved is not None:
+                    counted.copy_(saved)  # a padding micro-batch's tokens do not count
         probs, routing_map = routing(logits, *args, **kwargs)
         if training:
             from megatron.core.transformer.moe.moe_utils import (
@@ -319,7 +323,8 @@ class MegatronActor:
             from slimectl.backends.megatron.routing_replay import RoutingReplay
 
             self.replay = RoutingReplay([gpt] + ([self.ref_model] if self.ref_model is not None else []),
-                                        arch.num_layers, arch.moe_topk)
+                                        sum(arch.moe_layer_pattern), arch.moe_topk,
+                                        first_moe_layer=arch.moe_first_dense_layers)
         self.step = 0  # optimizer steps taken
         # Called before every optimizer step (the only in-place change of the parameters and the
         # Adam moments): waits for a checkpoint still being written from them; returns seconds waited.
@@ -337,9 +342,11 @@ class MegatronActor:
 
     def _sync_ref(self) -> None:
         if self.ref_model is not None:
+            from slimectl.backends.megatron.provider import named_weights
+
             with torch.no_grad():
-                src = dict(self.module.named_parameters())
-                for name, p in self.ref_model.named_parameters():
+                src = dict(named_weights(self.module))  # the routers' expert_bias buffers too (GLM-4.5)
+                for name, p in named_weights(self.ref_model):
                     p.copy_(src[name])
 
     def load_hf(self, hf_dir) -> int:
@@ -843,6 +850,9 @@ class MegatronActor:
                     loss.backward()
                 merge(part)
             self.model.finish_grad_sync()
+            from slimectl.backends.megatron.provider import update_expert_bias
+
+            update_expert_bias(self.model)  # the routers' expert_bias (GLM-4.5); finalize_model_grads does it under PP
         else:
             from megatron.core.distributed import finalize_model_grads
 

@@ -79,10 +79,10 @@ def load_hf_into_model(model, arch: ModelArch, hf: HFCheckpoint, padded_vocab: i
     writer copies their rows from the HF files into the checkpoint files (convert, which only
     saves the model; the model cannot run afterwards).
     """
-    from slimectl.backends.megatron.provider import global_param_names
+    from slimectl.backends.megatron.provider import global_param_names, named_weights
 
     names = global_param_names(model)
-    params = dict(model.named_parameters())
+    params = dict(named_weights(model))
     filled = 0
     for local, global_name in names.items():
         try:
@@ -90,7 +90,8 @@ def load_hf_into_model(model, arch: ModelArch, hf: HFCheckpoint, padded_vocab: i
         except KeyError as exc:
             raise MegatronCheckpointError(str(exc)) from None
         p = params[local]
-        plan = _row_plan(p, arch, rule, hf, padded_vocab, tp_rank, tp_size)
+        # a buffer (the routers' expert_bias) is read into the model, never deferred to the file copier
+        plan = _row_plan(p, arch, rule, hf, padded_vocab, tp_rank, tp_size) if isinstance(p, torch.nn.Parameter) else None
         if plan is not None and defer_to is not None and defer_to.accepts(global_name):
             defer_to.add(global_name, full_row_blocks(arch, rule, plan[1]), plan[2], tuple(p.shape[1:]), p.dtype)
             _to_meta(model, local, p)  # no memory: nothing reads it
@@ -178,10 +179,10 @@ def model_to_hf_tensors(model, arch: ModelArch, tp_group=None) -> Iterator[tuple
     """
     import torch.distributed as dist
 
-    from slimectl.backends.megatron.provider import global_param_names
+    from slimectl.backends.megatron.provider import global_param_names, named_weights
 
     tp_size = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
-    params = dict(model.named_parameters())
+    params = dict(named_weights(model))
     for local, global_name in global_param_names(model).items():
         if arch.tie_word_embeddings and global_name == "output_layer.weight":
             continue

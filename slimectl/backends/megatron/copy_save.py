@@ -19,6 +19,8 @@ A chunk of the checkpoint is named by its sharded key and its offsets in the *gl
 so the source rows are found from the key and offsets, whatever TP/PP the model was built
 with; per-layer keys carry the global layer index as their first offset, and a layer's expert keys
 the global expert index as their second (so MoE experts stream too, one expert's rows at a time).
+A model whose layers differ (GLM-4.5: dense first layers, then MoE) is saved with one key per layer
+instead (``decoder.layers.N.…``, megatron's non-homogeneous layers): the index is in the key.
 """
 
 from __future__ import annotations
@@ -113,10 +115,14 @@ class RowSource:
         offsets, sizes = list(chunk.offsets), list(chunk.sizes)
         layer_size = expert_size = 1
         if fqn.startswith(_LAYERS):
-            if not offsets:
-                return None
             tail = fqn[len(_LAYERS):]
-            number, layer_size, offsets, sizes = offsets[0], sizes[0], offsets[1:], sizes[1:]
+            head, _, rest = tail.partition(".")
+            if head.isdigit():  # a per-layer key (non-homogeneous layers: GLM-4.5's dense + MoE)
+                number, tail = int(head), rest
+            else:
+                if not offsets:
+                    return None
+                number, layer_size, offsets, sizes = offsets[0], sizes[0], offsets[1:], sizes[1:]
             expert = _EXPERT_KEY.match(tail)
             if expert is not None:  # MoE: one key for every expert of a layer, the expert on the next axis
                 if not offsets:

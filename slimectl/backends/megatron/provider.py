@@ -14,6 +14,11 @@ from slimectl.backends.hf.arch import ModelArch
 # "flex" needs DeepEP/HybridEP (GPU only).
 MOE_TOKEN_DISPATCHER = "alltoall"
 
+# How far megatron-core moves each expert's routing bias (GLM-4.5/DeepSeek-V3's aux-loss-free load
+# balancing) per optimizer step: +rate for an expert that got fewer tokens than the mean, -rate for
+# one that got more. Megatron-LM's default (--moe-router-bias-update-rate 1e-3).
+MOE_ROUTER_BIAS_UPDATE_RATE = 1e-3
+
 
 def check_expert_parallel(arch: ModelArch, ep: int, name: str = "train.ep") -> None:
     """Refuse (one line, exit 2) an expert-parallel size this model cannot be split into: a dense
@@ -42,12 +47,30 @@ def moe_config_kwargs(arch: ModelArch, ep: int = 1, aux_loss_coeff: float = 0.0)
     """
     if not arch.is_moe:
         return {}
+    sigmoid = arch.moe_score_function == "sigmoid"
+    extra = {}
+    if sigmoid:
+        # GLM-4.5 / DeepSeek-V3 (see slimectl/backends/hf/arch.py::_glm_moe for what is refused):
+        # top k of sigmoid + expert_bias, weights = the picked sigmoid scores renormalised, times the
+        # scaling factor; HF's e_score_correction_bias is the router's expert_bias buffer, which
+        # megatron-core moves by MOE_ROUTER_BIAS_UPDATE_RATE per optimizer step towards balance.
+        extra.update(moe_router_enable_expert_bias=arch.moe_expert_bias,
+                     moe_router_bias_update_rate=MOE_ROUTER_BIAS_UPDATE_RATE,
+                     moe_router_topk_scaling_factor=arch.moe_routed_scaling_factor)
+    if arch.moe_num_groups:
+        extra.update(moe_router_num_groups=arch.moe_num_groups, moe_router_group_topk=arch.moe_group_topk)
+    if arch.moe_shared_intermediate_size:
+        # HF's shared_experts: one ungated SwiGLU MLP beside the routed experts, output added
+        extra.update(moe_shared_expert_intermediate_size=arch.moe_shared_intermediate_size,
+                     moe_shared_expert_gate=False, moe_shared_expert_overlap=False)
+    if arch.moe_first_dense_layers:
+        extra.update(moe_layer_freq=arch.moe_layer_pattern)
     return dict(
         num_moe_experts=arch.num_experts,
         moe_ffn_hidden_size=arch.moe_intermediate_size,
         moe_router_topk=arch.moe_topk,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_score_function=arch.moe_score_function,
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob and not sigmoid,
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=aux_loss_coeff,
@@ -56,6 +79,7 @@ def moe_config_kwargs(arch: ModelArch, ep: int = 1, aux_loss_coeff: float = 0.0)
         moe_permute_fusion=False,
         moe_router_fusion=False,
         expert_model_parallel_size=ep,
+        **extra,
     )
 
 
@@ -163,15 +187,18 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
     cfg = transformer_config(arch, tp, pp, dtype, init, ep=ep, aux_loss_coeff=aux_loss_coeff)
     from slimectl.backends.megatron.attention import SegmentAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm,
-                                    num_experts=arch.num_experts or None, moe_grouped_gemm=False)
-    spec.submodules.self_attention.submodules.core_attention = SegmentAttention
-    if arch.is_moe:
-        # The local spec saves pre_mlp_layernorm under the dense TE name (mlp.linear_fc1.layer_norm_weight);
-        # an MoE layer has no linear_fc1, and Megatron-LM's TE MoE spec saves it as pre_mlp_layernorm.weight.
-        keys = dict(spec.submodules.sharded_state_dict_keys_map or {})
-        keys.pop("pre_mlp_layernorm.", None)
-        spec.submodules.sharded_state_dict_keys_map = keys
+    if arch.moe_first_dense_layers:
+        # dense and MoE layers (moe_layer_freq as a list): megatron's block spec picks each layer's,
+        # for this pipeline stage's layers
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+        for layer_spec in spec.layer_specs:
+            _local_layer_spec(layer_spec, SegmentAttention, moe=True)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm,
+                                        num_experts=arch.num_experts or None, moe_grouped_gemm=False)
+        _local_layer_spec(spec, SegmentAttention, moe=arch.is_moe)
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
@@ -182,11 +209,52 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        rotary_percent=arch.rotary_percent,
     )
     return model
 
 
+def _local_layer_spec(spec, core_attention, moe: bool) -> None:
+    """Our core attention in a local layer spec; for MoE models, pre_mlp_layernorm under its own key.
+
+    The local spec saves pre_mlp_layernorm under the dense TE name (mlp.linear_fc1.layer_norm_weight);
+    an MoE layer has no linear_fc1, and Megatron-LM's TE MoE spec saves it as pre_mlp_layernorm.weight.
+    A dense layer of an MoE model (GLM-4.5's first layers) does the same, so that every layer of
+    the model has one key map (convert's file copier assumes one)."""
+    spec.submodules.self_attention.submodules.core_attention = core_attention
+    if moe:
+        keys = dict(spec.submodules.sharded_state_dict_keys_map or {})
+        keys.pop("pre_mlp_layernorm.", None)
+        spec.submodules.sharded_state_dict_keys_map = keys
+
+
 _LOCAL_EXPERT = "mlp.experts.local_experts."
+_EXPERT_BIAS = ".mlp.router.expert_bias"
+
+
+def update_expert_bias(model) -> None:
+    """megatron-core's per-step update of the routers' expert_bias (GLM-4.5/DeepSeek-V3's aux-loss-free
+    load balancing), for a training step that does not end in ``finalize_model_grads`` (which does
+    it under pipeline parallelism): each bias moves by ``moe_router_bias_update_rate`` towards
+    balance, from the tokens its router counted this step (summed over the TP x DP ranks), and the
+    counts restart. Outside the optimizer, as in Megatron-LM; a no-op for other models."""
+    from megatron.core.distributed.finalize_model_grads import (
+        _update_router_expert_bias,
+        reset_model_temporary_tensors,
+    )
+
+    config = model.config
+    if getattr(config, "moe_router_enable_expert_bias", False):
+        _update_router_expert_bias([model], config)
+        reset_model_temporary_tensors(config, [model])
+
+
+def named_weights(model) -> list:
+    """(local name, tensor) of every tensor HF stores: the parameters, and the routers' expert_bias
+    buffers (GLM-4.5's e_score_correction_bias: not a parameter, megatron-core updates it itself)."""
+    out = list(model.named_parameters())
+    out += [(n, b) for n, b in model.named_buffers() if n.endswith(_EXPERT_BIAS) and b is not None]
+    return out
 
 
 def global_param_names(model) -> dict[str, str]:
@@ -197,7 +265,7 @@ def global_param_names(model) -> dict[str, str]:
     layers = model.decoder.layers if hasattr(model, "decoder") else []
     offsets = {j: layer.layer_number - 1 for j, layer in enumerate(layers)}
     expert_offsets = {j: (getattr(layer.mlp, "local_expert_indices", None) or [0])[0] for j, layer in enumerate(layers)}
-    for name, _ in model.named_parameters():
+    for name, _ in named_weights(model):
         if name.startswith("decoder.layers."):
             rest = name[len("decoder.layers."):]
             j, tail = rest.split(".", 1)

@@ -84,12 +84,15 @@ def sample_routes(sample: Any, num_layers: int, topk: int) -> torch.Tensor:
 class RoutingReplay:
     """Routing replay for the routers of ``models`` (the actor's GPTModel, the reference model)."""
 
-    def __init__(self, models: list, num_layers: int, topk: int):
+    def __init__(self, models: list, num_layers: int, topk: int, first_moe_layer: int = 0):
+        """``num_layers``: the model's MoE layers (the routes' second dimension, as the engine records
+        them: MoE layers only, in order); ``first_moe_layer``: the dense layers before them (GLM-4.5's
+        ``first_k_dense_replace``), so that the router of layer ``l`` takes the routes' row ``l - first_moe_layer``."""
         if not topk:
             raise ConfigError("train.use_rollout_routing_replay needs an MoE model (this one is dense); "
                               "set train.use_rollout_routing_replay false")
         cls = _replay_class()
-        self.num_layers, self.topk = num_layers, topk
+        self.num_layers, self.topk, self.first_moe_layer = num_layers, topk, first_moe_layer
         self.routers: dict[int, list] = {}
         for model in models:
             rs = routers_of(model)
@@ -117,7 +120,7 @@ class RoutingReplay:
         for r in routers:
             rep = r.router_replay
             rep.clear_indices()
-            rep.target_topk_idx = target[:, r.layer_number - 1].contiguous()
+            rep.target_topk_idx = target[:, r.layer_number - 1 - self.first_moe_layer].contiguous()
             rep.valid = valid
 
     def clear(self) -> None:

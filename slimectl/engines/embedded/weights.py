@@ -12,6 +12,11 @@ name them PER EXPERT (``mlp.experts.{e}.gate_proj.weight`` [I, H], ``up_proj``, 
 :func:`fused_expert_views` maps every per-expert name to a view of its slice of the fused
 parameter, so every update path and ``get_weights_by_name`` accept both spellings: a per-expert
 tensor is copied into (or received straight into) its slice, and read back from it.
+
+A few MoE families also keep model state in a *buffer*: GLM-4.5's and DeepSeek-V3's routers hold
+``mlp.gate.e_score_correction_bias`` (the per-expert routing bias that training moves). It is in
+every checkpoint (a persistent buffer), so it is a weight here like a parameter: updated, required
+from a full checkpoint, read back (:func:`persistent_buffers`).
 """
 
 from __future__ import annotations
@@ -132,7 +137,9 @@ class WeightUpdates:
             for name, (fused, _) in views.items():
                 parts.setdefault(fused, []).append(name)
             self._fused_parts = parts
-            targets = self._targets = {**self._params, **{n: v for n, (_, v) in views.items()}}
+            self._state_buffers = persistent_buffers(self.model)
+            targets = self._targets = {**self._params, **self._state_buffers,
+                                       **{n: v for n, (_, v) in views.items()}}
         return targets
 
     def _missing_from(self, given: set[str]) -> list[str]:
@@ -140,9 +147,10 @@ class WeightUpdates:
         name (a tied one by either name) or, when fused, by every one of its per-expert names; the
         missing pieces of a fused parameter are named per expert, as checkpoints spell them."""
         self._weight_targets()
-        covered = {p.data_ptr() for n, p in self._params.items() if n in given}
+        weights = {**self._params, **self._state_buffers}
+        covered = {p.data_ptr() for n, p in weights.items() if n in given}
         missing: dict[str, None] = {}
-        for n, p in self._params.items():
+        for n, p in weights.items():
             if p.data_ptr() in covered:
                 continue
             parts = self._fused_parts.get(n)
@@ -190,6 +198,14 @@ class WeightUpdates:
                 self._weight_version = weight_version
 
         self._run_control(apply)
+
+
+def persistent_buffers(model) -> dict[str, torch.Tensor]:
+    """The floating-point buffers a checkpoint holds (``state_dict`` keeps persistent buffers only:
+    not rotary tables), by HF name: GLM-4.5's ``mlp.gate.e_score_correction_bias``."""
+    saved = set(model.state_dict(keep_vars=True))
+    return {n: b for n, b in model.named_buffers(remove_duplicate=False)
+            if n in saved and b is not None and b.is_floating_point()}
 
 
 def fused_expert_views(model) -> dict[str, tuple[str, torch.Tensor]]:
