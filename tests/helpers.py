@@ -99,6 +99,27 @@ def slimectl_in_process(*args, env: dict[str, str] | None = None) -> subprocess.
     return subprocess.CompletedProcess(["slimectl", *map(str, args)], res.exit_code, res.stdout, res.stderr)
 
 
+def script_results(proc: subprocess.CompletedProcess) -> list[dict]:
+    """The ``RESULT {json}`` lines a tests/scripts script printed, parsed."""
+    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def hf_logits_env(model: Path, tmp_path_factory) -> dict[str, str]:
+    """The env for the *_logits.py scripts: HF's logits of ``model`` on the token ids of data-parallel
+    ranks 0 and 1 (24 and 19 tokens per row), computed here once instead of in each rank of each launch."""
+    import runpy
+
+    path = tmp_path_factory.mktemp("hf-logits") / "logits.pt"
+    runpy.run_path(str(SCRIPTS / "mcore_logits.py"))["write_hf_logits"](path, [model], [(2, 24, 7), (2, 19, 8)])
+    return {"SLIMECTL_TEST_HF_LOGITS": str(path)}
+
+
+def convert_tp1(model: Path, out: Path) -> list[int]:
+    """Convert ``model`` to Megatron torch_dist at TP=1 into ``out`` (in this process); the number of
+    tensors copied file to file, per model."""
+    return script_results(run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", str(model), str(out)))[-1]["copied"]
+
+
 def run_script_in_process(script: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGV`` (one of tests/scripts) in this process: its main() with sys.argv set
     and stdout captured, answered like subprocess.run. The scripts keep the one-rank process group

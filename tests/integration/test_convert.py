@@ -13,23 +13,18 @@ from __future__ import annotations
 
 import json
 import runpy
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import SCRIPTS, run_script_in_process, slimectl, slimectl_in_process
+from tests.helpers import SCRIPTS, run_script_in_process, script_results, slimectl, slimectl_in_process
 
 pytestmark = pytest.mark.xdist_group("two_ranks")  # xdist: one worker, one two_ranks launch
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 TOL = 1e-4
-
-
-def results(proc: subprocess.CompletedProcess) -> list[dict]:
-    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +60,7 @@ def converted(models, tmp_path_factory, two_ranks) -> dict[tuple[str, int], Path
     ckpts = {(fam, 1): root / f"tp1-{fam}" for fam in FAMILIES}
     ckpts.update({(fam, 2): root / f"tp2-{fam}" for fam in FAMILIES})
     pairs = [str(x) for fam in FAMILIES for x in (models[fam], ckpts[(fam, 1)])]
-    res = results(run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", *pairs))[-1]
+    res = script_results(run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", *pairs))[-1]
     FORKS["tp1"], COPIED["tp1"] = res["forks"], res["copied"]
     cli = slimectl("convert", "--hf", str(models["llama"]), "--out", str(ckpts[("llama", 2)]), "--tp", "2")
     assert cli.returncode == 0, cli.stderr[-3000:]
@@ -156,7 +151,7 @@ def test_convert_copies_whole_row_tensors_from_the_hf_files(models, converted, t
     assert COPIED["tp1"] == expected
     pairs = [str(x) for fam in FAMILIES for x in (models[fam], tmp_path / f"read-{fam}")]
     proc = run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", *pairs, env={"SLIMECTL_TEST_READ_ALL": "1"})
-    assert results(proc)[-1]["copied"] == [0, 0, 0]
+    assert script_results(proc)[-1]["copied"] == [0, 0, 0]
     for fam in FAMILIES:
         assert_same_tensors(checkpoint_tensors(converted[(fam, 1)], tmp_path),
                             checkpoint_tensors(tmp_path / f"read-{fam}", tmp_path), f"{fam}: copied vs read")
@@ -172,7 +167,7 @@ def test_a_sharded_hf_checkpoint_converts_to_the_same_tensors(models, converted,
         if (models["llama"] / f).is_file():
             (sharded / f).write_bytes((models["llama"] / f).read_bytes())
     assert len(list(sharded.glob("model-*.safetensors"))) > 2
-    res = results(run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", sharded, tmp_path / "out"))[-1]
+    res = script_results(run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", sharded, tmp_path / "out"))[-1]
     assert res["copied"] == [COPIED["tp1"][FAMILIES.index("llama")]]
     assert_same_tensors(checkpoint_tensors(converted[("llama", 1)], tmp_path),
                         checkpoint_tensors(tmp_path / "out", tmp_path), "llama: sharded vs single file")
@@ -228,7 +223,7 @@ def check(res, n, tp, pp):
 def _parity(run, tp: int, pp: int, checkpoint_tp: int, models, converted, hf_logits) -> None:
     """The TP=``checkpoint_tp`` checkpoints loaded at tp x pp (``run``: this process or the two ranks)."""
     pairs = parity_pairs(models, converted, checkpoint_tp)
-    check(results(run(SCRIPTS / "mcore_logits.py", str(tp), str(pp), *pairs, env=hf_logits)), 3, tp, pp)
+    check(script_results(run(SCRIPTS / "mcore_logits.py", str(tp), str(pp), *pairs, env=hf_logits)), 3, tp, pp)
 
 
 def test_logits_parity_tp1(models, converted, hf_logits):

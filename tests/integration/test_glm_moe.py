@@ -9,25 +9,18 @@ built and converted (TP=1, in this process) once per module; HF's logits are com
 
 from __future__ import annotations
 
-import json
-import runpy
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import SCRIPTS, run_script_in_process
+from tests.helpers import SCRIPTS, convert_tp1, hf_logits_env, run_script_in_process, script_results
 
 pytestmark = pytest.mark.xdist_group("two_ranks")
 
 TOL = 1e-4
 MOE_LOGITS = SCRIPTS / "moe_logits.py"
-
-
-def results(proc: subprocess.CompletedProcess) -> list[dict]:
-    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +33,7 @@ def glm(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_logits(glm, tmp_path_factory) -> dict[str, str]:
-    path = tmp_path_factory.mktemp("hf-logits") / "logits.pt"
-    runpy.run_path(str(SCRIPTS / "mcore_logits.py"))["write_hf_logits"](path, [glm], [(2, 24, 7), (2, 19, 8)])
-    return {"SLIMECTL_TEST_HF_LOGITS": str(path)}
+    return hf_logits_env(glm, tmp_path_factory)
 
 
 COPIED: list[int] = []
@@ -51,8 +42,7 @@ COPIED: list[int] = []
 @pytest.fixture(scope="module")
 def converted(glm, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("mcore") / "tp1"
-    res = results(run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", str(glm), str(out)))[-1]
-    COPIED[:] = res["copied"]
+    COPIED[:] = convert_tp1(glm, out)
     return out
 
 
@@ -105,19 +95,19 @@ def test_roundtrip_is_bit_exact_for_every_tensor(glm, converted, exported):
 
 
 def test_logits_parity_ep1(glm, converted, hf_logits):
-    res = results(run_script_in_process(MOE_LOGITS, "1", "1", "1", str(converted), str(glm), env=hf_logits))
+    res = script_results(run_script_in_process(MOE_LOGITS, "1", "1", "1", str(converted), str(glm), env=hf_logits))
     check(res, 1, 1, 1, 1)
     assert res[0]["experts_per_rank"] == [list(range(8))]
 
 
 def test_logits_parity_ep2_tp2_and_pp2(glm, converted, two_ranks, hf_logits):
     # two expert-parallel ranks holding experts 0-3 and 4-7, each feeding its own tokens (24 and 19 per row)
-    res = results(two_ranks.run(MOE_LOGITS, "1", "1", "2", str(converted), str(glm), env=hf_logits))
+    res = script_results(two_ranks.run(MOE_LOGITS, "1", "1", "2", str(converted), str(glm), env=hf_logits))
     check(res, 2, 1, 1, 2)
     assert res[0]["experts_per_rank"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    check(results(two_ranks.run(MOE_LOGITS, "2", "1", "1", str(converted), str(glm), env=hf_logits)), 1, 2, 1, 1)
+    check(script_results(two_ranks.run(MOE_LOGITS, "2", "1", "1", str(converted), str(glm), env=hf_logits)), 1, 2, 1, 1)
     # PP=2: the first stage holds the dense layer and one MoE layer (megatron's per-layer specs, sliced)
-    check(results(two_ranks.run(MOE_LOGITS, "1", "2", "1", str(converted), str(glm), env=hf_logits)), 1, 1, 2, 1)
+    check(script_results(two_ranks.run(MOE_LOGITS, "1", "2", "1", str(converted), str(glm), env=hf_logits)), 1, 1, 2, 1)
 
 
 @pytest.mark.parametrize("groups", [(1, 1, 2), (4, 2, 4)])
@@ -313,7 +303,7 @@ def test_slimectl_train_on_a_converted_glm_run_then_export_carries_the_moved_bia
 def test_routing_replay_with_a_dense_first_layer(glm):
     # The engine records routes for the 3 MoE layers only; the trainer's router of layer l (1..3)
     # takes row l - 1 (first_k_dense_replace 1), for the policy and the reference model alike.
-    res = results(run_script_in_process(SCRIPTS / "routing_replay_check.py", str(glm)))[-1]
+    res = script_results(run_script_in_process(SCRIPTS / "routing_replay_check.py", str(glm)))[-1]
     same, perturbed = res["same_weights"], res["perturbed_router"]
     assert res["moe_layers"] == 3 and same["ref_routers"] == 3
     assert same["forced_equal_recorded"] and same["forced_rows_equal_samples"] and same["replayed_positions"] > 100

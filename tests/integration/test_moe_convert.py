@@ -13,8 +13,6 @@ next): converting at TP=2 or PP=2 gives the TP=1 tensors.
 
 from __future__ import annotations
 
-import json
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -23,16 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ENV, SCRIPTS, run_script_in_process
+from tests.helpers import ENV, SCRIPTS, convert_tp1, hf_logits_env, run_script_in_process, script_results
 
 pytestmark = pytest.mark.xdist_group("two_ranks")
 
 TOL = 1e-4
 MOE_LOGITS = SCRIPTS / "moe_logits.py"
-
-
-def results(proc: subprocess.CompletedProcess) -> list[dict]:
-    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +40,7 @@ def moe(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_logits(moe, tmp_path_factory) -> dict[str, str]:
-    """The env for moe_logits.py: HF's logits on the token ids of data-parallel ranks 0 and 1 (24 and
-    19 tokens per row), computed here once instead of by transformers in each rank of each launch."""
-    path = tmp_path_factory.mktemp("hf-logits") / "logits.pt"
-    runpy.run_path(str(SCRIPTS / "mcore_logits.py"))["write_hf_logits"](path, [moe], [(2, 24, 7), (2, 19, 8)])
-    return {"SLIMECTL_TEST_HF_LOGITS": str(path)}
+    return hf_logits_env(moe, tmp_path_factory)
 
 
 COPIED: list[int] = []
@@ -59,8 +49,7 @@ COPIED: list[int] = []
 @pytest.fixture(scope="module")
 def converted(moe, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("mcore") / "tp1"
-    res = results(run_script_in_process(SCRIPTS / "convert_batch.py", "1", "1", str(moe), str(out)))[-1]
-    COPIED[:] = res["copied"]
+    COPIED[:] = convert_tp1(moe, out)
     return out
 
 
@@ -84,15 +73,15 @@ def check(res, n, tp, pp, ep):
 def test_logits_parity_ep2(moe, converted, two_ranks, hf_logits):
     # two expert-parallel ranks holding experts 0-1 and 2-3, each feeding its own tokens (24 and
     # 19 per row): the alltoall dispatcher exchanges unequal token counts over gloo
-    res = results(two_ranks.run(MOE_LOGITS, "1", "1", "2", str(converted), str(moe), env=hf_logits))
+    res = script_results(two_ranks.run(MOE_LOGITS, "1", "1", "2", str(converted), str(moe), env=hf_logits))
     check(res, 2, 1, 1, 2)
     assert res[0]["experts_per_rank"] == [[0, 1], [2, 3]]
     assert sorted(r["seq_len"] for r in res) == [19, 24]
 
 
 def test_logits_parity_tp2_and_pp2(moe, converted, two_ranks, hf_logits):
-    check(results(two_ranks.run(MOE_LOGITS, "2", "1", "1", str(converted), str(moe), env=hf_logits)), 1, 2, 1, 1)
-    check(results(two_ranks.run(MOE_LOGITS, "1", "2", "1", str(converted), str(moe), env=hf_logits)), 1, 1, 2, 1)
+    check(script_results(two_ranks.run(MOE_LOGITS, "2", "1", "1", str(converted), str(moe), env=hf_logits)), 1, 2, 1, 1)
+    check(script_results(two_ranks.run(MOE_LOGITS, "1", "2", "1", str(converted), str(moe), env=hf_logits)), 1, 1, 2, 1)
 
 
 def test_checkpoint_holds_the_router_and_every_expert(moe, converted, tmp_path):
@@ -135,7 +124,7 @@ def test_roundtrip_is_bit_exact_for_every_tensor(moe, converted, tmp_path):
 
 
 def test_logits_parity_ep1(moe, converted, hf_logits):
-    res = results(run_script_in_process(MOE_LOGITS, "1", "1", "1", str(converted), str(moe), env=hf_logits))
+    res = script_results(run_script_in_process(MOE_LOGITS, "1", "1", "1", str(converted), str(moe), env=hf_logits))
     check(res, 1, 1, 1, 1)
     assert res[0]["experts_per_rank"] == [[0, 1, 2, 3]]
 
@@ -147,7 +136,7 @@ def test_logits_parity_ep2_pp2_on_four_ranks(moe, converted, hf_logits):
                            str(converted), str(moe)], capture_output=True, text=True, timeout=400,
                           env={**ENV, **hf_logits})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = results(proc)
+    res = script_results(proc)
     check(res, 2, 1, 2, 2)  # the two last-stage ranks, one per expert-parallel rank
     assert res[0]["experts_per_rank"] == [[0, 1], [2, 3], [0, 1], [2, 3]]
 

@@ -12,13 +12,17 @@ from slimectl.backends.hf.mapping import all_rules, rule_for, to_hf, to_megatron
 from tests.helpers import slimectl_in_process
 
 
+def _tiny_through_init(tmp_path_factory, family: str):
+    """Built through the CLI: `slimectl init RUN --tiny-model FAMILY`; the model's directory."""
+    run = tmp_path_factory.mktemp(family) / "run"
+    res = slimectl_in_process("init", str(run), "--tiny-model", family)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return run / "models" / f"tiny-{family}"
+
+
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    """Built once, through the CLI: `slimectl init RUN --tiny-model qwen3-moe`."""
-    run = tmp_path_factory.mktemp("moe") / "run"
-    res = slimectl_in_process("init", str(run), "--tiny-model", "qwen3-moe")
-    assert res.returncode == 0, res.stderr[-2000:]
-    return run / "models" / "tiny-qwen3-moe"
+    return _tiny_through_init(tmp_path_factory, "qwen3-moe")
 
 
 def test_init_builds_a_transformers_qwen3_moe_without_shared_expert(moe_dir):
@@ -162,11 +166,7 @@ def test_embedded_engine_serves_it_greedy_tokens_equal_hf(moe_dir):
 
 @pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory):
-    """Built once, through the CLI: `slimectl init RUN --tiny-model glm4-moe`."""
-    run = tmp_path_factory.mktemp("glm") / "run"
-    res = slimectl_in_process("init", str(run), "--tiny-model", "glm4-moe")
-    assert res.returncode == 0, res.stderr[-2000:]
-    return run / "models" / "tiny-glm4-moe"
+    return _tiny_through_init(tmp_path_factory, "glm4-moe")
 
 
 def test_init_builds_a_transformers_glm4_moe_with_dense_first_layer_and_shared_expert(glm_dir):

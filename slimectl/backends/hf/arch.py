@@ -283,11 +283,7 @@ def _moe(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
         return _glm_moe(cfg, where)
     # transformers 5 writes num_local_experts (num_experts is an alias); real Qwen3-MoE configs say num_experts.
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2:
-        raise UnsupportedModel(f"{where}: num_experts = {experts!r} must be an integer >= 2 for {model_type}")
-    topk = _require(cfg, "num_experts_per_tok", where)
-    if topk > experts:
-        raise UnsupportedModel(f"{where}: num_experts_per_tok {topk} exceeds num_experts {experts}")
+    topk = _experts_topk(cfg, where, model_type, "num_experts", experts)
     if cfg.get("mlp_only_layers"):
         raise UnsupportedModel(f"{where}: mlp_only_layers = {cfg['mlp_only_layers']} is not supported "
                                f"(every layer must be MoE); use a model whose mlp_only_layers is []")
@@ -302,14 +298,20 @@ def _moe(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
                 moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
+def _experts_topk(cfg: dict[str, Any], where: str, model_type: str, experts_key: str, experts: Any) -> int:
+    """``num_experts_per_tok``, once the expert count (read from ``experts_key``) and it are valid."""
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2:
+        raise UnsupportedModel(f"{where}: {experts_key} = {experts!r} must be an integer >= 2 for {model_type}")
+    topk = _require(cfg, "num_experts_per_tok", where)
+    if topk > experts:
+        raise UnsupportedModel(f"{where}: num_experts_per_tok {topk} exceeds {experts_key} {experts}")
+    return topk
+
+
 def _glm_moe(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """GLM-4.5's MoE fields, refusing what Megatron's sigmoid router would compute differently."""
     experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
-    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2:
-        raise UnsupportedModel(f"{where}: n_routed_experts = {experts!r} must be an integer >= 2 for glm4_moe")
-    topk = _require(cfg, "num_experts_per_tok", where)
-    if topk > experts:
-        raise UnsupportedModel(f"{where}: num_experts_per_tok {topk} exceeds n_routed_experts {experts}")
+    topk = _experts_topk(cfg, where, "glm4_moe", "n_routed_experts", experts)
     layers = _require(cfg, "num_hidden_layers", where)
     dense = cfg.get("first_k_dense_replace", 1)
     if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense < layers:
