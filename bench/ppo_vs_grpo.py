@@ -71,6 +71,55 @@ def run_rl(config: Path, run: Path, start: str, rollouts: int, seed: int, extra:
     return slimectl("rl", "--config", str(config), "-r", str(run), *(x for s in sets for x in ("--set", s)))
 
 
+def oracle_explained_variance(samples, gamma: float, lambd: float) -> float:
+    """The explained variance a critic that sees what ours sees could reach on ``samples`` (an upper bound): the
+    value of response token ``i`` is the mean reward of the samples with the same prompt and the same first ``i``
+    response tokens (in-sample, so the sample's own reward counts), returns from GAE on those values, EV over the
+    loss tokens as ``critic/explained_variance``. Sampled tokens the critic cannot foresee (the answer digit) keep
+    it below 1."""
+    import torch
+
+    from slimectl.algorithms.gae import compute_gae
+    from slimectl.algorithms.value_loss import explained_variance
+    from torch.nn.utils.rnn import pad_sequence
+
+    sums: dict[tuple, list[float]] = {}
+    keys = []
+    for s in samples:
+        n = s.response_length
+        prompt, resp = tuple(s.tokens[:len(s.tokens) - n]), tuple(s.tokens[len(s.tokens) - n:])
+        ks = [(prompt, resp[:i]) for i in range(n)]
+        keys.append(ks)
+        for k in ks:
+            acc = sums.setdefault(k, [0.0, 0.0])
+            acc[0] += float(s.reward)
+            acc[1] += 1.0
+    values = pad_sequence([torch.tensor([sums[k][0] / sums[k][1] for k in ks], dtype=torch.float64) for ks in keys],
+                          batch_first=True)
+    mask = pad_sequence([torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * s.response_length,
+                                      dtype=torch.float64) for s in samples], batch_first=True)
+    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
+    returns = compute_gae(rewards, values, mask, gamma=gamma, lambd=lambd).returns
+    return float(explained_variance(values, returns, mask))
+
+
+def oracle_blocks(run: Path, n: int, block: int) -> list[float]:
+    """:func:`oracle_explained_variance` of each block of ``block`` rollouts of ``run`` (its first ``n``)."""
+    from slimectl.contract.rundir import RunDir
+    from slimectl.contract.samples import SAMPLES_FILE, read_samples
+
+    if not (run / "config.yaml").is_file():
+        return []
+    rd = RunDir.open(run)
+    algo = rd.config().algorithm
+    ids = [i for i in range(n) if rd.rollouts.exists(i)]
+    out = []
+    for b in range(0, len(ids), block):
+        samples = [s for i in ids[b:b + block] for s in read_samples(rd.rollouts.get(i).path / SAMPLES_FILE)]
+        out.append(oracle_explained_variance(samples, algo.gamma, algo.lambd))
+    return out
+
+
 def blocks(xs: list[float], n: int) -> list[float]:
     return [sum(xs[i:i + n]) / len(xs[i:i + n]) for i in range(0, len(xs), n)]
 
@@ -86,10 +135,15 @@ def report(out: Path, block: int, cpu: dict[str, float]) -> None:
     ev = [r["critic/explained_variance"] for r in train["ppo"] if "critic/explained_variance" in r]
     rb = {name: blocks(xs, block) for name, xs in rewards.items()}
     eb = blocks(ev, block)
-    print(f"{'rollouts':>9} {'grpo reward':>12} {'ppo reward':>11} {'ppo EV':>8}")
+    ob = oracle_blocks(out / "ppo", len(rewards["ppo"]), block)
+    print(f"{'rollouts':>9} {'grpo reward':>12} {'ppo reward':>11} {'ppo EV':>8} {'EV bound':>9}")
     for i in range(max(len(rb["grpo"]), len(rb["ppo"]), len(eb))):
-        cells = [f"{b[i]:.3f}" if i < len(b) else "-" for b in (rb["grpo"], rb["ppo"], eb)]
-        print(f"{f'{i * block}-{(i + 1) * block - 1}':>9} {cells[0]:>12} {cells[1]:>11} {cells[2]:>8}")
+        cells = [f"{b[i]:.3f}" if i < len(b) else "-" for b in (rb["grpo"], rb["ppo"], eb, ob)]
+        print(f"{f'{i * block}-{(i + 1) * block - 1}':>9} {cells[0]:>12} {cells[1]:>11} {cells[2]:>8} {cells[3]:>9}")
+    if ob:
+        print("EV bound: the explained variance of the best critic that sees what ours sees, on PPO's rollouts of the "
+              "block (mean reward per prompt and response prefix, in-sample): the answer digit is sampled, so no "
+              "critic explains the returns before it")
     for name in ("grpo", "ppo"):
         b = rb[name]
         if b:

@@ -507,6 +507,10 @@ class CriticSection(Section):
     """Value clip: the loss is ``max((V_old + clamp(V - V_old, -value_clip, value_clip) - G)^2, (V - G)^2)``."""
     num_critic_only_steps: int = Field(default=algo_registry.DEFAULT_NUM_CRITIC_ONLY_STEPS, ge=0)
     """The first this many rollouts train the critic only (the actor waits for useful values)."""
+    num_steps_per_rollout: int = Field(default=1, ge=1)
+    """Critic optimizer steps on each of the actor's global batches of a rollout (verl's critic ``ppo_epochs``):
+    that many passes over the rollout's batches, every step's value clip relative to the rollout-time values
+    ``V_old``. The critic's LR schedule counts these steps (its decay horizon is this many times the actor's)."""
 
     def resolved(self, train: "TrainSection") -> "CriticSection":
         """A copy with every null key replaced by the actor's value from ``train``."""
@@ -522,10 +526,11 @@ def critic_problem(cfg: "SlimectlConfig") -> str | None:
     if c.min_lr > c.lr:
         min_key = "critic.min_lr" if cfg.critic.min_lr is not None else "critic.min_lr (= train.min_lr)"
         return f"{min_key} = {c.min_lr} must be <= {lr_key} = {c.lr}"
-    steps = cfg.rollout.num_rollout * t.num_steps_per_rollout
+    steps = cfg.rollout.num_rollout * t.num_steps_per_rollout * c.num_steps_per_rollout
     if c.lr_decay_style != "constant" and c.lr_warmup_steps >= steps:
-        return (f"critic.lr_warmup_steps = {c.lr_warmup_steps} must be below the run's {steps} optimizer steps "
-                f"(rollout.num_rollout x train.num_steps_per_rollout) to decay the critic's LR ({c.lr_decay_style}); "
+        return (f"critic.lr_warmup_steps = {c.lr_warmup_steps} must be below the run's {steps} critic optimizer steps "
+                f"(rollout.num_rollout x train.num_steps_per_rollout x critic.num_steps_per_rollout) to decay the "
+                f"critic's LR ({c.lr_decay_style}); "
                 f"lower it or train longer")
     if c.num_critic_only_steps and c.num_critic_only_steps >= cfg.rollout.num_rollout:
         return (f"critic.num_critic_only_steps = {c.num_critic_only_steps} must be below rollout.num_rollout = "

@@ -113,3 +113,33 @@ def test_value_model_forward_and_one_step_lowers_the_value_loss(tiny_llama):
         assert float(after.loss) < 0.9 * float(before.loss)  # measured: 0.0100 -> 0.0069
         # before the step V = V_old, so every loss token's error is (+-0.1)^2: each sample's mean is 0.01
         assert float(before.loss) == pytest.approx(0.01, rel=1e-4)
+
+
+def test_critic_steps_per_rollout_pass_over_every_global_batch_clipped_around_the_rollout_values(tiny_llama):
+    """critic.num_steps_per_rollout = 3 (verl's critic ppo_epochs): three passes over the actor's two global
+    batches = 6 critic steps, one metrics dict per batch, the LR horizon in critic steps, and the value clip
+    around the rollout-time V_old in every pass (the values end more than value_clip from it)."""
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.megatron.critic_trainer import MegatronCritic
+    from slimectl.backends.megatron.parallel import init_parallel
+    from slimectl.contract.config import AlgorithmSection, CriticSection, TrainSection
+
+    with in_process_stage():
+        init_parallel(tp=1, pp=1, seed=7)
+        arch = arch_from_dir(tiny_llama)
+        critic = MegatronCritic(arch, arch.padded_vocab_size(1), TrainSection(lr=1e-3, max_tokens_per_micro_batch=64),
+                                CriticSection(lr=1e-2, min_lr=0.0, lr_decay_style="linear", lr_warmup_steps=0,
+                                              value_clip=0.05, num_steps_per_rollout=3),
+                                AlgorithmSection(advantage_estimator="ppo"), total_steps=4)
+        critic.load_hf(tiny_llama)
+        assert critic.scheduler.lr_decay_steps == 12  # 4 actor steps x 3 critic steps each
+        masks = [torch.ones(s.response_length) for s in SAMPLES]
+        old = critic.values(SAMPLES)
+        returns = [v + 1.0 for v in old]
+        out = critic.train_on_returns(SAMPLES, [[0, 1], [2]], masks, old, returns)
+        assert len(out) == 2 and critic.step == 6 and [m["critic/step"] for m in out] == [5.0, 6.0]
+        assert out[0]["critic/lr"] == pytest.approx(1e-2) and out[1]["critic/lr"] < out[0]["critic/lr"]
+        new = critic.values(SAMPLES)
+        moved = min(float((n - o).min()) for n, o in zip(new, old))
+        assert moved > 0.05  # every value rose past value_clip: later passes went on from the moved values
+        assert all(m["critic/value_clipfrac"] > 0 for m in out)  # later passes: |V - V_old| > value_clip

@@ -60,11 +60,25 @@ def test_defaults_follow_slime_and_null_keys_take_the_actors():
     (["critic.num_critic_only_steps=3", "rollout.num_rollout=3"],
      "critic.num_critic_only_steps = 3 must be below rollout.num_rollout = 3, or the actor never trains"),
     (["critic.lr_decay_style=cosine", "critic.lr_warmup_steps=5", "rollout.num_rollout=5"],
-     "critic.lr_warmup_steps = 5 must be below the run's 5 optimizer steps (rollout.num_rollout x "
-     "train.num_steps_per_rollout) to decay the critic's LR (cosine); lower it or train longer"),
+     "critic.lr_warmup_steps = 5 must be below the run's 5 critic optimizer steps (rollout.num_rollout x "
+     "train.num_steps_per_rollout x critic.num_steps_per_rollout) to decay the critic's LR (cosine); lower it or "
+     "train longer"),
+    (["critic.lr_decay_style=linear", "critic.lr_warmup_steps=10", "rollout.num_rollout=5",
+      "critic.num_steps_per_rollout=2"],
+     "critic.lr_warmup_steps = 10 must be below the run's 10 critic optimizer steps (rollout.num_rollout x "
+     "train.num_steps_per_rollout x critic.num_steps_per_rollout) to decay the critic's LR (linear); lower it or "
+     "train longer"),
+    (["critic.num_steps_per_rollout=0"], "critic.num_steps_per_rollout = 0: must be greater than or equal to 1"),
 ])
 def test_bad_critic_keys_fail_in_one_line(overrides, expected):
     assert error(*overrides) == f"config with --set overrides: {expected}"
+
+
+def test_critic_steps_per_rollout_default_one_and_count_in_the_warmup_bound():
+    assert load_config(None).critic.num_steps_per_rollout == 1
+    cfg = load_config(None, ["critic.lr_decay_style=linear", "critic.lr_warmup_steps=5", "rollout.num_rollout=5",
+                             "critic.num_steps_per_rollout=2"])  # 10 critic steps: a warm-up of 5 leaves a decay
+    assert cfg.critic.resolved(cfg.train).num_steps_per_rollout == 2
 
 
 def test_critic_sizes_that_divide_the_trainer_are_accepted():

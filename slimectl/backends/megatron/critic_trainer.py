@@ -10,8 +10,9 @@ One rollout of ``algorithm.advantage_estimator: ppo`` (:meth:`slimectl.stages.tr
    ``kl_coef * kl`` per token when set; :func:`slimectl.algorithms.gae.compute_gae`) gives the actor's
    advantages and the critic's returns;
 3. the actor trains on those advantages (unless ``critic.num_critic_only_steps`` > the rollout id);
-4. :meth:`MegatronCritic.train_on_returns` — ``train.num_steps_per_rollout`` critic steps over the same
-   global batches, each on :func:`slimectl.algorithms.value_loss.clipped_value_loss`.
+4. :meth:`MegatronCritic.train_on_returns` — ``critic.num_steps_per_rollout`` passes over the actor's global
+   batches (``train.num_steps_per_rollout`` of them): one critic step per batch and pass, each on
+   :func:`slimectl.algorithms.value_loss.clipped_value_loss` clipped around the rollout-time ``V_old``.
 
 Parallelism: the actor's layout (Megatron's parallel state, set up by the actor): TP (the trunk sharded as
 the actor's, the value head replicated on every TP rank), DP (each rank packs every dp-th sample of a global
@@ -103,7 +104,9 @@ class MegatronCritic:
             params_dtype=cfg.params_dtype, use_distributed_optimizer=False,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
-        self.scheduler = lr_scheduler(self.optimizer, t, total_steps)
+        self.passes = int(getattr(critic, "num_steps_per_rollout", 1))  # critic steps per actor step
+        # total_steps counts the actor's steps; the critic's schedule counts its own
+        self.scheduler = lr_scheduler(self.optimizer, t, total_steps * self.passes if total_steps else total_steps)
         self.reduction = "token_mean" if algo.calculate_per_token_loss else "sample_mean"
         self.step = 0
         self.before_update = None  # waits for a checkpoint still reading the state (the stage's writer)
@@ -301,7 +304,25 @@ class MegatronCritic:
     # ------------------------------------------------------------------ training
     def train_on_returns(self, samples: Sequence[Any], batches: list[list[int]], masks: list[torch.Tensor],
                          old_values: list[torch.Tensor], returns: list[torch.Tensor]) -> list[dict[str, float]]:
-        """One critic step per global batch (the actor's); one metrics dict per step (the same on every rank)."""
+        """``critic.num_steps_per_rollout`` passes over the global batches (the actor's), one critic step per batch
+        and pass, every step's value clip around ``old_values`` (the rollout's ``V_old``). One metrics dict per
+        global batch (the same on every rank): loss, clip fraction and grad norm averaged over the passes, the
+        first pass's LR, the last pass's step, the passes' summed time."""
+        passes = [self._train_pass(samples, batches, masks, old_values, returns) for _ in range(self.passes)]
+        if len(passes) == 1:
+            return passes[0]
+        out = []
+        for per_batch in zip(*passes):
+            m = {k: sum(p[k] for p in per_batch) / len(per_batch)
+                 for k in ("critic/value_loss", "critic/value_clipfrac", "critic/grad_norm")}
+            m.update({"critic/lr": per_batch[0]["critic/lr"], "critic/step": per_batch[-1]["critic/step"],
+                      "perf/critic_train_time": sum(p["perf/critic_train_time"] for p in per_batch)})
+            out.append(m)
+        return out
+
+    def _train_pass(self, samples: Sequence[Any], batches: list[list[int]], masks: list[torch.Tensor],
+                    old_values: list[torch.Tensor], returns: list[torch.Tensor]) -> list[dict[str, float]]:
+        """One critic step per global batch; one metrics dict per step."""
         out = []
         for idx in batches:
             t0 = time.perf_counter()
