@@ -16,6 +16,8 @@ them. The embedded engine does the same with host memory:
   refuses to allocate a new one (no generation) until resumed.
 - ``cuda_graph``: accepted (slime sends it with ``kv_cache``); there is nothing to free on CPU.
 
+Imports no torch at module level (the server imports its errors).
+
 Only an idle engine releases (no request running or waiting; see
 :meth:`~slimectl.engines.embedded.scheduler.BatchRunner.release_memory_occupation`).
 """
@@ -25,8 +27,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"
 TAGS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
@@ -66,6 +70,8 @@ def param_bytes(params: dict[str, torch.nn.Parameter]) -> int:
 def release_params(params: dict[str, torch.nn.Parameter]) -> int:
     """Swap every parameter's data for a 0-byte stand-in of the same shape and dtype (a broadcast
     scalar: shape checks still pass, a write into it raises); returns the bytes let go."""
+    import torch
+
     freed = 0
     with torch.inference_mode(False), torch.no_grad():
         for p in unique_params(params):
@@ -77,6 +83,8 @@ def release_params(params: dict[str, torch.nn.Parameter]) -> int:
 def reallocate_params(params: dict[str, torch.nn.Parameter]) -> int:
     """Give the (released) parameters storage again (uninitialised: the next weight update fills it);
     returns the bytes allocated."""
+    import torch
+
     alloc = 0
     with torch.inference_mode(False), torch.no_grad():
         for p in unique_params(params):

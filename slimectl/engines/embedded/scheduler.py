@@ -3,8 +3,9 @@
 :class:`BatchRunner` owns a transformers causal LM (Llama / Qwen2 / Qwen3 and friends, loaded
 with ``AutoModelForCausalLM``) and a background *scheduler thread* that serves many concurrent
 generation requests. Other threads (the HTTP event loop) only talk to it through
-:meth:`BatchRunner.submit`, :meth:`~BatchRunner.abort`, :meth:`~BatchRunner.pause` and the weight
-update methods; the scheduler thread is the only one that runs the model.
+:meth:`BatchRunner.submit`, :meth:`~BatchRunner.abort`, :meth:`~BatchRunner.pause`, the weight
+update methods and the memory release/resume (:mod:`~slimectl.engines.embedded.memory`); the
+scheduler thread is the only one that runs the model.
 
 How a scheduler iteration works
 -------------------------------

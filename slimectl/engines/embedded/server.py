@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from slimectl.contract.faults import fault_point
+from slimectl.engines.embedded.memory import EngineBusy, MemoryReleased, parse_tags
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV, NONCE_FIELD
 from slimectl.orchestration.signals import set_on_signals
 from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, reserve_port, start_site
@@ -148,8 +149,6 @@ class EmbeddedEngine:
         except BadRequest as exc:
             return _err(400, str(exc))
         except Exception as exc:  # keep serving; report the failure to this one client
-            from slimectl.engines.embedded.memory import EngineBusy, MemoryReleased
-
             if isinstance(exc, MemoryReleased):  # released (or resumed, not reloaded): unavailable until fixed
                 return _err(503, str(exc))
             if isinstance(exc, EngineBusy):
@@ -348,8 +347,6 @@ class EmbeddedEngine:
         body = await self._json(request, allow_empty=False)
         fault_point("engine.generate")
         reqs, batched = self._to_requests(body)
-        from slimectl.engines.embedded.memory import MemoryReleased
-
         futures = []
         try:
             for r in reqs:
@@ -396,8 +393,6 @@ class EmbeddedEngine:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def _memory_call(self, request: web.Request, fn) -> web.Response:
-        from slimectl.engines.embedded.memory import parse_tags
-
         body = await self._json(request)
         try:
             tags = parse_tags(body.get("tags"))
@@ -448,8 +443,6 @@ class EmbeddedEngine:
         paused = 0
         if body.get("abort_all_requests"):
             paused = self.runner.abort(abort_all=True)
-        from slimectl.engines.embedded.memory import MemoryReleased
-
         try:
             await self._in_thread(self.runner.update_weights_from_disk, path, version)
         except (ValueError, OSError, MemoryReleased) as exc:
