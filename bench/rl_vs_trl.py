@@ -106,7 +106,8 @@ def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
                        "max_response_len": a.new_tokens, "temperature": 1.0, "reward": "random", "seed": seed},
            "train": {"lr": a.lr, "lr_decay_style": "constant", **({"max_tokens_per_micro_batch": a.micro_batch}
                                                                   if a.micro_batch else {})},
-           "logging": {"tensorboard": False}}
+           "logging": {"tensorboard": False},
+           **({"engine": {"offload_during_train": True}} if a.offload else {})}
     path = work / "rl.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = work / f"run-{seed}"
@@ -239,6 +240,8 @@ def main() -> None:
     ap.add_argument("--trl-python", default=sys.executable, help="interpreter with trl installed")
     ap.add_argument("--trl-pythonpath", default="", help="prepended to the TRL worker's PYTHONPATH")
     ap.add_argument("--no-trl", action="store_true", help="slimectl's side only (where TRL is not installed)")
+    ap.add_argument("--offload", action="store_true",
+                    help="engine.offload_during_train: the engine frees its weights and KV cache while the actor trains")
     a = ap.parse_args()
     if (a.model is None) == (not a.tiny_model):
         ap.error("give --model DIR or --tiny-model")

@@ -205,9 +205,10 @@ class EngineSection(Section):
     mem_fraction_static: Optional[float] = Field(default=None, gt=0, le=1)
     """SGLang's ``--mem-fraction-static`` (default: SGLang's)."""
     offload_during_train: bool = False
-    """``slimectl rl`` (synchronous loop, colocated): engines release their memory while the
-    actor trains (``/release_memory_occupation``) and take it back for the sync — SGLang frees
-    GPU memory; the embedded engine accepts the calls and keeps its (CPU) memory."""
+    """``slimectl rl`` (synchronous loop, colocated): engines release their weights and KV cache
+    while the actor trains (``/release_memory_occupation``) and take them back for the sync, which
+    loads the new weights — SGLang frees GPU memory; the embedded engine frees its host memory
+    (its RSS drops by the weight bytes)."""
     sglang_python: Optional[str] = None
     """Interpreter that has sglang installed (sglang pins its own torch)."""
     sglang_args: dict[str, Any] = Field(default_factory=dict)

@@ -145,7 +145,12 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
                 offload = cfg.engine.offload_during_train and ahead is None
                 if offload:
                     release_engines(loop, clients)
-                steps = trainer.train(rid, art, last=rid == n_total - 1)
+                try:
+                    steps = trainer.train(rid, art, last=rid == n_total - 1)
+                except BaseException:
+                    if offload:  # engines that outlive this run (a `serve`'s) take their memory back for the rerun's sync
+                        _resume_quietly(loop, clients)
+                    raise
                 t_train = time.perf_counter() - t1
                 result.trained.append(rid)
                 t2 = time.perf_counter()
@@ -217,3 +222,12 @@ def release_engines(loop, clients: dict) -> None:
 
 def resume_engines(loop, clients: dict, tags: list[str]) -> None:
     loop.run_until_complete(_gather([c.resume_memory_occupation(tags) for c in clients.values()]))
+
+
+def _resume_quietly(loop, clients: dict) -> None:
+    """Best effort, on the way out after a failed or stopped training: every engine takes its memory back
+    (its weights stay unloaded until the next sync pushes them)."""
+    try:
+        resume_engines(loop, clients, None)
+    except Exception as exc:
+        log.warning("could not resume the engines' memory (%s); POST /resume_memory_occupation to each", exc)

@@ -18,9 +18,10 @@ from tests.helpers import (ARITH, ENV, assert_trained_once, engine_pids, post, r
                            start_serve, wait_healthy, write_config)
 
 
-def test_rl_synchronous_loop_end_to_end_and_evaluates_with_pass_at_k(tmp_path):
+def test_rl_synchronous_loop_end_to_end_and_evaluates_with_pass_at_k(tmp_path, clean_rl_run):
     """One synchronous run of 3 rollouts (engines offloaded while training) that also evaluates every
-    2 rollouts and at the end (pass@1 and pass@4 on 3 eval prompts); the rerun has nothing to do."""
+    2 rollouts and at the end (pass@1 and pass@4 on 3 eval prompts); the rerun has nothing to do.
+    Offloading changes no sample: rollouts 0-1 equal those of the same config run without it."""
     cfg = write_config(tmp_path, engine={"offload_during_train": True},
                        rollout={"eval_interval": 2, "eval_n_samples": 4, "eval_pass_k": [1, 4]},
                        data={"eval_data": {"arith": f"{ARITH}@[0:3]"}})
@@ -41,6 +42,17 @@ def test_rl_synchronous_loop_end_to_end_and_evaluates_with_pass_at_k(tmp_path):
     assert "rl 3/3: reward" in logs["rl"] and "step 3 (rollout 2)" in logs["rl"]  # the loop's log has everything
     assert "step 3 (rollout 2)" in logs["train"] and "rollout 2: reward" not in logs["train"]
     assert "rollout 2: reward" in logs["rollout"] and " D " in logs["rl"]  # DEBUG lines, though stderr is at INFO
+    # the engine really freed its weights and KV cache for each training, and generated again only once
+    # the sync had loaded a full set of weights into the reallocated parameters
+    assert logs["engine-0"].count("Released memory occupation (tags kv_cache,weights)") == 3, logs["engine-0"][-3000:]
+    assert logs["engine-0"].count("weights loaded after resume") == 3
+    from slimectl.contract.samples import SAMPLES_FILE, read_samples
+
+    clean, _ = clean_rl_run  # the same config without offload (2 rollouts, no eval): the same samples
+    for rid in range(2):
+        sa, sb = (read_samples(r.rollouts.get(rid).file(SAMPLES_FILE)) for r in (run, clean))
+        assert [(x.tokens, x.reward) for x in sa] == [(x.tokens, x.reward) for x in sb], rid
+        assert [x.rollout_log_probs for x in sa] == [pytest.approx(x.rollout_log_probs, abs=1e-5) for x in sb], rid
     # eval at every eval_interval-th weight version and after the last rollout (3 is no multiple of 2)
     assert run.evals.ids() == [2, 3]
     results = json.loads(run.evals.get(3).file("results.json").read_text())

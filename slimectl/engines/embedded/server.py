@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from slimectl.contract.faults import fault_point
+from slimectl.engines.embedded.memory import EngineBusy, MemoryReleased, parse_tags
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV, NONCE_FIELD
 from slimectl.orchestration.signals import set_on_signals
 from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, reserve_port, start_site
@@ -127,8 +128,8 @@ class EmbeddedEngine:
         r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        r.add_post("/release_memory_occupation", self.memory_noop)
-        r.add_post("/resume_memory_occupation", self.memory_noop)
+        r.add_post("/release_memory_occupation", self.release_memory_occupation)
+        r.add_post("/resume_memory_occupation", self.resume_memory_occupation)
 
     # ------------------------------------------------------------------ plumbing
     @web.middleware
@@ -148,6 +149,10 @@ class EmbeddedEngine:
         except BadRequest as exc:
             return _err(400, str(exc))
         except Exception as exc:  # keep serving; report the failure to this one client
+            if isinstance(exc, MemoryReleased):  # released (or resumed, not reloaded): unavailable until fixed
+                return _err(503, str(exc))
+            if isinstance(exc, EngineBusy):
+                return _err(400, str(exc))
             log.exception("request %s failed", request.path)
             return _err(500, f"{type(exc).__name__}: {exc}")
 
@@ -217,6 +222,7 @@ class EmbeddedEngine:
             "weight_version": self.runner.weight_version,
             "admin_api_key": None, "api_key": None,  # never echoed
             NONCE_FIELD: self.nonce,
+            **self.runner.memory_state,  # memory_released, weights_need_update, memory_release/resume_count
         })
 
     async def loads(self, request: web.Request) -> web.Response:
@@ -345,11 +351,13 @@ class EmbeddedEngine:
         try:
             for r in reqs:
                 futures.append(self.runner.submit(r))
-        except ValueError as exc:
+        except (ValueError, MemoryReleased) as exc:
             for f in futures:
                 f.cancel()
             for r in reqs[: len(futures)]:
                 self.runner.abort(rid=r.rid)
+            if isinstance(exc, MemoryReleased):
+                raise  # 503 (the middleware)
             raise BadRequest(str(exc)) from None
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         out = [self._response(res, req, body, t0) for res, req in zip(results, reqs)]
@@ -384,9 +392,22 @@ class EmbeddedEngine:
         self.runner.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
-    async def memory_noop(self, request: web.Request) -> web.Response:
-        await self._json(request)
-        return web.json_response(None)
+    async def _memory_call(self, request: web.Request, fn) -> web.Response:
+        body = await self._json(request)
+        try:
+            tags = parse_tags(body.get("tags"))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        await self._in_thread(fn, tags)
+        return web.json_response(None)  # SGLang answers both with 200 null
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        """Free the weights and/or KV cache (``tags``; none: all) of an idle engine; 400 while
+        requests are in flight. Until resumed (and, for weights, reloaded) /generate answers 503."""
+        return await self._memory_call(request, self.runner.release_memory_occupation)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        return await self._memory_call(request, self.runner.resume_memory_occupation)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await self._json(request)
@@ -424,7 +445,7 @@ class EmbeddedEngine:
             paused = self.runner.abort(abort_all=True)
         try:
             await self._in_thread(self.runner.update_weights_from_disk, path, version)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, MemoryReleased) as exc:
             return _fail(f"Failed to update weights: {exc}")
         self.model_path = path
         v = self.runner.weight_version
