@@ -127,6 +127,7 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
 
         with critical():
             trainer.connect(loop, clients)
+        loop.run_until_complete(resume_released_engines(clients))  # left released by a run killed in training
         sync(trainer.weight_version)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-rollout")
         ahead: Future | None = None
@@ -222,6 +223,25 @@ def release_engines(loop, clients: dict) -> None:
 
 def resume_engines(loop, clients: dict, tags: list[str]) -> None:
     loop.run_until_complete(_gather([c.resume_memory_occupation(tags) for c in clients.values()]))
+
+
+async def resume_released_engines(clients: dict) -> list[str]:
+    """Engines that report memory released (``memory_released`` in ``/server_info``: a colocated run
+    killed while it trained, by ``kill -9``, left a ``serve``'s engines so) take it back before the
+    first sync, which then loads their weights. Engines that do not report it (SGLang) are left as
+    they are. Returns the URLs resumed."""
+    async def released(client) -> bool:
+        try:
+            return bool((await client.get_server_info()).get("memory_released"))
+        except Exception:  # noqa: BLE001 — an engine that cannot say is not resumed; the sync reports it
+            return False
+
+    flags = await _gather([released(c) for c in clients.values()])
+    resumed = [url for url, flag in zip(clients, flags) if flag]
+    if resumed:
+        log.info("resuming the memory of %s, released by a run that stopped while it trained", ", ".join(resumed))
+        await _gather([clients[u].resume_memory_occupation(None) for u in resumed])
+    return resumed
 
 
 def _resume_quietly(loop, clients: dict) -> None:

@@ -95,6 +95,19 @@ def test_release_frees_the_weights_refuses_generate_and_reload_restores_the_gree
             status, after = await call("/generate", GREEDY)
             assert status == 200 and after["output_ids"] == before["output_ids"], (before, after)
             assert after["meta_info"]["weight_version"] == "v1"
+
+            # a run killed while it trained left the engine released: the next run's loop resumes it
+            # before its first sync (which loads the weights); an engine not released is left alone
+            from slimectl.engines.client import EngineClient
+            from slimectl.orchestration.loop import resume_released_engines
+
+            assert await call("/release_memory_occupation", {}) == (200, None)
+            url = str(client.make_url("/")).rstrip("/")
+            async with EngineClient(url) as ec:
+                assert await resume_released_engines({url: ec}) == [url]
+                _, info = await call("/get_server_info", method="GET")
+                assert info["memory_released"] == [] and info["weights_need_update"] is True
+                assert await resume_released_engines({url: ec}) == []
             return before["output_ids"]
 
     try:
