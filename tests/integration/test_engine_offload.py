@@ -143,3 +143,29 @@ def test_memory_tags_are_sglangs():
     for bad in (["weights", "gpu"], "weights", [1]):
         with pytest.raises(ValueError):
             parse_tags(bad)
+
+
+def test_loading_weights_from_disk_reads_into_the_parameters_without_a_copy_of_the_model(model):
+    """update_weights_from_disk reads each tensor straight into its parameter (checked from the
+    headers first): torch allocates far less than the model's bytes on the way, and the engine
+    generates what it generated before (its own weights, read back from disk)."""
+    from torch.autograd.profiler import profile
+
+    from slimectl.engines.embedded.scheduler import BatchRunner
+
+    runner = BatchRunner(str(model), max_batch_size=2, weight_version="v0")
+    runner.start()
+    try:
+        before = runner.submit(_greedy_request()).result(60).output_ids
+        model_bytes = param_bytes(runner._params)
+        with torch.no_grad():
+            for p in runner._params.values():
+                p.zero_()
+        with profile(profile_memory=True) as prof:
+            runner.update_weights_from_disk(str(model), weight_version="v1")
+        allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.function_events)
+        assert allocated < 0.25 * model_bytes, (allocated, model_bytes)
+        assert runner.submit(_greedy_request()).result(60).output_ids == before
+        assert runner.weight_version == "v1"
+    finally:
+        runner.stop()

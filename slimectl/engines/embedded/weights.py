@@ -67,16 +67,33 @@ class WeightUpdates:
             if mine != theirs:
                 raise ValueError(f"checkpoint {model_path!r} does not match the served model: "
                                  f"{key} is {theirs!r}, expected {mine!r}")
-        items = self._check_named_tensors(_iter_safetensors(path))
-        missing = self._missing_from({n for n, _ in items})
-        if missing:
-            raise ValueError(f"checkpoint {model_path!r} is missing parameter {missing[0]!r}"
-                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        # Read straight into the parameters (no second copy of the model): names, shapes and
+        # completeness are checked from the headers first; a read that fails midway leaves the
+        # version ``<old>-incomplete``, as a failed receive does (receive_weights).
+        from slimectl.backends.hf.checkpoint import HFCheckpoint
+        from slimectl.contract.errors import SlimectlError
 
-        def after():
-            self.model_path = str(model_path)
+        try:
+            ckpt = HFCheckpoint(path)
+        except SlimectlError as exc:
+            raise ValueError(str(exc)) from None
+        with ckpt:
+            specs = [(n, ckpt.dtype(n), ckpt.shape(n)) for n in ckpt.names()]
+            self._check_specs(specs)
+            missing = self._missing_from({n for n, _, _ in specs})
+            if missing:
+                raise ValueError(f"checkpoint {model_path!r} is missing parameter {missing[0]!r}"
+                                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            order = iter([n for n, _, _ in specs])
 
-        self._apply_weights(items, weight_version, after)
+            def read(out: torch.Tensor) -> None:
+                try:
+                    ckpt.get(next(order), out=out)
+                except SlimectlError as exc:
+                    raise ValueError(str(exc)) from None
+
+            self.receive_weights(specs, read, weight_version)
+        self.model_path = str(model_path)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first ``truncate_size`` rows (dim 0) of parameter ``name`` as float32 nested lists —
@@ -96,15 +113,7 @@ class WeightUpdates:
         If a receive fails midway the model holds a mix, so the weight version becomes
         ``<old>-incomplete`` (rollouts refuse mixed versions; the next full update fixes it).
         """
-        targets = self._weight_targets()
-        for name, dtype, shape in specs:
-            param = targets.get(name)
-            if param is None:
-                raise ValueError(f"unknown parameter name {name!r}")
-            if tuple(shape) != tuple(param.shape):
-                raise ValueError(f"shape mismatch for {name!r}: got {tuple(shape)}, expected {tuple(param.shape)}")
-            if not dtype.is_floating_point and param.is_floating_point():
-                raise ValueError(f"dtype mismatch for {name!r}: got {dtype}, expected a floating point tensor")
+        targets = self._check_specs(specs)
         if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
             raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
 
@@ -126,6 +135,20 @@ class WeightUpdates:
                 self._weight_version = weight_version
 
         self._run_control(apply)
+
+    def _check_specs(self, specs) -> dict[str, torch.Tensor]:
+        """ValueError unless every (name, dtype, shape) names a weight of that shape and a floating
+        dtype; returns the weight targets."""
+        targets = self._weight_targets()
+        for name, dtype, shape in specs:
+            param = targets.get(name)
+            if param is None:
+                raise ValueError(f"unknown parameter name {name!r}")
+            if tuple(shape) != tuple(param.shape):
+                raise ValueError(f"shape mismatch for {name!r}: got {tuple(shape)}, expected {tuple(param.shape)}")
+            if not dtype.is_floating_point and param.is_floating_point():
+                raise ValueError(f"dtype mismatch for {name!r}: got {dtype}, expected a floating point tensor")
+        return targets
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         """Every name an update may write or a read-back may read: the parameters (tied ones under
@@ -265,15 +288,3 @@ def fused_expert_views(model) -> dict[str, tuple[str, torch.Tensor]]:
                 if "down_proj_bias" in fused:
                     out[base + "down_proj.bias"] = (prefix + "down_proj_bias", fused["down_proj_bias"][e])
     return out
-
-
-def _iter_safetensors(path: Path):
-    """(name, tensor) for every tensor of a checkpoint directory (the one reader in backends/hf);
-    its errors become ValueError, which the server answers with HTTP 400."""
-    from slimectl.backends.hf.checkpoint import iter_safetensors_dir
-    from slimectl.contract.errors import SlimectlError
-
-    try:
-        yield from iter_safetensors_dir(path)
-    except SlimectlError as exc:
-        raise ValueError(str(exc)) from None
