@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimectl.backends.megatron.host_memory import release_free_memory
+from slimectl.backends.host_memory import release_free_memory
 from slimectl.contract.config import SlimectlConfig, critic_layout_problem
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ConfigError, SlimectlError, UsageError

@@ -21,7 +21,7 @@ VOCAB = 4096
 
 CHILD = r"""
 import json, sys
-from slimectl.backends.megatron.host_memory import rss_bytes
+from slimectl.backends.host_memory import rss_bytes
 import slimectl.stages.train as train_mod
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.metrics import MetricsWriter

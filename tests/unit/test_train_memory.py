@@ -13,7 +13,7 @@ from tests.helpers import ROOT
 # use, so freeing them gives nothing back by itself — what a training step's activations do.
 HELD = r"""
 import json, torch
-from slimectl.backends.megatron.host_memory import release_free_memory, rss_bytes
+from slimectl.backends.host_memory import release_free_memory, rss_bytes
 big = torch.ones(4 << 20)
 del big
 blocks = [torch.ones(1 << 20) for _ in range(64)]  # 256 MiB

@@ -132,7 +132,7 @@ def _release_before_layers_backward(gpt) -> None:
     blocks are of other sizes: without this they stayed resident through the whole layers'
     backward, under the step's peak; the recomputed layers' freed blocks likewise stayed under the
     embedding's dense gradient (``bench/train_memory_phases.py``)."""
-    from slimectl.backends.megatron.host_memory import release_free_memory
+    from slimectl.backends.host_memory import release_free_memory
 
     def release(_grad):
         release_free_memory()
@@ -813,7 +813,7 @@ class MegatronActor:
         return loss * (w * self.dp), {k: float(v) * w for k, v in metrics.items()}
 
     def _train_step(self, layout, idx: list[int], rows: "_SampleRows", temperature: float) -> dict[str, float]:
-        from slimectl.backends.megatron.host_memory import release_free_memory
+        from slimectl.backends.host_memory import release_free_memory
 
         t0 = time.perf_counter()
         # Freed heap blocks of what ran before (weights publishing, no-grad log-prob forwards) back

@@ -30,10 +30,9 @@ Only an idle engine releases (no request running or waiting; see
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 from typing import TYPE_CHECKING
+
+from slimectl.backends.host_memory import release_free_memory, rss_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -99,38 +98,8 @@ def reallocate_params(params: dict[str, torch.nn.Parameter]) -> int:
     return alloc
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def trim_heap() -> bool:
-    """Hand glibc's free heap pages back to the OS (``malloc_trim(0)``), so RSS drops by what was
-    freed; False where the C library has none (musl, macOS)."""
-    fn = _malloc_trim()
-    if fn is None:
-        return False
-    fn(0)
-    return True
-
-
-def rss_bytes(pid: int | str = "self") -> int:
-    """VmRSS of a process (``/proc/PID/status``); 0 where there is no /proc."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+# One glibc malloc_trim and RSS reader for the trainer and the engine (backends/host_memory.py).
+trim_heap = release_free_memory
 
 
 __all__ = ["CUDA_GRAPH", "EngineBusy", "KV_CACHE", "MemoryReleased", "TAGS", "WEIGHTS", "param_bytes", "parse_tags",

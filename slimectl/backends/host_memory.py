@@ -1,4 +1,5 @@
-"""Give freed host memory back to the OS at the trainer's phase boundaries (glibc's ``malloc_trim``).
+"""Give freed host memory back to the OS (glibc's ``malloc_trim``): at the trainer's phase boundaries,
+and when the embedded engine releases its weights for colocated training (``engines/embedded/memory.py``).
 
 torch's CPU tensors come from glibc's ``malloc``. glibc serves a block from ``mmap`` (given back on
 ``free``) only above a threshold that it *raises* to the size of every mmapped block freed, up to
@@ -56,12 +57,13 @@ def release_free_memory() -> bool:
     return True
 
 
-def rss_bytes() -> int:
-    """This process's resident set size now (``/proc/self/statm``; 0 where there is no /proc)."""
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident set size now (``/proc/PID/statm``, this process by default; 0 where there
+    is no /proc)."""
     import os
 
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
