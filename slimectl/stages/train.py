@@ -122,12 +122,16 @@ class CheckpointWriter:
         if not self.background:
             job()
             return waited
+        self._pending = self._thread().submit(job)
+        return waited
+
+    def _thread(self):
+        """The one background worker (made on first use): jobs run one at a time, in order."""
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-save")
-        self._pending = self._pool.submit(job)
-        return waited
+        return self._pool
 
     def then(self, job) -> None:
         """Run ``job`` after the jobs handed over so far, and only if they succeed (inline when
@@ -156,11 +160,7 @@ class CheckpointWriter:
         if not self.background:
             quiet()
             return
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-save")
-        self._pool.submit(quiet)  # one worker: runs after what is queued, before what comes next
+        self._thread().submit(quiet)  # one worker: runs after what is queued, before what comes next
 
     def close(self) -> None:
         """Finish the pending save (normal exit, SIGTERM, an error: a save already running is

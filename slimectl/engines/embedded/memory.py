@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from slimectl.backends.host_memory import release_free_memory, rss_bytes
+from slimectl.backends.host_memory import release_free_memory, rss_bytes  # one reader for trainer and engine
 
 if TYPE_CHECKING:
     import torch
@@ -98,9 +98,5 @@ def reallocate_params(params: dict[str, torch.nn.Parameter]) -> int:
     return alloc
 
 
-# One glibc malloc_trim and RSS reader for the trainer and the engine (backends/host_memory.py).
-trim_heap = release_free_memory
-
-
 __all__ = ["CUDA_GRAPH", "EngineBusy", "KV_CACHE", "MemoryReleased", "TAGS", "WEIGHTS", "param_bytes", "parse_tags",
-           "reallocate_params", "release_params", "rss_bytes", "trim_heap", "unique_params"]
+           "reallocate_params", "release_params", "release_free_memory", "rss_bytes", "unique_params"]

@@ -55,7 +55,7 @@ import torch
 
 from slimectl.engines.embedded.kv_cache import BatchKVCache
 from slimectl.engines.embedded.memory import (CUDA_GRAPH, KV_CACHE, WEIGHTS, EngineBusy, MemoryReleased, parse_tags,
-                                              reallocate_params, release_params, rss_bytes, trim_heap)
+                                              reallocate_params, release_free_memory, release_params, rss_bytes)
 from slimectl.engines.embedded.model import load_model, model_dtype
 from slimectl.engines.embedded.requests import ABORT_REASON, GenRequest, GenResult, RunningRequest
 from slimectl.engines.embedded.sampling import BatchSampling, SamplingParams, is_int, prompt_logprobs, sample_next_tokens
@@ -422,7 +422,7 @@ class BatchRunner(WeightUpdates):
         if WEIGHTS in new:
             weights = release_params(self._params)
             self._targets = None  # fused-expert views of the old storage (weights.py rebuilds them)
-        trim_heap()
+        release_free_memory()
         rss1 = rss_bytes()
         log.info("Released memory occupation (tags %s): weights %.1f MB, KV cache %.1f MB; RSS %.1f -> %.1f MB",
                  ",".join(sorted(tags)) or "cuda_graph", weights / 2**20, kv / 2**20, rss0 / 2**20,
