@@ -68,9 +68,27 @@ class SignalHandlers:
 
 def set_on_signals(event: threading.Event | asyncio.Event, signals: Sequence[int] = STOP_SIGNALS) -> SignalHandlers:
     """Set ``event`` on SIGINT/SIGTERM: an ``asyncio.Event`` from the running loop (call this inside
-    it), a ``threading.Event`` from a plain handler."""
-    loop = asyncio.get_running_loop() if isinstance(event, asyncio.Event) else None
-    return SignalHandlers(lambda signum, frame: event.set(), signals, loop=loop)
+    it), a ``threading.Event`` from a plain handler (through :func:`set_from_handler`)."""
+    if isinstance(event, asyncio.Event):
+        return SignalHandlers(lambda signum, frame: event.set(), signals, loop=asyncio.get_running_loop())
+    started: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not started:  # once: a second signal arriving while the first one's thread starts does nothing
+            started.append(signum)
+            set_from_handler(event)
+
+    return SignalHandlers(handler, signals)
+
+
+def set_from_handler(event: threading.Event) -> None:
+    """Set ``event`` from a plain signal handler without deadlocking. The handler runs in the main
+    thread between two bytecodes, possibly while that thread is inside ``event.wait()``/``set()``
+    holding the event's own lock (not reentrant): ``event.set()`` there would wait for itself forever
+    (``serve`` ignoring the second of two SIGTERMs that came together). A short thread sets it as soon
+    as the main thread lets go of the lock."""
+    if not event.is_set():  # no lock taken
+        threading.Thread(target=event.set, name="set-on-signal", daemon=True).start()
 
 
 def run_previous(previous: Any, signum: int, frame: Any) -> None:
@@ -132,7 +150,7 @@ class InterruptOnSignal:
         if self.signal is not None:
             return
         self.signal = signum
-        self.stop.set()
+        set_from_handler(self.stop)  # the main thread may hold its lock (loop.py sets it on the way out)
         if self._depth:
             self._pending = True
             return

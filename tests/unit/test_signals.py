@@ -131,7 +131,7 @@ def test_interrupt_on_signal_now_or_after_the_deferred_section(previous_sigterm)
     with InterruptOnSignal() as sig:
         with pytest.raises(KeyboardInterrupt):
             _deliver(signal.SIGTERM)
-        assert sig.stop.is_set() and sig.signal == signal.SIGTERM
+        assert sig.stop.wait(5) and sig.signal == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is outer
 
     steps = []
@@ -142,7 +142,7 @@ def test_interrupt_on_signal_now_or_after_the_deferred_section(previous_sigterm)
                 steps.append("sync finished")  # not cut short by the signal
                 _deliver(signal.SIGTERM)  # a second signal is ignored
                 steps.append("engines continued")
-        assert sig.signal == signal.SIGINT and sig.stop.is_set()
+        assert sig.signal == signal.SIGINT and sig.stop.wait(5)
     assert steps == ["sync finished", "engines continued"] and outer_calls == []
     assert signal.getsignal(signal.SIGTERM) is outer
 
@@ -171,3 +171,30 @@ def test_sigterm_to_an_asyncio_subprocess_runs_its_handler():
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and out.strip() == "stopped True"
+
+
+@pytest.mark.parametrize("how", ["set_on_signals", "InterruptOnSignal"])
+def test_a_signal_arriving_while_the_main_thread_holds_the_events_lock_does_not_deadlock(how):
+    """The handler runs in the main thread between two bytecodes -- here deterministically while that
+    thread holds the event's own lock, as it does for a moment inside ``event.wait(1.0)`` each time
+    the wait returns (serve's loop: two SIGTERMs that came together, the second one landing there).
+    Setting the event in the handler waited for itself forever; the process must stop instead."""
+    code = textwrap.dedent(f"""
+        import os, signal, threading
+        from slimectl.orchestration.signals import InterruptOnSignal, set_on_signals
+
+        stop = threading.Event()
+        handlers = set_on_signals(stop) if {how!r} == "set_on_signals" else InterruptOnSignal(stop)
+        with handlers:
+            try:
+                with stop._cond:  # what Event.wait holds between its checks
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    for _ in range(1000):  # the handler runs here, the lock held
+                        pass
+            except KeyboardInterrupt:  # InterruptOnSignal's way of stopping the main thread
+                pass
+            print("stopped", stop.wait(10), flush=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "stopped True", proc.stderr[-2000:]
