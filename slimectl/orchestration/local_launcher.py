@@ -117,6 +117,7 @@ class InProcessTrainer:
         self.trainer = Trainer(run, cfg, stack.enter_context(run.lock("train")), critic_factory=critic_factory)
         stack.callback(self.trainer.close)  # a checkpoint still being written is published before the lock goes
         self.loop = self.clients = self.transport = self.metrics = None
+        self._open_passes: list = []  # the passes over the live tensors of the sync under way
 
     @property
     def weight_version(self) -> int:
@@ -144,7 +145,10 @@ class InProcessTrainer:
         if not self.disk:
             def passes():  # several trainer ranks: each pass is announced to ranks > 0 (FollowerTrainer)
                 broadcast_from_rank0("pass")
-                yield from self.trainer.iter_hf_tensors()
+                tensors = iter(self.trainer.iter_hf_tensors())
+                self._open_passes.append(tensors)
+                for item in tensors:  # not `yield from`: closing this generator must leave the pass open
+                    yield item
 
             return WeightSource.from_tensors(version, passes)
         # Publishing is collective over the trainer ranks (a Ray trainer with several): rank 0 decides.
@@ -161,13 +165,27 @@ class InProcessTrainer:
 
         s = self.cfg.sync
         with self.run.stage_log("sync"):
+            self._open_passes = []
             try:
                 res = self.loop.run_until_complete(sync_engines(self.clients, self.transport, self._source(version),
                                                                 s.pause_mode, s.verify))
             finally:
                 if not self.disk:
+                    self._finish_passes()
                     broadcast_from_rank0("done")  # no-op with one trainer rank
         return res.metrics(), res.seconds
+
+    def _finish_passes(self) -> None:
+        """Walk each pass over the tensors that a failed push left unfinished (a dead engine): ranks > 0
+        are inside its TP/PP gathers, and would wait there forever (or pair them with the next
+        collective) if rank 0 went on to broadcast the end of the sync."""
+        import torch.distributed as dist
+
+        passes, self._open_passes = self._open_passes, []
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            for tensors in passes:
+                for _ in tensors:
+                    pass
 
     def train(self, rid: int, art, last: bool) -> list[dict]:
         """Train on rollout ``rid`` (its READY artifact ``art``); the per-step train metrics."""
