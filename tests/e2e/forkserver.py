@@ -23,8 +23,9 @@ Two kinds of client, any number at once:
   ``SLIMECTL_FORK_PIDS`` (one per simulated host) before it runs anything, so a test's kill -9 of a
   host reaches it directly (:meth:`ForkServer.children`).
 
-Should a client go away before its child ends (its socket closes: kill -9 of a host, a test that
-dropped its :class:`Run`), the server sends the child's process group SIGKILL at once. The server
+Should a client go away before its child ends (its socket closes or is reset: kill -9 of a host, a
+test that dropped its :class:`Run`), the server sends the child's process group SIGKILL at once; a
+client killed while it hands over its job is no error of the server's (it serves the others on). The server
 is a child of the test process and reaps every child, so their CPU seconds count in
 tests/conftest.py's figures once the server itself is reaped (:meth:`ForkServer.close`).
 """
@@ -135,12 +136,16 @@ def _serve(path: str, log: str | None = None) -> None:
                     return
             elif r is listener:
                 conn, _ = listener.accept()
-                data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-                while data and not data.endswith(b"\n"):
-                    more = conn.recv(1 << 16)
-                    if not more:
-                        break
-                    data += more
+                data, fds = b"", []
+                try:
+                    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+                    while data and not data.endswith(b"\n"):
+                        more = conn.recv(1 << 16)
+                        if not more:
+                            break
+                        data += more
+                except OSError:  # reset: the client was killed while it sent its job
+                    data = b""
                 if len(fds) != 3 or not data.endswith(b"\n"):  # a client that died before its job was sent
                     for fd in fds:
                         os.close(fd)
@@ -153,13 +158,22 @@ def _serve(path: str, log: str | None = None) -> None:
                     _child(job, fds)
                 for fd in fds:
                     os.close(fd)
+                started[pid] = (time.monotonic(), " ".join([job["mode"], *job["argv"]]))
+                try:
+                    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                except OSError:  # the client was killed (its host's kill -9) after sending its job: so is the child
+                    _kill_child(pid)
+                    conn.close()
+                    continue  # reaped below, no answer to send
                 clients[conn] = pid
                 by_pid[pid] = conn
-                started[pid] = (time.monotonic(), " ".join([job["mode"], *job["argv"]]))
-                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             else:  # a client that talks after its job is sent has gone away: kill -9 its child, as its host died
-                if not r.recv(1):
-                    _killpg(clients[r], signal.SIGKILL)
+                try:
+                    gone = not r.recv(1)
+                except OSError:  # reset rather than closed: gone all the same
+                    gone = True
+                if gone:
+                    _kill_child(clients[r])
                     del by_pid[clients.pop(r)]  # reaped below (no answer to send)
                     r.close()
         while True:
@@ -182,6 +196,15 @@ def _serve(path: str, log: str | None = None) -> None:
                     pass
                 del clients[conn]
                 conn.close()
+
+
+def _kill_child(pid: int) -> None:
+    """SIGKILL to a child's process group, and to the child itself: before its setsid() it leads no group."""
+    _killpg(pid, signal.SIGKILL)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _killpg(pid: int, sig: int) -> None:
