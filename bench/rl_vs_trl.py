@@ -18,6 +18,7 @@ directory to its ``PYTHONPATH``).
 
     python bench/rl_vs_trl.py --model DIR [--rounds 2] [--steps 6] [--prompts 4] [--samples 4] [--new-tokens 32]
     python bench/rl_vs_trl.py --tiny-model          # a smoke run on a tiny random qwen2
+    python bench/rl_vs_trl.py --model DIR --no-trl --set sync.transport=distributed   # slimectl alone, a setting changed
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
     path = work / "rl.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = work / f"run-{seed}"
-    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "rl", "-c", str(path), "-r", str(run)],
+    sets = [x for kv in a.set for x in ("--set", kv)]
+    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "rl", "-c", str(path), "-r", str(run), *sets],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
     mem = TreeRSS(proc.pid)
@@ -242,6 +244,8 @@ def main() -> None:
     ap.add_argument("--no-trl", action="store_true", help="slimectl's side only (where TRL is not installed)")
     ap.add_argument("--offload", action="store_true",
                     help="engine.offload_during_train: the engine frees its weights and KV cache while the actor trains")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for slimectl's side (repeatable), e.g. sync.transport=distributed")
     a = ap.parse_args()
     if (a.model is None) == (not a.tiny_model):
         ap.error("give --model DIR or --tiny-model")
