@@ -95,6 +95,12 @@ def has_chat_template(model: Path) -> bool:
 
 
 # ----------------------------------------------------------------------------- slimectl rl
+def rl_argv(config: Path, run: Path, sets: list[str]) -> list[str]:
+    """The `slimectl rl` command of one run: the bench's config, then each ``--set KEY=VALUE`` given."""
+    return [sys.executable, "-m", "slimectl", "rl", "-c", str(config), "-r", str(run),
+            *(x for kv in sets for x in ("--set", kv))]
+
+
 def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
     import yaml
 
@@ -112,8 +118,7 @@ def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
     path = work / "rl.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = work / f"run-{seed}"
-    sets = [x for kv in a.set for x in ("--set", kv)]
-    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "rl", "-c", str(path), "-r", str(run), *sets],
+    proc = subprocess.Popen(rl_argv(path, run, a.set),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
     mem = TreeRSS(proc.pid)

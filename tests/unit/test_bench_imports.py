@@ -41,3 +41,14 @@ def test_every_slimectl_import_of_a_bench_script_resolves(script):
 
 def test_the_bench_list_is_not_empty():
     assert {"train.py", "convert.py", "rl_vs_trl.py"} <= {p.name for p in BENCH}
+
+
+def test_rl_vs_trl_hands_each_set_to_slimectl_rl(tmp_path):
+    """bench/rl_vs_trl.py --set KEY=VALUE (repeatable) reaches slimectl's side as `--set KEY=VALUE`, in order."""
+    spec = importlib.util.spec_from_file_location("rl_vs_trl", ROOT / "bench" / "rl_vs_trl.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = bench.rl_argv(tmp_path / "rl.yaml", tmp_path / "run", ["train.save_interval=5", "sync.transport=distributed"])
+    assert argv[1:] == ["-m", "slimectl", "rl", "-c", str(tmp_path / "rl.yaml"), "-r", str(tmp_path / "run"),
+                        "--set", "train.save_interval=5", "--set", "sync.transport=distributed"]
+    assert bench.rl_argv(tmp_path / "rl.yaml", tmp_path / "run", [])[-1] == str(tmp_path / "run")
