@@ -221,14 +221,25 @@ class RankWorker:
 
 
 def start_engine(model: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """An embedded engine server subprocess on a free port (weight version 0 unless ARGS set one): (proc, url)."""
-    port = free_port()
+    """An embedded engine server subprocess (weight version 0 unless ARGS set one): (proc, url). Its port is the
+    one the system gave its socket (``--port 0``, read from ``--port-file`` once bound, before the model loads):
+    a port picked here and bound there seconds later could be taken meanwhile by another test's engine, whose
+    answers this test would then read (seen in CI)."""
     if "--weight-version" not in args:
         args = (*args, "--weight-version", "0")
+    port_file = Path(f"{log}.port")
+    port_file.unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(model),
-                             "--port", str(port), *args],
+                             "--port", "0", "--port-file", str(port_file), *args],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**ENV, **(env or {})})
-    return proc, f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"engine (pid {proc.pid}) bound no port (exit {proc.poll()}); see {log}:\n"
+                                 f"{Path(log).read_text(errors='replace')[-2000:]}")
+        time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
 
 
 def wait_healthy(*urls: str, timeout: float = 120) -> None:

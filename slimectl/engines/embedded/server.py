@@ -566,6 +566,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--admin-api-key-env", default=None,
                     help="name of an environment variable holding the admin token")
     ap.add_argument("--ready-file", default=None, help="write 'host port' here once serving (for supervisors)")
+    ap.add_argument("--port-file", default=None,
+                    help="write the port here as soon as it is bound, before the model loads (with --port 0: the one "
+                         "the system picked, which no other socket holds)")
     ap.add_argument("--parent-pid", type=int, default=None,
                     help="shut down when this process (the supervising slimectl) is gone, even after kill -9")
     args = ap.parse_args(argv)
@@ -580,9 +583,15 @@ def main(argv: list[str] | None = None) -> None:
         log.error("cannot bind %s:%d (%s): another process holds the port; pick another port", args.host, args.port,
                   exc.strerror or exc)
         sys.exit(1)
+    port = sock.getsockname()[1]  # --port 0: the system's pick
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, args.port_file)  # whole or absent for a reader
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"}.get(args.dtype, args.dtype)
     token = os.environ.get(args.admin_api_key_env) if args.admin_api_key_env else None
-    engine = EmbeddedEngine(args.model_path, args.host, args.port, dtype=dtype, max_batch_size=args.max_running_requests,
+    engine = EmbeddedEngine(args.model_path, args.host, port, dtype=dtype, max_batch_size=args.max_running_requests,
                             weight_version=args.weight_version, admin_token=token or None, num_threads=args.num_threads,
                             nonce=os.environ.get(ENGINE_NONCE_ENV) or None, reserved_socket=sock)
 
