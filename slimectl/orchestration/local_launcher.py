@@ -165,7 +165,6 @@ class InProcessTrainer:
 
         s = self.cfg.sync
         with self.run.stage_log("sync"):
-            self._open_passes = []
             try:
                 res = self.loop.run_until_complete(sync_engines(self.clients, self.transport, self._source(version),
                                                                 s.pause_mode, s.verify))

@@ -29,7 +29,9 @@ from typing import Any
 
 from aiohttp import web
 
+from slimectl.contract.errors import RunDirError
 from slimectl.contract.faults import fault_point
+from slimectl.contract.rundir.atomic import atomic_write_text
 from slimectl.engines.embedded.memory import EngineBusy, MemoryReleased, parse_tags
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV, NONCE_FIELD
 from slimectl.orchestration.signals import set_on_signals
@@ -585,10 +587,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     port = sock.getsockname()[1]  # --port 0: the system's pick
     if args.port_file:
-        tmp = f"{args.port_file}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(f"{port}\n")
-        os.replace(tmp, args.port_file)  # whole or absent for a reader
+        try:
+            atomic_write_text(args.port_file, f"{port}\n")  # whole or absent for a reader
+        except RunDirError as exc:
+            log.error("--port-file: %s", exc)
+            sys.exit(1)
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"}.get(args.dtype, args.dtype)
     token = os.environ.get(args.admin_api_key_env) if args.admin_api_key_env else None
     engine = EmbeddedEngine(args.model_path, args.host, port, dtype=dtype, max_batch_size=args.max_running_requests,
