@@ -156,6 +156,24 @@ def test_megatron_matches_rollout_logprobs_tp1(rollout, tp1):
     assert torch.isfinite(tp1["grad"]).all() and tp1["grad"].abs().sum() > 0
 
 
+def shared_prompts_match_alone(res: dict, samples: list[dict]) -> None:
+    """The script's regrouped samples (4 per prompt) packed with shared prompts vs one per micro-batch."""
+    groups = [g for mb in res["shared_layout"] for g in mb]
+    assert sorted(len(g[1]) for g in groups if not isinstance(g, int)) == [4, 4], res["shared_layout"]
+    prompts = [len(samples[h]["tokens"]) - samples[h]["response_length"] for h in (0, 4)]
+    assert res["alone_rows"] - res["shared_rows"] == 3 * sum(prompts)  # each prompt forwarded once, not 4 times
+    assert res["shared_scores"] < res["alone_scores"]
+    diffs = {"logprob": max_diff(res["shared"], res["alone"]), "entropy": max_diff(res["shared_entropy"], res["alone_entropy"]),
+             "grad": (res["grad_shared"] - res["grad_alone"]).abs().max().item(), "scale": res["grad_alone"].abs().max().item()}
+    print("shared vs alone: " + " ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
+    assert diffs["logprob"] <= 1e-5 and diffs["entropy"] <= 1e-5
+    assert diffs["grad"] <= 1e-5 * max(1.0, diffs["scale"]) and diffs["scale"] > 0
+
+
+def test_shared_prompts_give_each_samples_own_logprobs_and_gradients_tp1(rollout, tp1):
+    shared_prompts_match_alone(tp1, rollout[2])
+
+
 def test_megatron_logprobs_tp2_match_tp1(rollout, tp1, tmp_path, two_ranks):
     model_dir, path, samples = rollout
     tp2 = run_script(two_ranks, 2, model_dir, path, tmp_path / "out.pt")
@@ -172,3 +190,42 @@ def test_megatron_logprobs_tp2_match_tp1(rollout, tp1, tmp_path, two_ranks):
     assert diffs["logprob_tp2_vs_rollout"] <= 1e-4
     # the vocab-parallel backward: same embedding gradient as TP=1
     assert diffs["grad_tp2_vs_tp1"] <= 1e-4 * max(1.0, diffs["grad_scale"])
+    shared_prompts_match_alone(tp2, samples)
+
+
+def test_pack_shared_prompts_layout_positions_and_mask():
+    """share_prompts: one prompt's samples are its prompt once, then their responses; positions as if
+    each sample were alone; the dense mask lets each response see the prompt and itself only."""
+    prompt_a, prompt_b = [5, 6, 7], [8, 9]
+    samples = [Sample(tokens=prompt_a + [20, 21], response_length=2), Sample(tokens=prompt_b + [30], response_length=1),
+               Sample(tokens=prompt_a + [22], response_length=1), Sample(tokens=prompt_a + [23, 24, 25], response_length=3),
+               Sample(tokens=[1, 2, 3], response_length=0)]
+    (mb,) = pack_samples(samples, 100, share_prompts=True)
+    assert mb.input_ids[0].tolist() == [5, 6, 7, 20, 21, 22, 23, 24, 25, 8, 9, 30, 1, 2, 3]
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3, 3, 4, 5, 0, 1, 2, 0, 1, 2]
+    assert mb.groups == ((3, (2, 1, 3)), 3, 3) and mb.layout == mb.groups  # a prompt with one sample: plain
+    assert mb.num_tokens == mb.length == 15 and mb.segment_lengths == [9, 3, 3]
+    assert [(s.sample_index, s.start, s.response_start) for s in mb.seqs] == [(0, 0, 3), (2, 0, 5), (3, 0, 6),
+                                                                              (1, 9, None), (4, 12, None)]
+    from slimectl.backends.megatron.logprobs import response_positions
+
+    rows, targets, counts = response_positions(mb)
+    assert rows.tolist() == [2, 3, 2, 2, 6, 7, 10] and counts == [2, 1, 3, 1, 0]
+    assert targets.tolist() == [20, 21, 22, 23, 24, 25, 30]
+    allowed = ~mb.attention_mask[0, 0]
+    assert allowed[6].nonzero().flatten().tolist() == [0, 1, 2, 6]  # sample 3's first response row
+    assert allowed[8].nonzero().flatten().tolist() == [0, 1, 2, 6, 7, 8]
+    assert allowed[11].nonzero().flatten().tolist() == [9, 10, 11] and allowed[14].nonzero().flatten().tolist() == [12, 13, 14]
+    # without share_prompts: today's layout, nothing grouped
+    (plain,) = pack_samples(samples, 100)
+    assert plain.groups == () and plain.length == 21 and all(s.response_start is None for s in plain.seqs)
+
+
+def test_pack_shared_prompts_split_a_group_over_the_budget():
+    prompt = [1, 2, 3, 4]
+    samples = [Sample(tokens=prompt + [10 + i] * 3, response_length=3) for i in range(5)]
+    mbs = pack_samples(samples, 10, share_prompts=True)  # prompt 4 + two responses of 3 fit in 10
+    assert sorted(mb.sample_indices for mb in mbs) == [[0, 1], [2, 3], [4]]
+    assert all(mb.length <= 10 for mb in mbs)
+    assert [mb.groups for mb in mbs if len(mb.seqs) == 2] == [((4, (3, 3)),)] * 2
+    assert [mb.groups for mb in mbs if len(mb.seqs) == 1] == [()]  # a lone sample: plain

@@ -5,6 +5,10 @@
 SAMPLES_JSON: [{"tokens": [...], "response_length": n}, ...]. Rank 0 writes OUT_PT (torch.save):
 packed / unpacked log-probs and entropies per sample, the micro-batch layout, and the gradient of
 sum(packed log-probs) w.r.t. the (gathered) word-embedding table. Prints "RESULT {json}".
+
+Shared prompts: the samples regrouped in fours (sample i's response after sample 4*(i//4)'s prompt),
+packed with ``share_prompts`` and one per micro-batch: log-probs, entropies and the embedding
+gradient of both, the rows forwarded and the attention scores computed.
 """
 
 import json
@@ -45,20 +49,44 @@ def main() -> None:
         t_packed = time.perf_counter() - t1
         lp_single = compute_log_probs_for_batches(model, single, arch.vocab_size)
 
-    # With grad: d sum(log-probs) / d word embeddings (tied or input embedding), gathered over TP.
-    model.zero_grad(set_to_none=True)
-    total = sum(r.log_probs.sum() for mb in packed for r in compute_log_probs(model, mb, arch.vocab_size))
-    total.backward()
-    emb = model.embedding.word_embeddings.weight
-    grad = emb.grad.detach().clone()
-    if tp > 1:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+    def embedding_grad(batches):
+        """d sum(log-probs) / d word embeddings (tied or input embedding), gathered over TP."""
+        model.zero_grad(set_to_none=True)
+        total = sum(r.log_probs.sum() for mb in batches for r in compute_log_probs(model, mb, arch.vocab_size))
+        total.backward()
+        emb = model.embedding.word_embeddings.weight
+        grad = emb.grad.detach().clone()
+        if tp > 1:
+            import torch.distributed as dist
+            from megatron.core import parallel_state as ps
 
-        parts = [torch.empty_like(grad) for _ in range(tp)]
-        dist.all_gather(parts, grad.contiguous(), group=ps.get_tensor_model_parallel_group())
-        grad = torch.cat(parts, 0)
-    grad = grad[: arch.vocab_size]
+            parts = [torch.empty_like(grad) for _ in range(tp)]
+            dist.all_gather(parts, grad.contiguous(), group=ps.get_tensor_model_parallel_group())
+            grad = torch.cat(parts, 0)
+        return grad[: arch.vocab_size], total
+
+    grad, total = embedding_grad(packed)
+
+    # Shared prompts: groups of four samples with one prompt.
+    from slimectl.backends.megatron.attention import SCORES
+
+    grouped = []
+    for i, s in enumerate(samples):
+        head = samples[4 * (i // 4)]
+        prompt = head.tokens[: len(head.tokens) - head.response_length]
+        grouped.append(Sample(tokens=prompt + s.tokens[len(s.tokens) - s.response_length:],
+                              response_length=s.response_length))
+    shared = pack_samples(grouped, budget, share_prompts=True)
+    alone = pack_samples(grouped, 1)
+    with torch.no_grad():
+        SCORES.reset()
+        lp_shared = compute_log_probs_for_batches(model, shared, arch.vocab_size, with_entropy=True)
+        shared_scores = SCORES.scores
+        SCORES.reset()
+        lp_alone = compute_log_probs_for_batches(model, alone, arch.vocab_size, with_entropy=True)
+        alone_scores = SCORES.scores
+    grad_shared, _ = embedding_grad(shared)
+    grad_alone, _ = embedding_grad(alone)
 
     if info.rank == 0:
         n = len(samples)
@@ -70,11 +98,20 @@ def main() -> None:
             "padding_fraction": [mb.padding_fraction for mb in packed],
             "grad": grad,
             "total": float(total.detach()),
+            "shared": [lp_shared[i].log_probs for i in range(n)],
+            "shared_entropy": [lp_shared[i].entropy for i in range(n)],
+            "alone": [lp_alone[i].log_probs for i in range(n)],
+            "alone_entropy": [lp_alone[i].entropy for i in range(n)],
+            "shared_layout": [list(mb.groups) for mb in shared],
+            "grad_shared": grad_shared,
+            "grad_alone": grad_alone,
         }, out_pt)
         print("RESULT " + json.dumps({
             "tp": tp, "raw_logits_shape": raw_shape, "packed_len": packed[0].length, "padded_vocab": padded,
             "vocab_size": arch.vocab_size, "micro_batches": len(packed), "setup_s": round(t_setup, 2),
             "packed_logprob_s": round(t_packed, 3),
+            "shared_rows": sum(mb.num_tokens for mb in shared), "alone_rows": sum(mb.num_tokens for mb in alone),
+            "shared_scores": shared_scores, "alone_scores": alone_scores,
         }), flush=True)
     shutdown_parallel(destroy_process_group=__name__ == "__main__")  # in-process (tests.helpers) keeps the group
 

@@ -34,7 +34,13 @@ def silent_engine():
         t.start()
         return t
 
-    yield f"http://127.0.0.1:{srv.getsockname()[1]}", interrupt_on_connect
+    # A suite started in the background by a shell without job control (`nohup pytest ... &`) inherits
+    # SIGINT ignored, and the stage would wait on the silent engine for ever: Ctrl-C as a terminal gives it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}", interrupt_on_connect
+    finally:
+        signal.signal(signal.SIGINT, previous)
     srv.close()
     for c in held:
         c.close()

@@ -325,6 +325,13 @@ class MegatronActor:
             self.replay = RoutingReplay([gpt] + ([self.ref_model] if self.ref_model is not None else []),
                                         sum(arch.moe_layer_pattern), arch.moe_topk,
                                         first_moe_layer=arch.moe_first_dense_layers)
+        # Shared-prompt packing (train.share_prompts): a group's prompt forwarded once; needs the plain
+        # rotary table (rows rotated by their positions) and no recorded per-row routes.
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        rope = getattr(gpt, "rotary_pos_emb", None)
+        self.share_prompts = (bool(getattr(train, "share_prompts", False)) and self.replay is None
+                              and (rope is None or type(rope) is RotaryEmbedding))
         self.step = 0  # optimizer steps taken
         # Called before every optimizer step (the only in-place change of the parameters and the
         # Adam moments): waits for a checkpoint still being written from them; returns seconds waited.
@@ -625,7 +632,7 @@ class MegatronActor:
         model = self.ref_model if ref else self.module
         if self.replay is not None:
             self.replay.set_samples(samples)
-        mbs = pack_samples(samples, self.train_cfg.max_tokens_per_micro_batch)
+        mbs = pack_samples(samples, self.train_cfg.max_tokens_per_micro_batch, share_prompts=self.share_prompts)
         res = self._pp_share(self._layout_log_probs(model, [(mb, [s.sample_index for s in mb.seqs]) for mb in mbs],
                                                     temperature))
         return [res[i] for i in range(len(samples))]
@@ -680,7 +687,7 @@ class MegatronActor:
             if not mine:
                 raise ValueError(f"a global batch of {len(idx)} samples cannot feed {self.dp} data-parallel ranks")
             sub = [samples[i] for i in mine]
-            mbs = pack_samples(sub, tcfg.max_tokens_per_micro_batch)
+            mbs = pack_samples(sub, tcfg.max_tokens_per_micro_batch, share_prompts=self.share_prompts)
             layouts.append([(mb, [mine[s.sample_index] for s in mb.seqs]) for mb in mbs])
         if self.ep > 1:
             layouts = self._even_layouts(layouts)

@@ -11,6 +11,11 @@ into one block (:func:`causal_by_length`: a few dozen ops per layer for a pack o
 not hundreds; bit for bit the same numbers). RoPE is applied before (by absolute row
 position); scores depend only on query-key distance, so each sequence gets what it would alone.
 
+A layout entry may also be a shared prompt, ``(p, (r_1, ..., r_k))`` (``packing.pack_samples`` with
+``share_prompts``): ``p`` prompt rows attending causally among themselves, then ``k`` responses, each
+attending to the whole prompt and causally to itself (:func:`attend_layout`; scores
+``p^2 + sum(r_i (p + r_i))`` instead of ``sum((p + r_i)^2)``).
+
 Without segments (a plain ``model(ids, pos, mask)`` call) it is Megatron's module unchanged.
 ``SCORES`` counts the attention scores computed (elements of ``Q K^T`` per head), for tests and
 benches of the cost.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -42,11 +48,26 @@ class _Counter:
 SCORES = _Counter()
 
 
+def _entry(item):
+    return int(item) if isinstance(item, int) else (int(item[0]), tuple(int(r) for r in item[1]))
+
+
+def _rows(item) -> int:
+    return item if isinstance(item, int) else item[0] + sum(item[1])
+
+
+def _scores(item) -> int:
+    if isinstance(item, int):
+        return item * item
+    p, rs = item
+    return p * p + sum(r * (p + r) for r in rs)
+
+
 @contextlib.contextmanager
-def packed_segments(lengths: Sequence[int]) -> Iterator[None]:
+def packed_segments(lengths: Sequence) -> Iterator[None]:
     """Within this block, :class:`SegmentAttention` treats the row as consecutive causal sequences
-    of these lengths (their sum is the row length)."""
-    token = _SEGMENTS.set(tuple(int(n) for n in lengths))
+    of these lengths (their sum is the row length), or shared-prompt groups ``(p, (r_1, ...))``."""
+    token = _SEGMENTS.set(tuple(_entry(n) for n in lengths))
     try:
         yield
     finally:
@@ -104,7 +125,7 @@ class SegmentAttention(DotProductAttention):
         seg = _SEGMENTS.get()
         sq, b, heads = query.shape[0], query.shape[1], query.shape[2]
         if (seg is None or packed_seq_params is not None or attention_bias is not None or b != 1
-                or sum(seg) != sq or key.shape[0] != sq or self.config.apply_query_key_layer_scaling):
+                or sum(map(_rows, seg)) != sq or key.shape[0] != sq or self.config.apply_query_key_layer_scaling):
             SCORES.scores += b * heads * sq * key.shape[0]
             SCORES.calls += 1
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
@@ -116,7 +137,7 @@ class SegmentAttention(DotProductAttention):
         # [s, 1, h, d] -> [h, s, d]
         q, k, v = (t[:, 0].transpose(0, 1).contiguous() for t in (query, key, value))
         ctx = self._causal(q, k, v, seg)  # [h, s, d]
-        SCORES.scores += heads * sum(n * n for n in seg)
+        SCORES.scores += heads * sum(map(_scores, seg))
         SCORES.calls += 1
         # [h, s, d] -> [s, 1, h * d]
         return ctx.transpose(0, 1).reshape(sq, 1, self.hidden_size_per_partition)
@@ -132,6 +153,9 @@ class SegmentAttention(DotProductAttention):
         rollout's samples come in a few lengths, so a pack of 64 costs a few dozen ops per layer
         instead of ~500, with the same numbers. With attention dropout (its RNG draws per sequence)
         each sequence goes alone, as before."""
+        if not all(isinstance(item, int) for item in seg):
+            dropout = self.attention_dropout if self.training and self.attention_dropout.p > 0 else None
+            return attend_layout(q, k, v, seg, self.softmax_scale, dropout)
         if self.training and self.attention_dropout.p > 0:
             return self._causal_each(q, k, v, seg)
         return causal_by_length(q, k, v, seg, self.softmax_scale)
@@ -152,10 +176,12 @@ class SegmentAttention(DotProductAttention):
 
 
 def _causal_probs(qs, ks, scale: float):
-    """Masked softmax of ``scale * qs ks^T`` over ``[batch, n, d]`` blocks of ``n`` tokens each."""
-    n = qs.shape[1]
-    scores = torch.baddbmm(qs.new_empty(qs.shape[0], n, n), qs, ks.transpose(1, 2), beta=0.0, alpha=scale)
-    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=qs.device).triu(1), float("-inf"))
+    """Masked softmax of ``scale * qs ks^T`` over ``[batch, n, d]`` blocks of ``n`` tokens each; with
+    ``m > n`` keys the first ``m - n`` (a shared prompt) are seen by every query, the last ``n``
+    causally."""
+    n, m = qs.shape[1], ks.shape[1]
+    scores = torch.baddbmm(qs.new_empty(qs.shape[0], n, m), qs, ks.transpose(1, 2), beta=0.0, alpha=scale)
+    scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=qs.device).triu(m - n + 1), float("-inf"))
     e = (scores - scores.detach().amax(dim=-1, keepdim=True)).exp()  # the diagonal is always finite
     return e / e.sum(dim=-1, keepdim=True)
 
@@ -199,6 +225,75 @@ def causal_by_length(q, k, v, seg: Sequence[int], scale: float):
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
     return torch.cat(outs, dim=1).index_select(1, inverse.to(q.device))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_plan(layout: tuple) -> tuple[list[tuple[int, int, torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Attention blocks of a layout, batched by shape: ``(n, m, query rows, key rows)`` per shape (``c``
+    blocks of ``n`` queries over ``m`` keys each, rows flattened block after block), and the inverse
+    permutation that puts the blocks' outputs back in row order. (Cached: made outside inference mode,
+    so that a training forward may save them for its backward after a log-prob forward made them.)"""
+    with torch.inference_mode(False):
+        return _make_plan(layout)
+
+
+def _make_plan(layout: tuple):
+    blocks: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+
+    def add(qrows: list[int], krows: list[int]):
+        qs, ks = blocks.setdefault((len(qrows), len(krows)), ([], []))
+        qs.extend(qrows)
+        ks.extend(krows)
+
+    pos = 0
+    for item in layout:
+        if isinstance(item, int):
+            rows = list(range(pos, pos + item))
+            add(rows, rows)
+            pos += item
+            continue
+        p, responses = item
+        prompt = list(range(pos, pos + p))
+        add(prompt, prompt)
+        pos += p
+        for r in responses:
+            rows = list(range(pos, pos + r))
+            add(rows, prompt + rows)
+            pos += r
+    plan, order = [], []
+    for (n, m), (qs, ks) in blocks.items():
+        plan.append((n, m, torch.tensor(qs, dtype=torch.long), torch.tensor(ks, dtype=torch.long)))
+        order.extend(qs)
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return plan, inverse
+
+
+def attend_layout(q, k, v, layout: Sequence, scale: float, dropout=None):
+    """Attention of ``[h, s, d]`` rows laid out as ``layout`` (causal segments ``n`` and shared-prompt
+    groups ``(p, (r_1, ...))``): every block (a segment, a prompt, a response over its prompt and
+    itself) computed with :func:`_causal_probs`' arithmetic, blocks of one shape batched into one
+    ``[c*h, n, m]`` product. The prompt's keys and values are gathered once per response; autograd
+    sums their gradients over the responses. ``dropout`` (training): applied to the probabilities
+    under megatron's RNG tracker."""
+    h, _, d = q.shape
+    plan, inverse = _layout_plan(tuple(layout))
+    outs = []
+    for n, m, qrows, krows in plan:
+        c = qrows.numel() // n
+        qg = q.index_select(1, qrows.to(q.device)).view(h, c, n, d).transpose(0, 1).reshape(c * h, n, d)
+        kg, vg = (t.index_select(1, krows.to(q.device)).view(h, c, m, d).transpose(0, 1).reshape(c * h, m, d)
+                  for t in (k, v))
+        probs = _causal_probs(qg, kg, scale)
+        if dropout is not None:
+            from megatron.core import tensor_parallel
+
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                probs = dropout(probs)
+        og = torch.bmm(probs, vg)  # [c*h, n, d]
+        outs.append(og.view(c, h, n, d).transpose(0, 1).reshape(h, c * n, d))
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    return out.index_select(1, inverse.to(q.device))
 
 
 install_recompute_segments()

@@ -5,6 +5,8 @@ transposes its internal ``[S, B, V]`` back before returning). A micro-batch row 
 
 Alignment with ``Sample.rollout_log_probs``: response token ``i`` (0-based) sits at row position
 ``start + prompt_length + i`` and is predicted by the logits at ``start + prompt_length + i - 1``.
+With a shared prompt (``PackedSeq.response_start``) token 0 is predicted at the prompt's last row
+and token ``i > 0`` at ``response_start + i - 1``.
 
 Vocab handling: the output layer is padded to ``V_pad`` (a multiple of 128 * TP); entries with a
 global index ``>= vocab_size`` are set to -inf before the softmax. Logits are divided by the
@@ -146,14 +148,20 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_
 
 def response_positions(micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(logit rows, target ids, response lengths) for every response token of the micro-batch."""
-    rows, counts = [], []
+    rows, tgt, counts = [], [], []
     for s in micro_batch.seqs:
         p, r = s.prompt_length, s.response_length
-        rows.append(torch.arange(s.start + p - 1, s.start + p + r - 1))
+        first = s.first_response_row
+        if s.shared and r:
+            rows.append(torch.tensor([s.start + p - 1]))
+            rows.append(torch.arange(first, first + r - 1))
+        else:
+            rows.append(torch.arange(first - 1, first + r - 1))
+        tgt.append(torch.arange(first, first + r))
         counts.append(r)
     rows_t = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
     ids = micro_batch.input_ids[0]
-    targets = ids[rows_t + 1]
+    targets = ids[torch.cat(tgt)] if tgt else ids[:0]
     return rows_t, targets, counts
 
 
@@ -199,8 +207,37 @@ def forward_micro_batch(model, micro_batch: MicroBatch, hidden: bool = False) ->
     device = next(model.parameters()).device
     gpt = gpt_model(model)
     head_off = _without_head(gpt) if hidden and gpt.post_process else contextlib.nullcontext()
-    with packed_segments(micro_batch.segment_lengths), head_off:
-        return model(micro_batch.input_ids.to(device), micro_batch.position_ids.to(device), None)
+    position_ids = micro_batch.position_ids.to(device)
+    rope = rotary_by_position(gpt, position_ids[0]) if micro_batch.has_shared_prompts else contextlib.nullcontext()
+    with packed_segments(micro_batch.layout), head_off, rope:
+        return model(micro_batch.input_ids.to(device), position_ids, None)
+
+
+@contextlib.contextmanager
+def rotary_by_position(gpt, positions: torch.Tensor):
+    """Within this block ``gpt``'s rotary embedding rotates row ``i`` by ``positions[i]`` rather than by
+    ``i`` (megatron's GPTModel ignores ``position_ids`` for RoPE): a shared prompt's responses sit
+    after other responses in the row but are rotated as if right after their prompt. The rotary table
+    is computed in the forward and handed to the layers (a recomputed layer reuses it)."""
+    rope = getattr(gpt, "rotary_pos_emb", None)
+    if rope is None:
+        yield
+        return
+    table = type(rope).forward
+    n = int(positions.max()) + 1 if positions.numel() else 1
+
+    def forward(max_seq_len, *args, **kwargs):
+        if max_seq_len != positions.numel():
+            raise RuntimeError(f"shared-prompt packing: the rotary table is asked for {max_seq_len} rows, the "
+                               f"micro-batch has {positions.numel()} (context parallelism?); set train.share_prompts: false")
+        emb = table(rope, n, *args, **kwargs)
+        return emb.index_select(0, positions.to(emb.device))
+
+    rope.forward = forward
+    try:
+        yield
+    finally:
+        del rope.forward
 
 
 def output_weight(model) -> torch.Tensor:
