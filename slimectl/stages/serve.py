@@ -105,6 +105,21 @@ def _default_route_address() -> str | None:
     return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
 
 
+def embedded_threads(configured: int | None, env: dict[str, str], engines_here: int) -> int | None:
+    """Torch threads for each embedded engine (``engine.num_threads``): the configured number; none
+    (torch's own choice) when ``OMP_NUM_THREADS`` is set in the engine's environment; else the CPUs this
+    process may use, less one, shared among the ``engines_here`` engines (at least 1)."""
+    if configured:
+        return int(configured)
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, (cpus - 1) // max(1, engines_here))
+
+
 @dataclass
 class ServedEngine:
     id: str
@@ -288,6 +303,9 @@ class EngineGroup:
                     "--host", ec.host, "--port", str(port), "--dtype", self.cfg.model.dtype,
                     "--weight-version", self.weight_version, "--max-running-requests", str(ec.max_batch_size),
                     "--parent-pid", str(os.getpid())]
+            threads = embedded_threads(ec.num_threads, env, len(self.engine_indices))
+            if threads:
+                argv += ["--num-threads", str(threads)]
             if self.token:
                 argv += ["--admin-api-key-env", ec.token_env]  # the child reads the token from its environment
             return argv, env, [self.token] if self.token else []

@@ -272,6 +272,30 @@ def test_engine_env_reaches_both_launch_paths(run, monkeypatch):
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SG19_INHERITED"] == "yes"
 
 
+def test_embedded_engines_leave_a_core_free_unless_told_otherwise(run, monkeypatch):
+    """engine.num_threads: the configured count; none when OMP_NUM_THREADS is set (torch's own); else the
+    CPUs less one, shared among the engines started here, at least 1."""
+    from slimectl.stages.serve import EngineGroup, embedded_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(9)))
+    assert embedded_threads(None, {}, 1) == 8 and embedded_threads(None, {}, 3) == 2 and embedded_threads(None, {}, 16) == 1
+    assert embedded_threads(5, {"OMP_NUM_THREADS": "1"}, 2) == 5
+    assert embedded_threads(None, {"OMP_NUM_THREADS": "3"}, 1) is None
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    assert embedded_threads(None, {}, 1) == 1
+    run, _ = run
+    cfg = run.config()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
+    argv, _, _ = EngineGroup(run, cfg)._launch_argv(0, 30000)
+    assert argv[argv.index("--num-threads") + 1] == str(3 // cfg.engine.num_engines or 1)
+    cfg.engine.env = {"OMP_NUM_THREADS": "2"}
+    assert "--num-threads" not in EngineGroup(run, cfg)._launch_argv(0, 30000)[0]
+    cfg.engine.num_threads = 2
+    argv, _, _ = EngineGroup(run, cfg)._launch_argv(0, 30000)
+    assert argv[argv.index("--num-threads") + 1] == "2"
+
+
 def test_routing_replay_starts_sglang_with_return_routed_experts(run):
     """SGLang answers ``return_routed_experts`` only when launched with --enable-return-routed-experts:
     serve adds it when rollout or train wants the routes (once, also when given in sglang_args)."""
