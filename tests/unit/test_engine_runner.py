@@ -209,6 +209,39 @@ def test_decode_batches_all_rows_in_one_forward(fresh_runner):
     dec.forward = orig
 
 
+def test_repeated_prompts_are_prefilled_once_and_match_the_hf_forward(fresh_runner, hf_model):
+    """A GRPO group: four requests with one prompt (and one other prompt) admitted together go
+    through the prefill as two rows, the KV cache copied to the others; every request's tokens and
+    log-probs are still its own (a plain HF forward over prompt + output)."""
+    r = fresh_runner()
+    calls = []
+    dec = r.model.get_decoder()
+    orig = dec.forward
+
+    def counting(*a, **kw):
+        calls.append(tuple(kw.get("input_ids").shape))
+        return orig(*a, **kw)
+
+    dec.forward = counting
+    group, other = prompt(300, 9), prompt(301, 5)
+    reqs = [GenRequest(rid=f"g{i}", input_ids=list(group if i != 2 else other),
+                       params=SamplingParams(max_new_tokens=10, temperature=1.0, sampling_seed=40 + i, ignore_eos=True),
+                       return_logprob=True) for i in range(5)]
+    r.pause("in_place")  # queued first, so they are admitted together
+    futs = [r.submit(q) for q in reqs]
+    r.resume()
+    outs = [f.result(TIMEOUT) for f in futs]
+    dec.forward = orig
+    assert calls[0] == (2, 9) and r.load_stats()["num_prefill_rows_shared"] == 3, calls[:2]
+    assert all(c[0] == 5 for c in calls[1:])  # every decode step: all five rows
+    assert len({tuple(o.output_ids) for o in outs}) == 5  # own seeds, own samples
+    for q, res in zip(reqs, outs):
+        n = len(q.input_ids)
+        ref = torch.log_softmax(hf_logits(hf_model, q.input_ids + res.output_ids), dim=-1)
+        assert res.output_token_logprobs == pytest.approx([ref[n - 1 + i, t].item() for i, t in enumerate(res.output_ids)],
+                                                          abs=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------
 # Logprobs against a plain HF forward
 # ------------------------------------------------------------------------------------------------

@@ -135,7 +135,7 @@ class BatchRunner(WeightUpdates):
         self._arange = torch.arange(self.max_context + 1)
 
         # Counters (read by load_stats / tests / benchmarks).
-        self._stats = {"prefill_forwards": 0, "decode_forwards": 0, "generated_tokens": 0,
+        self._stats = {"prefill_forwards": 0, "prefill_rows_shared": 0, "decode_forwards": 0, "generated_tokens": 0,
                        "num_running_reqs": 0, "num_used_tokens": 0}
         self._tok_times: deque[tuple[float, int]] = deque(maxlen=64)
         if decode_log_interval is None:
@@ -188,6 +188,7 @@ class BatchRunner(WeightUpdates):
             "token_usage": s["num_used_tokens"] / (self.max_batch_size * self.max_context),
             "gen_throughput": rate,
             "num_prefill_forwards": s["prefill_forwards"],
+            "num_prefill_rows_shared": s["prefill_rows_shared"],
             "num_decode_forwards": s["decode_forwards"],
             "num_generated_tokens": s["generated_tokens"],
         }
@@ -624,6 +625,18 @@ class BatchRunner(WeightUpdates):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    @staticmethod
+    def _shared_prompt_rows(seqs: list[RunningRequest]) -> list[int] | None:
+        """For each new request, the first of them with the same prompt tokens — when some prompts
+        repeat and none asks for what one row per request gives (prompt log-probs, recorded
+        routes); else None."""
+        if len(seqs) < 2 or any(s.routes is not None or (s.req.return_logprob and s.req.logprob_start_len >= 0)
+                                for s in seqs):
+            return None
+        seen: dict[tuple[int, ...], int] = {}
+        first = [seen.setdefault(tuple(s.req.input_ids), i) for i, s in enumerate(seqs)]
+        return first if len(seen) < len(seqs) else None
+
     def _prefill(self, seqs: list[RunningRequest]) -> None:
         """One left-padded forward over the new prompts; sample their first tokens, merge them."""
         n = len(seqs)
@@ -643,7 +656,18 @@ class BatchRunner(WeightUpdates):
         q, k = cols[:, None], cols[None, :]
         mask = ((k <= q)[None] & (k[None] >= pad[:, None, None])) | (k == q)[None]
         kv = BatchKVCache.new(self.num_layers)
-        hidden = self._forward(ids, positions, mask[:, None], kv, seqs)
+        first = self._shared_prompt_rows(seqs)
+        if first is None:
+            hidden = self._forward(ids, positions, mask[:, None], kv, seqs)
+        else:  # identical prompts (a GRPO group): one row each through the model, then copied
+            uniq = sorted(set(first))
+            at = torch.tensor([uniq.index(r) for r in first], dtype=torch.long)
+            rows = torch.tensor(uniq, dtype=torch.long)
+            hidden = self._forward(ids[rows], positions[rows], mask[rows][:, None], kv,
+                                   [seqs[r] for r in uniq]).index_select(0, at)
+            kv.keys = [t.index_select(0, at) for t in kv.keys]
+            kv.values = [t.index_select(0, at) for t in kv.values]
+            self._stats["prefill_rows_shared"] += n - len(uniq)
         kv.end = width
         for i, s in enumerate(seqs):
             if s.routes is not None:
@@ -653,8 +677,9 @@ class BatchRunner(WeightUpdates):
             with self._cv:
                 queued = len(self._waiting)
             running = sum(1 for r in self._rows if not r.done)
-            log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
-                     "#running-req: %d, #queue-req: %d", n, sum(s.prompt_len for s in seqs),
+            shared = 0 if first is None else sum(seqs[i].prompt_len for i in range(n) if first[i] != i)
+            log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                     "#running-req: %d, #queue-req: %d", n, sum(s.prompt_len for s in seqs) - shared, shared,
                      self._token_usage(), running, queued)
 
         version = self._weight_version
