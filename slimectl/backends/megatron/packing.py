@@ -86,7 +86,7 @@ class MicroBatch:
 
     @property
     def has_shared_prompts(self) -> bool:
-        return any(not isinstance(item, int) for item in self.groups)
+        return bool(self.groups)  # set only when the row holds a shared prompt
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -226,8 +226,8 @@ def pack_samples(samples: Sequence[Any], max_tokens_per_micro_batch: int, pad_mu
         items = _prompt_groups(parsed, max_tokens_per_micro_batch)
     else:
         items = [[i] for i in range(len(parsed))]
-    item_rows = [lengths[it[0]] if len(it) == 1 else lengths[it[0]] - parsed[it[0]][1] + sum(parsed[i][1] for i in it)
-                 for it in items]
+    # an item's rows: its prompt once, then every response
+    item_rows = [lengths[it[0]] - parsed[it[0]][1] + sum(parsed[i][1] for i in it) for it in items]
     out = []
     for bin_ in first_fit_decreasing(item_rows, max_tokens_per_micro_batch):
         ids: list[int] = []

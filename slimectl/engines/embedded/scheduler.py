@@ -661,7 +661,8 @@ class BatchRunner(WeightUpdates):
             hidden = self._forward(ids, positions, mask[:, None], kv, seqs)
         else:  # identical prompts (a GRPO group): one row each through the model, then copied
             uniq = sorted(set(first))
-            at = torch.tensor([uniq.index(r) for r in first], dtype=torch.long)
+            slot = {r: j for j, r in enumerate(uniq)}
+            at = torch.tensor([slot[r] for r in first], dtype=torch.long)
             rows = torch.tensor(uniq, dtype=torch.long)
             hidden = self._forward(ids[rows], positions[rows], mask[rows][:, None], kv,
                                    [seqs[r] for r in uniq]).index_select(0, at)
