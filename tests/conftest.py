@@ -62,6 +62,10 @@ sharing one pair of torchrun ranks, all on one worker), while the other worker s
 
 
 def pytest_configure(config):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a plain run): the workers inherit it
+        import tempfile
+
+        os.environ[_FORK_LOGS_ENV] = tempfile.mkdtemp(prefix="slimectl-forks-")
     # pytest-xdist's loadgroup scheduler sorts the units of work by their number of tests by default
     # (--loadscope-reorder); this suite hands them out in its own order instead (pytest_collection_modifyitems):
     # by count, the SGLang group would start while its venv is still being built in the background.
@@ -92,6 +96,83 @@ def pytest_collection_modifyitems(config, items):
     else:
         items.sort(key=rank)
     tag_xdist_groups(config, items, by_module=True)  # a module's fixtures built once, on one worker
+
+
+# --- the embedded engines, forked -------------------------------------------------------------------------
+# An embedded engine server is ~9.6 CPU-s from `python -m` to serving a tiny model, ~9 of them imports (torch,
+# transformers and its model classes); the suite starts dozens. Each worker runs one fork server that paid
+# those imports once (tests/forkserver.py, kind "engine"); SLIMECTL_EMBEDDED_PYTHON (the product's knob for
+# the engine's interpreter command) names its client, so every engine that serve, rl or a test launches is
+# a fresh fork of it running `-m slimectl.engines.embedded.server ARGS` as its own process. What a test sees
+# of the engine's pid is the client's: signals sent to it reach the engine's process group, kill -9 of it
+# kills the engine, its exit code is the engine's. SLIMECTL_TEST_ENGINE_FORKS=0 starts each engine as a
+# fresh interpreter instead; a test that measures the engine process itself uses `own_engine_process`.
+
+_FORK_LOGS_ENV = "SLIMECTL_TEST_FORK_LOGS"  # a directory: one JSON line per forked child, a file per worker
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _embedded_engine_fork_server():
+    from slimectl.engines.embedded import EMBEDDED_PYTHON_ENV
+    from tests import helpers
+    from tests.forkserver import CLIENT, SOCKET_ENV, ForkServer
+
+    if os.environ.get("SLIMECTL_TEST_ENGINE_FORKS") == "0" or os.environ.get(EMBEDDED_PYTHON_ENV):
+        yield None
+        return
+    import shlex
+
+    logs = Path(os.environ.get(_FORK_LOGS_ENV) or Path.cwd())
+    server = ForkServer(log=logs / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl", kind="engine")
+    set_env = {EMBEDDED_PYTHON_ENV: f"{shlex.quote(sys.executable)} -I -S {shlex.quote(str(CLIENT))} python",
+               SOCKET_ENV: str(server.socket)}
+    os.environ.update(set_env)
+    helpers.ENV.update(set_env)
+    _engine_forks.append(server)
+    yield server
+
+
+_engine_forks: list = []
+
+
+def pytest_sessionfinish(session):
+    """The engine fork server stops after the last test, outside any test's figures: its imports and children
+    are already in its log, and reaping it would count them again in the last test's teardown."""
+    while _engine_forks:
+        _engine_forks.pop().close()
+
+
+@pytest.fixture
+def own_engine_process(monkeypatch):
+    """Engines launched during this test start as fresh interpreters (`python -m ...`): for a test that
+    measures the engine's own process (its memory, its threads)."""
+    from slimectl.engines.embedded import EMBEDDED_PYTHON_ENV
+    from tests import helpers
+
+    monkeypatch.delenv(EMBEDDED_PYTHON_ENV, raising=False)
+    monkeypatch.delitem(helpers.ENV, EMBEDDED_PYTHON_ENV, raising=False)
+
+
+def _forked_cpu(records: list[dict]) -> float:
+    """Add each forked child's CPU seconds (the workers' fork server logs) to the test that ran on its worker
+    when it ended; returns the seconds of children that ended between tests."""
+    import json
+
+    d = os.environ.get(_FORK_LOGS_ENV)
+    if not d or not Path(d).is_dir():
+        return 0.0
+    unassigned = 0.0
+    for log in Path(d).glob("*.jsonl"):
+        mine = sorted((r for r in records if r.get("worker") == log.stem and "start" in r), key=lambda r: r["start"])
+        for line in log.read_text().splitlines():
+            child = json.loads(line)
+            owner = next((r for r in mine if r["start"] <= child["end"] <= r["start"] + r["wall"] + 0.5), None)
+            if owner is None:
+                unassigned += child["cpu"]
+                continue
+            owner["children"] = round(owner["children"] + child["cpu"], 2)
+            owner["cpu"] = round(owner["cpu"] + child["cpu"], 2)
+    return unassigned
 
 
 # --- CPU seconds per test ---------------------------------------------------------------------------------
@@ -177,6 +258,7 @@ def pytest_terminal_summary(terminalreporter, config):
     if not _cpu_records:
         return
     tr = terminalreporter
+    between = _forked_cpu(_cpu_records)
     _order_around_failures(tr)
     recs = sorted(_cpu_records, key=lambda r: -r["cpu"])
     tr.section("CPU seconds per test (this process + reaped children)")
@@ -192,7 +274,9 @@ def pytest_terminal_summary(terminalreporter, config):
     tr.write_line("per directory:  tests    cpu_s   wall_s (summed over tests)")
     for d, (n, cpu, wall) in sorted(dirs.items(), key=lambda kv: -kv[1][1]):
         tr.write_line(f"  {d:<22} {n:5d} {cpu:8.1f} {wall:8.1f}")
-    total = sum(r["cpu"] for r in recs)
+    if between:
+        tr.write_line(f"  {'(forked, between tests)':<22} {'':5} {between:8.1f}")
+    total = sum(r["cpu"] for r in recs) + between
     tr.write_line(f"  {'total':<22} {len(recs):5d} {total:8.1f}   (2 cores: >= {total / 2:.0f} s wall)")
     if getattr(config, "cache", None) is not None:  # absent under -p no:cacheprovider
         config.cache.set("slimectl/cpu_times", recs)

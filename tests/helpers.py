@@ -220,16 +220,21 @@ class RankWorker:
         (self.root / "cpu.json").write_text(json.dumps(self.cpu_log))  # CPU seconds per job, for the curious
 
 
-def start_engine(model: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def start_engine(model: Path, log: Path, *args: str, env: dict[str, str] | None = None,
+                 own_process: bool = False) -> tuple[subprocess.Popen, str]:
     """An embedded engine server subprocess (weight version 0 unless ARGS set one): (proc, url). Its port is the
     one the system gave its socket (``--port 0``, read from ``--port-file`` once bound, before the model loads):
     a port picked here and bound there seconds later could be taken meanwhile by another test's engine, whose
-    answers this test would then read (seen in CI)."""
+    answers this test would then read (seen in CI). It is forked by the suite's engine fork server
+    (tests/conftest.py) unless ``own_process``: then ``proc`` is the engine's own process (the one that listens)."""
     if "--weight-version" not in args:
         args = (*args, "--weight-version", "0")
     port_file = Path(f"{log}.port")
     port_file.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "slimectl.engines.embedded.server", "--model-path", str(model),
+    from slimectl.engines.embedded import server_argv
+
+    cmd = [sys.executable, "-m", "slimectl.engines.embedded.server"] if own_process else server_argv(sys.executable)
+    proc = subprocess.Popen([*cmd, "--model-path", str(model),
                              "--port", "0", "--port-file", str(port_file), *args],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**ENV, **(env or {})})
     deadline = time.monotonic() + 120

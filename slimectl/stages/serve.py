@@ -5,7 +5,8 @@ supervised as a child process (its own session, its log in ``RUN/logs/engine-N.l
 registered in ``RUN/engines/`` once ``/health_generate`` answers, and unregistered and stopped
 (no orphans) when ``serve`` exits.
 
-- ``embedded``: ``python -m slimectl.engines.embedded.server`` (our CPU engine; the default).
+- ``embedded``: ``python -m slimectl.engines.embedded.server`` (our CPU engine; the default; the
+  interpreter command from ``$SLIMECTL_EMBEDDED_PYTHON`` when set, e.g. a ``numactl`` prefix).
 - ``sglang``: ``python -m sglang.launch_server`` (real SGLang; GPUs).
 - ``external``: servers started elsewhere (``--engine-url``); only health-checked and registered.
 
@@ -299,7 +300,13 @@ class EngineGroup:
             env.update(ec.env)  # engine.env (SGLang's go through its launch spec below)
             # the engine reports this nonce in /server_info: the health check accepts it as ours
             env[ENGINE_NONCE_ENV] = token_hex(16)
-            argv = [self.python, "-m", "slimectl.engines.embedded.server", "--model-path", str(self.model_path),
+            from slimectl.engines.embedded import server_argv
+
+            try:
+                cmd = server_argv(self.python)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+            argv = [*cmd, "--model-path", str(self.model_path),
                     "--host", ec.host, "--port", str(port), "--dtype", self.cfg.model.dtype,
                     "--weight-version", self.weight_version, "--max-running-requests", str(ec.max_batch_size),
                     "--parent-pid", str(os.getpid())]

@@ -7,7 +7,7 @@ no engine left, no lock, and the final weights/N equal, file for file (sha256), 
 Cheap by chaining: one run directory takes one fault per rerun (each rerun resumes where the last
 was killed, so the chain walks through the loop once), the audit runs once at the end. The
 uninterrupted run of the synchronous chain is the session's clean_rl_run (tests/conftest.py). The
-runs that are killed are forked by one fork server for the module (tests/e2e/forkserver.py), which pays
+runs that are killed are forked by one fork server for the module (tests/forkserver.py), which pays
 the interpreter's imports once instead of once per kill; each is still a process of its own, killed by
 its own SIGKILL at the fault point.
 """
@@ -22,7 +22,7 @@ import pytest
 
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.rundir.artifacts import KINDS
-from tests.e2e.forkserver import ForkServer
+from tests.forkserver import ForkServer
 from tests.helpers import assert_trained_once, engine_pids, slimectl_in_process, write_config
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ weight-update rendezvous cross "hosts" as they would across machines. They share
 the run directory. The role scripts under examples/multinode/ run as they are.
 
 Every `slimectl` and `wait_for.py` a script starts (through common.sh's ``SLIMECTL`` and
-``PYTHON``) is forked from one fork server for the module (tests/e2e/forkserver.py), which paid
+``PYTHON``) is forked from one fork server for the module (tests/forkserver.py), which paid
 the imports once: ~40 interpreters per test otherwise. Each forked command is still a process of
 its own (its own session, pid recorded for its host), and a host's kill -9 sends SIGKILL to the
 script's process group and to every process forked for it.
@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from slimectl.contract.rundir import RunDir
-from tests.e2e.forkserver import ForkServer
+from tests.forkserver import ForkServer
 from tests.helpers import ARITH, ROOT, free_port, read_jsonl, slimectl_in_process
 
 RECIPE = ROOT / "examples" / "multinode"
@@ -37,9 +37,9 @@ TOKEN = "multinode-test-token"
 
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
-    """One fork server for the module's simulated hosts (tests/e2e/forkserver.py): every `slimectl`
+    """One fork server for the module's simulated hosts (tests/forkserver.py): every `slimectl`
     and `wait_for.py` the role scripts start is forked from it instead of paying the imports again
-    (children.log: CPU seconds, wall seconds, exit code and command of each)."""
+    (children.log: one JSON line per child: CPU seconds, start, end, exit code, command)."""
     server = ForkServer(log=tmp_path_factory.mktemp("forkserver") / "children.log")
     yield server
     server.close()

@@ -1,7 +1,7 @@
 """slimectl rl --launcher ray on a real two-node Ray cluster (Ray's own ``cluster_utils.Cluster``,
 both nodes on this machine): engines and trainer in separate Ray actors, colocated and
 disaggregated placement, the same run directory as a local run, resume after kill -9 of the driver.
-The drivers are processes of their own, forked by one fork server for the module (tests/e2e/forkserver.py)
+The drivers are processes of their own, forked by one fork server for the module (tests/forkserver.py)
 so that their imports are paid once."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from slimectl.contract.errors import UsageError
 from slimectl.orchestration.ray_launcher import Slot, placement_layout
 from slimectl.contract.metrics import read_metrics
 from slimectl.contract.rundir import RunDir
-from tests.e2e.forkserver import ForkServer
+from tests.forkserver import ForkServer
 from tests.helpers import assert_trained_once, read_jsonl, slimectl_in_process, write_config
 
 pytestmark = pytest.mark.xdist_group("ray")  # under pytest-xdist, one worker runs the module: one Ray cluster
@@ -42,7 +42,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def forks():
-    """The module's `slimectl rl` drivers, forked by one fork server (tests/e2e/forkserver.py): the
+    """The module's `slimectl rl` drivers, forked by one fork server (tests/forkserver.py): the
     driver's imports are paid once, each driver is still a process of its own (killed, signalled)."""
     server = ForkServer()
     try:

@@ -49,7 +49,7 @@ def trained_run(tmp_path_factory) -> RunDir:
 def other_engine(trained_run, tmp_path_factory):
     """Another embedded engine (as if another run's), listening on a port serve will be asked for."""
     log = tmp_path_factory.mktemp("other") / "engine.log"
-    proc, url = start_engine(trained_run.config().model.path, log)
+    proc, url = start_engine(trained_run.config().model.path, log, own_process=True)  # its pid listens
     try:
         wait_healthy(url)
         yield proc, url

@@ -545,10 +545,29 @@ class EmbeddedEngine:
         self.runner.stop()
 
 
+def _process_alive(pid: int, born: float) -> bool:
+    """Whether ``pid`` still runs as the process that started at ``born`` (exited: gone, a zombie too; its number
+    reused by another process: gone)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() == born and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 async def _watch_parent(pid: int, stop: asyncio.Event, interval: float = 0.5) -> None:
-    """Set ``stop`` once ``pid`` is no longer this process's parent (it died; we were re-parented)."""
+    """Set ``stop`` once ``pid`` (the supervising slimectl: the parent, or an ancestor when
+    ``$SLIMECTL_EMBEDDED_PYTHON`` starts the engine through a command that forks) is gone."""
+    import psutil
+
+    try:
+        born = psutil.Process(pid).create_time()
+    except psutil.Error:
+        born = None
     while not stop.is_set():
-        if os.getppid() != pid:
+        if born is None or not _process_alive(pid, born):
             log.warning("supervising process %d is gone; shutting down", pid)
             stop.set()
             return

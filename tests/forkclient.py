@@ -1,4 +1,4 @@
-"""The client of tests/e2e/forkserver.py: a stand-in for ``python -m slimectl ARGS`` or ``python SCRIPT ARGS``.
+"""The client of tests/forkserver.py: a stand-in for ``python -m slimectl ARGS`` or ``python SCRIPT ARGS``.
 
     python -I -S forkclient.py slimectl ARGS...     (what the recipe's scripts call as $SLIMECTL)
     python -I -S forkclient.py python SCRIPT ARGS... (what they call as $PYTHON: wait_for.py)
@@ -6,7 +6,7 @@
 It asks the fork server at $SLIMECTL_FORK_SOCKET to fork a child that runs the command with this
 process's argv, environment, working directory and stdin/stdout/stderr (the file descriptors
 themselves travel over the Unix socket), then waits and exits as the child did (the same exit code,
-or the same signal). SIGTERM/SIGINT/SIGHUP sent to this process go on to the child's process group.
+or the same signal). SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2/SIGQUIT sent to this process go on to the child's process group.
 If this process dies (kill -9 of its host), the server sees the socket close and kills the child's
 process group with SIGKILL. Standard library only, so it starts in a few hundredths of a CPU second.
 """
@@ -18,8 +18,24 @@ import socket
 import sys
 
 
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
 def main() -> None:
     mode, *argv = sys.argv[1:]
+    child = {"pid": None, "pending": []}
+
+    def forward(sig, _frame):
+        if child["pid"] is None:  # before the server answered: delivered once it has
+            child["pending"].append(sig)
+            return
+        try:
+            os.killpg(child["pid"], sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(os.environ["SLIMECTL_FORK_SOCKET"])
     job = {"mode": mode, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
@@ -28,16 +44,9 @@ def main() -> None:
     line = answers.readline()
     if not line:
         sys.exit("forkclient: the fork server closed the connection")
-    pid = json.loads(line)["pid"]
-
-    def forward(sig, _frame):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            pass
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, forward)
+    child["pid"] = json.loads(line)["pid"]
+    for sig in child["pending"]:
+        forward(sig, None)
     line = answers.readline()
     if not line:
         sys.exit("forkclient: the fork server died")
@@ -46,7 +55,6 @@ def main() -> None:
         signal.signal(-rc, signal.SIG_DFL)
         os.kill(os.getpid(), -rc)
     sys.exit(rc)
-
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,7 @@ Two kinds of client, any number at once:
   :meth:`ForkServer.slimectl` runs one to its end (tests/e2e/test_fault_injection.py,
   tests/e2e/test_ray_launcher.py);
 - processes of their own: the role scripts of examples/multinode/ get ``SLIMECTL``/``PYTHON`` set to
-  tests/e2e/forkclient.py (:meth:`ForkServer.env`; both are documented knobs of common.sh), which
+  tests/forkclient.py (:meth:`ForkServer.env`; both are documented knobs of common.sh), which
   hands the server its own argv, environment, working directory and descriptors, and exits as the
   child did (tests/e2e/test_multinode.py). A child's pid goes into the file named by
   ``SLIMECTL_FORK_PIDS`` (one per simulated host) before it runs anything, so a test's kill -9 of a
@@ -43,12 +43,25 @@ from pathlib import Path
 CLIENT = Path(__file__).resolve().parent / "forkclient.py"
 SOCKET_ENV = "SLIMECTL_FORK_SOCKET"
 PIDS_ENV = "SLIMECTL_FORK_PIDS"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _preload() -> None:
-    """What the stages import before their first step (the recipe's stages, `rl` and its local
-    launcher), and wait_for.py's run directory."""
+def _preload(kind: str = "stages") -> None:
+    """``stages``: what the stages import before their first step (the recipe's stages, `rl` and its local
+    launcher), and wait_for.py's run directory. ``engine``: what the embedded engine server imports before it
+    serves (torch, transformers and the model classes of the tiny families and SmolLM2)."""
+    if kind == "engine":
+        import torch, transformers  # noqa: E401,F401
+        # what slimectl.engines.embedded.server imports, not the module itself: a child runs it as __main__
+        import slimectl.engines.embedded.scheduler, slimectl.engines.embedded.model  # noqa: E401,F401
+        import slimectl.engines.embedded.weights, slimectl.engines.embedded.memory, aiohttp.web  # noqa: E401,F401
+        import slimectl.web.server, slimectl.engines.supervisor, slimectl.orchestration.signals  # noqa: E401,F401
+        from transformers.models.qwen2 import modeling_qwen2  # noqa: F401
+        from transformers.models.llama import modeling_llama  # noqa: F401
+        from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
+        from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
+        from transformers.models.glm4_moe import modeling_glm4_moe  # noqa: F401
+        return
     import slimectl.commands.cli  # noqa: F401
     import torch, megatron.core, transformers  # noqa: E401,F401
     import slimectl.commands.rollout, slimectl.commands.serve, slimectl.commands.sync  # noqa: E401,F401
@@ -82,6 +95,13 @@ def _child(job: dict, fds: list[int]) -> None:
 
             sys.argv = [cli.__file__, *job["argv"]]
             cli.main(job["argv"])
+        elif job["mode"] == "python" and job["argv"][:1] == ["-m"]:  # python -m MODULE ARGS
+            import runpy
+
+            _, module, *args = job["argv"]
+            sys.argv = [module, *args]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         elif job["mode"] == "python":
             import runpy
 
@@ -108,15 +128,24 @@ def _child(job: dict, fds: list[int]) -> None:
             os._exit(code)
 
 
-def _serve(path: str, log: str | None = None) -> None:
+def _serve(path: str, log: str | None = None, kind: str = "stages") -> None:
     """The server's loop: accept clients, fork one child per job, answer its pid, then its exit code.
-    With ``log``, one line per child reaped: its CPU seconds, wall seconds, exit code and command."""
+    With ``log``, one JSON line per child reaped: its CPU seconds, start and end (``time.monotonic``, the
+    system's clock: comparable with the test process's), exit code and command."""
     import json
     import select
     import socket
     import threading
 
-    _preload()
+    t_start = time.monotonic()
+    _preload(kind)
+    if log:  # the imports, paid once: a line of their own
+        import resource
+
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        with open(log, "a") as f:
+            f.write(json.dumps({"cpu": round(me.ru_utime + me.ru_stime, 3), "start": t_start, "end": time.monotonic(),
+                                "rc": 0, "what": f"fork server: its imports ({kind})"}) + "\n")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -186,8 +215,9 @@ def _serve(path: str, log: str | None = None) -> None:
             t0, what = started.pop(pid, (time.monotonic(), "?"))
             if log:
                 with open(log, "a") as f:
-                    f.write(f"{usage.ru_utime + usage.ru_stime:7.2f} cpu_s {time.monotonic() - t0:7.2f} wall_s "
-                            f"rc {os.waitstatus_to_exitcode(status):4d}  {what}\n")
+                    f.write(json.dumps({"cpu": round(usage.ru_utime + usage.ru_stime, 3), "start": t0,
+                                        "end": time.monotonic(), "rc": os.waitstatus_to_exitcode(status),
+                                        "what": what}) + "\n")
             conn = by_pid.pop(pid, None)
             if conn is not None:
                 try:
@@ -267,13 +297,14 @@ class ForkServer:
     """The server, started by the test (one per test module): :meth:`run` and :meth:`slimectl` fork
     commands for the test; :meth:`env` is what a simulated host's environment needs to fork its own."""
 
-    def __init__(self, env: dict[str, str] | None = None, log: Path | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, log: Path | None = None, kind: str = "stages") -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="forkserver-"))  # short: a socket path has ~100 characters
         self.socket = self.dir / "s"
         env = {**(env or os.environ), "OMP_NUM_THREADS": "1"}
         paths = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        code = f"from tests.e2e.forkserver import _serve; _serve({str(self.socket)!r}, {log and str(log)!r})"
+        code = (f"from tests.forkserver import _serve; _serve({str(self.socket)!r}, {log and str(log)!r}, "
+                f"{kind!r})")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, cwd=ROOT, text=True)
         line = self.proc.stdout.readline()
