@@ -18,7 +18,9 @@ the warm start and of the RL run (``slimectl init/rl --dry-run``) and writes not
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +28,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def slimectl_command() -> list[str]:
+    """How slimectl is run: ``$SLIMECTL`` (a command, split as a shell would, as in examples/multinode's
+    scripts), else this interpreter's ``python -m slimectl``."""
+    return shlex.split(os.environ.get("SLIMECTL", "")) or [sys.executable, "-m", "slimectl"]
+
+
 def slimectl(*args: str, ok=(0,)) -> int:
     if "--dry-run" in args:
         print("---", flush=True)  # stdout: one YAML document per resolved config
     print(f"$ slimectl {' '.join(args)}", file=sys.stderr, flush=True)
-    rc = subprocess.run([sys.executable, "-m", "slimectl", *args]).returncode
+    rc = subprocess.run([*slimectl_command(), *args]).returncode
     if rc not in ok:
         sys.exit(f"slimectl {args[0]} failed with exit code {rc}")
     return rc

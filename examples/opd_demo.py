@@ -45,9 +45,15 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
+def slimectl_command() -> list[str]:
+    from cpu_demo import slimectl_command as command  # $SLIMECTL, else python -m slimectl
+
+    return command()
+
+
 def slimectl(*args: str) -> None:
     print(f"$ slimectl {' '.join(args)}", file=sys.stderr, flush=True)
-    rc = subprocess.run([sys.executable, "-m", "slimectl", *args], check=False, env=_env()).returncode
+    rc = subprocess.run([*slimectl_command(), *args], check=False, env=_env()).returncode
     if rc != 0:
         sys.exit(f"slimectl {args[0]} failed with exit code {rc}")
 
@@ -111,7 +117,7 @@ def exact_reverse_kl(student_dir: str, teacher_dir: str, num_samples: int, max_n
 def serve_teacher(teacher_run: str) -> tuple[subprocess.Popen, str]:
     """``slimectl serve -r TEACHER_RUN`` in the background; returns it and the URL it prints."""
     print(f"$ slimectl serve -r {teacher_run} &", file=sys.stderr, flush=True)
-    proc = subprocess.Popen([sys.executable, "-m", "slimectl", "serve", "-r", teacher_run],
+    proc = subprocess.Popen([*slimectl_command(), "serve", "-r", teacher_run],
                             stdout=subprocess.PIPE, text=True, env=_env())
     url = proc.stdout.readline().strip()
     if not url.startswith("http"):

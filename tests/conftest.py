@@ -115,31 +115,41 @@ _FORK_LOGS_ENV = "SLIMECTL_TEST_FORK_LOGS"  # a directory: one JSON line per for
 def _embedded_engine_fork_server():
     from slimectl.engines.embedded import EMBEDDED_PYTHON_ENV
     from tests import helpers
-    from tests.forkserver import CLIENT, SOCKET_ENV, ForkServer
+    from tests.forkserver import ForkServer
 
     if os.environ.get("SLIMECTL_TEST_ENGINE_FORKS") == "0" or os.environ.get(EMBEDDED_PYTHON_ENV):
         yield None
         return
-    import shlex
-
     logs = Path(os.environ.get(_FORK_LOGS_ENV) or Path.cwd())
     server = ForkServer(log=logs / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl", kind="engine")
-    set_env = {EMBEDDED_PYTHON_ENV: f"{shlex.quote(sys.executable)} -I -S {shlex.quote(str(CLIENT))} python",
-               SOCKET_ENV: str(server.socket)}
+    set_env = {EMBEDDED_PYTHON_ENV: server.command("python")}
     os.environ.update(set_env)
     helpers.ENV.update(set_env)
-    _engine_forks.append(server)
+    _fork_servers.append(server)
     yield server
 
 
-_engine_forks: list = []
+@pytest.fixture(scope="session")
+def stage_forks():
+    """The worker's fork server for whole commands (tests/forkserver.py, kind "stages": torch, megatron-core,
+    transformers and the stages imported once): `slimectl ARGV` and `python SCRIPT` forked as processes of
+    their own (killed runs, Ray drivers, simulated hosts, the demos). Started by the first test that asks."""
+    from tests.forkserver import ForkServer
+
+    logs = Path(os.environ.get(_FORK_LOGS_ENV) or Path.cwd())
+    server = ForkServer(log=logs / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.stages.jsonl", kind="stages")
+    _fork_servers.append(server)
+    return server
+
+
+_fork_servers: list = []
 
 
 def pytest_sessionfinish(session):
-    """The engine fork server stops after the last test, outside any test's figures: its imports and children
-    are already in its log, and reaping it would count them again in the last test's teardown."""
-    while _engine_forks:
-        _engine_forks.pop().close()
+    """The fork servers stop after the last test, outside any test's figures: their imports and children are
+    already in their logs, and reaping them would count it all again in the last test's teardown."""
+    while _fork_servers:
+        _fork_servers.pop().close()
 
 
 @pytest.fixture
@@ -163,7 +173,8 @@ def _forked_cpu(records: list[dict]) -> float:
         return 0.0
     unassigned = 0.0
     for log in Path(d).glob("*.jsonl"):
-        mine = sorted((r for r in records if r.get("worker") == log.stem and "start" in r), key=lambda r: r["start"])
+        worker = log.name.split(".")[0]  # gw0.jsonl (engines), gw0.stages.jsonl (commands)
+        mine = sorted((r for r in records if r.get("worker") == worker and "start" in r), key=lambda r: r["start"])
         for line in log.read_text().splitlines():
             child = json.loads(line)
             owner = next((r for r in mine if r["start"] <= child["end"] <= r["start"] + r["wall"] + 0.5), None)

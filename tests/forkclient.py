@@ -2,8 +2,9 @@
 
     python -I -S forkclient.py slimectl ARGS...     (what the recipe's scripts call as $SLIMECTL)
     python -I -S forkclient.py python SCRIPT ARGS... (what they call as $PYTHON: wait_for.py)
+    python -I -S forkclient.py --socket PATH python -m MODULE ARGS...   (the server named here, not in the env)
 
-It asks the fork server at $SLIMECTL_FORK_SOCKET to fork a child that runs the command with this
+It asks the fork server at $SLIMECTL_FORK_SOCKET (or --socket) to fork a child that runs the command with this
 process's argv, environment, working directory and stdin/stdout/stderr (the file descriptors
 themselves travel over the Unix socket), then waits and exits as the child did (the same exit code,
 or the same signal). SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2/SIGQUIT sent to this process go on to the child's process group.
@@ -22,7 +23,11 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 
 
 def main() -> None:
-    mode, *argv = sys.argv[1:]
+    args = sys.argv[1:]
+    socket_path = os.environ.get("SLIMECTL_FORK_SOCKET")
+    if args[:1] == ["--socket"]:  # the server named in the command itself (one command, no environment to set)
+        socket_path, args = args[1], args[2:]
+    mode, *argv = args
     child = {"pid": None, "pending": []}
 
     def forward(sig, _frame):
@@ -37,7 +42,7 @@ def main() -> None:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(os.environ["SLIMECTL_FORK_SOCKET"])
+    sock.connect(socket_path)
     job = {"mode": mode, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
     socket.send_fds(sock, [json.dumps(job).encode() + b"\n"], [0, 1, 2])
     answers = sock.makefile("rb")

@@ -90,6 +90,9 @@ def _child(job: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(job["env"])
         os.chdir(job["cwd"])
+        # $PYTHONPATH as a fresh interpreter reads it: its entries first on sys.path, after the script's dir
+        extra = [os.path.abspath(p) for p in job["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[1:1] = [p for p in extra if p not in sys.path]
         if job["mode"] == "slimectl":
             import slimectl.commands.cli as cli
 
@@ -350,6 +353,13 @@ class ForkServer:
         client = f"{sys.executable} -I -S {CLIENT}"
         return {"SLIMECTL": f"{client} slimectl", "PYTHON": f"{client} python", SOCKET_ENV: str(self.socket),
                 PIDS_ENV: str(pids_file)}
+
+    def command(self, mode: str) -> str:
+        """A shell command that runs ``slimectl`` (mode ``slimectl``) or ``python`` (mode ``python``) forked here,
+        the server named in it (for $SLIMECTL, $SLIMECTL_EMBEDDED_PYTHON: no other variable to set)."""
+        import shlex
+
+        return " ".join(map(shlex.quote, [sys.executable, "-I", "-S", str(CLIENT), "--socket", str(self.socket), mode]))
 
     def children(self, pids_file: Path) -> list[int]:
         """The children forked for one host (their pids in ``pids_file``) that still run: each leads a

@@ -4,6 +4,7 @@ and the demo end to end (SFT warm start, `slimectl rl`, eval, plot) with the rew
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 
@@ -59,12 +60,14 @@ def test_the_demo_defaults_resolve_without_running(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_demo_runs_rl_end_to_end_and_reward_rises(tmp_path):
+def test_the_demo_runs_rl_end_to_end_and_reward_rises(tmp_path, stage_forks):
     """README command 1's job (examples/cpu_demo.py with QUICK): SFT warm start, `slimectl rl` for
     QUICK_ROLLOUTS rollouts, eval, plot — and the mean reward of the last 20% of rollouts beats the
-    first 20% by 0.2."""
-    proc = subprocess.run([sys.executable, str(DEMO), str(tmp_path / "demo"), *QUICK],
-                          capture_output=True, text=True, timeout=1500, env=ENV)  # ~210 s alone; more beside the other xdist worker
+    first 20% by 0.2. The script and each slimectl it runs ($SLIMECTL) are forked by the worker's fork
+    server (their imports paid once), each a process of its own."""
+    python, slimectl = (shlex.split(stage_forks.command(m)) for m in ("python", "slimectl"))
+    proc = subprocess.run([*python, str(DEMO), str(tmp_path / "demo"), *QUICK], capture_output=True, text=True,
+                          timeout=1500, env={**ENV, "SLIMECTL": shlex.join(slimectl)})  # ~210 s alone; more beside the other xdist worker
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunDir.open(tmp_path / "demo")
     assert run.cursor("train").read().consumed == list(range(QUICK_ROLLOUTS))

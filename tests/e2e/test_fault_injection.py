@@ -22,19 +22,16 @@ import pytest
 
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.rundir.artifacts import KINDS
-from tests.forkserver import ForkServer
 from tests.helpers import assert_trained_once, engine_pids, slimectl_in_process, write_config
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def forks():
-    server = ForkServer()
-    try:
-        yield server
-    finally:
-        server.close()
+def forks(stage_forks):
+    """The worker's fork server for commands (tests/conftest.py's ``stage_forks``; tests/forkserver.py): each
+    command a process of its own, its imports paid once."""
+    return stage_forks
 
 
 def _killed(forks, tmp_path, point: str, *argv) -> str:

@@ -36,13 +36,10 @@ TOKEN = "multinode-test-token"
 
 
 @pytest.fixture(scope="module")
-def forks(tmp_path_factory):
-    """One fork server for the module's simulated hosts (tests/forkserver.py): every `slimectl`
-    and `wait_for.py` the role scripts start is forked from it instead of paying the imports again
-    (children.log: one JSON line per child: CPU seconds, start, end, exit code, command)."""
-    server = ForkServer(log=tmp_path_factory.mktemp("forkserver") / "children.log")
-    yield server
-    server.close()
+def forks(stage_forks):
+    """The worker's fork server for commands (tests/conftest.py's ``stage_forks``; tests/forkserver.py): each
+    command a process of its own, its imports paid once."""
+    return stage_forks
 
 
 def init_run(tmp_path: Path, num_rollout: int, *sets: str) -> RunDir:

@@ -4,8 +4,8 @@ and the student's exact reverse KL to the teacher falling (about 60 s on 2 cores
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
-import sys
 
 import pytest
 
@@ -28,10 +28,13 @@ QUICK = ["--teacher-steps", "50", "--student-steps", "10", "--kl-samples", "2",
 pytestmark = pytest.mark.slow
 
 
-def test_opd_demo_student_reverse_kl_to_the_served_teacher_falls(tmp_path):
+def test_opd_demo_student_reverse_kl_to_the_served_teacher_falls(tmp_path, stage_forks):
+    """The script and each slimectl it runs ($SLIMECTL) are forked by the worker's fork server."""
     run_path = tmp_path / "opd"
-    res = subprocess.run([sys.executable, str(ROOT / "examples" / "opd_demo.py"), str(run_path), "--seed", "0", *QUICK],
-                         capture_output=True, text=True, timeout=300, check=False, env=ENV)
+    python = shlex.split(stage_forks.command("python"))
+    res = subprocess.run([*python, str(ROOT / "examples" / "opd_demo.py"), str(run_path), "--seed", "0", *QUICK],
+                         capture_output=True, text=True, timeout=300, check=False,
+                         env={**ENV, "SLIMECTL": stage_forks.command("slimectl")})
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((run_path / "opd_demo.json").read_text())
     start, end = summary["exact_reverse_kl_start"], summary["exact_reverse_kl_end"]

@@ -41,14 +41,10 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def forks():
-    """The module's `slimectl rl` drivers, forked by one fork server (tests/forkserver.py): the
-    driver's imports are paid once, each driver is still a process of its own (killed, signalled)."""
-    server = ForkServer()
-    try:
-        yield server
-    finally:
-        server.close()
+def forks(stage_forks):
+    """The worker's fork server for commands (tests/conftest.py's ``stage_forks``; tests/forkserver.py): each
+    command a process of its own, its imports paid once."""
+    return stage_forks
 
 
 class Driver:
