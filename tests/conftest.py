@@ -112,7 +112,7 @@ _FORK_LOGS_ENV = "SLIMECTL_TEST_FORK_LOGS"  # a directory: one JSON line per for
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _embedded_engine_fork_server():
+def _embedded_engine_fork_server(request):
     from slimectl.engines.embedded import EMBEDDED_PYTHON_ENV
     from tests import helpers
     from tests.forkserver import ForkServer
@@ -123,6 +123,11 @@ def _embedded_engine_fork_server():
     logs = Path(os.environ.get(_FORK_LOGS_ENV) or Path.cwd())
     server = ForkServer(log=logs / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl", kind="engine")
     set_env = {EMBEDDED_PYTHON_ENV: server.command("python")}
+    if os.environ.get("SLIMECTL_TEST_STAGE_FORKS") != "0":
+        # torchrun and its ranks: forked by the worker's stage server (megatron-core and the stages imported)
+        from slimectl.orchestration.torchrun import PYTHON_ENV
+
+        set_env[PYTHON_ENV] = request.getfixturevalue("stage_forks").command("python")
     os.environ.update(set_env)
     helpers.ENV.update(set_env)
     _fork_servers.append(server)

@@ -93,6 +93,10 @@ def _child(job: dict, fds: list[int]) -> None:
         # $PYTHONPATH as a fresh interpreter reads it: its entries first on sys.path, after the script's dir
         extra = [os.path.abspath(p) for p in job["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[1:1] = [p for p in extra if p not in sys.path]
+        if job["mode"] == "python" and job["argv"][:1] == ["-u"]:  # python -u ...: unbuffered output
+            job["argv"] = job["argv"][1:]
+            sys.stdout.reconfigure(write_through=True)
+            sys.stderr.reconfigure(write_through=True)
         if job["mode"] == "slimectl":
             import slimectl.commands.cli as cli
 

@@ -115,13 +115,38 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], nnodes: int = 1, node_r
     return subprocess.call(cmd, env=torchrun_env())
 
 
+PYTHON_ENV = "SLIMECTL_PYTHON"
+"""The command torchrun and its ranks are started with, split as a shell would (e.g. ``numactl
+--interleave=all /venv/bin/python``; the test suite's fork client); unset: this interpreter."""
+
+
+def python_command() -> list[str]:
+    """``$SLIMECTL_PYTHON`` split into argv, else ``[sys.executable]``."""
+    import shlex
+
+    value = os.environ.get(PYTHON_ENV, "").strip()
+    if not value:
+        return [sys.executable]
+    try:
+        return shlex.split(value)
+    except ValueError as exc:
+        raise UsageError(f"${PYTHON_ENV}={value!r} cannot be split into a command ({exc}); quote it as a shell "
+                         f"would, or unset it to run torchrun with {sys.executable}") from None
+
+
 def torchrun_command(nproc: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
                      master_addr: str | None = None, master_port: int | None = None,
                      torchrun_args: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """``python -m torch.distributed.run ... [TORCHRUN_ARGS] -m slimectl ARGV`` (a free port when none is given)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
-            "--nproc_per_node", str(nproc), "--master_addr", master_addr or "127.0.0.1",
-            "--master_port", str(master_port or free_port()), *torchrun_args, "-m", "slimectl", *argv]
+    """``python -m torch.distributed.run ... [TORCHRUN_ARGS] -m slimectl ARGV`` (a free port when none is given).
+    With ``$SLIMECTL_PYTHON`` set, torchrun runs under that command and starts each rank as that command
+    followed by ``-u -m slimectl ARGV`` (torchrun's ``--no-python``)."""
+    python = python_command()
+    launcher = [*python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
+                "--nproc_per_node", str(nproc), "--master_addr", master_addr or "127.0.0.1",
+                "--master_port", str(master_port or free_port()), *torchrun_args]
+    if python == [sys.executable]:
+        return [*launcher, "-m", "slimectl", *argv]
+    return [*launcher, "--no-python", *python, "-u", "-m", "slimectl", *argv]
 
 
 def torchrun_env() -> dict[str, str]:

@@ -63,7 +63,8 @@ for argv in json.loads(sys.argv[1]):
         cli.main(args=argv, prog_name="slimectl")
     except SystemExit as e:
         codes.append(e.code)
-print(json.dumps({"codes": codes, "launched": [c[c.index("-m", 3) + 1:] for c in launched],
+last_m = lambda c: max(i for i, x in enumerate(c) if x == "-m")  # torchrun's -m, or the ranks' under --no-python
+print(json.dumps({"codes": codes, "launched": [c[last_m(c) + 1:] for c in launched],
                   "imported": [m for m in ("torch", "megatron.core", "transformers") if m in sys.modules]}))
 """
 
