@@ -76,6 +76,8 @@ def _child(job: dict, fds: list[int]) -> None:
     """In the forked child: become the job's process and run it; never returns."""
     code = 1
     try:
+        signal.set_wakeup_fd(-1)  # the server's SIGCHLD wake-up is not the child's
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
         pids = job["env"].get(PIDS_ENV)
         if pids:
@@ -160,10 +162,24 @@ def _serve(path: str, log: str | None = None, kind: str = "stages") -> None:
     clients: dict[socket.socket, int] = {}  # a client's socket -> its child's pid
     by_pid: dict[int, socket.socket] = {}
     started: dict[int, tuple[float, str]] = {}  # pid -> (start, command) for the log
+    # A child's exit wakes the loop at once (SIGCHLD through a self-pipe): its client hears the exit code within
+    # milliseconds, as a supervisor polling the process it started would see it exit (a 50 ms poll was seen to
+    # lose that race against a rollout's retries).
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     while True:
-        readable, _, _ = select.select([listener, sys.stdin, *clients], [], [], 0.05)
+        readable, _, _ = select.select([listener, sys.stdin, wake_r, *clients], [], [], 0.5)
         for r in readable:
-            if r is sys.stdin:
+            if r == wake_r:
+                try:
+                    while os.read(wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif r is sys.stdin:
                 if not sys.stdin.readline():  # the test closed our stdin: stop
                     for pid in by_pid:
                         _killpg(pid, signal.SIGKILL)
