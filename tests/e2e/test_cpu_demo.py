@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
 import yaml
@@ -41,12 +40,14 @@ QUICK_ROLLOUTS = 400
 QUICK_EVALS = [100, 200, 300, 400]
 
 
-def test_the_demo_defaults_resolve_without_running(tmp_path):
+def test_the_demo_defaults_resolve_without_running(tmp_path, stage_forks):
     """`cpu_demo.py --dry-run`: the warm start's and the RL run's configs as `slimectl init/rl --dry-run`
-    resolve them from the demo's own arguments — the README's full demo — and nothing is written."""
+    resolve them from the demo's own arguments — the README's full demo — and nothing is written (the
+    script and its two slimectl commands forked by the worker's fork server)."""
     run = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, str(DEMO), str(run), "--dry-run"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([*shlex.split(stage_forks.command("python")), str(DEMO), str(run), "--dry-run"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**ENV, "SLIMECTL": stage_forks.command("slimectl")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     warm, rl = yaml.safe_load_all(proc.stdout)
     assert warm["name"] == "cpu-demo-warmstart" and warm["algorithm"]["loss_type"] == "sft_loss"
