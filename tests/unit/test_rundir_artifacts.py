@@ -253,3 +253,27 @@ def test_a_published_file_is_hashed_from_the_bytes_written_unless_it_changed(tmp
     with open(p, "ab") as f:  # changed behind the writer's back
         f.write(b"x")
     assert atomic.manifest_sha256(p) == atomic.sha256_file(p) != recorded
+
+
+def test_a_writer_killed_before_its_record_was_renamed_is_known_dead_by_the_temp_record(run_dir):
+    """Seen in CI: killed between writing `.writer.json` and renaming it, a writer leaves its staging dir
+    with the record whole under its temp name only; that record names the dead writer (not the dir's fresh
+    mtime, which would keep it as a live one's for minutes), so the next stage's cleanup removes it."""
+    import json
+
+    from slimectl.contract.rundir.artifacts import WRITER_FILE, writer_info
+
+    d = run_dir.path / ".staging" / "rollouts.000001.deadbeef"
+    d.mkdir(parents=True)
+    dead = {**writer_info("rollout"), "pid": 2 ** 22 + 7, "create_time": 1.0}  # no such process
+    (d / f".tmp-{WRITER_FILE}.{dead['pid']}.0a1b2c3d").write_text(json.dumps(dead))
+    assert run_dir.cleanup()["staging"] == ["rollouts.000001.deadbeef"] and not d.exists()
+
+    # the same with a live writer's temp record (this process): kept
+    d.mkdir()
+    live = writer_info("rollout")
+    (d / f".tmp-{WRITER_FILE}.{live['pid']}.0a1b2c3d").write_text(json.dumps(live))
+    assert run_dir.cleanup()["staging"] == [] and d.exists()
+    # a torn temp record (not JSON): judged by how recently the dir changed, as with no record (kept: fresh)
+    (d / f".tmp-{WRITER_FILE}.{live['pid']}.0a1b2c3d").write_text('{"host": ')
+    assert run_dir.cleanup()["staging"] == [] and d.exists()

@@ -325,11 +325,16 @@ class ArtifactStore:
 
     @staticmethod
     def _read_writer(d: Path) -> dict[str, Any] | None:
-        try:
-            info = read_json(d / WRITER_FILE)
-            return info if isinstance(info, dict) else None
-        except (OSError, RunDirError):
-            return None
+        """The staging dir's writer record; a writer killed between writing it and renaming it into place
+        left it whole under its temp name (``.tmp-.writer.json.PID.HEX``), which counts too."""
+        for path in (d / WRITER_FILE, *sorted(d.glob(f".tmp-{WRITER_FILE}.*"))):
+            try:
+                info = read_json(path)
+            except (OSError, RunDirError):
+                continue
+            if isinstance(info, dict):
+                return info
+        return None
 
     def remove(self, artifact_id: int) -> None:
         """Unpublish an artifact: READY goes first, so readers stop seeing it at once."""
