@@ -31,7 +31,7 @@ from aiohttp import web
 
 from slimectl.contract.errors import RunDirError
 from slimectl.contract.faults import fault_point
-from slimectl.contract.rundir.atomic import atomic_write_text
+from slimectl.contract.rundir.atomic import atomic_write_text, process_alive
 from slimectl.engines.embedded.memory import EngineBusy, MemoryReleased, parse_tags
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV, NONCE_FIELD
 from slimectl.orchestration.signals import set_on_signals
@@ -545,18 +545,6 @@ class EmbeddedEngine:
         self.runner.stop()
 
 
-def _process_alive(pid: int, born: float) -> bool:
-    """Whether ``pid`` still runs as the process that started at ``born`` (exited: gone, a zombie too; its number
-    reused by another process: gone)."""
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        return p.create_time() == born and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 async def _watch_parent(pid: int, stop: asyncio.Event, interval: float = 0.5) -> None:
     """Set ``stop`` once ``pid`` (the supervising slimectl: the parent, or an ancestor when
     ``$SLIMECTL_EMBEDDED_PYTHON`` starts the engine through a command that forks) is gone."""
@@ -567,7 +555,7 @@ async def _watch_parent(pid: int, stop: asyncio.Event, interval: float = 0.5) ->
     except psutil.Error:
         born = None
     while not stop.is_set():
-        if born is None or not _process_alive(pid, born):
+        if born is None or not process_alive(pid, born):
             log.warning("supervising process %d is gone; shutting down", pid)
             stop.set()
             return
