@@ -184,19 +184,21 @@ def test_partial_rollout_continues_samples_sglang_aborted(served, rollout0, figu
     assert any(s.status == Status.ABORTED and s.response_length > 0 for s in buffered), \
         "no sample was aborted mid-generation by SGLang"
     before = {s.index: s for s in buffered}
-    # the next rollouts take the buffered groups first, one group each (batch_size 1): the group holding a
-    # sample with tokens may come after groups aborted before their first token (up to 4 rollouts)
+    interrupted = {s.index for s in buffered if s.status == Status.ABORTED and s.response_length > 0}
+    # the next rollouts take the buffered groups first, one group each (batch_size 1), and buffer the others
+    # again: the group holding an interrupted sample may come after others (up to 8 rollouts)
     continued: list = []
-    for _ in range(4):
+    for _ in range(8):
         res = slimectl_in_process("rollout", "-r", run.path)
         assert res.returncode == 0, res.stderr[-3000:]
         samples = read_samples(run.rollouts.get(run.rollouts.ids()[-1]).file(SAMPLES_FILE))
         assert {s.metadata["engine_url"] for s in samples} == {router_url(served)}  # continued through the router too
         continued += [s for s in samples if s.index in before]
-        if any(before[s.index].response_length > 0 for s in continued):
+        if any(s.index in interrupted for s in continued):
             break
-    resumed = [s for s in continued if before[s.index].response_length > 0]
-    assert resumed and all(s.metadata.get("partial_continued") for s in resumed)
+    resumed = [s for s in continued if s.index in interrupted]
+    assert resumed and all(s.metadata.get("partial_continued") and s.response_length > before[s.index].response_length
+                           for s in resumed)
     hf = AutoModelForCausalLM.from_pretrained(served["model"], dtype=torch.float32).eval()
     worst = 0.0
     for s in resumed:

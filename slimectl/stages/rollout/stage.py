@@ -430,8 +430,8 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
                 group = buffered.pop(0)
                 for s in group:
                     s.rollout_id = rid
-                    if s.response_length:  # an aborted sample picks up where it stopped
-                        s.metadata["partial_continued"] = True
+                    if s.status == Status.ABORTED and s.response_length:  # picks up where it stopped
+                        s.metadata["partial_continued"] = True  # (a group-mate that had finished is not)
                 groups.append(group)
             for g, row in source.take(round_size - len(groups)):
                 group = []
