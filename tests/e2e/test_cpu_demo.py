@@ -57,6 +57,7 @@ def test_the_demo_defaults_resolve_without_running(tmp_path, stage_forks):
     assert (rl["rollout"]["num_rollout"], rl["rollout"]["eval_interval"], rl["train"]["lr"]) == (400, 100, 6e-4)
     assert rl["rollout"]["seed"] == rl["data"]["seed"] == 42 and rl["train"]["seed"] == 1234
     assert rl["algorithm"]["advantage_estimator"] == "grpo" and rl["engine"]["backend"] == "embedded"
+    assert warm["train"]["recompute"] == rl["train"]["recompute"] == "none"  # the tiny model: no recompute
     assert list(tmp_path.iterdir()) == []
 
 
