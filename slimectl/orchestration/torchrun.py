@@ -122,16 +122,9 @@ PYTHON_ENV = "SLIMECTL_PYTHON"
 
 def python_command() -> list[str]:
     """``$SLIMECTL_PYTHON`` split into argv, else ``[sys.executable]``."""
-    import shlex
+    from slimectl.contract.child_python import python_from_env
 
-    value = os.environ.get(PYTHON_ENV, "").strip()
-    if not value:
-        return [sys.executable]
-    try:
-        return shlex.split(value)
-    except ValueError as exc:
-        raise UsageError(f"${PYTHON_ENV}={value!r} cannot be split into a command ({exc}); quote it as a shell "
-                         f"would, or unset it to run torchrun with {sys.executable}") from None
+    return python_from_env(PYTHON_ENV, sys.executable)
 
 
 def torchrun_command(nproc: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,

@@ -302,11 +302,7 @@ class EngineGroup:
             env[ENGINE_NONCE_ENV] = token_hex(16)
             from slimectl.engines.embedded import server_argv
 
-            try:
-                cmd = server_argv(self.python)
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
-            argv = [*cmd, "--model-path", str(self.model_path),
+            argv = [*server_argv(self.python), "--model-path", str(self.model_path),
                     "--host", ec.host, "--port", str(port), "--dtype", self.cfg.model.dtype,
                     "--weight-version", self.weight_version, "--max-running-requests", str(ec.max_batch_size),
                     "--parent-pid", str(os.getpid())]

@@ -20,7 +20,7 @@ def test_the_embedded_engine_runs_with_the_given_python_or_the_command_in_the_en
     assert server_argv("/x/python") == ["numactl", "--cpunodebind=0", "/opt/my venv/bin/python", "-m",
                                         "slimectl.engines.embedded.server"]
     monkeypatch.setenv(EMBEDDED_PYTHON_ENV, "numactl 'unclosed")
-    with pytest.raises(ValueError, match=rf"\${EMBEDDED_PYTHON_ENV}=.*cannot be split.*unset it"):
+    with pytest.raises(UsageError, match=rf"\${EMBEDDED_PYTHON_ENV}=.*cannot be split.*unset it to use /x/python"):
         server_argv("/x/python")
 
 
