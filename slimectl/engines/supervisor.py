@@ -266,8 +266,27 @@ class ProcessSupervisor:
                     f"{p.name + ' at ' if p else ''}{u}: GET {path} did not return 200 within {timeout:g}s{where}")
             time.sleep(min(float(interval), max(0.0, remaining)))
 
+    def wait_port_file(self, p: ManagedProcess, port_file: str | Path, timeout: float = 600.0,
+                       interval: float = 0.05) -> int:
+        """The port a server started with ``--port 0 --port-file PORT_FILE`` bound: the system picked it and
+        the server holds it from the moment it writes the file (atomically), so no other process can take it
+        between choosing and binding, as a port probed free and handed over could be taken. Fails as soon
+        as the server exits."""
+        port_file = Path(port_file)
+        deadline = time.monotonic() + float(timeout)
+        while True:
+            try:
+                return int(port_file.read_text())
+            except (FileNotFoundError, ValueError):  # not written yet (a reader sees it whole or not at all)
+                pass
+            self._raise_if_exited(None, p, "")
+            if time.monotonic() >= deadline:
+                raise HealthTimeout(f"{p.name} did not bind a port within {timeout:g}s; log: {p.log_path}; last lines: "
+                                    f"{_one_line_tail(p.log_path, p.secrets)}")
+            time.sleep(interval)
+
     @staticmethod
-    def _raise_if_exited(url: str, p: ManagedProcess | None, path: str) -> None:
+    def _raise_if_exited(url: str | None, p: ManagedProcess | None, path: str) -> None:
         if p is None:
             return
         rc = p.returncode()
@@ -276,8 +295,9 @@ class ProcessSupervisor:
         if p.pump is not None:
             p.pump.join(timeout=2.0)  # let the last lines reach the log
         how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
-        raise ExitedBeforeHealthy(f"{p.name} at {url} exited ({how}) before GET {path} returned 200; "
-                           f"log: {p.log_path}; last lines: {_one_line_tail(p.log_path, p.secrets)}")
+        before = f"at {url} exited ({how}) before GET {path} returned 200" if url else f"exited ({how}) before it bound a port"
+        raise ExitedBeforeHealthy(f"{p.name} {before}; log: {p.log_path}; last lines: "
+                                  f"{_one_line_tail(p.log_path, p.secrets)}")
 
     @staticmethod
     def _raise_if_foreign(url: str, p: ManagedProcess | None, path: str) -> None:

@@ -15,6 +15,8 @@ publish, what the disk sync hands to engines) and are recorded at weight version
 published weights they start from ``model.path`` at version 0. ``weight_version`` picks another
 (``"initial"``: ``model.path``). Launched engines get ``engine.env`` on top of serve's own
 environment (e.g. ``SGLANG_USE_CPU_ENGINE=1`` for SGLang on CPU). A fixed ``engine.port`` is checked before anything is launched,
+without one an embedded engine binds a port the system picks (``--port 0``, reported in a port file), an SGLang
+server one probed free just before it starts;
 and each launched engine must prove it is the one we started (a nonce it reports, or for real
 SGLang that our process listens on the port) before it is called healthy.
 
@@ -29,7 +31,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,14 +189,30 @@ class EngineGroup:
             else:
                 launched = []
                 reach = advertised_host(ec.host, ec.advertise_host)
-                for i in self.engine_indices:
-                    port = ec.port + i if ec.port else free_port(ec.host)
-                    url = _url(reach, port)
-                    argv, env, secrets = self._launch_argv(i, port)
-                    nonce = env.get(ENGINE_NONCE_ENV) if self.backend == "embedded" else None
-                    proc = self.supervisor.start(f"engine-{i}", argv, env=env, url=url, secrets=secrets,
-                                                 log_path=self.run.path / "logs" / f"engine-{i}.log", nonce=nonce)
-                    launched.append((i, url, proc.pid))
+                # Without engine.port, an embedded engine binds port 0 and reports the system's pick in a port
+                # file: no window in which another serve (or any socket) takes a port chosen for it. SGLang
+                # servers get a port probed free just before they start.
+                own_ports = self.backend == "embedded" and not ec.port
+                ports_dir = Path(tempfile.mkdtemp(prefix="slimectl-ports-")) if own_ports else None
+                try:
+                    for i in self.engine_indices:
+                        port = 0 if own_ports else ec.port + i if ec.port else free_port(ec.host)
+                        argv, env, secrets = self._launch_argv(i, port)
+                        if ports_dir:
+                            argv += ["--port-file", str(ports_dir / f"engine-{i}")]
+                        nonce = env.get(ENGINE_NONCE_ENV) if self.backend == "embedded" else None
+                        proc = self.supervisor.start(f"engine-{i}", argv, env=env, secrets=secrets, nonce=nonce,
+                                                     url=None if ports_dir else _url(reach, port),
+                                                     log_path=self.run.path / "logs" / f"engine-{i}.log")
+                        launched.append((i, proc))
+                    if ports_dir:
+                        for i, proc in launched:
+                            proc.url = _url(reach, self.supervisor.wait_port_file(
+                                proc, ports_dir / f"engine-{i}", timeout=ec.startup_timeout_s))
+                finally:
+                    if ports_dir:
+                        shutil.rmtree(ports_dir, ignore_errors=True)
+                launched = [(i, proc.url, proc.pid) for i, proc in launched]
                 self.supervisor.wait_all_healthy([u for _, u, _ in launched], timeout=ec.startup_timeout_s,
                                                  interval=0.25)
                 for i, url, pid in launched:

@@ -142,3 +142,43 @@ def test_health_wait_never_takes_a_foreign_engine_for_ours(trained_run, other_en
                   log_path=tmp_path / "engine-1.log")
         with pytest.raises(LaunchError, match=rf"answered by another server.*pid {other.pid} listens there"):
             sup.wait_all_healthy([url], timeout=60, interval=0.2)
+
+
+def test_each_embedded_engine_binds_a_port_the_system_picks(trained_run, monkeypatch):
+    """Without engine.port, serve used to probe a port free and hand it to the engine, which bound it seconds
+    later: whatever took the port in between (another serve's engine, an outgoing connection's ephemeral
+    port) made the engine exit. The engine now binds port 0 and reports the system's pick (--port-file);
+    here the probe is made to return a port another socket holds, and no engine goes near it."""
+    from slimectl.contract.config import build_config
+    from slimectl.stages import serve as serve_mod
+
+    data = trained_run.config().to_dict()
+    data["engine"].update(num_engines=2, port=0)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(serve_mod, "free_port", lambda host="127.0.0.1": taken)
+        with serve_mod.EngineGroup(trained_run, build_config(data)) as group:
+            ports = [int(u.rsplit(":", 1)[1]) for u in group.urls]
+            assert len(set(ports)) == 2 and taken not in ports
+            assert sorted(r.url for r in trained_run.engines.list()) == sorted(group.urls)
+            for url in group.urls:
+                assert _get(url, "/get_model_info")["weight_version"] == "1"
+            for p in group.supervisor.processes:  # the argv each engine was started with
+                assert p.argv_display[p.argv_display.index("--port") + 1] == "0" and "--port-file" in p.argv_display
+    assert trained_run.engines.list() == []
+
+
+def test_an_engine_that_exits_before_binding_its_port_is_named_with_its_log(tmp_path):
+    from slimectl.engines.supervisor import ExitedBeforeHealthy, ProcessSupervisor
+
+    with ProcessSupervisor() as sup:
+        p = sup.start("engine-0", [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"],
+                      log_path=tmp_path / "engine-0.log")
+        with pytest.raises(ExitedBeforeHealthy, match=r"engine-0 exited \(exit code 3\) before it bound a port; "
+                                                      r"log: .*engine-0.log; last lines: .*no model here"):
+            sup.wait_port_file(p, tmp_path / "port", timeout=60)
+        p = sup.start("engine-1", [sys.executable, "-c", f"open({str(tmp_path / 'p1')!r}, 'w').write('4321\\n'); "
+                                   "import time; time.sleep(60)"], log_path=tmp_path / "engine-1.log")
+        assert sup.wait_port_file(p, tmp_path / "p1", timeout=60) == 4321
