@@ -1,4 +1,4 @@
-"""``docs/config.md``, generated from the config schema (:mod:`slimectl.contract.config`).
+"""``docs/config.md``, generated from the config schema (:mod:`slimectl.contract.config_schema`).
 
 One table per section: key, type, default, choices (or allowed range) and description (the
 docstring under each field). Regenerate after changing the schema::
@@ -98,7 +98,7 @@ def render_config_doc() -> str:
     out = [
         "# Config keys",
         "",
-        f"<!-- Generated from slimectl/contract/config.py by `{REGENERATE}`; do not edit by hand. -->",
+        f"<!-- Generated from slimectl/contract/config_schema.py by `{REGENERATE}`; do not edit by hand. -->",
         "",
         "Every key of a run's config: set them in the YAML file given to `slimectl init --config`, or with",
         "`--set SECTION.KEY=VALUE` (the value is read as YAML). `init` and `rl` may set any key; each other",
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     path, text = Path(args.path), render_config_doc()
     if args.check:
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            print(f"{path} is out of date with slimectl/contract/config.py; run `{REGENERATE}`", file=sys.stderr)
+            print(f"{path} is out of date with slimectl/contract/config_schema.py; run `{REGENERATE}`", file=sys.stderr)
             return 1
         return 0
     path.write_text(text, encoding="utf-8")

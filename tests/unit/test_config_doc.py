@@ -9,7 +9,7 @@ from slimectl.contract.config import SECTIONS, SlimectlConfig
 def test_docs_config_md_matches_the_schema():
     assert config_doc.DOC_PATH.is_file(), f"docs/config.md is missing; run `{config_doc.REGENERATE}`"
     assert config_doc.DOC_PATH.read_text(encoding="utf-8") == config_doc.render_config_doc(), (
-        f"docs/config.md is out of date with slimectl/contract/config.py; run `{config_doc.REGENERATE}`")
+        f"docs/config.md is out of date with slimectl/contract/config_schema.py; run `{config_doc.REGENERATE}`")
 
 
 def test_every_key_has_a_row_with_type_default_and_choices():
@@ -39,4 +39,4 @@ def test_every_key_has_a_description():
     missing = [f"{prefix}{name}" for prefix, model in [("", SlimectlConfig)] + [
         (f"{s}.", SlimectlConfig.model_fields[s].annotation) for s in SECTIONS]
         for name, field in model.model_fields.items() if name not in SECTIONS and not field.description]
-    assert not missing, f"config keys without a docstring in slimectl/contract/config.py: {', '.join(missing)}"
+    assert not missing, f"config keys without a docstring in slimectl/contract/config_schema.py: {', '.join(missing)}"

@@ -33,7 +33,7 @@ def test_recompute_keys_are_checked():
 
 
 def test_auto_recompute_is_full_only_where_measured():
-    from slimectl.backends.megatron.actor import recompute_mode
+    from slimectl.backends.megatron.recompute import recompute_mode
     from slimectl.contract.errors import ConfigError
 
     assert recompute_mode(TrainSection()) == "full"

@@ -12,7 +12,7 @@ slime's GRPO path (``actor.train_actor`` + ``loss.py``), in one process per rank
 4. ``train.num_steps_per_rollout`` optimizer steps, each over one global batch packed into
    micro-batches (``train.max_tokens_per_micro_batch``) with gradient accumulation; each
    micro-batch's loss and metrics come from :func:`slimectl.algorithms.objective.compute_objective`,
-   the LR from megatron-core's ``OptimizerParamScheduler`` (:func:`lr_scheduler`).
+   the LR from megatron-core's ``OptimizerParamScheduler`` (:func:`~slimectl.backends.megatron.lr_schedule.lr_scheduler`).
 
 Loss reduction across micro-batches is exact: each micro-batch's reduced loss is weighted by its
 share of the global batch (samples for the per-sample mean, loss tokens for the per-token mean),
@@ -26,7 +26,7 @@ batch) and PP (Megatron's 1F1B schedule over the packed micro-batches; only the 
 logits, so its log-probs and metrics are shared with the other stages). MoE models: EP (each MoE
 layer's experts split over ``train.ep`` data-parallel ranks, tokens exchanged all-to-all: ranks pad
 to the same number of micro-batches), the load-balancing aux loss (``train.moe_aux_loss_coeff``) and
-routing metrics (:class:`MoERouting`). Imports megatron lazily;
+routing metrics (:class:`~slimectl.backends.megatron.moe_routing.MoERouting`). Imports megatron lazily;
 never imports :mod:`slimectl.stages.rollout`.
 """
 
@@ -36,7 +36,6 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,106 +47,12 @@ from slimectl.algorithms.objective import ObjectiveBatch, ObjectiveConfig, compu
 from slimectl.algorithms.reduce import loss_token_count
 from slimectl.algorithms.rewards import normalize_rewards_by_group, reward_norm_mode_for
 from slimectl.backends.megatron import cpu_compat
+from slimectl.backends.megatron.actor_state import ActorState
 from slimectl.backends.megatron.logprobs import compute_log_probs
+from slimectl.backends.megatron.lr_schedule import lr_scheduler
+from slimectl.backends.megatron.moe_routing import MoERouting
 from slimectl.backends.megatron.packing import MicroBatch, pack_samples
-from slimectl.contract.errors import ConfigError
-
-
-def lr_scheduler(optimizer, train, total_steps: int | None):
-    """megatron-core's ``OptimizerParamScheduler`` for the ``train`` section: linear warm-up from 0
-    over ``lr_warmup_steps``, then constant / linear / cosine decay from ``lr`` to ``min_lr`` at
-    optimizer step ``total_steps`` (the decay horizon, e.g. num_rollout * num_steps_per_rollout).
-
-    Megatron's semantics: the step counter is the number of successful updates so far; at count
-    ``n <= warmup`` the LR is ``lr * n / warmup`` (so the first update of a warm-up runs at LR 0),
-    then ``min_lr + coeff((n - warmup) / (total - warmup)) * (lr - min_lr)``, ``min_lr`` past the
-    horizon. Weight decay stays ``train.weight_decay`` (times Megatron's per-group ``wd_mult``: 0 on
-    biases and norms)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    style, warmup = train.lr_decay_style, train.lr_warmup_steps
-    if style == "constant":
-        horizon = max(total_steps or 0, warmup + 1)  # unused by a constant LR beyond Megatron's checks
-    elif not total_steps:
-        raise ConfigError(f"train.lr_decay_style {style} needs the run's total optimizer steps (the decay horizon)")
-    elif total_steps <= warmup:
-        raise ConfigError(f"train.lr_warmup_steps ({warmup}) must be below the run's {total_steps} optimizer steps to "
-                          f"decay the LR ({style}); lower it or train longer")
-    else:
-        horizon = total_steps
-    # Config values win over a checkpoint's (as before: `--set train.lr=...` on resume applies);
-    # only the position comes back from a checkpoint (see MegatronActor.load_state).
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=horizon, lr_decay_style=style, start_wd=train.weight_decay, end_wd=train.weight_decay,
-        wd_incr_steps=1, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=True)
-
-
-def recompute_mode(train, pp: int = 1, moe: bool = False) -> str:
-    """``train.recompute`` resolved: ``auto`` is ``full`` for a dense model on one pipeline stage
-    without routing replay (the case measured: SmolLM2-135M's trainer peak 39.8 -> 25.6 B/param for
-    +0-12 % CPU seconds, bench/train_memory_phases.py), ``none`` otherwise."""
-    mode = getattr(train, "recompute", "none")
-    if mode == "auto":
-        return "full" if not moe and pp == 1 and not getattr(train, "use_rollout_routing_replay", False) else "none"
-    if mode == "full" and moe:
-        raise ConfigError("train.recompute full is not supported for MoE models (the recomputed forward would route "
-                          "again: routing statistics and replay count each forward); set train.recompute: none")
-    return mode
-
-
-def set_recompute(gpt, train, pp: int = 1, moe: bool = False) -> None:
-    """Activation recompute of the training forward (``train.recompute``, :func:`recompute_mode`):
-    megatron-core's own full-granularity recompute (``TransformerConfig.recompute_granularity/
-    method/num_layers``, read by the transformer block at each training forward), set on the built
-    model's config.
-
-    With ``full`` the backward keeps each checkpointed chunk's input instead of every layer's
-    activations and runs the chunk's forward again (the packed segments included:
-    :func:`~slimectl.backends.megatron.attention.install_recompute_segments`); gradients are the
-    same to rounding. No-grad forwards (log-probs, reference) are not affected."""
-    mode = recompute_mode(train, pp, moe)
-    if mode == "none":
-        return
-    config = gpt.config
-    layers = config.num_layers // pp  # this pipeline stage's layers (megatron splits them evenly here)
-    n = int(getattr(train, "recompute_num_layers", 1))
-    method = getattr(train, "recompute_method", "uniform")
-    if n > layers or (method == "uniform" and layers % n):
-        raise ConfigError(f"train.recompute_num_layers ({n}) must {'divide' if method == 'uniform' else 'be at most'} "
-                          f"the {layers} transformer layers of a pipeline stage with train.recompute_method {method}; "
-                          f"set it to {'a divisor of ' if method == 'uniform' else 'at most '}{layers}")
-    config.recompute_granularity = mode
-    config.recompute_method = method
-    config.recompute_num_layers = n
-
-
-def _release_before_layers_backward(gpt) -> None:
-    """Give freed backward blocks back to the OS when the gradient reaches the transformer layers
-    and again when it reaches the embedding (hooks on those outputs; numbers unchanged).
-
-    The LM head's backward (logits recomputed chunk by chunk, their weight gradient folded into
-    one ``[V, H]`` buffer) frees its blocks into glibc's heap just before the layers' backward, whose
-    blocks are of other sizes: without this they stayed resident through the whole layers'
-    backward, under the step's peak; the recomputed layers' freed blocks likewise stayed under the
-    embedding's dense gradient (``bench/train_memory_phases.py``)."""
-    from slimectl.backends.host_memory import release_free_memory
-
-    def release(_grad):
-        release_free_memory()
-
-    def hook(_module, _args, output):
-        out = output[0] if isinstance(output, tuple) else output
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(release)
-
-    # when the gradient reaches the layers' output (the LM head's backward done) and their input
-    # (the layers' backward done: before the embedding's dense [V, H] gradient is allocated)
-    for name in ("decoder", "embedding"):
-        module = getattr(gpt, name, None)
-        if module is not None:
-            module.register_forward_hook(hook)
+from slimectl.backends.megatron.recompute import release_before_layers_backward, set_recompute
 
 
 def _loss_mask(sample) -> torch.Tensor:
@@ -162,105 +67,7 @@ def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
     return pad_sequence([r.reshape(-1) for r in rows], batch_first=True)
 
 
-class MoERouting:
-    """The routers of an MoE actor in its training forwards (grad on, model in train mode).
-
-    Per step it counts the tokens each expert receives (every MoE layer and micro-batch of this
-    rank) and evaluates each MoE layer's load-balancing loss per micro-batch — Megatron's own
-    ``switch_load_balancing_loss_func`` without its coefficient, so it is reported whether or not
-    ``train.moe_aux_loss_coeff`` adds it to the loss — for :meth:`step_metrics`. Forwards marked
-    ``padding`` (expert-parallel padding micro-batches) route without the aux loss and are not counted.
-
-    The aux loss's gradient: Megatron adds ``coeff * aux`` in the router's backward, scaled by
-    ``MoEAuxLossAutoScaler`` (1 / micro-batches, as its pipeline schedule sets); :meth:`start_step`
-    sets that scale (the schedule sets the same under PP) and makes the coefficient ``coeff *
-    micro-batches / real micro-batches``: each data-parallel rank adds the mean of its micro-batches'
-    aux losses (DDP then averages over the ranks), padding micro-batches left out.
-    """
-
-    MAX_EXPERT_KEYS = 64
-    """Per-expert token shares are logged for models with at most this many experts."""
-
-    def __init__(self, model, arch, aux_loss_coeff: float):
-        import functools
-
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        self.num_experts, self.topk, self.coeff = arch.num_experts, arch.moe_topk, aux_loss_coeff
-        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-        self.padding = False
-        self._reset()
-        for r in self.routers:
-            r.routing = functools.partial(self._routing, r, r.routing)
-
-    def _reset(self) -> None:
-        self.counts = torch.zeros(self.num_experts, dtype=torch.float64)
-        self.aux_sum, self.aux_n = 0.0, 0
-
-    def start_step(self, micro_batches: int, real: int) -> None:
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-        self._reset()
-        self.padding = False
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / micro_batches))
-        for r in self.routers:
-            r.config.moe_aux_loss_coeff = self.coeff * micro_batches / max(real, 1)
-
-    def _routing(self, router, routing, logits, *args, **kwargs):
-        training = router.training and torch.is_grad_enabled()
-        if training and self.padding:
-            router.training = False  # Megatron attaches the aux loss only in training mode
-            counted = getattr(router, "local_tokens_per_expert", None)  # the expert-bias update's counts
-            saved = counted.clone() if counted is not None else None
-            try:
-                return routing(logits, *args, **kwargs)
-            finally:
-                router.training = True
-                if saved is not None:
-                    counted.copy_(saved)  # a padding micro-batch's tokens do not count
-        probs, routing_map = routing(logits, *args, **kwargs)
-        if training:
-            from megatron.core.transformer.moe.moe_utils import (
-                compute_routing_scores_for_aux_loss,
-                switch_load_balancing_loss_func,
-            )
-
-            with torch.no_grad():
-                flat = logits.detach().reshape(-1, self.num_experts)
-                aux_map, scores = compute_routing_scores_for_aux_loss(flat, self.topk, router.score_function)
-                aux = switch_load_balancing_loss_func(scores, aux_map.sum(0), flat.shape[0], self.topk,
-                                                      self.num_experts, 1.0)
-                self.counts += routing_map.sum(0).double()
-                self.aux_sum += float(aux)
-                self.aux_n += 1
-        return probs, routing_map
-
-    def step_metrics(self) -> dict[str, float]:
-        """This step's MoE metrics over every rank (collective): ``train/moe_aux_loss`` (the
-        load-balancing loss, mean over MoE layers and micro-batches; 1.0 when perfectly balanced),
-        ``train/moe_load_imbalance`` (the busiest expert's tokens over the mean: 1.0 is balanced)
-        and ``train/moe_expert_share/E`` (expert E's share of the routed tokens, all layers)."""
-        import torch.distributed as dist
-
-        v = torch.cat([self.counts, torch.tensor([self.aux_sum, float(self.aux_n)], dtype=torch.float64)])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(v)  # (TP ranks count the same tokens: shares and means are unchanged)
-        counts, aux_sum, aux_n = v[:-2], float(v[-2]), float(v[-1])
-        self._reset()
-        total = float(counts.sum())
-        share = counts / total if total > 0 else counts
-        out = {"train/moe_aux_loss": aux_sum / aux_n if aux_n else 0.0,
-               "train/moe_load_imbalance": float(share.max()) * self.num_experts if total > 0 else 0.0}
-        if self.num_experts <= self.MAX_EXPERT_KEYS:
-            out.update({f"train/moe_expert_share/{e}": float(share[e]) for e in range(self.num_experts)})
-        return out
-
-
-REF_PREFIX = "ref_model."
-"""Prefix of the reference model's tensors in a checkpoint (saved only when it moves: ref_update_interval)."""
-
-
-class MegatronActor:
+class MegatronActor(ActorState):
     """Policy (+ optional frozen reference) on Megatron-core; see the module docstring."""
 
     def __init__(self, arch, padded_vocab: int, train, algo, tp: int = 1, pp: int = 1, dtype: str = "fp32",
@@ -288,7 +95,7 @@ class MegatronActor:
         aux = float(getattr(train, "moe_aux_loss_coeff", 0.0)) if arch.is_moe else 0.0
         gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True, ep=ep, aux_loss_coeff=aux)
         set_recompute(gpt, train, pp, moe=arch.is_moe)
-        _release_before_layers_backward(gpt)
+        release_before_layers_backward(gpt)
         cfg = transformer_config(arch, tp, pp, dtype, ep=ep, aux_loss_coeff=aux)
         # MoE: routing statistics of the training forwards, the aux loss's scale per step
         self.moe = MoERouting(gpt, arch, aux) if arch.is_moe else None
@@ -373,147 +180,6 @@ class MegatronActor:
         extra = load_megatron_checkpoint(self.module, it_dir)
         self._after_load()
         return extra
-
-    def _fill_empty_adam_state(self) -> None:
-        from slimectl.backends.megatron.checkpoint import fill_empty_adam_state
-
-        fill_empty_adam_state(self.optimizer)
-
-    # ------------------------------------------------------------------ RNG
-    @property
-    def _layout(self) -> list[int]:
-        return [self.pp, self.tp, self.dp]
-
-    def _rng_object(self, data=None):
-        """This rank's RNG states as a torch_dist sharded object (one per (pp, tp, dp) rank)."""
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-        return ShardedObject("rng_state", data, tuple(self._layout),
-                             (self.info.pp_rank, self.info.tp_rank, self.dp_rank), replica_id=0)
-
-    @staticmethod
-    def rng_states() -> dict[str, Any]:
-        """Every random generator a step may draw from: Python's, torch's CPU (and CUDA) generator,
-        and Megatron's tensor-parallel tracker (dropout inside / outside TP regions)."""
-        import random
-
-        from megatron.core import tensor_parallel
-
-        return {"python": random.getstate(), "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-                "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-
-    @staticmethod
-    def set_rng_states(states: dict[str, Any]) -> None:
-        import random
-
-        from megatron.core import tensor_parallel
-
-        version, internal, gauss = states["python"]  # (a list or tuple after the checkpoint round trip)
-        random.setstate((version, tuple(internal), gauss))
-        torch.set_rng_state(states["torch"])
-        if states.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(states["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
-
-    # ------------------------------------------------------------------ state
-    def save_state(self, it_dir, extra: dict[str, Any] | None = None) -> None:
-        """Save model + optimizer (torch_dist, resharding-capable), every rank's RNG states and the
-        actor's step counter (collective)."""
-        from slimectl.backends.megatron.checkpoint import save_torch_dist
-
-        state = self.state_to_save(extra)
-        Path(it_dir).mkdir(parents=True, exist_ok=True)
-        save_torch_dist(state, it_dir)
-
-    def state_to_save(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """What :meth:`save_state` writes, as of now: the sharded state dict (its tensors are the
-        live parameters and Adam moments, not copies), the RNG states, step and LR schedule copied.
-
-        A background writer may write it while training goes on *until the next optimizer step*,
-        the only thing that changes those tensors in place: :meth:`_train_step` calls
-        ``before_update`` (the writer's wait) first. No snapshot, so no second copy of the state."""
-        import copy
-
-        from slimectl.backends.megatron.checkpoint import CHECKPOINT_VERSION
-
-        self._fill_empty_adam_state()
-        msd = self.module.sharded_state_dict(prefix="")
-        state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
-                 "rng_state": self._rng_object(self.rng_states()), "parallel_layout": self._layout,
-                 "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.step, "actor_step": self.step,
-                 "expert_parallel": self.ep,
-                 "opt_param_scheduler": copy.deepcopy(self.scheduler.state_dict()), **copy.deepcopy(extra or {})}
-        if self.saves_reference:  # updated by ref_update_interval: no longer the initial policy
-            state["ref_model"] = self.ref_model.sharded_state_dict(prefix=REF_PREFIX)
-            state["ref_saved"] = True
-        return state
-
-    @property
-    def saves_reference(self) -> bool:
-        """The reference moves (``algorithm.ref_update_interval``), so checkpoints carry it."""
-        return self.ref_model is not None and getattr(self.algo, "ref_update_interval", None) is not None
-
-    def update_reference(self) -> None:
-        """Copy the actor's weights into the reference model (slime's ``--ref-update-interval``)."""
-        if self.ref_model is None:
-            raise RuntimeError("update_reference: this actor has no reference model (algorithm.use_kl_loss)")
-        if self.before_update is not None:
-            self.before_update()  # a checkpoint being written may be reading the reference's tensors
-        self._sync_ref()
-
-    def load_state(self, it_dir) -> dict[str, Any]:
-        """Load what :meth:`save_state` wrote (model, optimizer, step); returns the other saved keys.
-
-        RNG states come back when the checkpoint was saved with this very (pp, tp, dp) layout; a
-        resharded resume starts the generators from the seed instead (as Megatron-LM does), and
-        says so. Load the initial policy first (it fills the reference model), then this."""
-        import logging
-
-        from megatron.core import dist_checkpointing
-
-        self._fill_empty_adam_state()
-        common = dist_checkpointing.load_common_state_dict(str(it_dir))
-        # (the expert-parallel size too: Megatron's expert RNG stream is seeded per expert-parallel rank)
-        same_layout = (list(common.get("parallel_layout") or []) == self._layout
-                       and int(common.get("expert_parallel", 1)) == self.ep)
-        msd = self.module.sharded_state_dict(prefix="")
-        request = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True)}
-        if same_layout:
-            request["rng_state"] = self._rng_object()
-        load_ref = self.ref_model is not None and bool(common.get("ref_saved"))
-        if load_ref:
-            request["ref_model"] = self.ref_model.sharded_state_dict(prefix=REF_PREFIX)
-        loaded = dist_checkpointing.load(request, str(it_dir))
-        self.module.load_state_dict(loaded["model"], strict=False)
-        if load_ref:
-            self.ref_model.load_state_dict(loaded["ref_model"], strict=False)
-        opt_sd = loaded["optimizer"]
-        if isinstance(opt_sd, dict) and isinstance(opt_sd.get("state"), dict) and "common_step" not in opt_sd["state"]:
-            # megatron-core saves the shared Adam step only when it is non-zero (`if step:`): a checkpoint
-            # of a never-stepped actor (PPO's critic-only rollouts) has none; put the 0 back.
-            opt_sd["state"]["common_step"] = torch.tensor(0.0)
-        self.optimizer.load_state_dict(opt_sd)
-        if same_layout:
-            self.set_rng_states(loaded["rng_state"])
-        elif self.info.rank == 0:
-            logging.getLogger("slimectl.train").info(
-                "%s was saved with (pp, tp, dp) = %s and ep %s, this job is %s and ep %s: random generators restart "
-                "from the seed", it_dir, common.get("parallel_layout"), common.get("expert_parallel", 1), self._layout,
-                self.ep)
-        self.step = int(common.get("actor_step", 0))
-        # The LR schedule's position (the loaded optimizer state carries the saved LR; re-apply ours).
-        self.scheduler.num_steps = 0
-        if common.get("opt_param_scheduler"):
-            self.scheduler.load_state_dict(common["opt_param_scheduler"])
-        else:  # saved before the schedule was: every step had been a successful update
-            self.scheduler.step(self.step)
-        # The reference model stays the *initial* policy, which the caller loads first (load_hf /
-        # load_checkpoint) before resuming from here, unless the checkpoint carries a moved one
-        # (ref_update_interval: loaded above).
-        return {k: v for k, v in common.items()
-                if k not in ("model", "optimizer", "rng_state", "parallel_layout", "opt_param_scheduler", "ref_model",
-                             "ref_saved", "expert_parallel")}
 
     def iter_hf_tensors(self):
         """Stream (HF name, full tensor) without holding a second copy of the model (for sync).

@@ -20,16 +20,23 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import threading
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.errors import SlimectlError
 from slimectl.contract.faults import fault_point
 from slimectl.backends.hf.arch import CheckpointMismatch, ModelArch
 from slimectl.backends.hf.checkpoint import HFCheckpoint
+from slimectl.backends.megatron.checkpoint_errors import MegatronCheckpointError, NotACheckpoint  # noqa: F401
+from slimectl.backends.megatron.safe_loading import install_safe_loading
+from slimectl.backends.megatron.sync_writer import (
+    DEFERRED,
+    install_view_deferral,
+    use_in_process_results_queue,
+    write_in_this_process,
+)
 from slimectl.backends.hf.mapping import full_row_blocks, rule_for, shard_row_blocks, to_hf, to_megatron, tp_gather, tp_shard
 
 log = logging.getLogger("slimectl.megatron")
@@ -48,14 +55,6 @@ HF_AUX_FILES = (
 )
 
 
-class MegatronCheckpointError(SlimectlError):
-    """A Megatron checkpoint directory is missing, damaged or does not match the model."""
-
-
-class NotACheckpoint(MegatronCheckpointError, UsageError):
-    """The directory given as a checkpoint is absent or not one slimectl wrote (exit code 2)."""
-
-    exit_code = 2
 
 
 def iter_dir_name(iteration: int | str) -> str:
@@ -252,180 +251,6 @@ def pipeline_stages_to_rank0(own: Iterator[tuple[str, torch.Tensor]], pp_group, 
 # ----------------------------------------------------------------------------- torch_dist save/load
 
 
-def _use_in_process_results_queue() -> None:
-    """Make megatron's *synchronous* torch_dist save collect writer results on a plain queue.
-
-    megatron-core creates a ``multiprocessing.Manager`` (a spawned server process) the first
-    time a process saves, so that an asynchronous checkpoint worker could report back; the
-    server then imports torch to unpickle the results. That costs ~2 s per process on 2 CPU
-    cores — more than writing a 100M-parameter model. slimectl only saves synchronously: the
-    results are put and taken by this very process (the forked writers report on a queue of
-    their own), so a plain thread-safe queue does the job. Left alone if megatron has already
-    created its queue.
-    """
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-
-    if getattr(fa, "_results_queue", "missing") is None:
-        fa._results_queue = queue.Queue()
-
-
-def _write_in_this_process(request, source=None, failures: list | None = None, views: dict | None = None):
-    """Have a synchronous torch_dist save write its files from this process, not forked writers.
-
-    megatron-core's writer forks one process per file so that an *asynchronous* save can run
-    beside training. A synchronous save gains nothing from the fork and pays for it and for the
-    copy-on-write faults of a process holding the whole model; threads keep the per-file
-    parallelism (bench/convert.py, 100M parameters, 2 cores, median of 3: forked 1.01 s, one
-    thread 1.28 s, a thread per file 0.86 s). Same files, same write function (fsynced), same
-    results. Any other writer is left as it is.
-
-    With ``source`` (a :class:`~slimectl.backends.megatron.copy_save.RowSource` holding unfilled
-    parameters), those tensors' bytes are copied from the HF files (:mod:`copy_save`).
-    A writer's exception is also appended to ``failures``: torch's CheckpointException carries
-    only a pickled copy of megatron's wrapper around it, without the exception itself.
-    """
-    import functools
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
-    copying = source is not None and len(source) > 0
-    views = views or {}
-    fn = request.async_fn
-    multiproc = FileSystemWriterAsync.__dict__.get("write_preloaded_data_multiproc")
-    target = getattr(multiproc, "__func__", multiproc)
-    if not (isinstance(fn, functools.partial) and getattr(fn.func, "__wrapped__", fn.func) in
-            (target, getattr(target, "__wrapped__", None)) and len(fn.args) == 2):
-        if copying:
-            raise MegatronCheckpointError("megatron-core's torch_dist writer is not the one slimectl knows; "
-                                          "convert cannot copy tensors from the HF files with it")
-        if views:
-            raise MegatronCheckpointError("megatron-core's torch_dist writer is not the one slimectl knows; "
-                                          "it cannot write the deferred views of fused weights")
-        return request
-    transform_list, _use_msc = fn.args
-
-    class _Done:  # the count queue the forked writers would mark themselves done on
-        def get(self):
-            return None
-
-        def task_done(self):
-            return None
-
-    def write(rank, write_buckets, results_queue):
-        # One thread per file, as megatron has one process per file: the writes and fsyncs
-        # release the GIL, so the files are written in parallel all the same.
-        from concurrent.futures import ThreadPoolExecutor
-
-        local: queue.Queue = queue.Queue()
-        with ThreadPoolExecutor(max_workers=max(len(write_buckets), 1)) as pool:
-            if copying:
-                from slimectl.backends.megatron.copy_save import write_bucket
-
-                futures = [pool.submit(write_bucket, transform_list, i, bucket, local, source)
-                           for i, bucket in enumerate(write_buckets)]
-            elif views:
-                futures = [pool.submit(_write_bucket_views, transform_list, i, bucket, local, views)
-                           for i, bucket in enumerate(write_buckets)]
-            else:
-                futures = [pool.submit(FileSystemWriterAsync.write_preloaded_data, transform_list, i, bucket, local,
-                                       _Done(), True) for i, bucket in enumerate(write_buckets)]
-            for f in futures:
-                f.result()
-        results: dict[int, Any] = {}
-        while not local.empty():
-            idx, out = local.get()
-            if isinstance(out, Exception):
-                if failures is not None:
-                    failures.append(out)
-                results_queue.put(out)
-                return
-            results[idx] = out
-        results_queue.put(results)
-
-    if copying or views:
-        # megatron's staging copies every tensor to CPU; the copied ones (convert) and the deferred
-        # views are meta tensors (no data)
-        buckets = request.async_fn_args[1]
-
-        def stage():
-            return [(name, key, (bytes_data, [(item, t if t.is_meta else t.to("cpu")) for item, t in tensor_data]))
-                    for name, key, (bytes_data, tensor_data) in buckets]
-
-        return request._replace(async_fn=write, preload_fn=stage if request.preload_fn else None)
-    return request._replace(async_fn=write)
-
-
-class _DeferredViews(threading.local):
-    """The views of one save in this thread: ``{write item's index: the live view}`` while
-    :func:`save_torch_dist` runs (None otherwise)."""
-
-    views: dict | None = None
-
-
-_DEFERRED = _DeferredViews()
-
-
-def _is_cpu_view(t) -> bool:
-    """A CPU tensor that is a part of a larger storage (megatron's ``_clone_if_needed`` clones those)."""
-    return (isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta
-            and t.untyped_storage().nbytes() != t.numel() * t.element_size())
-
-
-def _resolve_data_deferring_views(self, write_item):
-    """``resolve_data`` of torch_dist's save planner; inside :func:`save_torch_dist` a CPU view
-    (the gate and up halves of every fused ``fc1`` weight and of its Adam moments, as Megatron's
-    SwiGLU factory splits them) comes back as a meta placeholder.
-
-    megatron's ``FileSystemWriterAsync.prepare_write_data`` clones every CPU view before the
-    write starts, so that ``torch.save`` does not write the whole storage: a second copy of every
-    fused weight and both of its moments held for the whole save (+607 MB, 4.5 B/param, on
-    SmolLM2-135M). The placeholder passes through it uncloned (not a CPU tensor);
-    :func:`_write_bucket_views` clones each view just before writing it and drops the clone
-    after: one tensor's extra bytes at a time."""
-    data = _ORIGINAL_RESOLVE_DATA(self, write_item)
-    views = _DEFERRED.views
-    if views is None or not _is_cpu_view(data):
-        return data
-    views[write_item.index] = data.detach()
-    return torch.empty(data.shape, dtype=data.dtype, device="meta")
-
-
-_ORIGINAL_RESOLVE_DATA = None
-
-
-def _install_view_deferral() -> None:
-    """Route torch_dist's save planner through :func:`_resolve_data_deferring_views` (idempotent;
-    a no-op outside :func:`save_torch_dist`)."""
-    global _ORIGINAL_RESOLVE_DATA
-    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
-
-    if MCoreSavePlanner.resolve_data is not _resolve_data_deferring_views:
-        _ORIGINAL_RESOLVE_DATA = MCoreSavePlanner.resolve_data
-        MCoreSavePlanner.resolve_data = _resolve_data_deferring_views
-
-
-def _write_bucket_views(transform_list: list, idx: int, bucket, results_queue, views: dict) -> None:
-    """Write one torch_dist file as megatron's ``write_preloaded_data`` does (same records, same
-    order, fsynced), a deferred view cloned just before its own record and released after it.
-
-    Puts ``(idx, [WriteResult, ...])`` or ``(idx, exception)`` on ``results_queue``."""
-    from slimectl.backends.megatron.copy_save import write_dcp_file
-
-    def tensor_record(stream, item, tensor, record):
-        if tensor.is_meta:
-            view = views.get(item.index)
-            if view is None:
-                raise MegatronCheckpointError(f"{item.index.fqn}: a tensor with no data reached the "
-                                              f"checkpoint writer; the checkpoint would be incomplete")
-            tensor = view.clone()  # this record's bytes only (torch.save writes a view's whole storage)
-        return record(stream, tensor, item)  # the clone is released on return
-
-    write_dcp_file(transform_list, idx, bucket, results_queue, tensor_record)
-
-
 def _cpu_shim_in_this_thread():
     """The CPU shim's device rewriting for the calling thread (torch function modes are per thread:
     a background checkpoint writer does not inherit the main thread's); nothing on a GPU build."""
@@ -445,23 +270,23 @@ def save_torch_dist(state: dict[str, Any], it_dir: str | Path, source=None) -> N
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    _use_in_process_results_queue()
-    _install_view_deferral()
+    use_in_process_results_queue()
+    install_view_deferral()
     failures: list[BaseException] = []
     # Views of fused weights are written from the live tensors, one clone at a time (convert's
     # copied tensors are its own path: no deferral there).
     views: dict | None = {} if source is None else None
-    _DEFERRED.views = views
+    DEFERRED.views = views
     try:
         with _cpu_shim_in_this_thread():
             request = dist_checkpointing.save(state, str(it_dir), content_metadata=CONTENT_METADATA,
                                               async_sharded_save=True)
-            _DEFERRED.views = None
-            _write_in_this_process(request, source, failures, views).execute_sync()
+            DEFERRED.views = None
+            write_in_this_process(request, source, failures, views).execute_sync()
     except CheckpointException as exc:  # a BaseException: it would escape every `except Exception`
         raise _save_failure(it_dir, exc, failures) from None
     finally:
-        _DEFERRED.views = None
+        DEFERRED.views = None
     if source is not None:
         source.check_all_copied()
 
@@ -633,202 +458,6 @@ def load_megatron_checkpoint(model, it_dir: str | Path, strict: bool = True) -> 
             f"{it_dir}: checkpoint/model mismatch (missing {missing[:3]}, unexpected {list(unexpected)[:3]})"
         )
     return {k: v for k, v in loaded.items() if k != "model"}
-
-
-# ----------------------------------------------------------------------------- safe loading
-#
-# A torch_dist checkpoint is data a user may receive from anyone (a shared run directory, a
-# download), so loading one must run no code from it. Three places in torch/megatron unpickle
-# checkpoint files: torch's ``FileSystemReader.read_metadata`` (plain ``pickle.load`` of
-# ``.metadata``), torch's ``DefaultLoadPlanner.load_bytes`` (``torch.load(weights_only=False)`` of
-# the byte items inside ``*.distcp``: RNG states, optimizer groups) and megatron's common strategy
-# (``torch.load`` of ``common.pt`` and ``*.pt`` sharded objects, weights_only by torch's default).
-# ``install_safe_loading`` makes the first an allow-list unpickler and the other two weights_only,
-# for the whole process, and wraps megatron's load entry points so that any failure to read a
-# checkpoint (torch's CheckpointException is a BaseException) becomes one line naming it.
-
-_SAFE_METADATA_GLOBALS: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}),
-    "torch.distributed.checkpoint.planner": frozenset({
-        "SavePlan", "LoadPlan", "WriteItem", "ReadItem", "WriteItemType", "LoadItemType", "TensorWriteData",
-        "BytesIOWriteData"}),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
-    "torch.serialization": frozenset({"_get_layout"}),  # torch.strided & co. pickle as _get_layout("torch.strided")
-    "torch": frozenset({"Size"}),
-    "collections": frozenset({"OrderedDict"}),
-    "builtins": frozenset({"set", "frozenset", "slice", "complex", "tuple", "list", "dict", "bytearray"}),
-    # megatron's stand-ins for older checkpoints' classes (plain containers)
-    "megatron.core.dist_checkpointing.strategies.torch": frozenset({"MCoreMetadata", "MCoreSavePlan"}),
-}
-
-
-class UnsafeCheckpoint(MegatronCheckpointError, UsageError):
-    """A checkpoint file would make the loader run code or build objects it has no business building."""
-
-    exit_code = 2
-
-
-def _metadata_unpickler(file, where: str):
-    import pickle
-
-    class _Restricted(pickle.Unpickler):
-        def find_class(self, module: str, name: str):
-            if name in _SAFE_METADATA_GLOBALS.get(module, ()):
-                return super().find_class(module, name)
-            if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                              torch.memory_format)):
-                return getattr(torch, name)
-            raise UnsafeCheckpoint(
-                f"{where}: refused to load: it would call {module}.{name}, which is not a torch_dist metadata "
-                f"class (slimectl runs no code from checkpoints); the checkpoint is damaged or malicious: "
-                f"get it again from a source you trust, or re-create it with `slimectl convert`/`train`")
-
-    return _Restricted(file)
-
-
-class _SafePickle:
-    """``pickle`` as torch's checkpoint filesystem module sees it: loads through the allow-list."""
-
-    def __init__(self, real):
-        self._real = real
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def load(self, file, **_kw):
-        return _metadata_unpickler(file, getattr(file, "name", None) or ".metadata").load()
-
-    def loads(self, data, **_kw):
-        import io
-
-        return _metadata_unpickler(io.BytesIO(data), ".metadata").load()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def _load_failure(it_dir, exc: BaseException) -> SlimectlError:
-    """One line for a checkpoint that could not be read: its own SlimectlError if one was raised
-    inside (the refused pickle), else the first cause, naming the directory and what to do."""
-    causes: list[BaseException] = []
-    todo: list[BaseException | None] = [exc]
-    for pair in (getattr(exc, "failures", None) or {}).values():
-        todo.append(pair[0] if isinstance(pair, tuple) else pair)
-    while todo:
-        err = todo.pop(0)
-        if err is None or err in causes:
-            continue
-        causes.append(err)
-        todo += [err.__cause__, err.__context__]
-        for pair in (getattr(err, "failures", None) or {}).values() if hasattr(err, "failures") else ():
-            todo.append(pair[0] if isinstance(pair, tuple) else pair)
-    for err in causes:
-        if isinstance(err, SlimectlError):
-            return err
-    import pickle
-
-    for err in causes:
-        if isinstance(err, pickle.UnpicklingError) and "weights only" in str(err).lower():
-            return UnsafeCheckpoint(
-                f"{it_dir}: refused to load: a file there holds objects other than tensors and plain values "
-                f"({str(err).strip().splitlines()[0][:200]}; slimectl runs no code from checkpoints); the checkpoint "
-                f"is damaged or malicious: get it again from a source you trust, or re-create it with "
-                f"`slimectl convert`/`train`")
-    real = [e for e in causes if not type(e).__name__.startswith("CheckpointException")] or causes
-    return MegatronCheckpointError(
-        f"cannot load the torch_dist checkpoint {it_dir}: {_first_line(real[-1])}; "
-        f"it is damaged or incomplete (a missing or truncated file), or saved for another model: "
-        f"re-create it (`slimectl convert`/`train`) or pick another checkpoint")
-
-
-def check_torch_dist_metadata(it_dir: str | Path) -> None:
-    """Read ``IT_DIR/.metadata`` through the allow-list before torch does (torch would log a
-    traceback for an unreadable one and fall back to per-rank files): a refused class, a damaged
-    or missing file is one line naming it. Cheap: the file is a few KB."""
-    import pickle
-
-    path = Path(it_dir) / ".metadata"
-    fix = "re-create the checkpoint (`slimectl convert`/`train`) or pick another one"
-    if not path.is_file():
-        raise MegatronCheckpointError(f"{path} is missing: {it_dir} is not a complete torch_dist checkpoint; {fix}")
-    try:
-        with open(path, "rb") as f:
-            _metadata_unpickler(f, str(path)).load()
-    except SlimectlError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            ImportError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
-        raise MegatronCheckpointError(f"{path} is damaged ({_first_line(exc)}); {fix}") from None
-    except OSError as exc:
-        raise MegatronCheckpointError(f"cannot read {path}: {exc.strerror or exc}; {fix}") from None
-
-
-def _guard_load(fn):
-    import functools
-
-    @functools.wraps(fn)
-    def guarded(*args, **kwargs):
-        it_dir = kwargs.get("checkpoint_dir", args[1] if fn.__name__ == "load" and len(args) > 1
-                            else args[0] if args else "?")
-        try:
-            if fn.__name__ in ("load", "load_tensors_metadata", "load_sharded_metadata", "load_plain_tensors"):
-                check_torch_dist_metadata(it_dir)
-            return fn(*args, **kwargs)
-        except SlimectlError:
-            raise
-        except (Exception, _checkpoint_exception()) as exc:  # CheckpointException is a BaseException
-            raise _load_failure(it_dir, exc) from None
-
-    guarded._slimectl_guarded = True  # type: ignore[attr-defined]
-    return guarded
-
-
-def _checkpoint_exception():
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return CheckpointException
-
-
-def _load_bytes_weights_only(self, read_item, value) -> None:
-    """torch's ``DefaultLoadPlanner.load_bytes`` with ``weights_only=True`` (tensors, containers,
-    plain values and megatron's registered safe classes; no code)."""
-    from torch.distributed.checkpoint._traverse import set_element
-
-    obj = torch.load(value, weights_only=True)
-    if self.flatten_state_dict:
-        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-    else:
-        self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def install_safe_loading() -> None:
-    """Make every torch_dist load in this process safe and its failures one line (idempotent).
-
-    Called when this module is imported, which every Megatron load in slimectl is preceded by
-    (convert/export/train import it before building a model), and again by the load functions.
-    """
-    import torch.distributed.checkpoint.default_planner as dp
-    import torch.distributed.checkpoint.filesystem as fs
-    from megatron.core import dist_checkpointing as dc
-    from megatron.core.dist_checkpointing import serialization
-
-    if not isinstance(fs.pickle, _SafePickle):
-        fs.pickle = _SafePickle(fs.pickle)
-    if dp.DefaultLoadPlanner.load_bytes is not _load_bytes_weights_only:
-        dp.DefaultLoadPlanner.load_bytes = _load_bytes_weights_only
-    for name in ("load", "load_common_state_dict", "load_tensors_metadata", "load_sharded_metadata",
-                 "load_plain_tensors", "load_content_metadata"):
-        for mod in (dc, serialization):
-            fn = getattr(mod, name, None)
-            if fn is not None and not getattr(fn, "_slimectl_guarded", False):
-                setattr(mod, name, _guard_load(fn))
-
-
-install_safe_loading()
 
 
 def fill_empty_adam_state(optimizer) -> None:

@@ -75,7 +75,7 @@ class MegatronCritic:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from slimectl.backends.megatron.actor import lr_scheduler
+        from slimectl.backends.megatron.lr_schedule import lr_scheduler
         from slimectl.backends.megatron.critic import build_value_model
         from slimectl.backends.megatron.provider import transformer_config
 

@@ -1,0 +1,667 @@
+"""The config schema: one typed section per part of a run (model, data, rollout, engine, train, algorithm,
+critic, sync, logging), each field with its type, default, range and docstring (``docs/config.md`` is
+generated from it), and which sections each stage may override. Loading, ``--set`` overrides and the
+one-line errors: :mod:`slimectl.contract.config`, which re-exports everything here.
+
+pydantic is used for the schema: it is already a dependency of transformers' hub client,
+and gives typed coercion, range checks and Literal choices for free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import types
+from typing import Any, Literal, Optional, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+import slimectl.algorithms.registry as algo_registry
+from slimectl.contract.errors import ConfigError
+
+CONFIG_VERSION = 1
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys fail, assignments are re-validated.
+
+    The docstring under each field is its description (``Field.description``), which
+    ``docs/config.md`` is generated from (``python -m slimectl.contract.config_doc``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
+        """``batch_size: true`` is a mistake, not 1 (pydantic would take it as 1)."""
+        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError("must be a number, not true/false")
+        return value
+
+
+def _is_number(annotation: Any) -> bool:
+    """Whether a field holds an int or float (possibly Optional): a boolean there is refused."""
+    if annotation in (int, float):
+        return True
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = get_args(annotation)
+        return bool not in args and any(a in (int, float) for a in args)
+    return False
+
+
+class ModelSection(Section):
+    """The policy model the run starts from."""
+
+    path: Optional[str] = None
+    """HF model directory (config.json + safetensors + tokenizer) of the initial policy."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory, when it is not inside ``path``."""
+    ref_path: Optional[str] = None
+    """Reference model for the KL loss (default: ``path``)."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Parameter dtype for training and engines (fp32 on CPU for exact logprob parity)."""
+
+
+class DataSection(Section):
+    """The prompt data source (jsonl or parquet)."""
+
+    prompt_data: Optional[str] = None
+    """Prompt dataset: ``file.jsonl``, ``file.parquet``, optionally sliced as ``path@[a:b]``."""
+    input_key: str = "input"
+    """Field of each row holding the prompt (a string, or a chat message list)."""
+    label_key: Optional[str] = "label"
+    """Field holding the label the reward grades against; null when the reward needs none."""
+    metadata_key: str = "metadata"
+    """Field holding a per-row object passed to rewards and custom functions as ``sample.metadata``."""
+    tools_key: str = "tools"
+    """Field holding the row's tool definitions (multi-turn rollouts)."""
+    apply_chat_template: bool = True
+    """Wrap each prompt in the tokenizer's chat template before tokenizing."""
+    max_prompt_len: Optional[int] = Field(default=None, gt=0)
+    """Prompts longer than this many tokens are filtered out."""
+    shuffle: bool = True
+    """Visit the prompts in a shuffled order (reshuffled every epoch)."""
+    seed: int = 42
+    """Seed of the prompt shuffle."""
+    skip_bad_rows: bool = False
+    """Skip (and count) malformed rows instead of failing on the first one."""
+    eval_data: dict[str, str] = Field(default_factory=dict)
+    """Evaluation datasets, ``{name: file.jsonl|file.parquet}`` (same keys as prompt_data)."""
+
+
+class RolloutSection(Section):
+    """How rollouts are generated and scored."""
+
+    num_rollout: int = Field(default=10, gt=0)
+    """How many rollouts (RL iterations) the run makes."""
+    batch_size: int = Field(default=8, gt=0)
+    """Prompts per rollout."""
+    n_samples_per_prompt: int = Field(default=4, gt=0)
+    """Responses generated per prompt (the group size of GRPO-style estimators)."""
+    over_sampling_batch_size: Optional[int] = Field(default=None, gt=0)
+    """Prompts in flight per generation round (default: ``batch_size``)."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature; also the temperature the trainer's log-probs use. 0 samples greedily
+    (SGLang's top_k 1), and its log-probs are those of the unscaled distribution (temperature 1), as SGLang reports them."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches this."""
+    top_k: int = Field(default=-1, ge=-1)
+    """Sample among the k most likely tokens; -1 for all."""
+    max_response_len: int = Field(default=16, gt=0)
+    """Most tokens generated per response."""
+    stop: list[str] = Field(default_factory=list)
+    """Strings that end a response."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a response (besides the tokenizer's EOS)."""
+    reward: str = "math"
+    """A reward-hub name (math, deepscaler, dapo, f1, gpqa, last_number, remote, random) or ``module:function``."""
+    reward_key: Optional[str] = None
+    """Key to read when the reward function returns a dict."""
+    group_reward: bool = False
+    """Call the custom reward once per group instead of once per sample."""
+    remote_reward_url: Optional[str] = None
+    """Reward-model server the ``remote`` reward posts samples to."""
+    custom_generate: Optional[str] = None
+    """``module:function`` of an async custom generate function."""
+    dynamic_filter: Optional[str] = None
+    """``nonzero_std`` or ``module:function`` deciding whether to keep a group."""
+    partial_rollout: bool = False
+    """Keep the groups still generating when a rollout has its batch and continue them in the next rollout."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """With partial_rollout: mask the tokens generated in an earlier rollout (older weights) out of the loss."""
+    return_routed_experts: bool = False
+    """MoE: ask the engines for the experts each MoE layer chose per token (SGLang's
+    ``return_routed_experts``; real SGLang needs ``--enable-return-routed-experts``) and store them
+    on each sample (``rollout_routed_experts``). Also on when ``train.use_rollout_routing_replay`` is."""
+    concurrency_per_engine: int = Field(default=64, gt=0)
+    """Most requests in flight to one engine."""
+    seed: int = 42
+    """Seed of each sample's sampling seed (with the rollout id and sample index)."""
+    teacher_urls: list[str] = Field(default_factory=list)
+    """On-policy distillation: engines serving the teacher (e.g. another ``slimectl serve``); each
+    sample gets the teacher's log-probs of its response tokens (``/generate``, max_new_tokens 0)."""
+    async_mode: Literal["off", "one_step_off"] = "off"
+    """``slimectl rl``: ``one_step_off`` generates rollout N+1 (on weights N) while rollout N trains."""
+    max_staleness: Optional[int] = Field(default=None, ge=0)
+    """``rollout`` refuses to generate on an engine more than this many weight versions behind the newest
+    published ``weights/N`` (sync it first); default: what async_mode implies, 0 for off, 1 for one_step_off."""
+    eval_interval: Optional[int] = Field(default=None, gt=0)
+    """``slimectl rl``: evaluate on data.eval_data every this many weight versions (and at the end)."""
+    eval_n_samples: int = Field(default=4, gt=0)
+    """Samples per eval prompt (pass@k needs k <= this)."""
+    eval_pass_k: list[int] = Field(default_factory=lambda: [1])
+    """The k of each pass@k reported by eval."""
+    eval_temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature of eval (0: greedy)."""
+    eval_max_response_len: Optional[int] = Field(default=None, gt=0)
+    """Default: max_response_len."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutSection":
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.batch_size:
+            raise ValueError(
+                f"rollout.over_sampling_batch_size ({self.over_sampling_batch_size}) must be >= "
+                f"rollout.batch_size ({self.batch_size})"
+            )
+        if any(not 1 <= k <= self.eval_n_samples for k in self.eval_pass_k):
+            raise ValueError(f"rollout.eval_pass_k = {self.eval_pass_k}: each k must be in 1..rollout.eval_n_samples "
+                             f"({self.eval_n_samples})")
+        return self
+
+
+class EngineSection(Section):
+    """Inference engines that speak SGLang's HTTP protocol."""
+
+    backend: Literal["embedded", "sglang", "external"] = "embedded"
+    """embedded: our CPU engine (default); sglang: real SGLang servers; external: ``urls``."""
+    num_engines: int = Field(default=1, gt=0)
+    """How many engines ``serve`` (or ``rl``) starts."""
+    host: str = "127.0.0.1"
+    """Interface the engines bind to; keep loopback unless other hosts must reach them."""
+    advertise_host: Optional[str] = None
+    """Address other hosts use to reach the engines, recorded in ``RUN/engines/`` (default: ``host``;
+    when that is a wildcard such as 0.0.0.0, this machine's address on its default route)."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """First port (0 = pick free ports)."""
+    urls: list[str] = Field(default_factory=list)
+    """Engines started elsewhere (backend ``external``)."""
+    token_env: str = "SLIMECTL_ENGINE_TOKEN"
+    """Environment variable holding the admin/weight-update token (never stored in the run dir)."""
+    tp_size: int = Field(default=1, gt=0)
+    """Tensor-parallel size of each engine (SGLang)."""
+    gpu_ids: list[int] = Field(default_factory=list)
+    """GPUs for the engines, tp_size per engine in order (SGLang; default: let each engine pick)."""
+    mem_fraction_static: Optional[float] = Field(default=None, gt=0, le=1)
+    """SGLang's ``--mem-fraction-static`` (default: SGLang's)."""
+    offload_during_train: bool = False
+    """``slimectl rl`` (synchronous loop, colocated): engines release their weights and KV cache
+    while the actor trains (``/release_memory_occupation``) and take them back for the sync, which
+    loads the new weights — SGLang frees GPU memory; the embedded engine frees its host memory
+    (its RSS drops by the weight bytes)."""
+    num_threads: Optional[int] = Field(default=None, gt=0)
+    """Torch threads of each embedded engine. Default: the CPUs this process may use, less one, shared
+    among the engines ``serve`` starts here (at least 1), unless ``env`` or the environment sets
+    ``OMP_NUM_THREADS``. The core left free is the trainer's background checkpoint writer's: an engine
+    whose threads fill every core stalls whenever anything else runs (each parallel op waits for its
+    preempted thread; on 2 cores a rollout of SmolLM2-135M beside one busy core took 14.7 s with 2
+    threads, 9.3 s with 1, and 10.3 s vs 10.2 s alone)."""
+    sglang_python: Optional[str] = None
+    """Interpreter that has sglang installed (sglang pins its own torch)."""
+    sglang_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra ``--flag value`` pairs passed to ``sglang.launch_server`` verbatim."""
+    router: bool = False
+    """``serve`` (or ``rl``) starts sglang-router in front of the engines it launches (backend sglang or
+    embedded; not external) and records it in ``RUN/engines/routers/``; rollout sends ``/generate``
+    through it, while weight updates, pause, continue and abort still go to each engine (the router
+    does not forward them)."""
+    router_python: Optional[str] = None
+    """Interpreter that has ``sglang_router`` installed (``pip install sglang-router``; default:
+    ``sglang_python``, else the one running slimectl)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables (name: string) set for every engine process ``serve`` (or ``rl``) launches,
+    embedded or SGLang, on top of its own environment. SGLang on CPU needs ``env: {SGLANG_USE_CPU_ENGINE: "1"}``
+    with ``sglang_args: {device: cpu, attention_backend: torch_native, sampling_backend: pytorch}``.
+    Not for the token (``token_env``): the run directory stores this."""
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_strings(cls, value: Any) -> Any:
+        """Names must be variable names; numbers become strings (``1`` -> ``"1"``), true/false/null are refused."""
+        if not isinstance(value, dict):
+            return value
+        out = {}
+        for k, v in value.items():
+            if not (isinstance(k, str) and k.isascii() and k.replace("_", "a").isalnum() and not k[0].isdigit()):
+                raise ValueError(f"{k!r} is not an environment variable name (letters, digits, _)")
+            if isinstance(v, bool) or v is None:
+                raise ValueError(f"{k}: {v!r} is not a string; quote the value (e.g. \"1\")")
+            if isinstance(v, (int, float)):
+                v = str(v)
+            if isinstance(v, str) and "\0" in v:
+                raise ValueError(f"{k}: the value holds a NUL character")
+            out[k] = v
+        return out
+
+    @model_validator(mode="after")
+    def _router_needs_launched_engines(self) -> "EngineSection":
+        if self.router and (self.backend == "external" or self.urls):
+            raise ValueError("engine.router starts sglang-router in front of the engines serve launches, not external "
+                             "ones (engine.backend external / engine.urls): set engine.router: false, or engine.backend "
+                             "sglang or embedded")
+        return self
+
+    @model_validator(mode="after")
+    def _token_not_in_env(self) -> "EngineSection":
+        if self.token_env in self.env:
+            raise ValueError(f"engine.env sets {self.token_env}, the engine token (engine.token_env): set it in "
+                             f"serve's environment instead; the run directory never stores the token")
+        return self
+    max_batch_size: int = Field(default=64, gt=0)
+    """Embedded engine: most sequences decoded together."""
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds an engine may take to become healthy."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds one request to an engine may take."""
+
+
+class TrainSection(Section):
+    """The Megatron actor."""
+
+    tp: int = Field(default=1, gt=0)
+    """Tensor-parallel size of the actor."""
+    pp: int = Field(default=1, gt=0)
+    """Pipeline-parallel size of the actor."""
+    dp: int = Field(default=1, gt=0)
+    """Data-parallel ranks: ``slimectl train`` runs tp*pp*dp processes under torchrun."""
+    ep: int = Field(default=1, gt=0)
+    """Expert-parallel size of the actor (MoE models only): each MoE layer's experts are split over ep
+    of the data-parallel ranks (megatron-core's ``expert_model_parallel_size``, expert-TP = tp), so ep
+    must divide dp and the model's number of experts."""
+    moe_aux_loss_coeff: float = Field(default=0.0, ge=0)
+    """Coefficient of the MoE load-balancing auxiliary loss added to the policy loss (slime's
+    ``--moe-aux-loss-coeff``; 0 disables it; MoE models only)."""
+    lr: float = Field(default=1e-6, ge=0)
+    """Peak learning rate (Adam)."""
+    min_lr: float = Field(default=0.0, ge=0)
+    """Learning rate at the end of the decay (linear, cosine)."""
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warmup from 0 to lr."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warmup, over rollout.num_rollout x num_steps_per_rollout steps."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """Adam weight decay."""
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    """Adam beta1."""
+    adam_beta2: float = Field(default=0.98, ge=0, lt=1)
+    """Adam beta2."""
+    adam_eps: float = Field(default=1e-8, gt=0)
+    """Adam epsilon."""
+    clip_grad: float = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    global_batch_size: Optional[int] = Field(default=None, gt=0)
+    """Samples per optimizer step (default: all samples of a rollout / num_steps_per_rollout)."""
+    num_steps_per_rollout: int = Field(default=1, gt=0)
+    """Optimizer steps per rollout (the rollout's samples split into that many global batches)."""
+    max_tokens_per_micro_batch: int = Field(default=4096, gt=0)
+    """Token budget of one packed micro-batch."""
+    share_prompts: bool = True
+    """Pack the samples of one prompt (identical prompt tokens: a GRPO group) as the prompt once, then
+    their responses, each attending to the prompt and to itself: the prompt's forward and backward are
+    paid once per group (the CPU demo: 1,792 rows -> 504 per rollout). Same log-probs and gradients up
+    to float rounding. Off by itself with routing replay (routes are recorded per sample) and rotary
+    variants other than plain RoPE."""
+    recompute: Literal["auto", "none", "full"] = "auto"
+    """Activation recompute in the training backward (slime's ``--recompute-granularity``; megatron-core's
+    own): ``full`` keeps only each recompute unit's input and runs its forward again in the backward,
+    ``none`` keeps every layer's activations; same gradients to rounding. ``auto``: ``full`` for a dense
+    model with pp 1 and no routing replay, else ``none`` (SmolLM2-135M, 16 x 62 tokens: trainer peak
+    39.8 -> 25.6 B/param for +0-12 % CPU; MoE models refuse ``full``)."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """Which layers ``recompute: full`` recomputes (slime's ``--recompute-method``): ``uniform`` all of
+    them in units of recompute_num_layers layers, ``block`` the first recompute_num_layers layers of
+    each pipeline stage."""
+    recompute_num_layers: int = Field(default=1, gt=0)
+    """Layers per recompute unit (uniform: must divide a pipeline stage's layers) or layers recomputed
+    per stage (block) (slime's ``--recompute-num-layers``)."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
+    use_rollout_logprobs: bool = False
+    """Take old log-probs from the rollout instead of recomputing them."""
+    use_rollout_routing_replay: bool = False
+    """MoE routing replay (slime's ``--use-rollout-routing-replay``, R3): every forward of a sample
+    (old log-probs, training, reference) routes each token to the experts the engine chose in rollout
+    (``rollout_routed_experts``); rollout then records them (as ``rollout.return_routed_experts``)."""
+    save_interval: int = Field(default=1, gt=0)
+    """Publish a checkpoint (``checkpoints/N``) every this many rollouts (and after the last)."""
+    keep_checkpoints: Optional[int] = Field(default=2, gt=0)
+    """Checkpoints kept (older ones are deleted; the initial checkpoint 0 is always kept); null keeps all."""
+    seed: int = 1234
+    """Seed of the actor's initialisation and dropout."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainSection":
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr ({self.min_lr}) must be <= train.lr ({self.lr})")
+        if self.dp % self.ep:
+            raise ValueError(f"train.ep ({self.ep}) must divide train.dp ({self.dp}): expert-parallel ranks are "
+                             f"data-parallel ranks (megatron-core: tp*ep*pp must divide tp*pp*dp); "
+                             f"set train.dp to a multiple of {self.ep}")
+        return self
+
+
+class AlgorithmSection(Section):
+    """Advantages, policy loss and regularisers (``docs/algorithms.md``: each formula and its slime flag)."""
+
+    # choices and defaults come from the algorithm registry (one list, shared with the math)
+    advantage_estimator: Literal[algo_registry.ESTIMATORS + algo_registry.CRITIC_ESTIMATORS] = algo_registry.DEFAULT_ESTIMATOR  # type: ignore[valid-type]
+    """How rewards become advantages; ppo: GAE with a learned critic (the ``critic`` section, on the actor's ranks)."""
+    loss_type: Literal[algo_registry.LOSS_TYPES] = algo_registry.DEFAULT_LOSS_TYPE  # type: ignore[valid-type]
+    """policy_loss (PPO-style clipped surrogate), sft_loss (negative log-likelihood of the responses) or
+    custom_loss (``custom_loss_function``)."""
+    reward_normalization: Optional[Literal[algo_registry.REWARD_NORM_MODES]] = algo_registry.DEFAULT_REWARD_NORM  # type: ignore[valid-type]
+    """Per-group reward normalization before the advantages: subtract the group mean (and divide by
+    its std), or none. Default (null): slime's rule for the estimator — group_mean_std for
+    grpo/gspo/cispo, group_mean for reinforce_plus_plus_baseline, none for reinforce_plus_plus."""
+    normalize_advantages: Optional[bool] = None
+    """Whiten the advantages over all loss tokens of the rollout (slime ``--normalize-advantages``).
+    Default (null): on for both reinforce_plus_plus estimators (slime requires it), off otherwise."""
+    eps_clip: float = Field(default=algo_registry.DEFAULT_EPS_CLIP, gt=0)
+    """PPO clip range: the ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]."""
+    eps_clip_high: Optional[float] = Field(default=None, gt=0)
+    """Upper clip (clip-higher); default ``eps_clip``."""
+    eps_clip_c: Optional[float] = Field(default=None, gt=1)
+    """Dual-clip constant (> 1); off when unset."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus: the loss gets ``- entropy_coef * mean entropy``."""
+    use_kl_loss: bool = False
+    """Add a KL loss against the reference model (model.ref_path); also what builds the reference model."""
+    kl_loss_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL loss."""
+    kl_loss_type: Literal[algo_registry.KL_TYPES] = algo_registry.DEFAULT_KL_LOSS_TYPE  # type: ignore[valid-type]
+    """KL estimator of the KL loss and of the kl_coef reward penalty (slime's default k1)."""
+    ref_update_interval: Optional[int] = Field(default=None, ge=1)
+    """Copy the actor into the reference model after every N rollouts (slime ``--ref-update-interval``;
+    needs use_kl_loss). Checkpoints then carry the reference, so a resume restores the moved one."""
+    use_unbiased_kl: bool = False
+    """Multiply the KL loss per token by ``pi_theta / pi_old`` (DeepSeek-V3.2; slime ``--use-unbiased-kl``)."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """KL penalty folded into the reward (reinforce_plus_plus estimators; needs use_kl_loss for the reference)."""
+    gamma: float = Field(default=algo_registry.DEFAULT_GAMMA, ge=0, le=1)
+    """Discount of the per-token returns (reinforce_plus_plus and ppo; slime ``--gamma``)."""
+    lambd: float = Field(default=algo_registry.DEFAULT_LAMBD, ge=0, le=1)
+    """GAE lambda of ppo's advantages (slime ``--lambd``): 1 = discounted return minus value, 0 = one-step TD error."""
+    use_tis: bool = False
+    """Truncated importance sampling: weight the loss by the trainer/engine probability ratio, clamped
+    to [tis_clip_low, tis_clip]."""
+    tis_mode: Literal[algo_registry.TIS_MODES] = algo_registry.DEFAULT_TIS_MODE  # type: ignore[valid-type]
+    """truncate: clamp the TIS weight into [tis_clip_low, tis_clip]; mask: weight 0 for tokens whose ratio
+    leaves that range (slime's icepop_function)."""
+    tis_clip: float = Field(default=algo_registry.DEFAULT_TIS_CLIP, gt=0)
+    """Upper clamp of the TIS weights."""
+    tis_clip_low: float = Field(default=algo_registry.DEFAULT_TIS_CLIP_LOW, ge=0)
+    """Lower clamp of the TIS weights."""
+    custom_tis_function: Optional[str] = None
+    """``module:function`` replacing the TIS weighting, slime's signature
+    ``fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kw) -> (pg_loss, loss_masks, metrics)``
+    (needs use_tis)."""
+    use_opsm: bool = False
+    """Off-policy sequence masking: drop sequences with a negative advantage whose mean ``old_lp - lp``
+    exceeds opsm_delta (slime ``--use-opsm``)."""
+    opsm_delta: float = Field(default=algo_registry.DEFAULT_OPSM_DELTA, ge=0)
+    """OPSM threshold on the sequence's mean ``old_lp - lp``."""
+    use_opd: bool = False
+    """On-policy distillation: add the reverse KL to the teacher's log-probs (rollout.teacher_urls)."""
+    opd_kl_coef: float = Field(default=algo_registry.DEFAULT_OPD_KL_COEF, ge=0)
+    """Weight of the on-policy distillation term."""
+    calculate_per_token_loss: bool = False
+    """Reduce the loss per token over the batch instead of per-sample mean."""
+    custom_loss_function: Optional[str] = None
+    """``module:function`` of loss_type custom_loss, slime's signature
+    ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)``."""
+    custom_advantage_function: Optional[str] = None
+    """``module:function`` replacing the advantage estimator, slime's signature ``fn(args, rollout_data) -> None``
+    (sets ``rollout_data["advantages"]`` and ``["returns"]``)."""
+    custom_pg_loss_reducer: Optional[str] = None
+    """``module:function`` building the pg_loss reducer, slime's signature
+    ``fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer``."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "AlgorithmSection":
+        problem = algorithm_conflict(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def load_hooks(self) -> dict[str, Any]:
+        """The custom functions this section names, imported (``contract/imports.py``), by field name."""
+        from slimectl.contract.imports import import_object
+
+        out: dict[str, Any] = {}
+        for key in ("custom_tis_function", "custom_loss_function", "custom_advantage_function",
+                    "custom_pg_loss_reducer"):
+            spec = getattr(self, key)
+            if spec:
+                out[key] = import_object(spec, f"algorithm.{key}", ConfigError, callable_as="a function")
+        return out
+
+
+def algorithm_conflict(a: "AlgorithmSection") -> str | None:
+    """The first contradictory combination of algorithm keys, as one line naming both keys; else None."""
+    if a.kl_coef > 0 and a.advantage_estimator in algo_registry.GROUP_ESTIMATORS:
+        return (f"algorithm.kl_coef = {a.kl_coef} does nothing with algorithm.advantage_estimator = "
+                f"{a.advantage_estimator} (its advantages ignore the KL reward); use kl_loss_coef instead")
+    if a.kl_coef > 0 and not a.use_kl_loss:
+        return (f"algorithm.kl_coef = {a.kl_coef} needs algorithm.use_kl_loss: true (it builds the reference model "
+                f"the KL penalty is measured against; keep kl_loss_coef 0 for a reward penalty only)")
+    if a.kl_coef > 0 and a.kl_loss_coef > 0:
+        return (f"algorithm.kl_coef = {a.kl_coef} and algorithm.kl_loss_coef = {a.kl_loss_coef} are both set; "
+                f"use one KL (slime refuses both): the reward penalty or the KL loss")
+    if a.ref_update_interval is not None and not a.use_kl_loss:
+        return (f"algorithm.ref_update_interval = {a.ref_update_interval} needs algorithm.use_kl_loss: true "
+                f"(it updates the reference model, which only the KL loss builds)")
+    if a.use_unbiased_kl and not a.use_kl_loss:
+        return "algorithm.use_unbiased_kl: true needs algorithm.use_kl_loss: true (it reweights the KL loss)"
+    if a.tis_clip_low > a.tis_clip:
+        return f"algorithm.tis_clip_low = {a.tis_clip_low} is above algorithm.tis_clip = {a.tis_clip}"
+    if a.custom_tis_function and not a.use_tis:
+        return "algorithm.custom_tis_function is set but algorithm.use_tis is false; set use_tis: true"
+    if (a.loss_type == "custom_loss") != bool(a.custom_loss_function):
+        return ("algorithm.loss_type = custom_loss needs algorithm.custom_loss_function (module:function)"
+                if a.loss_type == "custom_loss" else
+                f"algorithm.custom_loss_function is set but algorithm.loss_type = {a.loss_type}; set loss_type: custom_loss")
+    if a.loss_type == "sft_loss" and (a.use_tis or a.use_opsm or a.custom_pg_loss_reducer):
+        key = "use_tis" if a.use_tis else "use_opsm" if a.use_opsm else "custom_pg_loss_reducer"
+        return f"algorithm.{key} acts on the policy loss, but algorithm.loss_type = sft_loss"
+    return None
+
+
+class CriticSection(Section):
+    """PPO's value model (``algorithm.advantage_estimator: ppo``; slime ``--use-critic``, ``--value-clip``,
+    ``--num-critic-only-steps`` and the critic role of ``--megatron-config-path``). A key left null takes the
+    actor's value from ``train``. Unused by the other estimators. Placement: ``slimectl train``, a local ``rl`` (and its torchrun ranks) run the critic in the trainer's
+    processes, on the actor's layout (``critic.tp``/``pp``/``dp`` unset or equal to ``train``'s). Under
+    ``rl --launcher ray`` the critic is its own group of Ray actors (slime's critic RayTrainGroup):
+    ``critic.tp x critic.pp x critic.dp`` ranks with their own torch.distributed world and Megatron layout,
+    which may differ from the actor's; placed like the trainer (own bundles, or sharing the ``--colocate``
+    bundles)."""
+
+    path: Optional[str] = None
+    """HF model directory the critic's transformer starts from (same architecture as the actor; its LM head is
+    replaced by a value head); null: the actor's initial weights (``model.path``)."""
+    lr: Optional[float] = Field(default=None, ge=0)
+    """Peak learning rate of the critic's Adam; null: ``train.lr``."""
+    min_lr: Optional[float] = Field(default=None, ge=0)
+    """Learning rate at the end of the critic's decay; null: ``train.min_lr``."""
+    lr_warmup_steps: Optional[int] = Field(default=None, ge=0)
+    """Critic optimizer steps of linear warmup; null: ``train.lr_warmup_steps``."""
+    lr_decay_style: Optional[Literal["constant", "linear", "cosine"]] = None
+    """Critic learning-rate schedule after warmup; null: ``train.lr_decay_style``."""
+    tp: Optional[int] = Field(default=None, gt=0)
+    """Tensor-parallel size of the critic; null: ``train.tp``. Another value than ``train.tp`` needs
+    ``rl --launcher ray`` (the critic's own actor group)."""
+    pp: Optional[int] = Field(default=None, gt=0)
+    """Pipeline-parallel size of the critic; null: ``train.pp``. Another value than ``train.pp`` needs
+    ``rl --launcher ray``."""
+    dp: Optional[int] = Field(default=None, gt=0)
+    """Data-parallel size of the critic; null: ``train.dp``. Under ``rl --launcher ray`` the critic group has
+    ``critic.tp x critic.pp x critic.dp`` ranks (one Ray actor and one CPU or GPU each); elsewhere the critic
+    runs on the trainer's ranks, so it must equal ``train.dp``."""
+    value_clip: float = Field(default=algo_registry.DEFAULT_VALUE_CLIP, gt=0)
+    """Value clip: the loss is ``max((V_old + clamp(V - V_old, -value_clip, value_clip) - G)^2, (V - G)^2)``."""
+    num_critic_only_steps: int = Field(default=algo_registry.DEFAULT_NUM_CRITIC_ONLY_STEPS, ge=0)
+    """The first this many rollouts train the critic only (the actor waits for useful values)."""
+    num_steps_per_rollout: int = Field(default=1, ge=1)
+    """Critic optimizer steps on each of the actor's global batches of a rollout (verl's critic ``ppo_epochs``):
+    that many passes over the rollout's batches, every step's value clip relative to the rollout-time values
+    ``V_old``. The critic's LR schedule counts these steps (its decay horizon is this many times the actor's)."""
+
+    def resolved(self, train: "TrainSection") -> "CriticSection":
+        """A copy with every null key replaced by the actor's value from ``train``."""
+        inherit = {k: getattr(train, k) for k in ("lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "tp", "pp",
+                                                      "dp") if getattr(self, k) is None}
+        return self.model_copy(update=inherit)
+
+
+def critic_problem(cfg: "SlimectlConfig") -> str | None:
+    """The first problem of the critic section against the rest of the config (one line), else None."""
+    c, t = cfg.critic.resolved(cfg.train), cfg.train
+    lr_key = "critic.lr" if cfg.critic.lr is not None else "critic.lr (= train.lr)"
+    if c.min_lr > c.lr:
+        min_key = "critic.min_lr" if cfg.critic.min_lr is not None else "critic.min_lr (= train.min_lr)"
+        return f"{min_key} = {c.min_lr} must be <= {lr_key} = {c.lr}"
+    steps = cfg.rollout.num_rollout * t.num_steps_per_rollout * c.num_steps_per_rollout
+    if c.lr_decay_style != "constant" and c.lr_warmup_steps >= steps:
+        return (f"critic.lr_warmup_steps = {c.lr_warmup_steps} must be below the run's {steps} critic optimizer steps "
+                f"(rollout.num_rollout x train.num_steps_per_rollout x critic.num_steps_per_rollout) to decay the "
+                f"critic's LR ({c.lr_decay_style}); "
+                f"lower it or train longer")
+    if c.num_critic_only_steps and c.num_critic_only_steps >= cfg.rollout.num_rollout:
+        return (f"critic.num_critic_only_steps = {c.num_critic_only_steps} must be below rollout.num_rollout = "
+                f"{cfg.rollout.num_rollout}, or the actor never trains")
+    return None
+
+
+def critic_layout_problem(cfg: "SlimectlConfig", own_group: bool = False) -> str | None:
+    """Where the critic runs (``algorithm.advantage_estimator: ppo``): ``own_group`` (``rl --launcher ray``) its
+    own ranks at any ``critic.tp x pp x dp``; else the trainer's ranks, at the actor's layout only. The problem
+    in one line, else None."""
+    if cfg.algorithm.advantage_estimator != "ppo" or own_group:
+        return None
+    c, t = cfg.critic.resolved(cfg.train), cfg.train
+    if (c.tp, c.pp, c.dp) != (t.tp, t.pp, t.dp):
+        return (f"critic.tp x critic.pp x critic.dp = {c.tp} x {c.pp} x {c.dp}: outside Ray the critic runs on the "
+                f"actor's ranks and layout (train.tp x train.pp x train.dp = {t.tp} x {t.pp} x {t.dp}); leave "
+                f"critic.tp, critic.pp and critic.dp unset, or run `slimectl rl --launcher ray`, where the critic "
+                f"is its own actor group at any layout")
+    return None
+
+
+class SyncSection(Section):
+    """Weight handoff from the trainer to the engines."""
+
+    transport: Literal["disk", "distributed"] = "disk"
+    """disk: engines load ``weights/N`` themselves; distributed: broadcast over a process group."""
+    bucket_size_mb: int = Field(default=512, gt=0)
+    """Distributed transport: most megabytes per broadcast bucket."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend for the distributed transport (auto: NCCL on GPU, gloo on CPU)."""
+    master_addr: str = "127.0.0.1"
+    """Distributed transport: this host's address as the engines reach it."""
+    master_port: int = Field(default=0, ge=0, le=65535)
+    """Distributed transport: port of the weight-update group (0 = a free port)."""
+    verify: bool = False
+    """After each sync read sampled tensors back from every engine and compare them with the trainer's."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How engines pause for the update (SGLang's /pause_generation modes)."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds a sync may take."""
+    keep_weights: Optional[int] = Field(default=2, gt=0)
+    """Published ``weights/N`` kept (older ones are deleted); null keeps all."""
+
+
+class LoggingSection(Section):
+    """Console, TensorBoard and metrics.jsonl."""
+
+    log_interval: int = Field(default=1, gt=0)
+    """Not used yet: every optimizer step is logged and recorded."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files under ``RUN/tensorboard/STAGE``."""
+    progress: Literal["auto", "on", "off"] = "auto"
+    """Progress bars on stderr (rollout, train, convert, export, sync, eval): auto shows them only when
+    stderr is a terminal, and leaves the finished bar on screen."""
+    wandb: bool = False
+    """Also log every metric to Weights & Biases, under the same names as TensorBoard (one W&B run per
+    stage, grouped by the run's name); needs ``pip install 'slimectl[wandb]'`` (without it: one warning)."""
+    wandb_project: str = "slimectl"
+    """W&B project of the runs."""
+    wandb_entity: Optional[str] = None
+    """W&B entity (user or team); null: W&B's default."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline writes the W&B runs under ``wandb_dir`` only (upload later with ``wandb sync``); online
+    streams them to the W&B server (needs ``wandb login``)."""
+    wandb_dir: str = "wandb"
+    """Where W&B writes its files; a relative path is under the run directory."""
+
+
+class SlimectlConfig(Section):
+    """The whole resolved configuration of a run."""
+
+    config_version: int = CONFIG_VERSION
+    """Version of the config schema (this slimectl reads 1)."""
+    name: Optional[str] = None
+    """Free-form run name shown by ``slimectl status``."""
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    critic: CriticSection = Field(default_factory=CriticSection)
+    sync: SyncSection = Field(default_factory=SyncSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SlimectlConfig":
+        if self.config_version != CONFIG_VERSION:
+            raise ValueError(
+                f"config_version {self.config_version} is not supported by this slimectl "
+                f"(supports {CONFIG_VERSION})"
+            )
+        t, steps = self.train, self.rollout.num_rollout * self.train.num_steps_per_rollout
+        if t.lr_decay_style != "constant" and t.lr_warmup_steps >= steps:
+            raise ValueError(f"train.lr_warmup_steps ({t.lr_warmup_steps}) must be below the run's {steps} optimizer "
+                             f"steps (rollout.num_rollout x train.num_steps_per_rollout) to decay the LR "
+                             f"({t.lr_decay_style}); lower it or train longer")
+        problem = critic_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def fingerprint(self) -> str:
+        """sha256 of the canonical JSON form; equal configs have equal fingerprints."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+SECTIONS: tuple[str, ...] = ("model", "data", "rollout", "engine", "train", "algorithm", "critic", "sync", "logging")
+
+#: Which sections each stage may override with ``--set`` (everything else comes frozen from
+#: the run directory, so stages started separately agree on it).
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "init": ("name",) + SECTIONS,
+    "rl": ("name",) + SECTIONS,
+    "serve": ("engine", "logging"),
+    "rollout": ("data", "rollout", "engine", "logging"),
+    "train": ("train", "algorithm", "critic", "logging"),
+    "sync": ("sync", "engine", "logging"),
+    "convert": ("model", "train", "logging"),
+    "export": ("model", "logging"),
+}
