@@ -265,7 +265,7 @@ def save_torch_dist(state: dict[str, Any], it_dir: str | Path, source=None) -> N
     """``dist_checkpointing.save`` done synchronously, writing from this process (collective).
 
     ``source``: unfilled parameters whose bytes are copied from the HF files (convert). May run on
-    a background thread (one trainer process: :class:`slimectl.stages.train.CheckpointWriter`).
+    a background thread (one trainer process: :class:`slimectl.contract.rundir.ordered_writer.CheckpointWriter`).
     """
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
