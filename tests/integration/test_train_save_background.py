@@ -51,9 +51,11 @@ def _run(tmp_path, model, n: int = 2) -> RunDir:
 
 
 def _blocked_in_writer_wait(thread: threading.Thread) -> bool:
+    from slimectl.contract.rundir.ordered_writer import CheckpointWriter
+
     frame = sys._current_frames().get(thread.ident)
     while frame is not None:
-        if frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("stages/train.py"):
+        if frame.f_code is CheckpointWriter.wait.__code__:
             return True
         frame = frame.f_back
     return False
