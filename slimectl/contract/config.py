@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from slimectl.contract.config_checks import algorithm_conflict, critic_layout_problem, critic_problem  # noqa: F401
 from slimectl.contract.dataspec import parse_data_spec
 from slimectl.contract.errors import ConfigError
 from slimectl.contract.config_schema import (  # noqa: F401  (re-exported)
@@ -39,9 +40,6 @@ from slimectl.contract.config_schema import (  # noqa: F401  (re-exported)
     SlimectlConfig,
     SyncSection,
     TrainSection,
-    algorithm_conflict,
-    critic_layout_problem,
-    critic_problem,
 )
 
 

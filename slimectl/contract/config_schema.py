@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 import slimectl.algorithms.registry as algo_registry
+from slimectl.contract.config_checks import algorithm_conflict, critic_problem
 from slimectl.contract.errors import ConfigError
 
 CONFIG_VERSION = 1
@@ -447,36 +448,6 @@ class AlgorithmSection(Section):
         return out
 
 
-def algorithm_conflict(a: "AlgorithmSection") -> str | None:
-    """The first contradictory combination of algorithm keys, as one line naming both keys; else None."""
-    if a.kl_coef > 0 and a.advantage_estimator in algo_registry.GROUP_ESTIMATORS:
-        return (f"algorithm.kl_coef = {a.kl_coef} does nothing with algorithm.advantage_estimator = "
-                f"{a.advantage_estimator} (its advantages ignore the KL reward); use kl_loss_coef instead")
-    if a.kl_coef > 0 and not a.use_kl_loss:
-        return (f"algorithm.kl_coef = {a.kl_coef} needs algorithm.use_kl_loss: true (it builds the reference model "
-                f"the KL penalty is measured against; keep kl_loss_coef 0 for a reward penalty only)")
-    if a.kl_coef > 0 and a.kl_loss_coef > 0:
-        return (f"algorithm.kl_coef = {a.kl_coef} and algorithm.kl_loss_coef = {a.kl_loss_coef} are both set; "
-                f"use one KL (slime refuses both): the reward penalty or the KL loss")
-    if a.ref_update_interval is not None and not a.use_kl_loss:
-        return (f"algorithm.ref_update_interval = {a.ref_update_interval} needs algorithm.use_kl_loss: true "
-                f"(it updates the reference model, which only the KL loss builds)")
-    if a.use_unbiased_kl and not a.use_kl_loss:
-        return "algorithm.use_unbiased_kl: true needs algorithm.use_kl_loss: true (it reweights the KL loss)"
-    if a.tis_clip_low > a.tis_clip:
-        return f"algorithm.tis_clip_low = {a.tis_clip_low} is above algorithm.tis_clip = {a.tis_clip}"
-    if a.custom_tis_function and not a.use_tis:
-        return "algorithm.custom_tis_function is set but algorithm.use_tis is false; set use_tis: true"
-    if (a.loss_type == "custom_loss") != bool(a.custom_loss_function):
-        return ("algorithm.loss_type = custom_loss needs algorithm.custom_loss_function (module:function)"
-                if a.loss_type == "custom_loss" else
-                f"algorithm.custom_loss_function is set but algorithm.loss_type = {a.loss_type}; set loss_type: custom_loss")
-    if a.loss_type == "sft_loss" and (a.use_tis or a.use_opsm or a.custom_pg_loss_reducer):
-        key = "use_tis" if a.use_tis else "use_opsm" if a.use_opsm else "custom_pg_loss_reducer"
-        return f"algorithm.{key} acts on the policy loss, but algorithm.loss_type = sft_loss"
-    return None
-
-
 class CriticSection(Section):
     """PPO's value model (``algorithm.advantage_estimator: ppo``; slime ``--use-critic``, ``--value-clip``,
     ``--num-critic-only-steps`` and the critic role of ``--megatron-config-path``). A key left null takes the
@@ -522,40 +493,6 @@ class CriticSection(Section):
         inherit = {k: getattr(train, k) for k in ("lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "tp", "pp",
                                                       "dp") if getattr(self, k) is None}
         return self.model_copy(update=inherit)
-
-
-def critic_problem(cfg: "SlimectlConfig") -> str | None:
-    """The first problem of the critic section against the rest of the config (one line), else None."""
-    c, t = cfg.critic.resolved(cfg.train), cfg.train
-    lr_key = "critic.lr" if cfg.critic.lr is not None else "critic.lr (= train.lr)"
-    if c.min_lr > c.lr:
-        min_key = "critic.min_lr" if cfg.critic.min_lr is not None else "critic.min_lr (= train.min_lr)"
-        return f"{min_key} = {c.min_lr} must be <= {lr_key} = {c.lr}"
-    steps = cfg.rollout.num_rollout * t.num_steps_per_rollout * c.num_steps_per_rollout
-    if c.lr_decay_style != "constant" and c.lr_warmup_steps >= steps:
-        return (f"critic.lr_warmup_steps = {c.lr_warmup_steps} must be below the run's {steps} critic optimizer steps "
-                f"(rollout.num_rollout x train.num_steps_per_rollout x critic.num_steps_per_rollout) to decay the "
-                f"critic's LR ({c.lr_decay_style}); "
-                f"lower it or train longer")
-    if c.num_critic_only_steps and c.num_critic_only_steps >= cfg.rollout.num_rollout:
-        return (f"critic.num_critic_only_steps = {c.num_critic_only_steps} must be below rollout.num_rollout = "
-                f"{cfg.rollout.num_rollout}, or the actor never trains")
-    return None
-
-
-def critic_layout_problem(cfg: "SlimectlConfig", own_group: bool = False) -> str | None:
-    """Where the critic runs (``algorithm.advantage_estimator: ppo``): ``own_group`` (``rl --launcher ray``) its
-    own ranks at any ``critic.tp x pp x dp``; else the trainer's ranks, at the actor's layout only. The problem
-    in one line, else None."""
-    if cfg.algorithm.advantage_estimator != "ppo" or own_group:
-        return None
-    c, t = cfg.critic.resolved(cfg.train), cfg.train
-    if (c.tp, c.pp, c.dp) != (t.tp, t.pp, t.dp):
-        return (f"critic.tp x critic.pp x critic.dp = {c.tp} x {c.pp} x {c.dp}: outside Ray the critic runs on the "
-                f"actor's ranks and layout (train.tp x train.pp x train.dp = {t.tp} x {t.pp} x {t.dp}); leave "
-                f"critic.tp, critic.pp and critic.dp unset, or run `slimectl rl --launcher ray`, where the critic "
-                f"is its own actor group at any layout")
-    return None
 
 
 class SyncSection(Section):

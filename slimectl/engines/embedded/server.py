@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import faulthandler
 import logging
 import os
@@ -32,6 +31,7 @@ from aiohttp import web
 from slimectl.contract.errors import RunDirError
 from slimectl.contract.faults import fault_point
 from slimectl.contract.rundir.atomic import atomic_write_text, process_alive
+from slimectl.engines.embedded.generate_protocol import BadRequest, generate_response, parse_generate
 from slimectl.engines.embedded.memory import EngineBusy, MemoryReleased, parse_tags
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV, NONCE_FIELD
 from slimectl.orchestration.signals import set_on_signals
@@ -65,10 +65,6 @@ EMBEDDING_INFO = {
     "bcg": {"prefill_backend": "disabled", "enabled": False, "capture_token_budget": 0, "capture_batch_sizes": []},
     "cache": {"kv_cache_disabled": False, "radix_cache_disabled": True, "chunked_prefill_disabled": True},
 }
-
-
-class BadRequest(Exception):
-    pass
 
 
 MAX_BODY_BYTES = 64 * 2**20
@@ -247,108 +243,11 @@ class EmbeddedEngine:
         })
 
     # ------------------------------------------------------------------ generate
-    def _to_requests(self, body: dict[str, Any]) -> tuple[list, bool]:
-        from slimectl.engines.embedded.requests import GenRequest
-        from slimectl.engines.embedded.sampling import SamplingParams
-
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the embedded engine; send stream=false")
-        text, ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (ids is None):
-            raise BadRequest("send exactly one of 'text' or 'input_ids'")
-        batched = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
-        items = text if text is not None else ids
-        if not batched:
-            items = [items]
-        if not items:
-            raise BadRequest("empty batch")
-        sp = body.get("sampling_params") or {}
-        sps = sp if isinstance(sp, list) else [sp] * len(items)
-        if len(sps) != len(items):
-            raise BadRequest(f"{len(sps)} sampling_params for {len(items)} inputs")
-        rids = body.get("rid")
-        if rids is None:
-            rids = [uuid.uuid4().hex for _ in items]
-        elif not isinstance(rids, list):
-            rids = [rids] if not batched else [f"{rids}-{i}" for i in range(len(items))]
-        return_logprob = body.get("return_logprob", False)
-        logprob_start_len = body.get("logprob_start_len", -1)
-        top_n = body.get("top_logprobs_num", 0)
-        want_routes = body.get("return_routed_experts", False)
-        routes_start = body.get("routed_experts_start_len", 0)
-        if not isinstance(want_routes, bool):
-            raise BadRequest("return_routed_experts must be true or false")
-        if not isinstance(routes_start, int) or isinstance(routes_start, bool) or routes_start < 0:
-            raise BadRequest(f"routed_experts_start_len must be a non-negative integer, got {routes_start!r}")
-        reqs = []
-        for item, p, rid in zip(items, sps, rids):
-            if text is not None:
-                if not isinstance(item, str):
-                    raise BadRequest("'text' must be a string or a list of strings")
-                input_ids = self.tokenizer.encode(item, add_special_tokens=False)
-            else:
-                if not isinstance(item, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-                    raise BadRequest("'input_ids' must be a list of integers (or a list of such lists)")
-                input_ids = item
-            if not isinstance(p, dict):
-                raise BadRequest("'sampling_params' must be an object")
-            try:
-                params = SamplingParams.from_dict(p)
-            except (ValueError, TypeError) as exc:
-                raise BadRequest(f"sampling_params: {exc}") from None
-            if not isinstance(logprob_start_len, int) or not isinstance(top_n, int):
-                raise BadRequest("logprob_start_len and top_logprobs_num must be integers")
-            reqs.append(GenRequest(rid=str(rid), input_ids=list(input_ids), params=params,
-                                   return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
-                                   top_logprobs_num=top_n, return_routed_experts=want_routes,
-                                   routed_experts_start_len=routes_start))
-        return reqs, batched
-
-    def _response(self, res, req, body: dict[str, Any], t0: float) -> dict[str, Any]:
-        text_in_lp = body.get("return_text_in_logprobs", False)
-
-        def triple(lp, tok):
-            return [lp, tok, self.tokenizer.decode([tok]) if text_in_lp else None]
-
-        meta: dict[str, Any] = {
-            "id": res.rid,
-            "finish_reason": res.finish_reason,
-            "prompt_tokens": res.prompt_tokens,
-            "weight_version": res.weight_version,
-            "num_retractions": 0,
-        }
-        if req.return_logprob:
-            ilp = res.input_token_logprobs
-            start = max(req.logprob_start_len, 0)
-            meta["input_token_logprobs"] = (
-                [triple(lp, tok) for lp, tok in zip(ilp, req.input_ids[start:])] if ilp is not None else []
-            )
-            meta["output_token_logprobs"] = [triple(lp, tok) for lp, tok in zip(res.output_token_logprobs or [], res.output_ids)]
-            meta["output_token_logprobs_length"] = len(res.output_ids)
-        if req.return_routed_experts:
-            # SGLang's encoding: base64 of an int32 array, read back as
-            # np.frombuffer(b64decode(s), np.int32).reshape(-1, moe_layers, topk).
-            routes = res.routed_experts
-            meta["routed_experts"] = base64.b64encode(
-                routes.numpy().astype("<i4").tobytes() if routes is not None else b"").decode("ascii")
-            meta["routed_experts_start_len"] = req.routed_experts_start_len
-        meta.update({
-            "reasoning_tokens": 0,
-            "completion_tokens": len(res.output_ids),
-            "cached_tokens": 0,
-            "weight_versions": res.weight_versions,
-            "cached_tokens_details": None,
-            "dp_rank": None,
-            "e2e_latency": time.perf_counter() - t0,
-            "response_sent_to_client_ts": time.time(),
-        })
-        return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
-
     async def generate(self, request: web.Request) -> web.Response:
         t0 = time.perf_counter()
         body = await self._json(request, allow_empty=False)
         fault_point("engine.generate")
-        reqs, batched = self._to_requests(body)
+        reqs, batched = parse_generate(body, self.tokenizer)
         futures = []
         try:
             for r in reqs:
@@ -362,7 +261,7 @@ class EmbeddedEngine:
                 raise  # 503 (the middleware)
             raise BadRequest(str(exc)) from None
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        out = [self._response(res, req, body, t0) for res, req in zip(results, reqs)]
+        out = [generate_response(res, req, body, t0, self.tokenizer) for res, req in zip(results, reqs)]
         return web.json_response(out if batched else out[0])
 
     # ------------------------------------------------------------------ control

@@ -1,0 +1,124 @@
+"""/generate's JSON in SGLang 0.5.x's form (shared/reference/sglang-protocol/): a request body to the
+scheduler's requests (:class:`~slimectl.engines.embedded.requests.GenRequest`), and each result
+(:class:`~slimectl.engines.embedded.requests.GenResult`) to the response body. Pure functions of the body and
+the tokenizer, so the HTTP server (:mod:`slimectl.engines.embedded.server`) only awaits the scheduler.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # both import torch: the server imports this module before it loads the model
+    from slimectl.engines.embedded.requests import GenRequest, GenResult
+
+__all__ = ["BadRequest", "generate_response", "parse_generate"]
+
+
+class BadRequest(Exception):
+    """A request body the engine refuses (answered 400 with the message)."""
+
+
+def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenRequest], bool]:
+    """A /generate body (one input or a batch; ``text`` or ``input_ids``) as GenRequests, and whether it was
+    a batch; :class:`BadRequest` names the first bad field."""
+    from slimectl.engines.embedded.requests import GenRequest
+    from slimectl.engines.embedded.sampling import SamplingParams
+
+    if body.get("stream"):
+        raise BadRequest("stream=true is not supported by the embedded engine; send stream=false")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("send exactly one of 'text' or 'input_ids'")
+    batched = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
+    items = text if text is not None else ids
+    if not batched:
+        items = [items]
+    if not items:
+        raise BadRequest("empty batch")
+    sp = body.get("sampling_params") or {}
+    sps = sp if isinstance(sp, list) else [sp] * len(items)
+    if len(sps) != len(items):
+        raise BadRequest(f"{len(sps)} sampling_params for {len(items)} inputs")
+    rids = body.get("rid")
+    if rids is None:
+        rids = [uuid.uuid4().hex for _ in items]
+    elif not isinstance(rids, list):
+        rids = [rids] if not batched else [f"{rids}-{i}" for i in range(len(items))]
+    return_logprob = body.get("return_logprob", False)
+    logprob_start_len = body.get("logprob_start_len", -1)
+    top_n = body.get("top_logprobs_num", 0)
+    want_routes = body.get("return_routed_experts", False)
+    routes_start = body.get("routed_experts_start_len", 0)
+    if not isinstance(want_routes, bool):
+        raise BadRequest("return_routed_experts must be true or false")
+    if not isinstance(routes_start, int) or isinstance(routes_start, bool) or routes_start < 0:
+        raise BadRequest(f"routed_experts_start_len must be a non-negative integer, got {routes_start!r}")
+    reqs = []
+    for item, p, rid in zip(items, sps, rids):
+        if text is not None:
+            if not isinstance(item, str):
+                raise BadRequest("'text' must be a string or a list of strings")
+            input_ids = tokenizer.encode(item, add_special_tokens=False)
+        else:
+            if not isinstance(item, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                raise BadRequest("'input_ids' must be a list of integers (or a list of such lists)")
+            input_ids = item
+        if not isinstance(p, dict):
+            raise BadRequest("'sampling_params' must be an object")
+        try:
+            params = SamplingParams.from_dict(p)
+        except (ValueError, TypeError) as exc:
+            raise BadRequest(f"sampling_params: {exc}") from None
+        if not isinstance(logprob_start_len, int) or not isinstance(top_n, int):
+            raise BadRequest("logprob_start_len and top_logprobs_num must be integers")
+        reqs.append(GenRequest(rid=str(rid), input_ids=list(input_ids), params=params,
+                               return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
+                               top_logprobs_num=top_n, return_routed_experts=want_routes,
+                               routed_experts_start_len=routes_start))
+    return reqs, batched
+
+
+def generate_response(res: GenResult, req: GenRequest, body: dict[str, Any], t0: float, tokenizer) -> dict[str, Any]:
+    """One result as SGLang's /generate answers it: ``text``, ``output_ids`` and ``meta_info`` (log-probs as
+    ``[logprob, token id, text or None]`` triples, routed experts as base64 int32, latency from ``t0``)."""
+    text_in_lp = body.get("return_text_in_logprobs", False)
+
+    def triple(lp, tok):
+        return [lp, tok, tokenizer.decode([tok]) if text_in_lp else None]
+
+    meta: dict[str, Any] = {
+        "id": res.rid,
+        "finish_reason": res.finish_reason,
+        "prompt_tokens": res.prompt_tokens,
+        "weight_version": res.weight_version,
+        "num_retractions": 0,
+    }
+    if req.return_logprob:
+        ilp = res.input_token_logprobs
+        start = max(req.logprob_start_len, 0)
+        meta["input_token_logprobs"] = (
+            [triple(lp, tok) for lp, tok in zip(ilp, req.input_ids[start:])] if ilp is not None else []
+        )
+        meta["output_token_logprobs"] = [triple(lp, tok) for lp, tok in zip(res.output_token_logprobs or [], res.output_ids)]
+        meta["output_token_logprobs_length"] = len(res.output_ids)
+    if req.return_routed_experts:
+        # SGLang's encoding: base64 of an int32 array, read back as
+        # np.frombuffer(b64decode(s), np.int32).reshape(-1, moe_layers, topk).
+        routes = res.routed_experts
+        meta["routed_experts"] = base64.b64encode(
+            routes.numpy().astype("<i4").tobytes() if routes is not None else b"").decode("ascii")
+        meta["routed_experts_start_len"] = req.routed_experts_start_len
+    meta.update({
+        "reasoning_tokens": 0,
+        "completion_tokens": len(res.output_ids),
+        "cached_tokens": 0,
+        "weight_versions": res.weight_versions,
+        "cached_tokens_details": None,
+        "dp_rank": None,
+        "e2e_latency": time.perf_counter() - t0,
+        "response_sent_to_client_ts": time.time(),
+    })
+    return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
