@@ -71,7 +71,7 @@ def main() -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
 
-    from slimectl.contract.config import SyncSection
+    from slimectl.contract.config_schema import SyncSection
     from slimectl.engines.client import EngineClient
     from slimectl.engines.weight_group import init_custom_process_group
     from slimectl.fixtures.tiny_models import build_tiny_model

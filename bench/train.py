@@ -70,7 +70,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from slimectl.contract.config import SlimectlConfig
+    from slimectl.contract.config_schema import SlimectlConfig
     from slimectl.fixtures.tiny_models import build_tiny_model
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.megatron import cpu_compat

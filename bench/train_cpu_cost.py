@@ -42,7 +42,7 @@ def main() -> None:
 
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.megatron.actor import MegatronActor
-    from slimectl.contract.config import AlgorithmSection, TrainSection
+    from slimectl.contract.config_schema import AlgorithmSection, TrainSection
     from slimectl.contract.samples import Sample
     from slimectl.fixtures.tiny_models import build_tiny_model
 

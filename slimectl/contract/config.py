@@ -1,5 +1,5 @@
 """The one config loader of slimectl: YAML, ``--set a.b=c`` overrides and one-line errors, over the typed
-schema of :mod:`slimectl.contract.config_schema` (re-exported here: import config names from this module).
+schema of :mod:`slimectl.contract.config_schema`.
 
 A config has nine sections — model, data, rollout, engine, train, algorithm, critic, sync, logging —
 plus a few run-wide keys. Every section forbids unknown keys, so a typo fails loudly with
@@ -22,25 +22,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from slimectl.contract.config_checks import algorithm_conflict, critic_layout_problem, critic_problem  # noqa: F401
 from slimectl.contract.dataspec import parse_data_spec
 from slimectl.contract.errors import ConfigError
-from slimectl.contract.config_schema import (  # noqa: F401  (re-exported)
-    AlgorithmSection,
-    CONFIG_VERSION,
-    CriticSection,
-    DataSection,
-    EngineSection,
-    LoggingSection,
-    ModelSection,
-    RolloutSection,
-    SECTIONS,
-    STAGE_SECTIONS,
-    Section,
-    SlimectlConfig,
-    SyncSection,
-    TrainSection,
-)
+from slimectl.contract.config_schema import SECTIONS, STAGE_SECTIONS, SlimectlConfig
 
 
 # --------------------------------------------------------------------------- loading

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from slimectl.contract.config import SECTIONS, STAGE_SECTIONS, SlimectlConfig
+from slimectl.contract.config_schema import SECTIONS, STAGE_SECTIONS, SlimectlConfig
 
 #: Where the generated page lives in a source checkout.
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"

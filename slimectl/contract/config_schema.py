@@ -1,7 +1,7 @@
 """The config schema: one typed section per part of a run (model, data, rollout, engine, train, algorithm,
 critic, sync, logging), each field with its type, default, range and docstring (``docs/config.md`` is
 generated from it), and which sections each stage may override. Loading, ``--set`` overrides and the
-one-line errors: :mod:`slimectl.contract.config`, which re-exports everything here.
+one-line errors: :mod:`slimectl.contract.config`.
 
 pydantic is used for the schema: it is already a dependency of transformers' hub client,
 and gives typed coercion, range checks and Literal choices for free.

@@ -180,7 +180,7 @@ def _one(flag: str, values: list[str]) -> str:
 
 def translate_slime_args(argv: list[str], script_name: str = "train.py") -> SlimeTranslation:
     """Map slime's ``train.py`` argv to slimectl config data (not yet validated)."""
-    from slimectl.contract.config import SlimectlConfig
+    from slimectl.contract.config_schema import SlimectlConfig
 
     t = _Translator(SlimectlConfig)
     for dotted, value in SLIME_DEFAULTS.items():

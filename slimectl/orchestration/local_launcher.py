@@ -15,7 +15,7 @@ import logging
 import os
 from contextlib import ExitStack
 
-from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import LockHeld, SlimectlError
 from slimectl.contract.rundir import RunDir
 

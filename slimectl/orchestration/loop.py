@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
-from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import UsageError
 from slimectl.contract.faults import fault_point
 from slimectl.contract.rundir import RunDir

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.rundir.run import RunDir
 
 

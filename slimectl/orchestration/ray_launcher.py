@@ -40,7 +40,8 @@ import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from slimectl.contract.config import SlimectlConfig, build_config
+from slimectl.contract.config import build_config
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.orchestration.signals import kept_handlers

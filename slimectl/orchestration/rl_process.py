@@ -65,7 +65,7 @@ def run_rl_process(run_path: str | Path | None, config_path: str | Path | None =
     if run is None:
         return RlProcessOutcome(dry_run_yaml=cfg.to_yaml())
     if launcher != "ray":  # the critic runs on the trainer's ranks: refused here once, not on every rank
-        from slimectl.contract.config import critic_layout_problem
+        from slimectl.contract.config_checks import critic_layout_problem
         from slimectl.contract.errors import ConfigError
 
         problem = critic_layout_problem(cfg)

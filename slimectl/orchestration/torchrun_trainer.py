@@ -37,7 +37,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.orchestration.local_launcher import FollowerTrainer, InProcessTrainer, LocalLauncher

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slimectl.contract.config import SlimectlConfig, build_config, load_config, with_extension
+from slimectl.contract.config import build_config, load_config, with_extension
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.dataspec import data_spec_path
 from slimectl.contract.errors import ConfigError, UsageError
 from slimectl.contract.logs import StageLog, quiet_hf_progress

@@ -40,7 +40,7 @@ from pathlib import Path
 from secrets import token_hex
 from typing import Literal, Union
 
-from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.net import free_port
 from slimectl.contract.rundir import EngineRecord, RunDir

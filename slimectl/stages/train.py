@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimectl.backends.host_memory import release_free_memory
-from slimectl.contract.config import SlimectlConfig, critic_layout_problem
+from slimectl.contract.config_checks import critic_layout_problem
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ConfigError, SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir

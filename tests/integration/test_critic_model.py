@@ -122,7 +122,7 @@ def test_critic_steps_per_rollout_pass_over_every_global_batch_clipped_around_th
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.megatron.critic_trainer import MegatronCritic
     from slimectl.backends.megatron.parallel import init_parallel
-    from slimectl.contract.config import AlgorithmSection, CriticSection, TrainSection
+    from slimectl.contract.config_schema import AlgorithmSection, CriticSection, TrainSection
 
     with in_process_stage():
         init_parallel(tp=1, pp=1, seed=7)

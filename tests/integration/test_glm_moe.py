@@ -204,7 +204,7 @@ def test_a_train_step_moves_the_expert_bias_and_checkpoints_carry_it(glm, tmp_pa
     from slimectl.backends.megatron.actor import MegatronActor
     from slimectl.backends.megatron.parallel import init_parallel
     from slimectl.backends.megatron.provider import MOE_ROUTER_BIAS_UPDATE_RATE
-    from slimectl.contract.config import AlgorithmSection, TrainSection
+    from slimectl.contract.config_schema import AlgorithmSection, TrainSection
     from slimectl.contract.samples import Sample
 
     from tests.helpers import in_process_stage

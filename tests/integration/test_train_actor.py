@@ -18,7 +18,8 @@ import pytest
 
 from slimectl.algorithms.rewards import normalize_rewards_by_group
 from slimectl.backends.megatron.lr_schedule import lr_scheduler
-from slimectl.contract.config import TrainSection, build_config
+from slimectl.contract.config import build_config
+from slimectl.contract.config_schema import TrainSection
 from slimectl.contract.errors import ConfigError
 from tests.helpers import SCRIPTS, run_script_in_process
 

@@ -42,7 +42,7 @@ def _samples() -> list[Sample]:
 def _actor(model, **train):
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.megatron.actor import MegatronActor
-    from slimectl.contract.config import AlgorithmSection, TrainSection
+    from slimectl.contract.config_schema import AlgorithmSection, TrainSection
 
     arch = arch_from_dir(model)
     a = MegatronActor(arch, arch.padded_vocab_size(1), TrainSection(**train), AlgorithmSection())

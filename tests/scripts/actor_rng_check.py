@@ -21,7 +21,7 @@ def draws() -> list[float]:
 
 def main() -> None:
     hf_dir, out = sys.argv[1], sys.argv[2]
-    from slimectl.contract.config import AlgorithmSection, TrainSection
+    from slimectl.contract.config_schema import AlgorithmSection, TrainSection
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.megatron.actor import MegatronActor
 

@@ -48,7 +48,7 @@ def main() -> None:
     from slimectl.backends.megatron.checkpoint import model_to_hf_tensors, pipeline_stages_to_rank0
     from slimectl.backends.megatron.critic_trainer import MegatronCritic
     from slimectl.backends.megatron.parallel import init_parallel, shutdown_parallel
-    from slimectl.contract.config import AlgorithmSection, CriticSection, TrainSection
+    from slimectl.contract.config_schema import AlgorithmSection, CriticSection, TrainSection
 
     info = init_parallel(tp=tp, pp=pp, seed=11)
     arch = arch_from_dir(hf_dir)

@@ -54,7 +54,7 @@ def main() -> None:
     from slimectl.backends.megatron.actor import MegatronActor
     from slimectl.backends.megatron.packing import pack_samples
     from slimectl.backends.megatron.parallel import init_parallel
-    from slimectl.contract.config import AlgorithmSection, TrainSection
+    from slimectl.contract.config_schema import AlgorithmSection, TrainSection
 
     import os
 

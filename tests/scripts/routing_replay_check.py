@@ -88,7 +88,7 @@ def main() -> None:
     from slimectl.backends.megatron.actor import MegatronActor
     from slimectl.backends.megatron.parallel import init_parallel
     from slimectl.backends.megatron.routing_replay import sample_routes
-    from slimectl.contract.config import AlgorithmSection, TrainSection
+    from slimectl.contract.config_schema import AlgorithmSection, TrainSection
 
     import os
 

@@ -28,7 +28,7 @@ def main() -> None:
     pp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     parts = set((sys.argv[5] if len(sys.argv) > 5 else "grpo,sft,accum,multi,resume").split(","))
     t0 = time.perf_counter()
-    from slimectl.contract.config import AlgorithmSection, TrainSection
+    from slimectl.contract.config_schema import AlgorithmSection, TrainSection
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.contract.samples import Sample
     from slimectl.algorithms.rewards import normalize_rewards_by_group

@@ -149,7 +149,7 @@ def main() -> None:
 
     # ------------------------------------------------------------ actor: forwards per rollout
     from slimectl.backends.megatron.actor import MegatronActor
-    from slimectl.contract.config import AlgorithmSection, TrainSection
+    from slimectl.contract.config_schema import AlgorithmSection, TrainSection
 
     shutdown_parallel()
     actor_res = {}

@@ -18,7 +18,8 @@ from slimectl.algorithms.policy_loss import opsm_mask
 from slimectl.algorithms.reduce import loss_token_count, token_mean
 from slimectl.algorithms.rewards import normalize_group_rewards, reward_norm_mode_for
 from slimectl.algorithms.tis import compute_tis_weights
-from slimectl.contract.config import AlgorithmSection, load_config
+from slimectl.contract.config import load_config
+from slimectl.contract.config_schema import AlgorithmSection
 from slimectl.contract.errors import ConfigError
 
 D = torch.float64

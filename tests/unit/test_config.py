@@ -7,15 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slimectl.contract.config import (
-    SECTIONS,
-    STAGE_SECTIONS,
-    SlimectlConfig,
-    apply_overrides,
-    config_diff,
-    load_config,
-    parse_override,
-)
+from slimectl.contract.config import apply_overrides, config_diff, load_config, parse_override
+from slimectl.contract.config_schema import SECTIONS, STAGE_SECTIONS, SlimectlConfig
 from slimectl.contract.errors import ConfigError, UsageError
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from slimectl.contract import config_doc
-from slimectl.contract.config import SECTIONS, SlimectlConfig
+from slimectl.contract.config_schema import SECTIONS, SlimectlConfig
 
 
 def test_docs_config_md_matches_the_schema():

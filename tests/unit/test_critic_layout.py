@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from slimectl.contract.config import critic_layout_problem, load_config
+from slimectl.contract.config import load_config
+from slimectl.contract.config_checks import critic_layout_problem
 from tests.helpers import slimectl_in_process
 
 REFUSED = ("critic.tp x critic.pp x critic.dp = 2 x 1 x 1: outside Ray the critic runs on the actor's ranks and "

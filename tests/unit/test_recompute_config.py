@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from slimectl.contract.config import TrainSection
+from slimectl.contract.config_schema import TrainSection
 from slimectl.contract.slime_launch import translate_slime_args
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimectl.contract.config import SlimectlConfig, load_config
+from slimectl.contract.config import load_config
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import ConfigError
 from slimectl.engines.client import EngineClient, EngineError
 from tests.helpers import ROOT, slimectl_in_process

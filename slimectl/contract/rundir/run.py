@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from slimectl import __version__
-from slimectl.contract.config import STAGE_SECTIONS, SlimectlConfig, apply_overrides, build_config, config_diff
+from slimectl.contract.config import apply_overrides, build_config, config_diff
+from slimectl.contract.config_schema import STAGE_SECTIONS, SlimectlConfig
 from slimectl.contract.errors import RunDirError, RunDirInputError, UsageError
 from slimectl.contract.logs import StageLog
 from slimectl.contract.rundir.artifacts import (

@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any
 
-from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.stages.rollout.importer import (ImportResult, check_sample, model_vocab_size, parse_sample, publish_samples,
                                        resolve_rollout_id)

@@ -15,7 +15,7 @@ import statistics
 from types import SimpleNamespace
 from typing import Any
 
-from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample, write_samples
 

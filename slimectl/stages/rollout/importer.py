@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, read_samples, write_samples

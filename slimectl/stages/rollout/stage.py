@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
 from slimectl.stages.rollout.data import PromptSource, load_tokenizer, tokenize_prompts

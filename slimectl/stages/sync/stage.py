@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from slimectl.contract.config import SlimectlConfig
+from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
