@@ -42,7 +42,7 @@ import torch
 from slimectl.algorithms.kl import KLType, compute_approx_kl
 from slimectl.algorithms.opd import apply_opd_kl
 from slimectl.algorithms.reduce import from_list, masked, response_lengths, to_list
-from slimectl.algorithms.registry import (
+from slimectl.contract.algorithm_names import (
     DEFAULT_OPD_KL_COEF,
     ESTIMATORS,
     GROUP_ESTIMATORS,

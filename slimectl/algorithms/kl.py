@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from slimectl.algorithms.reduce import ReductionMode, masked, reduce_masked
-from slimectl.algorithms.registry import KL_TYPES, check_choice
+from slimectl.contract.algorithm_names import KL_TYPES, check_choice
 
 KLType = Literal[KL_TYPES]  # type: ignore[valid-type]  (the registry's names)
 LOW_VAR_KL_CLAMP = 10.0

@@ -55,7 +55,7 @@ from slimectl.algorithms.reduce import (
     to_concat,
     to_list,
 )
-from slimectl.algorithms.registry import (
+from slimectl.contract.algorithm_names import (
     DEFAULT_EPS_CLIP,
     DEFAULT_ESTIMATOR,
     DEFAULT_KL_LOSS_TYPE,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from slimectl.algorithms.reduce import masked
-from slimectl.algorithms.registry import DEFAULT_OPD_KL_COEF
+from slimectl.contract.algorithm_names import DEFAULT_OPD_KL_COEF
 
 
 def opd_reverse_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

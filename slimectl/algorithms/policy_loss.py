@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from slimectl.algorithms.reduce import ReductionMode, masked, reduce_masked
-from slimectl.algorithms.registry import DEFAULT_EPS_CLIP
+from slimectl.contract.algorithm_names import DEFAULT_EPS_CLIP
 
 
 @dataclass

@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from slimectl.algorithms.registry import REDUCTION_MODES, check_choice
+from slimectl.contract.algorithm_names import REDUCTION_MODES, check_choice
 
 ReductionMode = Literal[REDUCTION_MODES]  # type: ignore[valid-type]  (the registry's names)
 

@@ -22,7 +22,7 @@ from typing import Hashable, Literal, Sequence
 
 import torch
 
-from slimectl.algorithms.registry import GROUP_ESTIMATORS, REWARD_NORM_MODES, check_choice
+from slimectl.contract.algorithm_names import GROUP_ESTIMATORS, REWARD_NORM_MODES, check_choice
 
 RewardNormMode = Literal[REWARD_NORM_MODES]  # type: ignore[valid-type]  (the registry's names)
 GRPO_STD_EPS = 1e-6

@@ -30,7 +30,7 @@ import torch
 
 from slimectl.algorithms.kl import compute_approx_kl
 from slimectl.algorithms.reduce import ReductionMode, masked, reduce_masked
-from slimectl.algorithms.registry import DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW, DEFAULT_TIS_MODE, TIS_MODES, check_choice
+from slimectl.contract.algorithm_names import DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW, DEFAULT_TIS_MODE, TIS_MODES, check_choice
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import slimectl.algorithms.registry as algo_registry
+import slimectl.contract.algorithm_names as algo_registry
 
 if TYPE_CHECKING:
     from slimectl.contract.config_schema import AlgorithmSection, SlimectlConfig

@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-import slimectl.algorithms.registry as algo_registry
+import slimectl.contract.algorithm_names as algo_registry
 from slimectl.contract.config_checks import algorithm_conflict, critic_problem
 from slimectl.contract.errors import ConfigError
 

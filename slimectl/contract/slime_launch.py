@@ -411,7 +411,7 @@ def translate_slime_args(argv: list[str], script_name: str = "train.py") -> Slim
     if a.get("custom_tis_function") and not a.get("use_tis"):
         del a["custom_tis_function"]
         t.ignored.append(("--custom-tis-function-path", "slime calls it only with --use-tis"))
-    from slimectl.algorithms.registry import GROUP_ESTIMATORS
+    from slimectl.contract.algorithm_names import GROUP_ESTIMATORS
 
     if a.get("kl_coef") and a.get("advantage_estimator", "grpo") in GROUP_ESTIMATORS:
         del a["kl_coef"]

@@ -35,7 +35,7 @@ from slimectl.algorithms.policy_loss import (
     sft_loss,
 )
 from slimectl.algorithms.reduce import per_sample_mean, reduce_masked, reduction_mode, sample_mean, token_mean
-from slimectl.algorithms.registry import KL_TYPES
+from slimectl.contract.algorithm_names import KL_TYPES
 from slimectl.algorithms.rewards import normalize_group_rewards, normalize_rewards_by_group, reward_norm_mode_for
 from slimectl.algorithms.tis import apply_tis, compute_tis_weights, mismatch_metrics
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from slimectl.algorithms.objective import ObjectiveBatch, ObjectiveConfig, compute_objective
-from slimectl.algorithms.registry import CRITIC_ESTIMATORS, ESTIMATORS, KL_TYPES, LOSS_TYPES, REWARD_NORM_MODES
+from slimectl.contract.algorithm_names import CRITIC_ESTIMATORS, ESTIMATORS, KL_TYPES, LOSS_TYPES, REWARD_NORM_MODES
 from slimectl.contract.config import build_config
 from slimectl.contract.config_schema import AlgorithmSection
 from slimectl.contract.errors import ConfigError

@@ -201,7 +201,7 @@ def zero_spread_warning(cfg: SlimectlConfig, rid: int, groups: list[list[Sample]
     Only where that zeroes the advantages: an estimator with a group baseline (grpo, gspo, cispo,
     reinforce_plus_plus_baseline), rewards normalised by the group mean, no OPD (the teacher shapes
     the advantages then). Groups of one sample have no spread by construction; they are not warned about."""
-    from slimectl.algorithms.registry import GROUP_ESTIMATORS
+    from slimectl.contract.algorithm_names import GROUP_ESTIMATORS
 
     r, a = cfg.rollout, cfg.algorithm
     if a.use_opd or a.reward_normalization == "none" or \

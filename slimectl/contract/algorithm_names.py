@@ -1,8 +1,8 @@
-"""The algorithm registries: every choice name and default the RL math accepts, with no torch import.
+"""The algorithm names: every choice name and default the RL math accepts, with no torch import.
 
-The config schema (:mod:`slimectl.contract.config`) validates against these tuples and takes its
-defaults from these constants, and the math modules dispatch on them, so a name added here is
-accepted everywhere at once (``tests/unit/test_walls.py`` lets the contract import this module only).
+The config schema (:mod:`slimectl.contract.config_schema`) validates against these tuples and takes its
+defaults from these constants, and the math (:mod:`slimectl.algorithms`) dispatches on them, so a name
+added here is accepted everywhere at once.
 """
 
 from __future__ import annotations
