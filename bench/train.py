@@ -95,15 +95,15 @@ def main() -> None:
     padding = sum(mb.padding_fraction * mb.input_ids.shape[1] for mb in mbs) / sum(mb.input_ids.shape[1] for mb in mbs)
 
     def floor_step() -> None:
-        actor.model.zero_grad_buffer()
-        actor.optimizer.zero_grad()
+        actor.model.ddp.zero_grad_buffer()
+        actor.model.optimizer.zero_grad()
         for mb in mbs:
             with cpu_compat.suspended():  # as the actor runs its passes (a no-op on GPUs)
-                out = compute_log_probs(actor.model, mb, arch.vocab_size, 1.0)
+                out = compute_log_probs(actor.model.ddp, mb, arch.vocab_size, 1.0)
                 loss = -torch.cat([o.log_probs for o in out]).mean() / len(mbs)
                 loss.backward()
-        actor.model.finish_grad_sync()
-        actor.optimizer.step()
+        actor.model.ddp.finish_grad_sync()
+        actor.model.optimizer.step()
 
     actor.train_on_samples(samples)  # warm-up of both paths
     floor_step()

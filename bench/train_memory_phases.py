@@ -46,7 +46,8 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE
 import torch, megatron.core
-import slimectl.stages.train as train_mod
+import slimectl.stages.train.publish as publish_mod
+import slimectl.stages.train.trainer as train_mod
 import slimectl.backends.megatron.actor as actor_mod
 import slimectl.backends.megatron.checkpoint as ckpt_mod
 from slimectl.contract.config import load_config
@@ -112,7 +113,7 @@ def save(*a, **k):
         state["saving"] -= 1
         event("save-end")
 ckpt_mod.save_torch_dist = save
-wrap(train_mod, "_publish_checkpoint", "save")
+wrap(publish_mod, "publish_checkpoint", "save")
 
 run = RunDir.open(spec["run"])
 cfg = run.stage_config("train", [])
@@ -123,7 +124,7 @@ class Actor(_Actor):
             super().__init__(*a, **k)
         marks["after_build"] = rss()
         # the optimizer step, inside the step
-        opt = self.optimizer
+        opt = self.model.optimizer
         step = opt.step
         def opt_step(*a, **k):
             with phase("optimizer"):

@@ -38,7 +38,7 @@ import json, os, resource, sys, time
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-import torch, megatron.core, slimectl.stages.train, slimectl.backends.megatron.actor, slimectl.backends.megatron.checkpoint
+import torch, megatron.core, slimectl.stages.train.stage, slimectl.backends.megatron.actor, slimectl.backends.megatron.checkpoint
 from slimectl.commands.cli import cli
 base = rss()
 t0 = time.perf_counter()

@@ -46,13 +46,13 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
         under_torchrun,
     )
     from slimectl.orchestration.torchrun import launch_rank
-    from slimectl.stages.train import plan_training, run_train
+    from slimectl.stages.train.plan import plan_training
 
     opened = open_stage(ctx, "train", run_dir, overrides, dry_run)
     if opened is None:
         return
     run, cfg = opened
-    world = cfg.train.tp * cfg.train.pp * cfg.train.dp
+    world = cfg.train.world_size
     if nnodes > 1 and world % nnodes:
         raise click.UsageError(f"--nnodes {nnodes} must divide train.tp*pp*dp = {world} (ranks per node)")
     if world > 1 and not under_torchrun():
@@ -64,6 +64,8 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
         if code:
             ctx.exit(code)
         return
+    from slimectl.stages.train.stage import run_train  # (torch and megatron: only where the trainer runs)
+
     result = run_train(run, cfg, rollout_id, follow=follow, max_rollouts=max_rollouts, allow_empty=allow_empty,
                        wait_timeout=wait_timeout)
     if launch_rank() == 0:

@@ -66,7 +66,7 @@ def _preload(kind: str = "stages") -> None:
     import torch, megatron.core, transformers  # noqa: E401,F401
     import slimectl.commands.rollout, slimectl.commands.serve, slimectl.commands.sync  # noqa: E401,F401
     import slimectl.commands.train, slimectl.commands.rl, slimectl.commands._stage  # noqa: E401,F401
-    import slimectl.backends.megatron.actor, slimectl.stages.train  # noqa: E401,F401
+    import slimectl.backends.megatron.actor, slimectl.stages.train.stage  # noqa: E401,F401
     import slimectl.stages.serve, slimectl.stages.rollout.stage, slimectl.stages.sync  # noqa: E401,F401
     import slimectl.orchestration.loop, slimectl.orchestration.local_launcher  # noqa: E401,F401
     import slimectl.contract.rundir, slimectl.contract.config  # noqa: E401,F401

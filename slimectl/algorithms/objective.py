@@ -29,8 +29,9 @@ micro-batch's share of the global batch; nothing here knows about Megatron or mi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,119 +50,21 @@ from slimectl.algorithms.reduce import (
     loss_token_count,
     masked,
     reduce_masked,
-    reduction_mode,
     response_lengths,
     sum_of_sample_mean_fn,
     to_concat,
     to_list,
 )
-from slimectl.contract.algorithm_names import (
-    DEFAULT_EPS_CLIP,
-    DEFAULT_ESTIMATOR,
-    DEFAULT_KL_LOSS_TYPE,
-    DEFAULT_LOSS_TYPE,
-    DEFAULT_OPSM_DELTA,
-    DEFAULT_TIS_CLIP,
-    DEFAULT_TIS_CLIP_LOW,
-    DEFAULT_TIS_MODE,
-    CRITIC_ESTIMATORS,
-    ESTIMATORS,
-    KL_TYPES,
-    LOSS_TYPES,
-    REDUCTION_MODES,
-    TIS_MODES,
-    check_choice,
-)
 from slimectl.algorithms.tis import apply_tis, compute_tis_weights, logprob_abs_diff
 
-
-class SlimeArgs:
-    """A plain attribute bag standing in for slime's ``args`` namespace when calling its hooks."""
-
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
-
-    def __repr__(self) -> str:
-        return f"SlimeArgs({self.__dict__})"
+if TYPE_CHECKING:
+    from slimectl.contract.config_schema import AlgorithmSection
 
 
-@dataclass(frozen=True)
-class ObjectiveConfig:
-    """The settings of the objective (the loss-side subset of the config's ``algorithm`` section)."""
-
-    loss_type: str = DEFAULT_LOSS_TYPE
-    advantage_estimator: str = DEFAULT_ESTIMATOR
-    eps_clip: float = DEFAULT_EPS_CLIP
-    eps_clip_high: float | None = None
-    """Upper clip (clip-higher); ``None`` means ``eps_clip``."""
-    eps_clip_c: float | None = None
-    """Dual-clip constant (> 1); ``None`` turns it off."""
-    entropy_coef: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = DEFAULT_KL_LOSS_TYPE
-    use_unbiased_kl: bool = False
-    use_tis: bool = False
-    tis_clip: float = DEFAULT_TIS_CLIP
-    tis_clip_low: float = DEFAULT_TIS_CLIP_LOW
-    tis_mode: str = DEFAULT_TIS_MODE
-    use_opsm: bool = False
-    opsm_delta: float = DEFAULT_OPSM_DELTA
-    use_opd: bool = False
-    reduction: str = "sample_mean"
-    custom_tis_function: Callable | None = field(default=None, compare=False)
-    """slime ``--custom-tis-function-path``: ``fn(args, *, pg_loss, train_log_probs, rollout_log_probs,
-    loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics)``."""
-    custom_pg_loss_reducer: Callable | None = field(default=None, compare=False)
-    """slime ``--custom-pg-loss-reducer-function-path``: ``fn(total_lengths, response_lengths, loss_masks,
-    calculate_per_token_loss) -> reducer``."""
-    custom_loss_function: Callable | None = field(default=None, compare=False)
-    """slime ``--custom-loss-function-path`` (``loss_type: custom_loss``): ``fn(args, batch, logits,
-    sum_of_sample_mean) -> (loss, metrics)``."""
-
-    def __post_init__(self) -> None:
-        check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        check_choice("tis_mode", self.tis_mode, TIS_MODES)
-        if self.loss_type == "custom_loss" and self.custom_loss_function is None:
-            raise ValueError("loss_type custom_loss needs custom_loss_function")
-        check_choice("advantage estimator", self.advantage_estimator, ESTIMATORS + CRITIC_ESTIMATORS)
-        check_choice("kl_loss_type", self.kl_loss_type, KL_TYPES)
-        check_choice("reduction mode", self.reduction, REDUCTION_MODES)
-
-    @classmethod
-    def from_section(cls, algo: Any) -> "ObjectiveConfig":
-        """From the config's ``algorithm`` section (read by attribute, so no config import here); its
-        custom hooks are imported by the section's own ``load_hooks()`` (``contract/imports.py``)."""
-        hooks = algo.load_hooks() if hasattr(algo, "load_hooks") else {}
-        return cls(
-            loss_type=algo.loss_type, advantage_estimator=algo.advantage_estimator,
-            eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, eps_clip_c=algo.eps_clip_c,
-            entropy_coef=algo.entropy_coef, use_kl_loss=algo.use_kl_loss, kl_loss_coef=algo.kl_loss_coef,
-            kl_loss_type=algo.kl_loss_type, use_unbiased_kl=getattr(algo, "use_unbiased_kl", False),
-            use_tis=algo.use_tis, tis_clip=algo.tis_clip, tis_clip_low=algo.tis_clip_low,
-            tis_mode=getattr(algo, "tis_mode", DEFAULT_TIS_MODE), use_opsm=getattr(algo, "use_opsm", False),
-            opsm_delta=getattr(algo, "opsm_delta", DEFAULT_OPSM_DELTA), use_opd=algo.use_opd,
-            reduction=reduction_mode(algo.calculate_per_token_loss),
-            custom_tis_function=hooks.get("custom_tis_function"),
-            custom_pg_loss_reducer=hooks.get("custom_pg_loss_reducer"),
-            custom_loss_function=hooks.get("custom_loss_function"),
-        )
-
-    def slime_args(self) -> "SlimeArgs":
-        """The ``args`` slime's hooks read, under slime's names."""
-        return SlimeArgs(
-            loss_type=self.loss_type, advantage_estimator=self.advantage_estimator, eps_clip=self.eps_clip,
-            eps_clip_high=self.eps_clip if self.eps_clip_high is None else self.eps_clip_high,
-            eps_clip_c=self.eps_clip_c, entropy_coef=self.entropy_coef, use_kl_loss=self.use_kl_loss,
-            kl_loss_coef=self.kl_loss_coef, kl_loss_type=self.kl_loss_type, use_unbiased_kl=self.use_unbiased_kl,
-            use_tis=self.use_tis, tis_clip=self.tis_clip, tis_clip_low=self.tis_clip_low, use_opsm=self.use_opsm,
-            opsm_delta=self.opsm_delta, use_opd=self.use_opd,
-            calculate_per_token_loss=self.reduction == "token_mean",
-        )
-
-    @property
-    def sft(self) -> bool:
-        return self.loss_type == "sft_loss"
+def slime_args(cfg: "AlgorithmSection") -> SimpleNamespace:
+    """The ``args`` namespace slime's hooks read: the section's keys under slime's names (they are the same),
+    with the resolved upper clip."""
+    return SimpleNamespace(**{**cfg.model_dump(), "eps_clip_high": cfg.effective_eps_clip_high})
 
 
 @dataclass
@@ -208,10 +111,10 @@ def _need(batch: ObjectiveBatch, field: str, why: str) -> torch.Tensor:
     return value
 
 
-def _policy_loss(cfg: ObjectiveConfig, batch: ObjectiveBatch):
+def _policy_loss(cfg: "AlgorithmSection", batch: ObjectiveBatch):
     old = _need(batch, "old_log_probs", "the policy loss")
     adv = _need(batch, "advantages", "the policy loss")
-    clip = {"eps_clip": cfg.eps_clip, "eps_clip_high": cfg.eps_clip_high}
+    clip = {"eps_clip": cfg.eps_clip, "eps_clip_high": cfg.effective_eps_clip_high}
     if cfg.advantage_estimator == "gspo":
         return gspo_policy_loss(batch.log_probs, old, adv, batch.mask, eps_clip_c=cfg.eps_clip_c, **clip)
     if cfg.advantage_estimator == "cispo":
@@ -219,21 +122,21 @@ def _policy_loss(cfg: ObjectiveConfig, batch: ObjectiveBatch):
     return ppo_policy_loss(batch.log_probs, old, adv, batch.mask, eps_clip_c=cfg.eps_clip_c, **clip)
 
 
-def _hook_denominator(cfg: ObjectiveConfig, mask: torch.Tensor) -> torch.Tensor:
+def _hook_denominator(cfg: "AlgorithmSection", mask: torch.Tensor) -> torch.Tensor:
     """What turns slime's per-micro-batch *sum* (of sample means, or of tokens) into this module's mean."""
     if cfg.reduction == "token_mean":
         return loss_token_count(mask)
     return torch.tensor(float(max(mask.shape[0], 1)))
 
 
-def _custom_tis(cfg: ObjectiveConfig, batch: ObjectiveBatch, pg_tok: torch.Tensor, metrics: dict, mode: str):
+def _custom_tis(cfg: "AlgorithmSection", batch: ObjectiveBatch, pg_tok: torch.Tensor, metrics: dict, mode: str):
     """Call slime's TIS hook on the concatenated layout; returns the padded pg_loss with the hook's
     modified masks applied (rejected tokens 0; the denominators stay the original loss masks', as slime)."""
     mask = batch.mask
     resp, total = batch.lengths()
     T = mask.shape[-1]
-    pg, masks, tis_metrics = cfg.custom_tis_function(
-        args=cfg.slime_args(), pg_loss=to_concat(pg_tok, resp),
+    pg, masks, tis_metrics = cfg.hooks["custom_tis_function"](
+        args=slime_args(cfg), pg_loss=to_concat(pg_tok, resp),
         train_log_probs=to_list(_need(batch, "trainer_old_log_probs", "use_tis").detach(), resp),
         rollout_log_probs=to_list(_need(batch, "rollout_log_probs", "use_tis").detach(), resp),
         loss_masks=to_list(mask, resp), total_lengths=total, response_lengths=resp)
@@ -247,7 +150,7 @@ def _custom_tis(cfg: ObjectiveConfig, batch: ObjectiveBatch, pg_tok: torch.Tenso
     return masked(from_concat(pg, resp, T), new_mask * mask)
 
 
-def _custom_loss(cfg: ObjectiveConfig, batch: ObjectiveBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _custom_loss(cfg: "AlgorithmSection", batch: ObjectiveBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """slime's ``custom_loss``: ``fn(args, batch, logits, sum_of_sample_mean)`` with slime's batch keys
     (per-sample lists) plus ``cur_log_probs`` / ``entropy`` (the current policy's, with gradient)."""
     mask = batch.mask
@@ -260,7 +163,7 @@ def _custom_loss(cfg: ObjectiveConfig, batch: ObjectiveBatch) -> tuple[torch.Ten
     sbatch: dict[str, Any] = {k: to_list(v, resp) for k, v in per.items() if v is not None}
     sbatch.update(loss_masks=to_list(mask, resp), response_lengths=resp, total_lengths=total)
     som = sum_of_sample_mean_fn(mask, resp, cfg.reduction == "token_mean")
-    loss, log = cfg.custom_loss_function(cfg.slime_args(), sbatch, batch.logits, som)
+    loss, log = cfg.hooks["custom_loss_function"](slime_args(cfg), sbatch, batch.logits, som)
     denom = _hook_denominator(cfg, mask).to(loss.dtype)
     metrics = {f"train/{k}": torch.as_tensor(v).detach().float().reshape(()) / denom for k, v in log.items()}
     loss = loss / denom
@@ -268,13 +171,14 @@ def _custom_loss(cfg: ObjectiveConfig, batch: ObjectiveBatch) -> tuple[torch.Ten
     return loss, metrics
 
 
-def compute_objective(cfg: ObjectiveConfig, batch: ObjectiveBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def compute_objective(cfg: "AlgorithmSection", batch: ObjectiveBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, metrics)`` for one micro-batch: the scalar to backpropagate and detached 0-dim metrics."""
     mode, mask = cfg.reduction, batch.mask
     if cfg.loss_type == "custom_loss":
         return _custom_loss(cfg, batch)
     metrics: dict[str, torch.Tensor] = {}
-    if cfg.sft:
+    sft = cfg.loss_type == "sft_loss"
+    if sft:
         loss = sft_loss(batch.log_probs, mask, mode)
         metrics["train/pg_loss"] = torch.zeros((), dtype=loss.dtype)
     else:
@@ -285,7 +189,7 @@ def compute_objective(cfg: ObjectiveConfig, batch: ObjectiveBatch) -> tuple[torc
                              _need(batch, "advantages", "use_opsm"), mask, cfg.opsm_delta)
             pg_tok = pg_tok * opsm.keep
             metrics["train/opsm_clipfrac"] = reduce_masked(opsm.dropped, mask, mode)
-        if cfg.use_tis and cfg.custom_tis_function is not None:
+        if cfg.use_tis and cfg.custom_tis_function:
             pg_tok = _custom_tis(cfg, batch, pg_tok, metrics, mode)
         elif cfg.use_tis:
             tis = compute_tis_weights(_need(batch, "trainer_old_log_probs", "use_tis"),
@@ -293,9 +197,9 @@ def compute_objective(cfg: ObjectiveConfig, batch: ObjectiveBatch) -> tuple[torc
                                       tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low, mode=cfg.tis_mode)
             pg_tok = apply_tis(pg_tok, tis)
             metrics.update({f"train/{k}": v for k, v in tis.metrics(mode).items()})
-        if cfg.custom_pg_loss_reducer is not None:
+        if cfg.custom_pg_loss_reducer:
             resp, total = batch.lengths()
-            reducer = cfg.custom_pg_loss_reducer(total, resp, to_list(mask, resp), mode == "token_mean")
+            reducer = cfg.hooks["custom_pg_loss_reducer"](total, resp, to_list(mask, resp), mode == "token_mean")
             loss = reducer(to_concat(pg_tok, resp)) / _hook_denominator(cfg, mask).to(pg_tok.dtype)
         else:
             loss = reduce_masked(pg_tok, mask, mode)
@@ -310,7 +214,7 @@ def compute_objective(cfg: ObjectiveConfig, batch: ObjectiveBatch) -> tuple[torc
                      old_log_probs=unbiased_old, reduction=mode)
         loss = loss + cfg.kl_loss_coef * kl
         metrics["train/kl_loss"] = kl.detach()
-    if cfg.use_opd and not cfg.sft:
+    if cfg.use_opd and not sft:
         student = _need(batch, "old_log_probs", "use_opd")
         rkl = opd_reverse_kl(student, _need(batch, "teacher_log_probs", "use_opd"), mask)
         metrics["train/opd_reverse_kl"] = reduce_masked(rkl, mask, mode)

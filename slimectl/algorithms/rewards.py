@@ -22,7 +22,7 @@ from typing import Hashable, Literal, Sequence
 
 import torch
 
-from slimectl.contract.algorithm_names import GROUP_ESTIMATORS, REWARD_NORM_MODES, check_choice
+from slimectl.contract.algorithm_names import REWARD_NORM_MODES, check_choice
 
 RewardNormMode = Literal[REWARD_NORM_MODES]  # type: ignore[valid-type]  (the registry's names)
 GRPO_STD_EPS = 1e-6
@@ -89,30 +89,3 @@ def normalize_rewards_by_group(
         rows = torch.tensor(idx)
         out[rows] = normalize_group_rewards(r[rows], None, mode, eps)
     return out
-
-
-def reward_norm_mode_for(
-    advantage_estimator: str,
-    rewards_normalization: bool = True,
-    grpo_std_normalization: bool = True,
-    n_samples_per_prompt: int | None = None,
-    configured: str | None = None,
-) -> RewardNormMode:
-    """Which normalization slime applies for an estimator and its flags.
-
-    ``rewards_normalization`` = not ``--disable-rewards-normalization``;
-    ``grpo_std_normalization`` = not ``--disable-grpo-std-normalization``; ``n_samples_per_prompt``
-    None = not known (groups of one skip the std anyway). ``configured`` (the config's
-    ``algorithm.reward_normalization``) wins when it is not None.
-    """
-    if configured is not None:
-        return check_choice("reward normalization mode", configured, REWARD_NORM_MODES)  # type: ignore[return-value]
-    if not rewards_normalization:
-        return "none"
-    if advantage_estimator in GROUP_ESTIMATORS:
-        if grpo_std_normalization and (n_samples_per_prompt is None or n_samples_per_prompt > 1):
-            return "group_mean_std"
-        return "group_mean"
-    if advantage_estimator == "reinforce_plus_plus_baseline":
-        return "group_mean"
-    return "none"

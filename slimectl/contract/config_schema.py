@@ -15,7 +15,7 @@ import types
 from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 import slimectl.contract.algorithm_names as algo_registry
 from slimectl.contract.config_checks import algorithm_conflict, critic_problem
@@ -341,6 +341,11 @@ class TrainSection(Section):
     seed: int = 1234
     """Seed of the actor's initialisation and dropout."""
 
+    @property
+    def world_size(self) -> int:
+        """The trainer's ranks: ``tp * pp * dp``."""
+        return self.tp * self.pp * self.dp
+
     @model_validator(mode="after")
     def _check(self) -> "TrainSection":
         if self.min_lr > self.lr:
@@ -352,8 +357,14 @@ class TrainSection(Section):
         return self
 
 
+HOOK_KEYS = ("custom_tis_function", "custom_loss_function", "custom_advantage_function", "custom_pg_loss_reducer")
+"""The algorithm keys that name a custom function (``module:function``)."""
+
+
 class AlgorithmSection(Section):
     """Advantages, policy loss and regularisers (``docs/algorithms.md``: each formula and its slime flag)."""
+
+    _hooks: Optional[tuple] = PrivateAttr(default=None)
 
     # choices and defaults come from the algorithm registry (one list, shared with the math)
     advantage_estimator: Literal[algo_registry.ESTIMATORS + algo_registry.CRITIC_ESTIMATORS] = algo_registry.DEFAULT_ESTIMATOR  # type: ignore[valid-type]
@@ -435,17 +446,39 @@ class AlgorithmSection(Section):
             raise ValueError(problem)
         return self
 
-    def load_hooks(self) -> dict[str, Any]:
-        """The custom functions this section names, imported (``contract/imports.py``), by field name."""
-        from slimectl.contract.imports import import_object
+    # The defaults a null key stands for, resolved here once (the math reads these, never the raw keys).
+    @property
+    def effective_eps_clip_high(self) -> float:
+        """The upper clip: ``eps_clip_high``, or ``eps_clip`` when unset."""
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
 
-        out: dict[str, Any] = {}
-        for key in ("custom_tis_function", "custom_loss_function", "custom_advantage_function",
-                    "custom_pg_loss_reducer"):
-            spec = getattr(self, key)
-            if spec:
-                out[key] = import_object(spec, f"algorithm.{key}", ConfigError, callable_as="a function")
-        return out
+    @property
+    def effective_reward_normalization(self) -> str:
+        """``reward_normalization``, or slime's rule for the estimator when unset."""
+        return self.reward_normalization or algo_registry.default_reward_norm(self.advantage_estimator)
+
+    @property
+    def effective_normalize_advantages(self) -> bool:
+        """``normalize_advantages``, or slime's requirement for the estimator when unset."""
+        if self.normalize_advantages is None:
+            return algo_registry.default_normalize_advantages(self.advantage_estimator)
+        return self.normalize_advantages
+
+    @property
+    def reduction(self) -> str:
+        """The loss reduction: ``token_mean`` with calculate_per_token_loss, else ``sample_mean``."""
+        return "token_mean" if self.calculate_per_token_loss else "sample_mean"
+
+    @property
+    def hooks(self) -> dict[str, Any]:
+        """The custom functions this section names, imported once (``contract/imports.py``), by field name."""
+        specs = tuple((key, getattr(self, key)) for key in HOOK_KEYS if getattr(self, key))
+        if self._hooks is None or self._hooks[0] != specs:
+            from slimectl.contract.imports import import_object
+
+            self._hooks = (specs, {key: import_object(spec, f"algorithm.{key}", ConfigError, callable_as="a function")
+                                   for key, spec in specs})
+        return self._hooks[1]
 
 
 class CriticSection(Section):

@@ -110,7 +110,7 @@ class InProcessTrainer:
     engines from its live weights (distributed transport) or from ``weights/N`` (disk)."""
 
     def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack, critic_factory=None):
-        from slimectl.stages.train import Trainer
+        from slimectl.stages.train.trainer import Trainer
 
         self.run, self.cfg, self.stack = run, cfg, stack
         self.disk = cfg.sync.transport == "disk"
@@ -140,7 +140,7 @@ class InProcessTrainer:
 
     def _source(self, version: int):
         from slimectl.stages.sync import WeightSource
-        from slimectl.stages.train import broadcast_from_rank0
+        from slimectl.backends.megatron.parallel import broadcast_from_rank0
 
         if not self.disk:
             def passes():  # several trainer ranks: each pass is announced to ranks > 0 (FollowerTrainer)
@@ -161,7 +161,7 @@ class InProcessTrainer:
     def sync(self, version: int) -> tuple[dict[str, float], float]:
         """Load weight version ``version`` into every engine; its sync metrics and seconds."""
         from slimectl.stages.sync import sync_engines
-        from slimectl.stages.train import broadcast_from_rank0
+        from slimectl.backends.megatron.parallel import broadcast_from_rank0
 
         s = self.cfg.sync
         with self.run.stage_log("sync"):
@@ -205,7 +205,7 @@ class FollowerTrainer:
     run directory and talks to no engine."""
 
     def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack, critic_factory=None):
-        from slimectl.stages.train import FollowerLock, Trainer
+        from slimectl.stages.train.trainer import FollowerLock, Trainer
 
         self.run, self.cfg = run, cfg
         self.disk = cfg.sync.transport == "disk"
@@ -220,7 +220,7 @@ class FollowerTrainer:
 
     def sync(self, version: int) -> tuple[dict[str, float], float]:
         """Take part in rank 0's sync of weight version ``version``."""
-        from slimectl.stages.train import broadcast_from_rank0
+        from slimectl.backends.megatron.parallel import broadcast_from_rank0
 
         if self.disk:
             if broadcast_from_rank0(None) and version != 0:
@@ -234,7 +234,7 @@ class FollowerTrainer:
         return {}, 0.0
 
     def train(self, rid: int, art, last: bool) -> list[dict]:
-        from slimectl.stages.train import NullMetrics
+        from slimectl.stages.train.trainer import NullMetrics
 
         return self.trainer.train_rollout(rid, art, NullMetrics(), publish_weights=self.disk, last=last)
 

@@ -19,12 +19,10 @@ def check_train_sizes(cfg: SlimectlConfig) -> bool:
         return True
     if cfg.model.path is None or not (Path(cfg.model.path) / "config.json").is_file():
         return False
-    from slimectl.backends.hf.arch import arch_from_dir, check_parallel_sizes
-    from slimectl.backends.megatron.provider import check_expert_parallel
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.megatron.provider import check_train_layout
 
-    arch = arch_from_dir(cfg.model.path)
-    check_parallel_sizes(arch, t.tp, t.pp, "train.tp", "train.pp")
-    check_expert_parallel(arch, t.ep)
+    check_train_layout(arch_from_dir(cfg.model.path), t)
     return True
 
 

@@ -5,10 +5,10 @@
 own rendezvous: critic rank 0's node and a free port there) with Megatron's parallel state at the critic's
 layout, which may differ from the actor's. Each holds a
 :class:`~slimectl.backends.megatron.critic_trainer.MegatronCritic` built by
-:func:`slimectl.stages.train.build_critic_group_rank` (resumed from ``critic_checkpoints/N`` of the actor's
+:func:`slimectl.stages.train.ppo.build_critic_group_rank` (resumed from ``critic_checkpoints/N`` of the actor's
 checkpoint N; torch_dist reshards one saved at another layout).
 
-The actor's :class:`~slimectl.stages.train.Trainer` talks to the group through :class:`RemoteCritic`, which has
+The actor's :class:`~slimectl.stages.train.trainer.Trainer` talks to the group through :class:`RemoteCritic`, which has
 the interface of the in-process critic. Only actor rank 0 calls the group (every call goes to every critic rank
 at once: they meet in their collectives); actor ranks > 0 get rank 0's answers (values, step metrics) by a
 broadcast over the actor's own group, so every actor rank computes the same advantages. Checkpoints keep their
@@ -52,7 +52,7 @@ class CriticWorker:
         from slimectl.contract.config import build_config
         from slimectl.contract.rundir import RunDir
         from slimectl.orchestration.ray_launcher import _worker_context, _worker_logging
-        from slimectl.stages.train import build_critic_group_rank
+        from slimectl.stages.train.ppo import build_critic_group_rank
 
         _worker_logging(log_level if rank == 0 else logging.WARNING)
         os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
@@ -80,16 +80,17 @@ class CriticWorker:
 
 
 class RemoteCritic:
-    """The critic group seen from the actor's trainer: what :class:`~slimectl.stages.train.Trainer` calls in
-    place of an in-process critic. ``workers``: the :class:`CriticWorker` handles on actor rank 0, None on the
-    other actor ranks (they follow rank 0's broadcasts)."""
+    """The critic group seen from the actor's trainer: the :class:`~slimectl.stages.train.ppo.CriticHandle` the
+    :class:`~slimectl.stages.train.trainer.Trainer` calls in place of an in-process critic. ``workers``: the
+    :class:`CriticWorker` handles on actor rank 0, None on the other actor ranks (they follow rank 0's
+    broadcasts); ``before_update``: waits for a checkpoint still being written (the trainer's writer)."""
 
-    def __init__(self, workers: list | None, algo, info: dict):
-        self.workers, self.algo = workers, algo
+    def __init__(self, workers: list | None, info: dict, before_update=None):
+        self.workers = workers
         self.step: int = info["step"]
         lay = info["layout"]
         self.tp, self.pp, self.dp = lay["tp"], lay["pp"], lay["dp"]
-        self.before_update = None  # waits for a checkpoint still being written (the trainer's writer)
+        self.before_update = before_update
         self._submit = threading.Lock()  # the save job's thread and the training thread: one order on every rank
 
     @property
@@ -105,7 +106,7 @@ class RemoteCritic:
         return remote_result(refs, "critic")[0]
 
     def _share(self, obj):
-        from slimectl.stages.train import broadcast_from_rank0
+        from slimectl.backends.megatron.parallel import broadcast_from_rank0
 
         return broadcast_from_rank0(obj)
 
@@ -114,12 +115,6 @@ class RemoteCritic:
 
         out = self._call("values", ray.put(list(samples))) if self.workers is not None else None
         return self._share(out)
-
-    def advantages(self, rewards, mask, values, log_probs=None, ref_log_probs=None):
-        """GAE on this rank (the same inputs on every actor rank, so the same advantages)."""
-        from slimectl.backends.megatron.critic_trainer import gae_advantages
-
-        return gae_advantages(self.algo, rewards, mask, values, log_probs, ref_log_probs)
 
     def train_on_returns(self, samples, batches, masks, old_values, returns) -> list[dict[str, float]]:
         import ray
@@ -146,14 +141,15 @@ class RemoteCritic:
 
 
 def critic_factory(group: dict, run_path: str, cfg_data: dict, log_level: int, rank: int):
-    """``Trainer(critic_factory=...)`` on actor rank ``rank``. ``group``: the critic's :class:`CriticWorker`
+    """``Trainer(critic_factory=...)`` on actor rank ``rank`` (a :data:`~slimectl.stages.train.ppo.CriticFactory`).
+    ``group``: the critic's :class:`CriticWorker`
     handles (``workers``) and their rendezvous (``master``: critic rank 0's node, a free port there). Actor
     rank 0 starts the critic ranks (each resumes from the actor's checkpoint) and holds the
     :class:`RemoteCritic` that calls them; the other actor ranks get rank 0's answers."""
 
-    def make(trainer, last, total_steps: int) -> RemoteCritic:
+    def make(last, total_steps: int, before_update) -> RemoteCritic:
+        from slimectl.backends.megatron.parallel import broadcast_from_rank0
         from slimectl.orchestration.ray_launcher import remote_result
-        from slimectl.stages.train import broadcast_from_rank0
 
         info = None
         if rank == 0:
@@ -167,6 +163,6 @@ def critic_factory(group: dict, run_path: str, cfg_data: dict, log_level: int, r
                          i["ray_actor_id"][:12], i["actor_pid"], i["ray_node_id"][:12], i["step"])
             info = {k: infos[0][k] for k in ("step", "layout")}
         info = broadcast_from_rank0(info)
-        return RemoteCritic(group["workers"] if rank == 0 else None, trainer.cfg.algorithm, info)
+        return RemoteCritic(group["workers"] if rank == 0 else None, info, before_update)
 
     return make

@@ -101,7 +101,7 @@ def test_nine_faults_in_one_synchronous_rl_run(tmp_path, clean_rl_run, forks):
     assert not list((run.path / "locks").glob("*.lock"))
 
     _rl_killed(forks, tmp_path, cfg, path, "sync.paused")  # the first sync (version 0), engines paused
-    # The checkpoint is written in the background (contract/rundir/ordered_writer.py CheckpointWriter) while the loop goes
+    # The checkpoint is written in the background (stages/train/writer.py CheckpointWriter) while the loop goes
     # on: weights/1 may already be written, rollout 1 generated, when the writer dies.
     _rl_killed(forks, tmp_path, cfg, path, "train.state_saved")  # checkpoint 1's model + optimizer in .staging
     assert run.rollouts.ids()[0] == 0 and "checkpoints" in [n.split(".")[0] for n in _staging(run)]

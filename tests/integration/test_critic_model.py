@@ -38,6 +38,21 @@ class _S:
 SAMPLES = [_S([5, 6, 7, 8, 9, 10], 3), _S([11, 12, 13], 1), _S([20, 21, 22, 23, 24, 25, 26], 5)]
 
 
+def padded_values(per_sample: dict[int, torch.Tensor], n: int) -> torch.Tensor:
+    """``{sample index: values}`` of ``n`` samples -> ``[n, T]`` right-padded with zeros (the layout of
+    :func:`slimectl.algorithms.gae.compute_gae`)."""
+    missing = [i for i in range(n) if i not in per_sample]
+    if missing:
+        raise ValueError(f"no values for samples {missing[:5]}")
+    T = max((int(per_sample[i].numel()) for i in range(n)), default=0)
+    first = per_sample[0] if n else torch.zeros(0)
+    out = first.new_zeros(n, T)
+    for i in range(n):
+        v = per_sample[i].reshape(-1)
+        out[i, : v.numel()] = v
+    return out
+
+
 def test_value_model_forward_and_one_step_lowers_the_value_loss(tiny_llama):
     from slimectl.algorithms.value_loss import clipped_value_loss
     from slimectl.backends.hf.arch import arch_from_dir
@@ -46,7 +61,6 @@ def test_value_model_forward_and_one_step_lowers_the_value_loss(tiny_llama):
     from slimectl.backends.megatron.critic import (
         build_value_model,
         load_trunk_from_hf,
-        padded_values,
         response_values,
     )
     from slimectl.backends.megatron.logprobs import forward_micro_batch, response_positions
@@ -132,7 +146,7 @@ def test_critic_steps_per_rollout_pass_over_every_global_batch_clipped_around_th
                                               value_clip=0.05, num_steps_per_rollout=3),
                                 AlgorithmSection(advantage_estimator="ppo"), total_steps=4)
         critic.load_hf(tiny_llama)
-        assert critic.scheduler.lr_decay_steps == 12  # 4 actor steps x 3 critic steps each
+        assert critic.model.scheduler.lr_decay_steps == 12  # 4 actor steps x 3 critic steps each
         masks = [torch.ones(s.response_length) for s in SAMPLES]
         old = critic.values(SAMPLES)
         returns = [v + 1.0 for v in old]

@@ -24,10 +24,11 @@ from tests.helpers import (ENV, assert_trained_once, engine_pids, read_jsonl, sl
                            write_config)
 
 TOL = 1e-5
-CRITIC_TOL = 1e-4
+CRITIC_TOL = 2e-4
 """The critic's (critic.lr 1e-2, ten times the actor's): Adam turns the first steps' tiny trunk gradients (the
-value head starts at zero) into full-size steps, so TP's summation order shows more (measured 2.1e-5);
-test_ppo_critic.py's TP=2 vs one-process bound."""
+value head starts at zero) into full-size steps, so TP's summation order shows more: measured 2.1e-5 with MKL's
+default matrix products, 1.07e-4 with its thread-count-independent ones (``MKL_CBWR=AUTO,STRICT``, which
+slimectl sets: slimectl/__init__.py)."""
 
 
 def one_rank_weights(tmp_path, cfg, run: RunDir, version: int) -> tuple[dict, RunDir]:

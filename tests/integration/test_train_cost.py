@@ -78,7 +78,7 @@ def test_phase_timers_use_slimes_names(result):
 
 
 def test_step_line_names_the_phases():
-    from slimectl.stages.train import phase_line
+    from slimectl.stages.train.trainer import phase_line
 
     m = {"perf/log_probs_time": 0.0, "perf/actor_train_time": 1.234, "perf/save_time": 0.5,
          "perf/update_weights_time": 0.25, "train/loss": 1.0}

@@ -132,7 +132,7 @@ def test_a_checkpoint_save_clones_one_fused_half_at_a_time(model, tmp_path):
         b.load_state(tmp_path / "state")
     for (n, p), q in zip(a.module.named_parameters(), b.module.parameters()):
         assert torch.equal(p, q), n
-    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    sa, sb = a.model.optimizer.state_dict()["state"], b.model.optimizer.state_dict()["state"]
     for k, st in sa.items():
         if isinstance(st, dict):
             for name in ("exp_avg", "exp_avg_sq"):

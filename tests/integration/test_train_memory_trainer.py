@@ -22,11 +22,12 @@ VOCAB = 4096
 CHILD = r"""
 import json, sys
 from slimectl.backends.host_memory import rss_bytes
-import slimectl.stages.train as train_mod
+import slimectl.stages.train.publish as publish_mod
+import slimectl.stages.train.trainer as train_mod
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.metrics import MetricsWriter
 if sys.argv[2] == "off":  # what the trainer held before: nothing given back
-    train_mod.release_free_memory = lambda: False
+    train_mod.release_free_memory = publish_mod.release_free_memory = lambda: False
 run = RunDir.open(sys.argv[1])
 cfg = run.stage_config("train", [])
 with run.lock("train") as lock:

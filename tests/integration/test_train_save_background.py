@@ -51,7 +51,7 @@ def _run(tmp_path, model, n: int = 2) -> RunDir:
 
 
 def _blocked_in_writer_wait(thread: threading.Thread) -> bool:
-    from slimectl.contract.rundir.ordered_writer import CheckpointWriter
+    from slimectl.stages.train.writer import CheckpointWriter
 
     frame = sys._current_frames().get(thread.ident)
     while frame is not None:
@@ -63,7 +63,7 @@ def _blocked_in_writer_wait(thread: threading.Thread) -> bool:
 
 def test_checkpoint_is_written_in_the_background_and_the_next_update_waits_for_it(tmp_path, tiny):
     from slimectl.backends.megatron.cpu_compat import CudaToCpuMode
-    from slimectl.stages.train import NullMetrics, Trainer
+    from slimectl.stages.train.trainer import NullMetrics, Trainer
 
     run = _run(tmp_path, tiny)
     cfg = run.config()
@@ -103,7 +103,7 @@ def test_checkpoint_is_written_in_the_background_and_the_next_update_waits_for_i
 
 
 def test_the_cursor_waits_for_the_checkpoint_of_its_rollout(tmp_path, tiny):
-    from slimectl.stages.train import NullMetrics, Trainer
+    from slimectl.stages.train.trainer import NullMetrics, Trainer
 
     run = _run(tmp_path, tiny, n=1)
     with in_process_stage(), run.lock("train") as lock:
@@ -127,7 +127,8 @@ def test_the_cursor_waits_for_the_checkpoint_of_its_rollout(tmp_path, tiny):
 def test_publishing_weights_makes_no_copy_of_the_model(tmp_path, tiny):
     from torch.autograd.profiler import profile
 
-    from slimectl.stages.train import Trainer, _publish
+    from slimectl.stages.train.publish import publish
+    from slimectl.stages.train.trainer import Trainer
 
     run = _run(tmp_path, tiny, n=1)
     with in_process_stage(), run.lock("train") as lock:
@@ -135,8 +136,7 @@ def test_publishing_weights_makes_no_copy_of_the_model(tmp_path, tiny):
         try:
             model_bytes = sum(p.numel() * p.element_size() for p in trainer.actor.module.parameters())
             with profile(profile_memory=True) as prof:
-                _publish(run, trainer.actor, trainer.arch, trainer.padded, run.config(), 0, 1, checkpoint=False,
-                         weights=True)
+                publish(run, trainer.actor, run.config(), 0, 1, checkpoint=False, weights=True)
             allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.function_events)
         finally:
             trainer.close()
@@ -150,7 +150,7 @@ def test_weights_go_out_before_the_checkpoint_and_old_weights_are_removed_in_the
     """weights/N (what the engines wait for) is published before checkpoints/N is handed to the
     background writer, so the checkpoint's writing never competes with it; weights beyond
     ``sync.keep_weights`` are removed by the writer's thread, not on the critical path."""
-    from slimectl.stages.train import NullMetrics, Trainer
+    from slimectl.stages.train.trainer import NullMetrics, Trainer
 
     run = _run(tmp_path, tiny, n=3)
     cfg = run.config()

@@ -28,8 +28,8 @@ def main() -> None:
     arch = arch_from_dir(hf_dir)
     a = MegatronActor(arch, arch.padded_vocab_size(1), TrainSection(), AlgorithmSection())
     a.load_hf(hf_dir)
-    a.model.zero_grad_buffer()
-    a.optimizer.step()  # an optimizer with state, as after any trained rollout
+    a.model.ddp.zero_grad_buffer()
+    a.model.optimizer.step()  # an optimizer with state, as after any trained rollout
     random.seed(11)
     torch.manual_seed(11)
     draws()  # move every generator away from its seed

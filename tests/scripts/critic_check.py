@@ -63,7 +63,7 @@ def main() -> None:
         with torch.no_grad():
             head.weight.copy_(0.2 * torch.linspace(-1.0, 1.0, arch.hidden_size).unsqueeze(0))
             head.bias.fill_(0.1)
-        critic.optimizer.reload_model_params()
+        critic.model.optimizer.reload_model_params()
 
     masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
     v0 = critic.values(samples)
@@ -87,7 +87,7 @@ def main() -> None:
         tp_group = ps.get_tensor_model_parallel_group()
     own = model_to_hf_tensors(critic.module.gpt, arch, tp_group)
     if pp > 1:
-        own = pipeline_stages_to_rank0(own, critic.pp_group, send=info.tp_rank == 0 and info.dp_rank == 0,
+        own = pipeline_stages_to_rank0(own, critic.model.pp_group, send=info.tp_rank == 0 and info.dp_rank == 0,
                                        device=torch.device("cpu"))
     weights = {k: v.detach().clone() for k, v in own}
     heads: list = [None] * info.world_size
@@ -102,7 +102,7 @@ def main() -> None:
             return [v.tolist() for v in vs]
 
         print("RESULT " + json.dumps({
-            "layout": [pp, tp, critic.dp], "values0": rows(v0), "values1": rows(v1), "values2": rows(v2),
+            "layout": [pp, tp, critic.model.dp], "values0": rows(v0), "values1": rows(v1), "values2": rows(v2),
             "step": step, "steps2": steps2, "n_weights": len(weights), "total_s": time.perf_counter() - t0}))
     shutdown_parallel(destroy_process_group=__name__ == "__main__")  # in-process (tests.helpers) keeps the group
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from slimectl.algorithms.advantages import compute_advantages
-from slimectl.algorithms.objective import ObjectiveBatch, ObjectiveConfig, compute_objective
+from slimectl.algorithms.objective import ObjectiveBatch, compute_objective, slime_args
 from slimectl.algorithms.policy_loss import opsm_mask
 from slimectl.algorithms.reduce import loss_token_count, token_mean
-from slimectl.algorithms.rewards import normalize_group_rewards, reward_norm_mode_for
+from slimectl.algorithms.rewards import normalize_group_rewards
 from slimectl.algorithms.tis import compute_tis_weights
 from slimectl.contract.config import load_config
 from slimectl.contract.config_schema import AlgorithmSection
@@ -38,14 +38,15 @@ def close(actual, expected, tol=1e-9):
 
 def test_slime_defaults_kl_k1_and_reward_norm_per_estimator():
     a = AlgorithmSection()
-    assert a.kl_loss_type == "k1" and ObjectiveConfig().kl_loss_type == "k1"
+    assert a.kl_loss_type == "k1"
     assert a.reward_normalization is None and a.normalize_advantages is None and a.use_unbiased_kl is False
     # the config's null means slime's rule for the estimator
-    modes = {e: reward_norm_mode_for(e, configured=None) for e in
+    modes = {e: AlgorithmSection(advantage_estimator=e).effective_reward_normalization for e in
              ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")}
     assert modes == {"grpo": "group_mean_std", "gspo": "group_mean_std", "cispo": "group_mean_std",
                      "reinforce_plus_plus": "none", "reinforce_plus_plus_baseline": "group_mean"}
-    assert reward_norm_mode_for("reinforce_plus_plus", configured="group_mean_std") == "group_mean_std"
+    assert AlgorithmSection(advantage_estimator="reinforce_plus_plus",
+                            reward_normalization="group_mean_std").effective_reward_normalization == "group_mean_std"
     # one group [1, 0, 0, 1]: mean 0.5; unbiased std sqrt(1/3)
     raw = [1.0, 0.0, 0.0, 1.0]
     close(normalize_group_rewards(raw, 4, modes["reinforce_plus_plus"]), raw)
@@ -71,11 +72,11 @@ def test_normalize_advantages_switch_whitens_grpo_and_can_leave_reinforce_pp_raw
 def test_unbiased_kl_weights_the_kl_loss_by_the_ratio():
     mask = T([[1.0, 1.0]])
     lp, old, ref = [[-1.0, -2.0]], [[-1.5, -2.0]], [[-1.2, -1.0]]
-    cfg = ObjectiveConfig(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k1", eps_clip=10.0)
+    cfg = AlgorithmSection(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k1", eps_clip=10.0)
     b = dict(mask=mask, old_log_probs=T(old), advantages=T([[0.0, 0.0]]), ref_log_probs=T(ref))
     _, m = compute_objective(cfg, ObjectiveBatch(log_probs=T(lp, True), **b))
     close(m["train/kl_loss"], ((-1.0 + 1.2) + (-2.0 + 1.0)) / 2)  # k1 = lp - ref: 0.2, -1.0
-    cfg_u = ObjectiveConfig(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k1", use_unbiased_kl=True, eps_clip=10.0)
+    cfg_u = AlgorithmSection(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k1", use_unbiased_kl=True, eps_clip=10.0)
     _, mu = compute_objective(cfg_u, ObjectiveBatch(log_probs=T(lp, True), **b))
     close(mu["train/kl_loss"], (math.exp(0.5) * 0.2 + 1.0 * -1.0) / 2)  # ratio exp(lp - old): e^0.5, 1
 
@@ -125,13 +126,13 @@ def test_opsm_masks_drifted_negative_sequences_by_hand():
     out = opsm_mask(lp, old, adv, mask, opsm_delta=0.1)
     close(out.seq_kl, [0.2, 0.0, 0.2])
     close(out.keep, [[0, 0, 1], [1, 1, 1], [1, 1, 1]])  # only row 0: A < 0 and 0.2 > 0.1
-    cfg = ObjectiveConfig(use_opsm=True, opsm_delta=0.1, eps_clip=10.0)
+    cfg = AlgorithmSection(use_opsm=True, opsm_delta=0.1, eps_clip=10.0)
     loss, m = compute_objective(cfg, ObjectiveBatch(log_probs=lp.clone().requires_grad_(), mask=mask,
                                                     old_log_probs=old, advantages=adv))
     close(m["train/opsm_clipfrac"], (1 + 0 + 0) / 3)
     # unclipped pg = -ratio * A; row0 masked; row1 ratio 1, A -1 -> +1; row2 ratios e^-0.3, e^-0.1, A 1
     close(loss, (0 + 1.0 - (math.exp(-0.3) + math.exp(-0.1)) / 2) / 3)
-    loss_off, _ = compute_objective(ObjectiveConfig(eps_clip=10.0), ObjectiveBatch(
+    loss_off, _ = compute_objective(AlgorithmSection(eps_clip=10.0), ObjectiveBatch(
         log_probs=lp, mask=mask, old_log_probs=old, advantages=adv))
     assert float(loss_off) != pytest.approx(float(loss.detach()))
 
@@ -153,7 +154,7 @@ def test_cispo_loss_matches_slime_formula():
     old = T([[-1.0, -1.0, -1.0]])
     lp = T([[-1.0 + math.log(1.5), -1.0 + math.log(0.5), -1.0]], grad=True)
     adv = T([[1.0, 1.0, -1.0]])
-    loss, m = compute_objective(ObjectiveConfig(advantage_estimator="cispo", eps_clip=0.2, eps_clip_high=0.28),
+    loss, m = compute_objective(AlgorithmSection(advantage_estimator="cispo", eps_clip=0.2, eps_clip_high=0.28),
                                 ObjectiveBatch(log_probs=lp, mask=mask, old_log_probs=old, advantages=adv))
     # -sg(clamp(ratio, 0.8, 1.28)) * A * lp: 1.28*(1-log... ) written out per token
     lps = [-1.0 + math.log(1.5), -1.0 + math.log(0.5), -1.0]
@@ -167,7 +168,7 @@ def test_entropy_coef_reaches_the_entropy_gradient():
     mask = T([[1, 1, 0]])
     ent = T([[2.0, 1.0, 5.0]], grad=True)
     lp = T([[-1.0, -1.0, 0.0]], grad=True)
-    loss, m = compute_objective(ObjectiveConfig(entropy_coef=0.1), ObjectiveBatch(
+    loss, m = compute_objective(AlgorithmSection(entropy_coef=0.1), ObjectiveBatch(
         log_probs=lp, mask=mask, entropy=ent, old_log_probs=T([[-1.0, -1.0, 0.0]]), advantages=T([[0.0, 0.0, 0.0]])))
     close(loss, -0.1 * 1.5)
     loss.backward()
@@ -219,8 +220,8 @@ def _section(**kw):
 
 def test_custom_tis_function_with_slime_signature(hooks):
     algo = _section(use_tis="true", custom_tis_function=f"{hooks}:tis_like_slime")
-    cfg = ObjectiveConfig.from_section(algo)
-    assert cfg.custom_tis_function is not None
+    cfg = algo
+    assert cfg.hooks["custom_tis_function"] is not None
     mask = T([[1, 1, 0], [1, 0, 0]])
     old = T([[-1.0, -1.0, 0], [-1.0, 0, 0]])
     adv = T([[1.0, 1.0, 0], [1.0, 0, 0]])
@@ -233,7 +234,7 @@ def test_custom_tis_function_with_slime_signature(hooks):
     close(loss, (-0.25 + -1.0) / 2)
     close(m["train/tis"], ((3.0 + 0.5) / 2 + 1.0) / 2)
     close(m["train/rejected"], (0.5 + 0.0) / 2)
-    builtin, _ = compute_objective(ObjectiveConfig(use_tis=True), b)
+    builtin, _ = compute_objective(AlgorithmSection(use_tis=True), b)
     close(builtin, ((-2.0 - 0.5) / 2 - 1.0) / 2)  # the vanilla weights, for contrast
 
 
@@ -242,11 +243,11 @@ def test_custom_pg_loss_reducer_and_custom_loss(hooks):
     old = T([[-1.0, -1.0, 0], [-1.0, 0, 0]])
     adv = T([[1.0, 2.0, 0], [-1.0, 0, 0]])
     b = ObjectiveBatch(log_probs=old.clone().requires_grad_(), mask=mask, old_log_probs=old, advantages=adv)
-    cfg = ObjectiveConfig.from_section(_section(custom_pg_loss_reducer=f"{hooks}:dr_grpo_reducer"))
+    cfg = _section(custom_pg_loss_reducer=f"{hooks}:dr_grpo_reducer")
     loss, _ = compute_objective(cfg, b)
     # pg = -A at ratio 1: sample sums -3 and 1, each / 4; slime's sum over the 2 samples -> / 2 here
     close(loss, ((-3.0 / 4) + (1.0 / 4)) / 2)
-    cfg = ObjectiveConfig.from_section(_section(loss_type="custom_loss", custom_loss_function=f"{hooks}:my_loss"))
+    cfg = _section(loss_type="custom_loss", custom_loss_function=f"{hooks}:my_loss")
     loss, m = compute_objective(cfg, b)
     # -lp * A per sample mean: sample0 (-(−1)(1) - (−1)(2))/2 = 1.5; sample1 -1 -> (1.5 - 1)/2
     close(loss, (1.5 - 1.0) / 2)
@@ -257,13 +258,13 @@ def test_custom_pg_loss_reducer_and_custom_loss(hooks):
 
 def test_custom_advantage_function_with_slime_signature(hooks):
     algo = _section(custom_advantage_function=f"{hooks}:my_advantages")
-    fn = algo.load_hooks()["custom_advantage_function"]
+    fn = algo.hooks["custom_advantage_function"]
     mask = T([[1, 1, 0], [1, 0, 0]])
     res = compute_advantages("grpo", T([1.0, -0.5]), mask, custom_advantage_function=fn,
-                             args=ObjectiveConfig.from_section(algo).slime_args())
+                             args=slime_args(algo))
     close(res.advantages, [[10, 10, 0], [-5, 0, 0]])
     res = compute_advantages("grpo", T([1.0, -0.5]), mask, custom_advantage_function=fn, normalize_advantages=True,
-                             args=ObjectiveConfig().slime_args())
+                             args=slime_args(AlgorithmSection()))
     # whitening follows the hook (slime's order): 10, 10, -5 -> mean 5, var (25+25+100)/3*3/2 = 75
     k = 1 / math.sqrt(75 + 1e-8)
     close(res.advantages, [[5 * k, 5 * k, 0], [-10 * k, 0, 0]])
@@ -272,5 +273,5 @@ def test_custom_advantage_function_with_slime_signature(hooks):
 def test_a_missing_hook_fails_at_load_in_one_line(hooks):
     algo = _section(custom_pg_loss_reducer=f"{hooks}:nope")
     with pytest.raises(ConfigError) as err:
-        ObjectiveConfig.from_section(algo)
+        algo.hooks  # imported once, when the trainer builds its actor
     assert "algorithm.custom_pg_loss_reducer" in str(err.value) and "\n" not in str(err.value)

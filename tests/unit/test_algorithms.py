@@ -36,7 +36,8 @@ from slimectl.algorithms.policy_loss import (
 )
 from slimectl.algorithms.reduce import per_sample_mean, reduce_masked, reduction_mode, sample_mean, token_mean
 from slimectl.contract.algorithm_names import KL_TYPES
-from slimectl.algorithms.rewards import normalize_group_rewards, normalize_rewards_by_group, reward_norm_mode_for
+from slimectl.algorithms.rewards import normalize_group_rewards, normalize_rewards_by_group
+from slimectl.contract.config_schema import AlgorithmSection
 from slimectl.algorithms.tis import apply_tis, compute_tis_weights, mismatch_metrics
 
 D = torch.float64
@@ -92,14 +93,16 @@ def test_reward_norm_modes_group_mean_none_and_single_group():
         normalize_group_rewards(raw, 3, mode="bogus")
 
 
-def test_reward_norm_mode_follows_slime_flags():
-    assert reward_norm_mode_for("grpo", n_samples_per_prompt=8) == "group_mean_std"
-    assert reward_norm_mode_for("gspo", n_samples_per_prompt=8) == "group_mean_std"
-    assert reward_norm_mode_for("grpo", grpo_std_normalization=False, n_samples_per_prompt=8) == "group_mean"
-    assert reward_norm_mode_for("grpo", n_samples_per_prompt=1) == "group_mean"
-    assert reward_norm_mode_for("reinforce_plus_plus_baseline", n_samples_per_prompt=8) == "group_mean"
-    assert reward_norm_mode_for("reinforce_plus_plus", n_samples_per_prompt=8) == "none"
-    assert reward_norm_mode_for("grpo", rewards_normalization=False, n_samples_per_prompt=8) == "none"
+def test_reward_norm_default_follows_slime_per_estimator():
+    """A null algorithm.reward_normalization is slime's rule for the estimator (its flags, translated by
+    ``init --from-slime``, set the key: tests/unit/test_slime_launch.py)."""
+    expect = {"grpo": "group_mean_std", "gspo": "group_mean_std", "cispo": "group_mean_std",
+              "reinforce_plus_plus_baseline": "group_mean", "reinforce_plus_plus": "none", "ppo": "none"}
+    for estimator, mode in expect.items():
+        assert AlgorithmSection(advantage_estimator=estimator).effective_reward_normalization == mode
+    assert AlgorithmSection(reward_normalization="none").effective_reward_normalization == "none"
+    # slime forces the std division off for groups of one: group_mean_std there is group_mean
+    close(normalize_group_rewards([3.0, 5.0], 1, mode="group_mean_std"), normalize_group_rewards([3.0, 5.0], 1, mode="group_mean"))
 
 
 def test_rewards_normalized_per_group_id_uneven_and_interleaved():

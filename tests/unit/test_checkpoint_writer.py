@@ -1,4 +1,4 @@
-"""The train stage's background checkpoint writer (slimectl.contract.rundir.ordered_writer.CheckpointWriter): one
+"""The train stage's background checkpoint writer (slimectl.stages.train.writer.CheckpointWriter): one
 save at a time, in order, what follows a save only after it succeeded, errors raised on the
 training thread, the pending save finished at close. Pure threading, no model."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from slimectl.contract.rundir.ordered_writer import CheckpointWriter
+from slimectl.stages.train.writer import CheckpointWriter
 
 
 def test_a_save_runs_off_the_calling_thread_and_the_next_waits_for_it():

@@ -7,15 +7,13 @@ the helpers under test. float64 throughout.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import typing
-from dataclasses import replace
 
 import pytest
 import torch
 
-from slimectl.algorithms.objective import ObjectiveBatch, ObjectiveConfig, compute_objective
+from slimectl.algorithms.objective import ObjectiveBatch, compute_objective
 from slimectl.contract.algorithm_names import CRITIC_ESTIMATORS, ESTIMATORS, KL_TYPES, LOSS_TYPES, REWARD_NORM_MODES
 from slimectl.contract.config import build_config
 from slimectl.contract.config_schema import AlgorithmSection
@@ -30,6 +28,17 @@ RATIO = [[1.5, 0.5], [1.1]]
 ADV = [[1.0, 1.0, NAN], [-2.0, NAN, NAN]]
 LP = [[-1.0 + math.log(1.5), -2.0 + math.log(0.5)], [-0.7 + math.log(1.1)]]
 CLIP = {"eps_clip": 0.2, "eps_clip_high": 0.28}  # ratio range [0.8, 1.28]
+
+
+def A(reduction: str = "sample_mean", **kw) -> AlgorithmSection:
+    """The algorithm section the objective reads (``reduction`` as its calculate_per_token_loss key)."""
+    return AlgorithmSection(calculate_per_token_loss=reduction == "token_mean", **kw)
+
+
+def replace(cfg: AlgorithmSection, reduction: str | None = None, **kw) -> AlgorithmSection:
+    if reduction is not None:
+        kw["calculate_per_token_loss"] = reduction == "token_mean"
+    return AlgorithmSection(**{**cfg.model_dump(), **kw})
 
 
 def T(x, grad=False):
@@ -58,7 +67,7 @@ PG = [[-1.28, -0.5], [2.2]]
 
 def test_ppo_alone_sample_mean():
     b = batch()
-    loss, m = compute_objective(ObjectiveConfig(**CLIP), b)
+    loss, m = compute_objective(A(**CLIP), b)
     # rows: (-1.28 - 0.5)/2 = -0.89 and 2.2; mean (-0.89 + 2.2)/2 = 0.655
     close(loss, 0.655)
     close(value(m, "train/pg_loss"), 0.655)
@@ -74,7 +83,7 @@ def test_ppo_alone_sample_mean():
 
 
 def test_ppo_token_mean():
-    loss, m = compute_objective(ObjectiveConfig(reduction="token_mean", **CLIP), batch())
+    loss, m = compute_objective(A(reduction="token_mean", **CLIP), batch())
     close(loss, (-1.28 - 0.5 + 2.2) / 3)  # every valid token weighs the same
     close(value(m, "train/pg_clipfrac"), 1 / 3)
 
@@ -83,14 +92,14 @@ def test_dual_clip_bounds_negative_advantage_loss():
     b = ObjectiveBatch(log_probs=T([[math.log(5.0)]], grad=True), mask=T([[1.0]]), old_log_probs=T([[0.0]]),
                        advantages=T([[-1.0]]))
     # ratio 5, A -1: max(5, 1.28) = 5; dual clip 3: min(-3 * -1, 5) = 3
-    loss, _ = compute_objective(ObjectiveConfig(eps_clip_c=3.0, **CLIP), b)
+    loss, _ = compute_objective(A(eps_clip_c=3.0, **CLIP), b)
     close(loss, 3.0)
-    close(compute_objective(ObjectiveConfig(**CLIP), b)[0], 5.0)
+    close(compute_objective(A(**CLIP), b)[0], 5.0)
 
 
 def test_gspo_uses_the_sequence_ratio():
     b = batch()
-    loss, m = compute_objective(ObjectiveConfig(advantage_estimator="gspo", **CLIP), b)
+    loss, m = compute_objective(A(advantage_estimator="gspo", **CLIP), b)
     # row 0 ratio exp(mean(log 1.5, log 0.5)) = sqrt(0.75) = 0.8660 (inside the range): loss -sqrt(.75)
     # row 1 (one token) as PPO: 2.2
     close(loss, (-math.sqrt(0.75) + 2.2) / 2)
@@ -103,7 +112,7 @@ def test_gspo_uses_the_sequence_ratio():
 
 def test_cispo_stops_the_gradient_at_the_clipped_ratio():
     b = batch()
-    loss, m = compute_objective(ObjectiveConfig(advantage_estimator="cispo", **CLIP), b)
+    loss, m = compute_objective(A(advantage_estimator="cispo", **CLIP), b)
     # -sg(clamp(ratio, .8, 1.28)) * A * lp: clamped 1.28, 0.8 | 1.1
     tok = [[-1.28 * 1.0 * LP[0][0], -0.8 * 1.0 * LP[0][1]], [-1.1 * -2.0 * LP[1][0]]]
     close(loss, ((tok[0][0] + tok[0][1]) / 2 + tok[1][0]) / 2)
@@ -115,14 +124,14 @@ def test_cispo_stops_the_gradient_at_the_clipped_ratio():
 
 def test_sft_alone():
     b = batch()
-    loss, m = compute_objective(ObjectiveConfig(loss_type="sft_loss"), b)
+    loss, m = compute_objective(A(loss_type="sft_loss"), b)
     close(loss, -((LP[0][0] + LP[0][1]) / 2 + LP[1][0]) / 2)
     assert value(m, "train/pg_loss") == 0.0 and "train/pg_clipfrac" not in m and "train/ppo_kl" not in m
     loss.backward()
     close(b.log_probs.grad, [[-0.25, -0.25, 0.0], [-0.5, 0.0, 0.0]])
     # SFT needs no old log-probs or advantages
     bare = ObjectiveBatch(log_probs=T([[-2.0, -4.0]]), mask=T([[1.0, 1.0]]))
-    close(compute_objective(ObjectiveConfig(loss_type="sft_loss", reduction="token_mean"), bare)[0], 3.0)
+    close(compute_objective(A(loss_type="sft_loss", reduction="token_mean"), bare)[0], 3.0)
 
 
 ENTROPY = [[0.5, 1.5, NAN], [2.0, NAN, NAN]]
@@ -130,7 +139,7 @@ ENTROPY = [[0.5, 1.5, NAN], [2.0, NAN, NAN]]
 
 def test_entropy_metric_and_bonus():
     ent = T(ENTROPY, grad=True)
-    loss, m = compute_objective(ObjectiveConfig(entropy_coef=0.1, **CLIP), batch(entropy=ent))
+    loss, m = compute_objective(A(entropy_coef=0.1, **CLIP), batch(entropy=ent))
     # entropy sample mean: (1.0 + 2.0)/2 = 1.5; the bonus -0.1 * 1.5 is added to the loss
     close(value(m, "train/entropy"), 1.5)
     close(loss, 0.655 - 0.15)
@@ -139,7 +148,7 @@ def test_entropy_metric_and_bonus():
     loss.backward()
     close(ent.grad, [[-0.1 / 4, -0.1 / 4, 0.0], [-0.1 / 2, 0.0, 0.0]])
     # coefficient 0: reported, not in the loss
-    loss0, m0 = compute_objective(ObjectiveConfig(**CLIP), batch(entropy=T(ENTROPY)))
+    loss0, m0 = compute_objective(A(**CLIP), batch(entropy=T(ENTROPY)))
     close(loss0, 0.655)
     close(value(m0, "train/entropy"), 1.5)
 
@@ -151,7 +160,7 @@ def ref_for(diffs):
 
 def test_kl_loss_to_the_reference():
     ref = ref_for([[0.2, 0.4], [-0.1]])
-    cfg = ObjectiveConfig(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k1", **CLIP)
+    cfg = A(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k1", **CLIP)
     loss, m = compute_objective(cfg, batch(ref_log_probs=ref))
     # k1 = lp - ref: rows 0.3 and -0.1 -> 0.1; loss 0.655 + 0.5 * 0.1
     close(value(m, "train/kl_loss"), 0.1)
@@ -170,7 +179,7 @@ ROLLOUT = [[-1.0 - math.log(3.0), -2.0 - math.log(0.5), NAN], [-0.7, NAN, NAN]]
 
 
 def test_tis_weights_and_metrics():
-    cfg = ObjectiveConfig(use_tis=True, **CLIP)
+    cfg = A(use_tis=True, **CLIP)
     loss, m = compute_objective(cfg, batch(trainer_old_log_probs=T(TRAINER_OLD), rollout_log_probs=T(ROLLOUT)))
     # pg * w: -1.28 * 2 = -2.56, -0.5 * 0.5 = -0.25 | 2.2 * 1; rows -1.405 and 2.2
     close(loss, (-1.405 + 2.2) / 2)
@@ -186,7 +195,7 @@ def test_tis_weights_and_metrics():
 
 def test_mismatch_metric_without_tis_and_opd_metric():
     teacher = [[-1.0 - 0.3, -2.0 + 0.1, NAN], [-0.7 - 0.2, NAN, NAN]]  # old - teacher = 0.3, -0.1 | 0.2
-    loss, m = compute_objective(ObjectiveConfig(use_opd=True, **CLIP),
+    loss, m = compute_objective(A(use_opd=True, **CLIP),
                                 batch(trainer_old_log_probs=T(TRAINER_OLD), rollout_log_probs=T(ROLLOUT),
                                       teacher_log_probs=T(teacher)))
     close(loss, 0.655)  # neither changes the loss (OPD shapes the advantages, TIS is off)
@@ -194,11 +203,11 @@ def test_mismatch_metric_without_tis_and_opd_metric():
     close(value(m, "train/train_rollout_logprob_abs_diff"), (math.log(3.0) + math.log(2.0)) / 4)
     assert "train/tis" not in m
     # no rollout log-probs: no mismatch metric
-    assert "train/train_rollout_logprob_abs_diff" not in compute_objective(ObjectiveConfig(), batch())[1]
+    assert "train/train_rollout_logprob_abs_diff" not in compute_objective(A(), batch())[1]
 
 
 def test_everything_composed_both_reductions_and_gradients():
-    cfg = ObjectiveConfig(use_tis=True, entropy_coef=0.1, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k1", **CLIP)
+    cfg = A(use_tis=True, entropy_coef=0.1, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k1", **CLIP)
     kw = {"trainer_old_log_probs": T(TRAINER_OLD), "rollout_log_probs": T(ROLLOUT),
           "ref_log_probs": ref_for([[0.2, 0.4], [-0.1]])}
     ent = T(ENTROPY, grad=True)
@@ -220,22 +229,20 @@ def test_everything_composed_both_reductions_and_gradients():
     close(value(m_t, "train/tis"), (3.0 + 0.5 + 1.0) / 3)
 
 
-def test_config_from_the_algorithm_section():
-    assert ObjectiveConfig.from_section(AlgorithmSection()) == ObjectiveConfig()  # one set of defaults
-    cfg = ObjectiveConfig.from_section(AlgorithmSection(
-        advantage_estimator="gspo", eps_clip=0.1, eps_clip_high=0.3, eps_clip_c=3.0, entropy_coef=0.01,
-        use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k2", use_tis=True, tis_clip=1.5, tis_clip_low=0.1,
-        use_opd=True, calculate_per_token_loss=True, use_unbiased_kl=True, tis_mode="mask", use_opsm=True,
-        opsm_delta=0.01))
-    assert cfg == ObjectiveConfig(
-        advantage_estimator="gspo", eps_clip=0.1, eps_clip_high=0.3, eps_clip_c=3.0,
-        entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k2", use_tis=True, tis_clip=1.5,
-        tis_clip_low=0.1, use_opd=True, reduction="token_mean", use_unbiased_kl=True, tis_mode="mask",
-        use_opsm=True, opsm_delta=0.01)
-    with pytest.raises(ValueError, match="expected one of grpo, gspo, cispo"):
-        ObjectiveConfig(advantage_estimator="ppo2")
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.eps_clip = 0.3  # type: ignore[misc]
+def test_the_section_resolves_its_defaults_once():
+    """The objective reads the section itself; its null keys are resolved by the schema (no mirror class)."""
+    a = AlgorithmSection()
+    assert a.effective_eps_clip_high == a.eps_clip == 0.2 and a.reduction == "sample_mean"
+    b = AlgorithmSection(eps_clip=0.1, eps_clip_high=0.3, calculate_per_token_loss=True)
+    assert b.effective_eps_clip_high == 0.3 and b.reduction == "token_mean"
+    assert AlgorithmSection(eps_clip=0.25).effective_eps_clip_high == 0.25  # follows eps_clip while unset
+    # the resolved upper clip reaches the clamp: ratio 1.5 at A = 1 clipped to 1 + high
+    one = ObjectiveBatch(log_probs=T([[math.log(1.5)]], grad=True), mask=T([[1.0]]), old_log_probs=T([[0.0]]),
+                         advantages=T([[1.0]]))
+    close(compute_objective(AlgorithmSection(eps_clip=0.2), one)[0], -1.2)
+    close(compute_objective(AlgorithmSection(eps_clip=0.2, eps_clip_high=0.28), one)[0], -1.28)
+    with pytest.raises(ValueError):
+        AlgorithmSection(advantage_estimator="ppo2")
 
 
 def test_config_choices_come_from_the_registry():

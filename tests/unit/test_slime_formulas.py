@@ -16,7 +16,8 @@ import torch
 
 from slimectl.algorithms.advantages import compute_advantages, whiten_advantages
 from slimectl.algorithms.kl import compute_approx_kl, kl_loss
-from slimectl.algorithms.objective import ObjectiveBatch, ObjectiveConfig, compute_objective
+from slimectl.algorithms.objective import ObjectiveBatch, compute_objective
+from slimectl.contract.config_schema import AlgorithmSection
 from slimectl.algorithms.policy_loss import cispo_policy_loss, gspo_policy_loss, opsm_mask, ppo_policy_loss
 from slimectl.algorithms.reduce import sample_mean, token_mean
 from slimectl.algorithms.rewards import normalize_group_rewards
@@ -229,9 +230,9 @@ def comparisons(seed=0) -> dict[str, float]:
     # the whole objective: PPO + OPSM + TIS + entropy + unbiased KL loss, both reductions
     ent_c = cat(d["ent"], L)
     for per_token in (False, True):
-        cfg = ObjectiveConfig(eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, entropy_coef=0.01, use_kl_loss=True,
-                              kl_loss_coef=0.05, kl_loss_type="low_var_kl", use_unbiased_kl=True, use_tis=True,
-                              use_opsm=True, reduction="token_mean" if per_token else "sample_mean")
+        cfg = AlgorithmSection(eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, entropy_coef=0.01, use_kl_loss=True,
+                               kl_loss_coef=0.05, kl_loss_type="low_var_kl", use_unbiased_kl=True, use_tis=True,
+                               use_opsm=True, calculate_per_token_loss=per_token)
         loss, _ = compute_objective(cfg, ObjectiveBatch(
             log_probs=d["lp"], mask=mask, entropy=d["ent"], old_log_probs=d["old"], advantages=d["adv"],
             ref_log_probs=d["ref"], trainer_old_log_probs=d["old"], rollout_log_probs=d["roll"]))

@@ -44,7 +44,7 @@ log = logging.getLogger("slimectl.megatron")
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "slimectl_checkpoint.json"
 HF_DIR = "hf"
-TRAIN_STATE_DIR = "state"  # a train checkpoint's torch_dist directory (stages/train.py writes it)
+TRAIN_STATE_DIR = "state"  # a train checkpoint's torch_dist directory (stages/train/publish.py writes it)
 CHECKPOINT_VERSION = 3.0
 # What Megatron-LM's save_checkpoint records; its loader reads it back to pick the sharding layout.
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -215,6 +215,36 @@ def _recv_header(src: int, device=None):
     return json.loads(bytes(data.cpu().tolist()).decode())
 
 
+def gather_experts(own, experts_per_rank: int, ep: int):
+    """``own`` (this rank's ``(HF name, tensor)`` stream) with every expert on expert-parallel rank 0: collective
+    over the expert-parallel group, where rank r holds experts ``r*n .. r*n+n-1`` of every MoE layer
+    (``n = experts_per_rank``).
+
+    The ranks walk the same local parameters in the same order, so each expert tensor is all-gathered as it
+    comes; rank r's copy is HF expert ``r*n + j`` where this rank's is ``my_rank*n + j``. Other ranks yield
+    only the dense tensors (which nobody reads there)."""
+    import re
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_model_parallel_group()
+    me = ps.get_expert_model_parallel_rank()
+    expert = re.compile(r"\.experts\.(\d+)\.")
+    for name, tensor in own:
+        m = expert.search(name)
+        if m is None:
+            yield name, tensor
+            continue
+        parts = [torch.empty_like(tensor) for _ in range(ep)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        if me != 0:
+            continue
+        j = int(m.group(1)) - me * experts_per_rank
+        for r, part in enumerate(parts):
+            yield f"{name[:m.start()]}.experts.{r * experts_per_rank + j}.{name[m.end():]}", part
+
+
 def pipeline_stages_to_rank0(own: Iterator[tuple[str, torch.Tensor]], pp_group, send: bool,
                              device=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every pipeline stage's (HF name, tensor) stream, delivered to global rank 0 in stage order.
@@ -265,7 +295,7 @@ def save_torch_dist(state: dict[str, Any], it_dir: str | Path, source=None) -> N
     """``dist_checkpointing.save`` done synchronously, writing from this process (collective).
 
     ``source``: unfilled parameters whose bytes are copied from the HF files (convert). May run on
-    a background thread (one trainer process: :class:`slimectl.contract.rundir.ordered_writer.CheckpointWriter`).
+    a background thread (one trainer process: :class:`slimectl.stages.train.writer.CheckpointWriter`).
     """
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
@@ -343,21 +373,26 @@ def save_megatron_checkpoint(model, root: str | Path, iteration: int | str, arch
     save_torch_dist(state, it_dir, source)
     dist.barrier()
     if dist.get_rank() == 0:
-        meta = {
-            "format": "torch_dist",
-            "arch": arch.to_dict(),
-            "padded_vocab_size": padded_vocab,
-            "dtype": dtype,
-            "saved_with": {"tp": tp, "pp": pp},
-            "iteration": iteration,
-        }
-        (root / META).write_text(json.dumps(meta, indent=2) + "\n")
+        write_checkpoint_meta(root, checkpoint_meta(arch, padded_vocab, dtype, iteration, {"tp": tp, "pp": pp}))
         if hf_source is not None:
             copy_hf_aux_files(hf_source, root / HF_DIR)
         fault_point("convert.before_tracker")
         (root / TRACKER).write_text(str(iteration))
     dist.barrier()
     return it_dir
+
+
+def checkpoint_meta(arch: ModelArch, padded_vocab: int, dtype: str, iteration: int | str,
+                    saved_with: dict[str, int]) -> dict[str, Any]:
+    """What ``ROOT/slimectl_checkpoint.json`` records of a checkpoint (convert's and train's alike): the
+    architecture, padded vocabulary, dtype, the layout it was saved with and its iteration."""
+    return {"format": "torch_dist", "arch": arch.to_dict(), "padded_vocab_size": padded_vocab, "dtype": dtype,
+            "saved_with": saved_with, "iteration": iteration}
+
+
+def write_checkpoint_meta(root: str | Path, meta: dict[str, Any]) -> None:
+    """Write :func:`checkpoint_meta`'s record into checkpoint root ``root`` (read back by :func:`read_checkpoint_meta`)."""
+    (Path(root) / META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def copy_hf_aux_files(src: str | Path, dst: str | Path) -> list[str]:

@@ -118,26 +118,16 @@ def forward_values(model, micro_batch: MicroBatch) -> torch.Tensor:
     return out[:, 0] if out.dim() == 2 else out
 
 
-def response_values(model, micro_batch: MicroBatch) -> list[torch.Tensor]:
-    """Per packed sequence (in ``micro_batch.seqs`` order): the values of its response tokens
-    ``[response_length]`` (differentiable; wrap in ``torch.no_grad()`` for the rollout's ``V_old``)."""
+def response_rows(values: torch.Tensor, micro_batch: MicroBatch) -> list[torch.Tensor]:
+    """``[L]`` values of a packed micro-batch -> per packed sequence (in ``micro_batch.seqs`` order) the values
+    of its response tokens ``[response_length]``."""
     from slimectl.backends.megatron.logprobs import response_positions
 
-    values = forward_values(model, micro_batch)
     rows, _, counts = response_positions(micro_batch)
     return list(values.index_select(0, rows.to(values.device)).split(counts))
 
 
-def padded_values(per_sample: dict[int, torch.Tensor], n: int) -> torch.Tensor:
-    """``{sample index: values}`` of ``n`` samples -> ``[n, T]`` right-padded with zeros (the layout of
-    :func:`slimectl.algorithms.gae.compute_gae`)."""
-    missing = [i for i in range(n) if i not in per_sample]
-    if missing:
-        raise ValueError(f"no values for samples {missing[:5]}")
-    T = max((int(per_sample[i].numel()) for i in range(n)), default=0)
-    first = per_sample[0] if n else torch.zeros(0)
-    out = first.new_zeros(n, T)
-    for i in range(n):
-        v = per_sample[i].reshape(-1)
-        out[i, : v.numel()] = v
-    return out
+def response_values(model, micro_batch: MicroBatch) -> list[torch.Tensor]:
+    """Per packed sequence (in ``micro_batch.seqs`` order): the values of its response tokens
+    ``[response_length]`` (differentiable; wrap in ``torch.no_grad()`` for the rollout's ``V_old``)."""
+    return response_rows(forward_values(model, micro_batch), micro_batch)

@@ -107,9 +107,24 @@ def shutdown_parallel(destroy_process_group: bool = False) -> None:
 def from_last_stage(obj, pp_group):
     """The last pipeline stage's picklable ``obj`` on every stage of ``pp_group`` (only the last stage
     has logits and values; the actor's log-probs and the critic's values are shared this way)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     box = [obj]
     dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
     return box[0]
+
+
+def broadcast_from_rank0(obj):
+    """Rank 0's picklable ``obj`` on every rank of the default group (what rank 0 decides, the others follow);
+    ``obj`` as is when there is one rank or no process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    """Wait for every rank of the default group (nothing with one rank or no process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -36,6 +36,16 @@ def check_expert_parallel(arch: ModelArch, ep: int, name: str = "train.ep") -> N
                           f"{', '.join(map(str, ok))}")
 
 
+def check_train_layout(arch: ModelArch, train) -> None:
+    """Refuse (one line, exit 2, listing the sizes that work) a ``train.tp``/``train.pp`` the model cannot be
+    split into, or a ``train.ep`` it cannot (:func:`check_expert_parallel`)."""
+    from slimectl.backends.hf.arch import check_parallel_sizes
+
+    if train.tp > 1 or train.pp > 1:
+        check_parallel_sizes(arch, train.tp, train.pp, "train.tp", "train.pp")
+    check_expert_parallel(arch, train.ep)
+
+
 def moe_config_kwargs(arch: ModelArch, ep: int = 1, aux_loss_coeff: float = 0.0) -> dict:
     """TransformerConfig arguments of an MoE architecture (empty for a dense one).
 
