@@ -12,11 +12,10 @@ def open_stage(ctx: click.Context, stage: str, run_dir: str | None, overrides: t
     """Return (run, config) for ``stage`` with its --set overrides, having saved the effective config
     under RUN/configs/STAGE.yaml — or None after printing the config when ``dry_run``. The run's
     length is the one ``slimectl extend`` recorded, unless this invocation sets it."""
-    from slimectl.contract.config import with_extension
     from slimectl.contract.rundir import RunDir
 
     run = RunDir.open(resolve_run_dir(ctx, run_dir))
-    cfg = with_extension(run.stage_config(stage, list(overrides)), run.path, overrides)
+    cfg = run.stage_config(stage, list(overrides))
     if dry_run:
         click.echo(cfg.to_yaml(), nl=False)
         return None

@@ -216,28 +216,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 base: dict[str, Any] | None = None, base_origin: str = "config") -> SlimectlConfig:
     """The one config loader (``slimectl init``, ``rl --config``): a YAML file (or the defaults when
     ``path`` is None), then ``--set`` overrides (later ones win), relative paths made absolute
-    (file paths against the file's folder, --set paths against the current directory), validated.
+    (file paths against the file's folder, --set paths against the current directory), validated once.
     ``base`` is config data made elsewhere (``init --from-slime``) in place of a file; its relative
-    paths are taken against the current directory, as the shell that ran it would."""
+    paths are taken against the current directory, as the shell that ran it would. A mistake of the file
+    itself is reported against the file, one the overrides made against the overrides."""
     data: dict[str, Any] = {}
     origin = "config"
     if base is not None:
         if path is not None:
             raise ConfigError(f"--config {path} and {base_origin} both give the config; pass one of them")
-        data = json.loads(json.dumps(base))
-        origin = base_origin
-        build_config(data, origin)
+        data, origin = json.loads(json.dumps(base)), base_origin
         _absolutize(data, Path.cwd())
     if path is not None:
-        data = load_yaml_file(path)
-        origin = f"config file {path}"
-        build_config(data, origin)  # report the file's own mistakes against the file
+        data, origin = load_yaml_file(path), f"config file {path}"
         _absolutize(data, Path(path).resolve().parent)
-    if overrides:
-        data = apply_overrides(data, list(overrides), STAGE_SECTIONS["init"], "init")
-        _absolutize(data, Path.cwd())
-        origin += " with --set overrides"
-    return build_config(data, origin)
+    if not overrides:
+        return build_config(data, origin)
+    overridden = apply_overrides(data, list(overrides), STAGE_SECTIONS["init"], "init")
+    _absolutize(overridden, Path.cwd())
+    try:
+        return SlimectlConfig.model_validate(overridden)
+    except ValidationError as err:
+        build_config(data, origin)  # the file's own mistakes first, against the file
+        raise ConfigError(_format_validation_error(err, origin + " with --set overrides")) from None
 
 
 def config_diff(a: SlimectlConfig, b: SlimectlConfig) -> list[str]:
@@ -274,19 +275,3 @@ def read_extension(run_path: str | Path) -> dict[str, Any] | None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ConfigError(f"{p} has no valid num_rollout; rewrite it with `slimectl extend -r {run_path} --num-rollout N`")
     return data
-
-
-def _sets_key(overrides: list[str] | tuple[str, ...], key: str) -> bool:
-    return any(o.partition("=")[0].strip() == key for o in overrides)
-
-
-def with_extension(cfg: SlimectlConfig, run_path: str | Path,
-                   overrides: list[str] | tuple[str, ...] = ()) -> SlimectlConfig:
-    """``cfg`` (a run's frozen config with a stage's ``--set`` overrides) with ``rollout.num_rollout``
-    as ``slimectl extend`` last set it; a ``--set rollout.num_rollout`` of this very invocation wins."""
-    ext = read_extension(run_path)
-    if ext is None or _sets_key(overrides, "rollout.num_rollout") or ext["num_rollout"] == cfg.rollout.num_rollout:
-        return cfg
-    data = cfg.to_dict()
-    data["rollout"]["num_rollout"] = ext["num_rollout"]
-    return build_config(data, origin=f"run config extended by {Path(run_path) / EXTEND_FILE}")

@@ -2,10 +2,11 @@
 
 :class:`Engines` attaches to a running ``slimectl serve`` of the run, or starts engines owned by
 this process (they die with it, even after ``kill -9``). :class:`InProcessTrainer` is the train
-stage in this process and the weight sync from it; :class:`FollowerTrainer` is a trainer rank > 0
-(several trainer ranks). The Ray launcher (:mod:`slimectl.orchestration.ray_launcher`) runs the
-same two trainer classes inside its workers; with ``train.tp*pp*dp`` > 1 the local launcher runs
-them as torchrun ranks (:mod:`slimectl.orchestration.torchrun_trainer`).
+stage in this process and the weight sync from it: one trainer rank, or rank 0 of several (ranks > 0
+follow it: :mod:`slimectl.orchestration.trainer_ranks`). The Ray launcher
+(:mod:`slimectl.orchestration.ray_launcher`) runs the same trainer in its rank-0 worker; with
+``train.tp*pp*dp`` > 1 the local launcher runs it as torchrun's rank 0
+(:mod:`slimectl.orchestration.torchrun_trainer`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from contextlib import ExitStack
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import LockHeld, SlimectlError
 from slimectl.contract.rundir import RunDir
+from slimectl.orchestration.trainer_ranks import Followers
 
 log = logging.getLogger("slimectl.rl")
 
@@ -103,19 +105,24 @@ def open_engine_clients(cfg: SlimectlConfig, urls, loop, stack: ExitStack) -> di
 
 
 class InProcessTrainer:
-    """The train stage in this process (one rank), and the weight sync from it: the trainer of
-    :class:`LocalLauncher`, and what each Ray trainer actor runs inside itself.
+    """The train stage in this process (one rank, or rank 0 of several), and the weight sync from it: the
+    trainer of :class:`LocalLauncher`, of torchrun's rank 0 and of the Ray trainer's rank 0 (a
+    :class:`~slimectl.orchestration.handles.TrainerHandle`).
 
     Takes the ``train`` lock; trains each rollout exactly once (:class:`Trainer`); syncs the
-    engines from its live weights (distributed transport) or from ``weights/N`` (disk)."""
+    engines from its live weights (distributed transport) or from ``weights/N`` (disk). With several trainer
+    ranks, ``followers`` announces each collective operation to ranks > 0
+    (:mod:`slimectl.orchestration.trainer_ranks`)."""
 
-    def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack, critic_factory=None):
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack, critic_factory=None,
+                 followers: Followers | None = None):
         from slimectl.stages.train.trainer import Trainer
 
         self.run, self.cfg, self.stack = run, cfg, stack
         self.disk = cfg.sync.transport == "disk"
         self.trainer = Trainer(run, cfg, stack.enter_context(run.lock("train")), critic_factory=critic_factory)
         stack.callback(self.trainer.close)  # a checkpoint still being written is published before the lock goes
+        self.followers = followers or Followers()
         self.loop = self.clients = self.transport = self.metrics = None
         self._open_passes: list = []  # the passes over the live tensors of the sync under way
 
@@ -140,28 +147,26 @@ class InProcessTrainer:
 
     def _source(self, version: int):
         from slimectl.stages.sync import WeightSource
-        from slimectl.backends.megatron.parallel import broadcast_from_rank0
 
         if not self.disk:
-            def passes():  # several trainer ranks: each pass is announced to ranks > 0 (FollowerTrainer)
-                broadcast_from_rank0("pass")
+            def passes():  # each pass over the tensors is an operation of every trainer rank (their gathers)
+                self.followers.announce("tensor_pass")
                 tensors = iter(self.trainer.iter_hf_tensors())
                 self._open_passes.append(tensors)
                 for item in tensors:  # not `yield from`: closing this generator must leave the pass open
                     yield item
 
             return WeightSource.from_tensors(version, passes)
-        # Publishing is collective over the trainer ranks (a Ray trainer with several): rank 0 decides.
-        if broadcast_from_rank0(not self.run.weights.exists(version)):
-            if version == 0:
-                return WeightSource.from_dir(0, self.cfg.model.path)
+        if version == 0 and not self.run.weights.exists(0):
+            return WeightSource.from_dir(0, self.cfg.model.path)
+        if not self.run.weights.exists(version):  # publishing is collective over the trainer ranks
+            self.followers.announce("publish_weights", version)
             self.trainer.publish(version - 1, version, checkpoint=False, weights=True)
         return WeightSource.from_dir(version, self.run.weights.get(version).path)
 
     def sync(self, version: int) -> tuple[dict[str, float], float]:
         """Load weight version ``version`` into every engine; its sync metrics and seconds."""
         from slimectl.stages.sync import sync_engines
-        from slimectl.backends.megatron.parallel import broadcast_from_rank0
 
         s = self.cfg.sync
         with self.run.stage_log("sync"):
@@ -171,75 +176,29 @@ class InProcessTrainer:
             finally:
                 if not self.disk:
                     self._finish_passes()
-                    broadcast_from_rank0("done")  # no-op with one trainer rank
         return res.metrics(), res.seconds
 
     def _finish_passes(self) -> None:
-        """Walk each pass over the tensors that a failed push left unfinished (a dead engine): ranks > 0
-        are inside its TP/PP gathers, and would wait there forever (or pair them with the next
-        collective) if rank 0 went on to broadcast the end of the sync."""
-        import torch.distributed as dist
-
+        """Walk each pass over the tensors that a failed push left unfinished (a dead engine): ranks > 0 are
+        inside its TP/PP gathers, and would wait there forever (or pair them with the next collective)."""
         passes, self._open_passes = self._open_passes, []
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            for tensors in passes:
-                for _ in tensors:
-                    pass
+        for tensors in passes if self.followers.group is not None else ():
+            for _ in tensors:
+                pass
 
     def train(self, rid: int, art, last: bool) -> list[dict]:
         """Train on rollout ``rid`` (its READY artifact ``art``); the per-step train metrics."""
-        with self.run.stage_log("train"):
+        with self.followers.operation("train", rid, last), self.run.stage_log("train"):
             return self.trainer.train_rollout(rid, art, self.metrics, publish_weights=self.disk, last=last)
 
     def checkpoint_if_behind(self) -> bool:
         """Checkpoint what was trained since the last checkpoint (a stop between rollouts)."""
-        with self.run.stage_log("train"):
+        with self.followers.operation("checkpoint_if_behind"), self.run.stage_log("train"):
             return self.trainer.checkpoint_if_behind()
 
-
-class FollowerTrainer:
-    """Trainer rank > 0 of a trainer with several ranks (``rl`` with ``train.tp*pp*dp > 1``: a Ray
-    worker, or a torchrun rank of the local launcher): it joins every collective of rank 0's :class:`InProcessTrainer` —
-    training, checkpoint and weight publishing, the TP/PP gathers of a distributed sync — and,
-    like the ranks > 0 of ``slimectl train`` under torchrun, holds no lock, writes nothing to the
-    run directory and talks to no engine."""
-
-    def __init__(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack, critic_factory=None):
-        from slimectl.stages.train.trainer import FollowerLock, Trainer
-
-        self.run, self.cfg = run, cfg
-        self.disk = cfg.sync.transport == "disk"
-        self.trainer = Trainer(run, cfg, FollowerLock(), critic_factory=critic_factory)
-
-    @property
-    def weight_version(self) -> int:
-        return self.trainer.weight_version
-
-    def connect(self, loop, clients: dict) -> None:
-        return None
-
-    def sync(self, version: int) -> tuple[dict[str, float], float]:
-        """Take part in rank 0's sync of weight version ``version``."""
-        from slimectl.backends.megatron.parallel import broadcast_from_rank0
-
-        if self.disk:
-            if broadcast_from_rank0(None) and version != 0:
-                self.trainer.publish(version - 1, version, checkpoint=False, weights=True)
-        else:
-            # Rank 0 announces each pass over its tensors (one per push, one more to verify) and
-            # the end of the sync; the TP/PP gathers of every pass need every rank.
-            while broadcast_from_rank0(None) == "pass":
-                for _ in self.trainer.iter_hf_tensors():
-                    pass
-        return {}, 0.0
-
-    def train(self, rid: int, art, last: bool) -> list[dict]:
-        from slimectl.stages.train.trainer import NullMetrics
-
-        return self.trainer.train_rollout(rid, art, NullMetrics(), publish_weights=self.disk, last=last)
-
-    def checkpoint_if_behind(self) -> bool:
-        return self.trainer.checkpoint_if_behind()
+    def stop(self) -> None:
+        """Tell the other trainer ranks (if any) to return: the loop's last word to the trainer."""
+        self.followers.stop()
 
 
 class LocalLauncher:

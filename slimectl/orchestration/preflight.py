@@ -34,16 +34,20 @@ def prepare_rl(config_path: str | Path | None, run_path: str | Path | None, over
     before it could be checked. With ``dry_run`` nothing is written and the run is None."""
     from slimectl.stages.init import init_or_resume
 
-    _, cfg = init_or_resume("rl", config_path, run_path, overrides, tiny_model, dry_run=True, pretrained=pretrained)
-    checked = check_train_sizes(cfg)
-    if dry_run:
-        return None, cfg
-    if cfg.data.prompt_data is not None:  # a bad dataset must not leave a new run directory behind
-        from slimectl.stages.rollout.stage import check_prompt_data
+    checked: list[bool] = []
 
-        check_prompt_data(cfg)
-    run, cfg = init_or_resume("rl", config_path, run_path, overrides, tiny_model, pretrained=pretrained)
-    if not checked:
+    def check(cfg: SlimectlConfig) -> None:
+        checked.append(check_train_sizes(cfg))
+        if not dry_run and cfg.data.prompt_data is not None:  # a bad dataset must not leave a new run behind
+            from slimectl.stages.rollout.stage import check_prompt_data
+
+            check_prompt_data(cfg)
+
+    run, cfg = init_or_resume("rl", config_path, run_path, overrides, tiny_model, dry_run=dry_run,
+                              pretrained=pretrained, check=check)
+    if run is None:
+        return None, cfg
+    if not checked[-1]:  # the model --tiny-model built at init: its sizes now
         check_train_sizes(cfg)
     from slimectl.contract.metrics import configure_wandb
 

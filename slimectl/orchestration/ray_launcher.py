@@ -12,9 +12,8 @@ loop and the rollout stage (HTTP clients of the engines); only where engines and
 - one :class:`TrainerWorker` per trainer rank (``train.tp*pp*dp`` of them). Rank 0 runs
   :class:`~slimectl.orchestration.local_launcher.InProcessTrainer` — the same train stage
   (``train`` lock, cursor, checkpoints, ``weights/N``) and the same weight sync that a local
-  ``rl`` runs in its own process; ranks > 0 run
-  :class:`~slimectl.orchestration.local_launcher.FollowerTrainer`, which joins its collectives, as
-  the ranks of ``slimectl train`` under torchrun do. The ranks form one torch.distributed job:
+  ``rl`` runs in its own process; ranks > 0 follow its collective operations
+  (:mod:`slimectl.orchestration.trainer_ranks`), as the ranks of a local ``rl`` under torchrun do. The ranks form one torch.distributed job:
   ``MASTER_ADDR``/``MASTER_PORT`` are rank 0's node and a free port there, ``RANK``/``WORLD_SIZE``
   the worker's, ``LOCAL_RANK`` 0 (Ray gives each rank its own GPU);
 - with ``algorithm.advantage_estimator: ppo``, PPO's critic as its own group (slime's critic
@@ -191,6 +190,7 @@ class TrainerWorker:
     def __init__(self) -> None:
         self.stack = ExitStack()
         self.trainer = None
+        self.rank = 0
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port on it: the rendezvous of a trainer with several ranks."""
@@ -208,19 +208,35 @@ class TrainerWorker:
         """Join the trainer's ranks (when several), take the train lock (rank 0) and load the actor
         from the run directory, as ``slimectl train`` does. ``critic``: PPO's critic group (its
         workers and rendezvous), which rank 0 starts and calls (:mod:`slimectl.orchestration.ray_critic`)."""
-        from slimectl.orchestration.local_launcher import FollowerTrainer, InProcessTrainer
+        from slimectl.orchestration.local_launcher import InProcessTrainer
         from slimectl.orchestration.ray_critic import critic_factory
+        from slimectl.orchestration.trainer_ranks import Followers, control_group
+        from slimectl.stages.train.trainer import FollowerLock, Trainer
 
         _worker_logging(log_level if rank == 0 else logging.WARNING)
         if world > 1:
             os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
                                "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
-        self.run = RunDir.open(run_path)
+        self.run, self.rank = RunDir.open(run_path), rank
         self.cfg = build_config(cfg_data, origin="the rl driver's config")
         factory = critic_factory(critic, run_path, cfg_data, log_level, rank) if critic is not None else None
-        self.trainer = (InProcessTrainer if rank == 0 else FollowerTrainer)(self.run, self.cfg, self.stack,
-                                                                             critic_factory=factory)
-        return {**_worker_context(), "rank": rank, "weight_version": self.trainer.weight_version}
+        if rank == 0:
+            self.trainer = InProcessTrainer(self.run, self.cfg, self.stack, critic_factory=factory)
+            weight_version = self.trainer.weight_version
+        else:  # a follower (follow): rank 0's operations, made with it
+            self.trainer = Trainer(self.run, self.cfg, FollowerLock(), critic_factory=factory)
+            self.stack.callback(self.trainer.close)
+            weight_version = self.trainer.weight_version
+        self.group = control_group() if world > 1 else None
+        if rank == 0:
+            self.trainer.followers = Followers(self.group)
+        return {**_worker_context(), "rank": rank, "weight_version": weight_version}
+
+    def follow(self) -> int:
+        """Rank > 0: make every operation rank 0 announces until it says stop (one long call)."""
+        from slimectl.orchestration.trainer_ranks import follow_rank0
+
+        return follow_rank0(self.run, self.trainer, self.group, disk=self.cfg.sync.transport == "disk")
 
     def connect(self, urls: list[str]) -> None:
         from slimectl.orchestration.local_launcher import open_engine_clients
@@ -249,7 +265,10 @@ class TrainerWorker:
         return self.trainer.checkpoint_if_behind()
 
     def stop(self) -> None:
-        """Close the transport and metrics and release the train lock."""
+        """Rank 0: tell the other ranks to return; every rank: close the transport and metrics, release the
+        train lock."""
+        if self.rank == 0 and self.trainer is not None:
+            self.trainer.stop()
         self.stack.close()
 
 
@@ -284,28 +303,41 @@ class EngineWorker:
 
 # ------------------------------------------------------------------------------ driver side
 class RayTrainer:
-    """The driver's handle on the :class:`TrainerWorker` ranks: what :func:`slimectl.orchestration.loop.run_rl` calls.
+    """The driver's handle on the :class:`TrainerWorker` ranks (a
+    :class:`~slimectl.orchestration.handles.TrainerHandle`): what :func:`slimectl.orchestration.loop.run_rl` calls.
 
-    Every call goes to every rank at once (they meet in collectives); rank 0's answer is the result."""
+    Every call goes to rank 0, which announces its collective operations to the other ranks; they follow it
+    in one long :meth:`TrainerWorker.follow` call each (:mod:`slimectl.orchestration.trainer_ranks`)."""
 
     def __init__(self, launcher: "RayLauncher", workers: list, info: dict):
         self.launcher, self.workers = launcher, workers
         self.weight_version: int = info["weight_version"]
+        self.following = [w.follow.remote() for w in workers[1:]]
+
+    def _call(self, method: str, *args):
+        """Rank 0's ``method(*args)``; a follower that failed in the meantime (its error) first."""
+        ref = getattr(self.workers[0], method).remote(*args)
+        if self.following:
+            import ray
+
+            done, _ = ray.wait(self.following, timeout=0)
+            if done:
+                self.launcher.get(done, "trainer")  # raises what failed there (a follower returns only at stop)
+        return self.launcher.get(ref, "trainer")
 
     def connect(self, loop, clients: dict) -> None:
-        self.launcher.get(self.workers[0].connect.remote(list(clients)), "trainer")  # only rank 0 sends weights
+        self._call("connect", list(clients))  # only rank 0 sends weights
 
     def sync(self, version: int) -> tuple[dict[str, float], float]:
-        return self.launcher.get([a.sync.remote(version) for a in self.workers], "trainer")[0]
+        return self._call("sync", version)
 
     def train(self, rid: int, art, last: bool) -> list[dict]:
-        steps = self.launcher.get([a.train.remote(rid, last) for a in self.workers], "trainer")[0]
+        steps = self._call("train", rid, last)
         self.weight_version = rid + 1
         return steps
 
     def checkpoint_if_behind(self) -> bool:
-        """Every rank (a checkpoint is collective); each runs it after any call still queued on it."""
-        return self.launcher.get([a.checkpoint_if_behind.remote() for a in self.workers], "trainer")[0]
+        return self._call("checkpoint_if_behind")
 
 
 class RayEngineGroup:

@@ -58,7 +58,7 @@ def run_rl_process(run_path: str | Path | None, config_path: str | Path | None =
         from slimectl.orchestration import torchrun_trainer as tt
 
         if tt.launch_rank() > 0:  # a trainer rank > 0: rank 0 runs the loop, this one follows its trainer calls
-            tt.follow_rank0(*tt.follower_config(run_path, overrides))
+            tt.follow_as_rank(*tt.follower_config(run_path, overrides))
             return RlProcessOutcome()
         tt.write_status(pid=os.getpid())
     run, cfg = prepare_rl(config_path, run_path, overrides, tiny_model, dry_run, pretrained)
@@ -73,9 +73,9 @@ def run_rl_process(run_path: str | Path | None, config_path: str | Path | None =
             raise ConfigError(problem)
 
     if launcher == "local" and not torchrun_rank:
-        from slimectl.orchestration.torchrun_trainer import relaunch_rl, trainer_world
+        from slimectl.orchestration.torchrun_trainer import relaunch_rl
 
-        world = trainer_world(cfg)
+        world = cfg.train.world_size
         if world > 1:  # the trainer's ranks under torchrun: rank 0 runs this command's loop, the others follow
             if rank_argv is None:
                 raise ValueError("run_rl_process: a trainer of several ranks needs rank_argv to relaunch under torchrun")

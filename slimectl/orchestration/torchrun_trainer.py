@@ -5,14 +5,13 @@ this node (:func:`relaunch_rl`), every option it was given passed on (:func:`ran
 
 - rank 0 runs the whole loop exactly as a one-rank ``rl`` does (locks, engines, rollouts, eval,
   syncs, metrics), with :class:`TorchrunLauncher`: its trainer is
-  :class:`~slimectl.orchestration.local_launcher.InProcessTrainer` behind a proxy,
-  :class:`TorchrunTrainer`, which announces each trainer call (``train``, ``sync``,
-  ``checkpoint_if_behind``, and ``stop`` when the loop ends, however it ends) to the other ranks
-  over a dedicated gloo group with a timeout of days (a rollout may take hours), then makes it;
-- ranks > 0 run :func:`follow_rank0`: receive a call, make it on a
-  :class:`~slimectl.orchestration.local_launcher.FollowerTrainer` (which joins every collective of
-  rank 0's call), until ``stop``. They hold no lock, write nothing, talk to no engine, and ignore
-  SIGINT/SIGTERM once they follow: rank 0's graceful stop still needs them in its collectives.
+  :class:`~slimectl.orchestration.local_launcher.InProcessTrainer`, which announces each collective
+  operation to the other ranks (:mod:`slimectl.orchestration.trainer_ranks`: train, checkpoint, publish
+  weights, a pass over the tensors, and ``stop`` when the loop ends, however it ends);
+- ranks > 0 run :func:`follow_as_rank`: a :class:`~slimectl.stages.train.trainer.Trainer` of their own that
+  makes each announced operation with rank 0, until ``stop``. They hold no lock, write nothing, talk to no
+  engine, and ignore SIGINT/SIGTERM once they follow: rank 0's graceful stop still needs them in its
+  collectives.
 
 Signals: the launching ``rl`` (the parent of torchrun, which runs in a session of its own) forwards
 the first SIGINT/SIGTERM to rank 0 only. Rank 0 stops as a one-rank ``rl`` does -- a trainer call
@@ -33,37 +32,29 @@ import signal
 import subprocess
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import UsageError
 from slimectl.contract.rundir import RunDir
-from slimectl.orchestration.local_launcher import FollowerTrainer, InProcessTrainer, LocalLauncher
+from slimectl.orchestration.local_launcher import InProcessTrainer, LocalLauncher
 from slimectl.orchestration.torchrun import launch_rank
+from slimectl.orchestration.trainer_ranks import Followers, control_group, follow_rank0
 
 log = logging.getLogger("slimectl.rl")
 
 STATUS_ENV = "SLIMECTL_RL_STATUS"
 """Set by :func:`relaunch_rl` for its ranks: the file where rank 0 writes its pid and how it stopped."""
-FOLLOW_TIMEOUT = timedelta(days=7)
-"""How long ranks > 0 wait for rank 0's next trainer call (rollouts, evals and engine starts in between)."""
 SHUTDOWN_TIMEOUT_S = 600
 """How long torchrun waits for the ranks to stop after it got a signal (or a rank failed) before it kills them."""
-CALLS = ("train", "sync", "checkpoint_if_behind")
-
-
-def trainer_world(cfg: SlimectlConfig) -> int:
-    """The trainer's ranks: ``train.tp * train.pp * train.dp``."""
-    return cfg.train.tp * cfg.train.pp * cfg.train.dp
 
 
 def check_world(cfg: SlimectlConfig) -> None:
     """Under torchrun: refuse a job whose size is not the trainer's (one line)."""
     have = int(os.environ.get("WORLD_SIZE", "1"))
-    if have != trainer_world(cfg):
-        raise UsageError(f"train.tp*pp*dp = {trainer_world(cfg)} processes are needed, this torchrun job has {have}; "
+    if have != cfg.train.world_size:
+        raise UsageError(f"train.tp*pp*dp = {cfg.train.world_size} processes are needed, this torchrun job has {have}; "
                          f"run `slimectl rl` itself (it launches torchrun with the right number of ranks)")
 
 
@@ -168,112 +159,45 @@ def relaunch_rl(nproc: int, argv: list[str]) -> RelaunchResult:
     return RelaunchResult(code, int(reported) if reported else (got[0] if got else None))
 
 
-# ------------------------------------------------------------------------------ rank 0: the proxy
-def control_group():
-    """The gloo group the trainer calls are announced over (every rank creates it, in the same order)."""
-    import torch.distributed as dist
-
-    return dist.new_group(backend="gloo", timeout=FOLLOW_TIMEOUT)
-
-
-def _broadcast(group, obj=None):
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-class TorchrunTrainer:
-    """Rank 0's trainer: :class:`InProcessTrainer` whose every call is first announced to ranks > 0
-    (:func:`follow_rank0`). A call and its announcement run inside ``critical()`` (the signal
-    handler's deferred section): a signal never leaves the other ranks in a collective rank 0 left."""
-
-    def __init__(self, inner: InProcessTrainer, group, critical=nullcontext):
-        self.inner, self.group, self.critical = inner, group, critical
-        self.stopped = False
-
-    @property
-    def weight_version(self) -> int:
-        return self.inner.weight_version
-
-    def connect(self, loop, clients: dict) -> None:
-        self.inner.connect(loop, clients)  # rank 0 alone talks to the engines
-
-    def _call(self, name: str, *args):
-        with self.critical():
-            _broadcast(self.group, (name, args))
-            return getattr(self.inner, name)(*args)
-
-    def train(self, rid: int, art, last: bool) -> list[dict]:
-        with self.critical():
-            _broadcast(self.group, ("train", (rid, last)))
-            return self.inner.train(rid, art, last)
-
-    def sync(self, version: int) -> tuple[dict[str, float], float]:
-        return self._call("sync", version)
-
-    def checkpoint_if_behind(self) -> bool:
-        return self._call("checkpoint_if_behind")
-
-    def stop(self) -> None:
-        """Tell ranks > 0 to exit (every exit path of the loop; idempotent)."""
-        if self.stopped:
-            return
-        self.stopped = True
-        try:
-            _broadcast(self.group, ("stop", ()))
-        except Exception as exc:  # a rank died: torchrun ends the job
-            log.warning("could not tell the other trainer ranks to stop (%s)", exc)
-
-
+# ------------------------------------------------------------------------------ the ranks
 class TorchrunLauncher(LocalLauncher):
-    """Rank 0's launcher: engines as with :class:`LocalLauncher`, the trainer a :class:`TorchrunTrainer`."""
+    """Rank 0's launcher: engines as with :class:`LocalLauncher`, the trainer an :class:`InProcessTrainer`
+    whose collective operations ranks > 0 follow (:func:`follow_as_rank`)."""
 
     def __init__(self, critical=nullcontext):
         self.critical = critical
 
-    def start_trainer(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack) -> TorchrunTrainer:
+    def start_trainer(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack) -> InProcessTrainer:
         with self.critical():  # building the actor is collective too
-            inner = InProcessTrainer(run, cfg, stack)
-            trainer = TorchrunTrainer(inner, control_group(), self.critical)
+            followers = Followers(None, self.critical)
+            trainer = InProcessTrainer(run, cfg, stack, followers=followers)
+            followers.group = control_group()
             stack.callback(trainer.stop)
         return trainer
 
 
-# ------------------------------------------------------------------------------ ranks > 0
 def follower_config(run_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[RunDir, SlimectlConfig]:
     """The run and config of a rank > 0: rank 0's view (the run's ``rl`` config with the same
     overrides), read without writing anything."""
-    from slimectl.contract.config import with_extension
-
     if run_path is None:
         raise UsageError("a rank of `slimectl rl` under torchrun needs -r RUN")
     run = RunDir.open(run_path)
-    return run, with_extension(run.stage_config("rl", list(overrides)), run.path, overrides)
+    return run, run.stage_config("rl", list(overrides))
 
 
-def follow_rank0(run: RunDir, cfg: SlimectlConfig) -> int:
-    """Rank > 0: build the trainer rank, then make every trainer call rank 0 announces until ``stop``;
-    returns the number of calls made."""
+def follow_as_rank(run: RunDir, cfg: SlimectlConfig) -> int:
+    """Rank > 0: build the trainer rank, then make every operation rank 0 announces until ``stop``; returns
+    the number of operations made."""
+    from slimectl.stages.train.trainer import FollowerLock, Trainer
+
     check_world(cfg)
     logging.getLogger("slimectl").setLevel(logging.WARNING)
-    calls = 0
-    with ExitStack() as stack:
-        trainer = FollowerTrainer(run, cfg, stack)
-        group = control_group()
-        # From here rank 0 leads: its graceful stop needs this rank in its collectives.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        while True:
-            name, args = _broadcast(group)
-            if name == "stop":
-                return calls
-            if name not in CALLS:
-                raise RuntimeError(f"unknown trainer call {name!r} from rank 0")
-            if name == "train":
-                rid, last = args
-                trainer.train(rid, run.rollouts.get(rid, verify="full"), last)
-            else:
-                getattr(trainer, name)(*args)
-            calls += 1
+    trainer = Trainer(run, cfg, FollowerLock())
+    group = control_group()
+    # From here rank 0 leads: its graceful stop needs this rank in its collectives.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        return follow_rank0(run, trainer, group, disk=cfg.sync.transport == "disk")
+    finally:
+        trainer.close()

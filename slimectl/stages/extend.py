@@ -3,7 +3,7 @@
 The frozen ``config.yaml`` never changes once a run has artifacts; the new length is recorded in
 ``RUN/extend.json`` (written atomically: temp file, fsync, rename) and every stage that reads the
 run's config (``rollout``, ``train``, ``rl``, ``status``) reads it through
-:func:`slimectl.contract.config.with_extension`. See docs/run-directory.md, "Extending a run".
+:meth:`slimectl.contract.rundir.run.RunDir.stage_config`. See docs/run-directory.md, "Extending a run".
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from slimectl.contract.config import EXTEND_FILE, build_config, read_extension, with_extension
+from slimectl.contract.config import EXTEND_FILE, build_config, read_extension
 from slimectl.contract.errors import UsageError
 from slimectl.contract.rundir.artifacts import utcnow
 from slimectl.contract.rundir.atomic import atomic_write_json, hostname
@@ -40,7 +40,8 @@ def extend_run(run: RunDir, num_rollout: int) -> ExtendResult:
     """Set the run's ``rollout.num_rollout`` to ``num_rollout`` (longer or shorter, never below what
     was already produced or trained) and record it in ``RUN/extend.json``."""
     frozen = run.config()
-    previous = with_extension(frozen, run.path).rollout.num_rollout
+    old = read_extension(run.path) or {}
+    previous = old.get("num_rollout", frozen.rollout.num_rollout)
     ids = run.rollouts.ids()
     produced = ids[-1] + 1 if ids else 0
     trained = run.cursor("train").read().next
@@ -55,7 +56,6 @@ def extend_run(run: RunDir, num_rollout: int) -> ExtendResult:
     result = ExtendResult(num_rollout, previous, produced, trained)
     if not result.changed:
         return result
-    old = read_extension(run.path) or {}
     history = list(old.get("history", []))
     if old:
         history.append({k: old.get(k) for k in ("num_rollout", "updated", "host", "pid")})

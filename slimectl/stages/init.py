@@ -7,9 +7,9 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from slimectl.contract.config import build_config, load_config, with_extension
+from slimectl.contract.config import load_config
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.dataspec import data_spec_path
 from slimectl.contract.errors import ConfigError, UsageError
@@ -48,11 +48,13 @@ def _check_inputs(cfg: SlimectlConfig) -> None:
 
 def init_run(run_path: str | Path, config_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
              tiny_model: str | None = None, force: bool = False, dry_run: bool = False,
-             pretrained: str | None = None, from_slime: str | Path | None = None) -> InitResult:
+             pretrained: str | None = None, from_slime: str | Path | None = None,
+             check: Callable[[SlimectlConfig], None] | None = None) -> InitResult:
     """Resolve the config, optionally build a tiny offline model into the run (or a real pretrained
     one into the shared cache, ``slimectl.fixtures.pretrained``), and freeze it. ``from_slime``: the
     config comes from a slime launch script (``slimectl.contract.slime_launch``); what it could not
-    map is in the result's ``translation``."""
+    map is in the result's ``translation``. ``check(cfg)``: the caller's checks of the resolved config,
+    run before anything is written (dry run included)."""
     translation = None
     if from_slime is not None:
         from slimectl.contract.slime_launch import translate_slime_script
@@ -71,9 +73,7 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
         target = model_dir(pretrained)  # checks the name
         if cfg.model.path is not None and Path(cfg.model.path).resolve() != target.resolve():
             raise ConfigError(f"--pretrained {pretrained} conflicts with model.path = {cfg.model.path}; use one of them")
-        data = cfg.to_dict()
-        data["model"]["path"] = str(target)
-        cfg = build_config(data)
+        cfg.model.path = str(target)
     if tiny_model is not None:
         from slimectl.fixtures.tiny_models import FAMILIES
 
@@ -81,10 +81,9 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
             raise ConfigError(f"--tiny-model {tiny_model!r}: expected one of {', '.join(FAMILIES)}")
         if cfg.model.path is not None:
             raise ConfigError(f"--tiny-model {tiny_model} conflicts with model.path = {cfg.model.path}; use one of them")
-        target = run.path / "models" / f"tiny-{tiny_model}"
-        data = cfg.to_dict()
-        data["model"]["path"] = str(target)
-        cfg = build_config(data)
+        cfg.model.path = str(run.path / "models" / f"tiny-{tiny_model}")
+    if check is not None:
+        check(cfg)
     if dry_run:
         return InitResult(cfg, None, "dry-run", translation)
     with StageLog() as stage_log:  # held until the run directory exists
@@ -135,7 +134,8 @@ def frozen_tiny_model(path: str | Path) -> str | None:
 
 def init_or_resume(stage: str, config_path: str | Path | None, run_path: str | Path | None,
                    overrides: list[str] | tuple[str, ...] = (), tiny_model: str | None = None,
-                   dry_run: bool = False, pretrained: str | None = None) -> tuple[RunDir | None, SlimectlConfig]:
+                   dry_run: bool = False, pretrained: str | None = None,
+                   check: Callable[[SlimectlConfig], None] | None = None) -> tuple[RunDir | None, SlimectlConfig]:
     """The run ``stage`` (``rl``) works in, initialized first when a config is given, and its config.
 
     With ``config_path`` the run is initialized as ``slimectl init`` does (default directory
@@ -143,7 +143,7 @@ def init_or_resume(stage: str, config_path: str | Path | None, run_path: str | P
     tiny model; ``pretrained`` as ``init --pretrained``, built once into the cache); without, ``run_path`` must be an initialized run and ``overrides`` apply to
     ``stage``'s sections; ``rollout.num_rollout`` is the one ``slimectl extend`` recorded unless an
     override sets it. The effective config is saved as ``configs/STAGE.yaml``. With
-    ``dry_run`` nothing is written and the run is None.
+    ``dry_run`` nothing is written and the run is None. ``check(cfg)`` runs before anything is written.
     """
     if config_path is None and run_path is None:
         raise UsageError("pass --config CFG (and -r RUN), or -r RUN of an initialized run")
@@ -154,7 +154,7 @@ def init_or_resume(stage: str, config_path: str | Path | None, run_path: str | P
         if tiny_model is None:
             tiny_model = frozen_tiny_model(run_path)  # a rerun of the command that built it
         result = init_run(run_path, config_path, overrides, tiny_model=tiny_model, dry_run=dry_run,
-                          pretrained=pretrained)
+                          pretrained=pretrained, check=check)
         if dry_run:
             return None, result.config
         overrides = ()  # frozen into the run's config by init
@@ -163,7 +163,9 @@ def init_or_resume(stage: str, config_path: str | Path | None, run_path: str | P
     elif pretrained is not None:
         raise UsageError(f"--pretrained {pretrained} needs --config (it sets the model of a new run)")
     run = RunDir.open(run_path)
-    cfg = with_extension(run.stage_config(stage, list(overrides)), run.path, overrides)
+    cfg = run.stage_config(stage, list(overrides))
+    if check is not None and config_path is None:  # (with a config: checked by init_run)
+        check(cfg)
     if dry_run:
         return None, cfg
     run.save_stage_config(stage, cfg)

@@ -1,9 +1,9 @@
 """A distributed weight sync from a trainer with two ranks whose push fails partway (a dead engine):
-rank 0 finishes the pass over its tensors before announcing the end of the sync, so rank 1 leaves
-the sync too, both ranks stay in step for the next collective, and the next sync works.
+rank 0 finishes the pass over its tensors it announced, so rank 1 finishes it too, both ranks stay in
+step for the next operation and collective, and the next sync works.
 
-Two real gloo ranks (torch.multiprocessing) run the launcher's own InProcessTrainer.sync (rank 0)
-and FollowerTrainer.sync (rank 1). What stands in: the trainer's pass over its tensors (one
+Two real gloo ranks (torch.multiprocessing) run the launcher's own InProcessTrainer.sync (rank 0, its
+followers announced over the protocol's control group) and the protocol's follow_rank0 (rank 1). What stands in: the trainer's pass over its tensors (one
 all_reduce per tensor, as the Megatron actor's TP/PP gathers are one collective per tensor) and
 the push to the engines (``sync_engines``: the first sync fails after two tensors, the second
 pushes and verifies, two whole passes)."""
@@ -39,9 +39,11 @@ SCRIPT = textwrap.dedent('''
                                 timeout=timedelta(seconds=20))
         import slimectl.stages.sync as sync_pkg
         from slimectl.contract.errors import SlimectlError
-        from slimectl.orchestration.local_launcher import FollowerTrainer, InProcessTrainer
+        from slimectl.orchestration.local_launcher import InProcessTrainer
+        from slimectl.orchestration.trainer_ranks import Followers, control_group, follow_rank0
 
         result = {}
+        group = control_group()
         if rank == 0:
             calls = []
 
@@ -61,6 +63,7 @@ SCRIPT = textwrap.dedent('''
             t.run = types.SimpleNamespace(stage_log=lambda name: contextlib.nullcontext())
             t.cfg = types.SimpleNamespace(sync=types.SimpleNamespace(pause_mode="abort", verify=False))
             t.disk, t.trainer, t.clients, t.transport, t._open_passes = False, Tensors(), {}, None, []
+            t.followers = Followers(group)
             t.loop = asyncio.new_event_loop()
             try:
                 t.sync(1)
@@ -68,11 +71,9 @@ SCRIPT = textwrap.dedent('''
             except SlimectlError as exc:
                 result["first"] = str(exc)
             result["second"] = t.sync(2)[0]
+            t.stop()
         else:
-            f = object.__new__(FollowerTrainer)
-            f.disk, f.trainer = False, Tensors()
-            result["first"] = f.sync(1)
-            result["second"] = f.sync(2)
+            result["operations"] = follow_rank0(None, Tensors(), group, disk=False)
         x = torch.tensor([float(rank + 1)])
         dist.all_reduce(x)  # still in step: the next collective pairs with the other rank's
         result["after"] = x.item()
@@ -94,7 +95,7 @@ def test_a_push_failing_partway_leaves_both_ranks_in_step(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"result.{r}").read_text()) for r in (0, 1))
     assert r0["first"] == "engine http://127.0.0.1:1 died during the weight update"  # the error reaches the loop
-    assert r1["first"] == r1["second"] == [{}, 0.0]  # rank 1 left both syncs (a tuple, through JSON)
+    assert r1["operations"] == 3  # the failed push's pass (finished by both ranks), the second's push and verify
     assert r0["second"] == {"ok": 1.0} and r0["verified_same"]
     # every tensor of the second sync is the sum over both ranks: each all_reduce paired with its twin
     assert r0["pushed"] == {f"w{i}": [2.0 * i] * 4 for i in range(6)}

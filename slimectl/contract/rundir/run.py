@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from slimectl import __version__
-from slimectl.contract.config import apply_overrides, build_config, config_diff
+from slimectl.contract.config import EXTEND_FILE, apply_overrides, build_config, config_diff, read_extension
 from slimectl.contract.config_schema import STAGE_SECTIONS, SlimectlConfig
 from slimectl.contract.errors import RunDirError, RunDirInputError, UsageError
 from slimectl.contract.logs import StageLog
@@ -147,32 +147,42 @@ class RunDir:
         return data
 
     # ------------------------------------------------------------------ config
-    def config(self) -> SlimectlConfig:
-        """The frozen config of the run (checked against run.json's fingerprint)."""
+    def _frozen_data(self) -> dict[str, Any]:
+        """``config.yaml`` as plain data, checked against run.json's fingerprint (read and parsed once)."""
         from slimectl.contract.config import load_yaml_file
 
         if not (self.path / CONFIG_FILE).is_file():
             raise RunDirError(f"{self.path / CONFIG_FILE} is missing; the run directory is damaged (restore the file, "
                               f"or start a new run with `slimectl init`)")
         data = load_yaml_file(self.path / CONFIG_FILE)
-        cfg = build_config(data, origin=f"run config {self.path / CONFIG_FILE}")
         expected = self.info().get("config_fingerprint")
-        # The file as written (a slimectl that added keys since fills their defaults in ``cfg``: not an edit).
         as_written = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-        if expected and expected not in (as_written, cfg.fingerprint()):
+        # (a slimectl that added keys since fills their defaults when it validates: not an edit)
+        if expected and expected != as_written and expected != build_config(
+                data, origin=f"run config {self.path / CONFIG_FILE}").fingerprint():
             raise RunDirInputError(
                 f"{self.path / CONFIG_FILE} was edited by hand after init (fingerprint mismatch); "
                 f"restore it, or use --set overrides per stage"
             )
-        return cfg
+        return data
+
+    def config(self) -> SlimectlConfig:
+        """The frozen config of the run, as init wrote it (checked against run.json's fingerprint)."""
+        return build_config(self._frozen_data(), origin=f"run config {self.path / CONFIG_FILE}")
 
     def stage_config(self, stage: str, overrides: list[str] | tuple[str, ...] = ()) -> SlimectlConfig:
-        """The frozen config with ``stage``'s own ``--set`` overrides applied."""
-        base = self.config()
-        if not overrides:
-            return base
-        data = apply_overrides(base.to_dict(), list(overrides), STAGE_SECTIONS.get(stage), stage)
-        return build_config(data, origin=f"run config with --set overrides for {stage}")
+        """What ``stage`` runs with, resolved once: the frozen config, ``stage``'s own ``--set`` overrides, and
+        ``rollout.num_rollout`` as ``slimectl extend`` last set it (a ``--set rollout.num_rollout`` wins)."""
+        data = self._frozen_data()
+        origin = f"run config {self.path / CONFIG_FILE}"
+        if overrides:
+            data = apply_overrides(data, list(overrides), STAGE_SECTIONS.get(stage), stage)
+            origin = f"run config with --set overrides for {stage}"
+        extension = read_extension(self.path)
+        if extension is not None and not any(o.partition("=")[0].strip() == "rollout.num_rollout" for o in overrides):
+            data.setdefault("rollout", {})["num_rollout"] = extension["num_rollout"]
+            origin += f", extended by {self.path / EXTEND_FILE}"
+        return build_config(data, origin=origin)
 
     def save_stage_config(self, stage: str, config: SlimectlConfig) -> Path:
         p = self.path / "configs" / f"{stage}.yaml"

@@ -1,0 +1,57 @@
+"""The roles ``slimectl rl``'s loop talks to, declared once: the trainer handle, the engines in use, and the
+launcher that places them. Each launcher (local, torchrun's rank 0, Ray) gives its own classes these shapes."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Protocol
+
+from slimectl.contract.config_schema import SlimectlConfig
+from slimectl.contract.rundir import RunDir
+
+
+class TrainerHandle(Protocol):
+    """The train stage as the loop sees it: :class:`~slimectl.orchestration.local_launcher.InProcessTrainer`
+    (this process: one rank, or rank 0 of torchrun's), :class:`~slimectl.orchestration.ray_launcher.RayTrainer`
+    (the trainer's Ray workers)."""
+
+    weight_version: int
+    """The version the trainer's weights are: trained on rollouts 0 .. version-1."""
+
+    def connect(self, loop, clients: dict) -> None:
+        """Open the weight transport to the engines' ``clients`` (run on ``loop``) and the train metrics."""
+
+    def train(self, rid: int, art, last: bool) -> list[dict]:
+        """Train on rollout ``rid`` (its READY artifact) exactly once; one metrics dict per optimizer step."""
+
+    def sync(self, version: int) -> tuple[dict[str, float], float]:
+        """Load weight version ``version`` into every engine; the sync's metrics and seconds."""
+
+    def checkpoint_if_behind(self) -> bool:
+        """Checkpoint what was trained since the last checkpoint (a stop between rollouts)."""
+
+
+class EnginesInUse(Protocol):
+    """The engines a run's rollouts and syncs go to (a running ``serve``'s, or ones this process started):
+    :class:`~slimectl.orchestration.local_launcher.Engines`."""
+
+    ids: dict[str, str | None]
+    """Engine URL -> its id in ``RUN/engines/`` (None for external engines)."""
+
+    @property
+    def urls(self) -> list[str]: ...
+
+    def check_alive(self) -> None:
+        """Raise (one line) when an engine this process started has died."""
+
+
+class Launcher(Protocol):
+    """Where ``rl`` places its trainer and engines: :class:`~slimectl.orchestration.local_launcher.LocalLauncher`,
+    :class:`~slimectl.orchestration.torchrun_trainer.TorchrunLauncher`,
+    :class:`~slimectl.orchestration.ray_launcher.RayLauncher`."""
+
+    name: str
+
+    def start_trainer(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack) -> TrainerHandle: ...
+
+    def start_engines(self, run: RunDir, cfg: SlimectlConfig, engine_urls: Any, stack: ExitStack) -> EnginesInUse: ...
