@@ -197,3 +197,63 @@ def test_moe_flags_map_to_expert_parallelism_the_aux_loss_and_routing_replay():
     assert "ep" not in tr.data["train"] and "must divide the 4 data-parallel" in dict(tr.unmapped)["--expert-model-parallel-size"]
     tr = translate_slime_args(base + ["--expert-tensor-parallel-size", "2"])
     assert "expert TP = train.tp" in dict(tr.unmapped)["--expert-tensor-parallel-size"]
+
+
+def test_the_report_names_each_flag_left_out_in_a_fixed_order_with_its_reason():
+    """Flags that map one to one (or are dropped for one fixed reason) are reported first, in the
+    script's order; flags with a rule of their own after them; the layout's problems last."""
+    tr = translate_slime_args([
+        "stray", "--load", "/ckpt", "--attention-backend", "flash", "--micro-batch-size", "1", "--offload-train",
+        "--wandb-key", "k", "--tensorboard-dir", "/tb", "--num-layers", "2", "--eval-top-p", "0.9",
+        "--rollout-function-path", "my.rollout.fn", "--data-source-path", "my.data.Source", "--use-slime-router",
+        "--brand-new", "--save", "/s", "--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout",
+        "--data-source-path", "slime.data.X", "--actor-num-gpus-per-node", "6", "--tensor-model-parallel-size", "4",
+        "--rollout-num-gpus", "5", "--rollout-num-gpus-per-engine", "2"])
+    perf = "Megatron/slime plumbing or performance setting that slimectl chooses itself"
+    metrics = "metrics go to RUN/metrics and TensorBoard under RUN/tensorboard"
+    assert tr.report().splitlines() == [
+        "8 slime flag(s) not mapped:",
+        "  stray: not a --flag; left out",
+        "  --eval-top-p: slimectl has no rollout.eval_top_p yet",
+        "  --rollout-function-path: custom rollout function my.rollout.fn: port it as rollout.custom_generate "
+        "(one sample) or run it behind `slimectl harness`",
+        "  --data-source-path: custom data source my.data.Source: slimectl reads data.prompt_data (jsonl/parquet) itself",
+        "  --use-slime-router: slimectl's rollout balances requests over the engines itself (no router yet)",
+        "  --brand-new: no slimectl equivalent",
+        "  --actor-num-gpus-per-node: 6 trainer GPUs are not a multiple of TP x PP = 4; train.dp left at 1",
+        "  --rollout-num-gpus: 5 GPUs do not split into engines of 2",
+        "10 slime flag(s) not needed by slimectl:",
+        f"  --attention-backend: {perf}",
+        "  --micro-batch-size: slimectl packs micro-batches up to train.max_tokens_per_micro_batch tokens",
+        "  --num-layers: model architecture: slimectl reads it from model.path's config.json",
+        f"  --rollout-function-path: {perf}",  # slime's own rollout and data source: nothing to port
+        f"  --data-source-path: {perf}",
+        "  --load: slimectl resumes from RUN/checkpoints (rerun `slimectl rl -r RUN`); to start from a Megatron "
+        "checkpoint, `slimectl export --checkpoint` it to HF first",
+        "  --offload-train: the trainer runs in its own process; engine.offload_during_train frees the engine",
+        f"  --wandb-key: {metrics}",
+        f"  --tensorboard-dir: {metrics}",
+        "  --save: checkpoints go to RUN/checkpoints, exports to RUN/exports",
+        "note: no --rollout-max-response-len (slime generates up to the context length): rollout.max_response_len "
+        "keeps slimectl's default; set it",
+        "note: no --hf-checkpoint: set model.path to the HF model folder",
+        "note: the layout asks for 6 trainer GPU(s) (train.dp = 1) and engines of 2; on a CPU machine use "
+        "--set train.dp=1 --set engine.backend=embedded",
+    ]
+    assert "dp" not in tr.data["train"] and "num_engines" not in tr.data["engine"]
+    assert (tr.data["train"]["tp"], tr.data["engine"]["tp_size"]) == (4, 2)
+
+
+def test_stop_token_ids_and_the_dynamic_sampling_filters():
+    tr = translate_slime_args(["--rollout-stop-token-ids", "151643", "151645", "--dynamic-sampling-filter-path",
+                               "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback"])
+    assert tr.data["rollout"]["stop_token_ids"] == [151643, 151645]
+    assert tr.data["rollout"]["dynamic_filter"] == "nonzero_std"
+    assert "--dynamic-sampling-filter-path ..._with_fallback: mapped to nonzero_std, which samples more groups " \
+           "instead of keeping rejected ones" in tr.notes
+    own = translate_slime_args(["--dynamic-sampling-filter-path", "slime.rollout.filter_hub.other"])
+    assert "dynamic_filter" not in own.data["rollout"]
+    assert dict(own.unmapped)["--dynamic-sampling-filter-path"] == \
+        "slime.rollout.filter_hub.other is slime's own code; slimectl has rollout.dynamic_filter: nonzero_std"
+    custom = translate_slime_args(["--dynamic-sampling-filter-path", "my_filters.keep_hard"])
+    assert custom.data["rollout"]["dynamic_filter"] == "my_filters:keep_hard"
