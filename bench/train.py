@@ -1,7 +1,7 @@
 """bench/train.py — the actor's training step vs a bare Megatron forward/backward/step loop.
 
 A fixed rollout (64 samples in 16 groups of 4, 48 new tokens each, from the embedded engine's
-runner) is trained on twice in this process, ``--runs`` times each:
+scheduler) is trained on twice in this process, ``--runs`` times each:
 
 - actor: ``MegatronActor.train_on_samples`` — everything a GRPO step does (old log-prob pass,
   advantages, packing, PPO loss, gradient accumulation, optimizer step, metrics);
@@ -34,12 +34,12 @@ def make_samples(model_dir: Path, n_groups: int = 16, n: int = 4, new_tokens: in
     import random
 
     from slimectl.engines.embedded.requests import GenRequest
-    from slimectl.engines.embedded.sampling import SamplingParams
-    from slimectl.engines.embedded.scheduler import BatchRunner
+    from slimectl.engines.embedded.sampling_params import SamplingParams
+    from slimectl.engines.embedded.scheduler import GenerationScheduler
     from slimectl.contract.samples import Sample, Status
 
-    runner = BatchRunner(str(model_dir))
-    runner.start()
+    scheduler = GenerationScheduler(str(model_dir))
+    scheduler.start()
     rng = random.Random(0)
     samples, futs = [], []
     try:
@@ -47,7 +47,7 @@ def make_samples(model_dir: Path, n_groups: int = 16, n: int = 4, new_tokens: in
             prompt = [rng.randrange(3, 400) for _ in range(rng.randint(8, 24))]
             for j in range(n):
                 idx = g * n + j
-                futs.append((g, idx, prompt, runner.submit(GenRequest(f"b{idx}", prompt, SamplingParams(
+                futs.append((g, idx, prompt, scheduler.submit(GenRequest(f"b{idx}", prompt, SamplingParams(
                     max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, sampling_seed=idx), return_logprob=True))))
         for g, idx, prompt, fut in futs:
             res = fut.result(timeout=300)
@@ -57,7 +57,7 @@ def make_samples(model_dir: Path, n_groups: int = 16, n: int = 4, new_tokens: in
             s.reward = float(rng.random() < 0.5)
             samples.append(s)
     finally:
-        runner.stop()
+        scheduler.stop()
     return samples
 
 

@@ -247,6 +247,16 @@ def start_engine(model: Path, log: Path, *args: str, env: dict[str, str] | None 
     return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
 
 
+def load_tensors(scheduler, named_tensors, weight_version: str | None = None) -> None:
+    """Copy (HF name, tensor) pairs into an in-process embedded engine's weights between its scheduler steps,
+    through the path a distributed update takes (``receive_weights``: every name and shape checked first,
+    ValueError and nothing applied otherwise)."""
+    named = list(named_tensors)
+    tensors = iter([t for _, t in named])
+    scheduler.receive_weights([(n, t.dtype, tuple(t.shape)) for n, t in named], lambda out: out.copy_(next(tensors)),
+                              weight_version)
+
+
 def wait_healthy(*urls: str, timeout: float = 120) -> None:
     """Block until every engine URL answers /health."""
     from slimectl.engines.client import EngineClient

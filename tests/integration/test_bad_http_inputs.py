@@ -273,7 +273,7 @@ def servers(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from slimectl.agents.harness import Harness
-    from slimectl.engines.embedded.server import EmbeddedEngine
+    from slimectl.engines.embedded.server import EngineHTTPServer
     from slimectl.fixtures.tiny_models import build_tiny_model
     from slimectl.services.buffer_state import RolloutBuffer
     from slimectl.services.rollout_buffer import BufferServer
@@ -292,7 +292,7 @@ def servers(tmp_path_factory):
     def on_loop(coro, timeout=120):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
-    engine = EmbeddedEngine(str(model), port=0, weight_version="v0", admin_token=ENGINE_TOKEN, max_body_bytes=LIMIT)
+    engine = EngineHTTPServer(str(model), port=0, weight_version="v0", admin_token=ENGINE_TOKEN, max_body_bytes=LIMIT)
     buffer = RolloutBuffer(root / "buffer", 4, vocab_size=512)
 
     async def start():

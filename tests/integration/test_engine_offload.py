@@ -13,10 +13,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from slimectl.engines.embedded.memory import param_bytes, parse_tags, rss_bytes  # noqa: E402
+from slimectl.backends.host_memory import rss_bytes  # noqa: E402
+from slimectl.engines.embedded.memory import parse_tags  # noqa: E402
 
 PROMPT = [5, 17, 42, 99, 7]
 GREEDY = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+
+
+def param_bytes(params: dict[str, torch.nn.Parameter]) -> int:
+    """The bytes of the parameters, each once (a tied one appears under both its names)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in params.values()}.values())
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +40,15 @@ def model(tmp_path_factory):
 def test_release_frees_the_weights_refuses_generate_and_reload_restores_the_greedy_tokens(model):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from slimectl.engines.embedded.server import EmbeddedEngine
+    from slimectl.engines.embedded.server import EngineHTTPServer
 
-    engine = EmbeddedEngine(str(model), max_batch_size=4, weight_version="v0")
-    runner = engine.runner
-    params = runner._params
+    engine = EngineHTTPServer(str(model), max_batch_size=4, weight_version="v0")
+    scheduler = engine.scheduler
+    params = scheduler.weights.params
     assert params["lm_head.weight"] is params["model.embed_tokens.weight"]  # tied: one parameter
     weight_bytes = param_bytes(params)
     assert weight_bytes > 30 * 2**20
-    runner.start()
+    scheduler.start()
 
     async def go():
         async with TestClient(TestServer(engine.app)) as client:
@@ -56,7 +62,7 @@ def test_release_frees_the_weights_refuses_generate_and_reload_restores_the_gree
             # busy: a request parked by an in-place pause is in flight, so nothing is released
             assert (await call("/pause_generation", {"mode": "in_place"}))[0] == 200
             parked = asyncio.ensure_future(call("/generate", GREEDY))
-            while not runner.load_stats()["num_waiting_reqs"]:
+            while not scheduler.load_stats()["num_waiting_reqs"]:
                 await asyncio.sleep(0.01)
             status, busy = await call("/release_memory_occupation", {})
             assert status == 400 and "1 request(s) are running or waiting" in busy["error"]["message"], busy
@@ -116,23 +122,23 @@ def test_release_frees_the_weights_refuses_generate_and_reload_restores_the_gree
         from safetensors.torch import load_file
 
         ckpt = load_file(str(model / "model.safetensors"))
-        runner.release_memory_occupation()
-        runner.resume_memory_occupation()
+        scheduler.release_memory_occupation()
+        scheduler.resume_memory_occupation()
         names = sorted(ckpt)
         for bucket in (names[: len(names) // 2], names[len(names) // 2 :]):
             with pytest.raises(Exception, match="not loaded since"):
-                runner.submit(_greedy_request()).result(60)
+                scheduler.submit(_greedy_request()).result(60)
             src = iter(bucket)
-            runner.receive_weights([(n, ckpt[n].dtype, tuple(ckpt[n].shape)) for n in bucket],
+            scheduler.receive_weights([(n, ckpt[n].dtype, tuple(ckpt[n].shape)) for n in bucket],
                                    lambda t: t.copy_(ckpt[next(src)]), weight_version="v2")
-        assert runner.submit(_greedy_request()).result(60).output_ids == greedy
+        assert scheduler.submit(_greedy_request()).result(60).output_ids == greedy
     finally:
-        runner.stop()
+        scheduler.stop()
 
 
 def _greedy_request():
     from slimectl.engines.embedded.requests import GenRequest
-    from slimectl.engines.embedded.sampling import SamplingParams
+    from slimectl.engines.embedded.sampling_params import SamplingParams
 
     return GenRequest(rid="g", input_ids=list(PROMPT), params=SamplingParams.from_dict(GREEDY["sampling_params"]))
 
@@ -151,21 +157,21 @@ def test_loading_weights_from_disk_reads_into_the_parameters_without_a_copy_of_t
     generates what it generated before (its own weights, read back from disk)."""
     from torch.autograd.profiler import profile
 
-    from slimectl.engines.embedded.scheduler import BatchRunner
+    from slimectl.engines.embedded.scheduler import GenerationScheduler
 
-    runner = BatchRunner(str(model), max_batch_size=2, weight_version="v0")
-    runner.start()
+    scheduler = GenerationScheduler(str(model), max_batch_size=2, weight_version="v0")
+    scheduler.start()
     try:
-        before = runner.submit(_greedy_request()).result(60).output_ids
-        model_bytes = param_bytes(runner._params)
+        before = scheduler.submit(_greedy_request()).result(60).output_ids
+        model_bytes = param_bytes(scheduler.weights.params)
         with torch.no_grad():
-            for p in runner._params.values():
+            for p in scheduler.weights.params.values():
                 p.zero_()
         with profile(profile_memory=True) as prof:
-            runner.update_weights_from_disk(str(model), weight_version="v1")
+            scheduler.update_weights_from_disk(str(model), weight_version="v1")
         allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.function_events)
         assert allocated < 0.25 * model_bytes, (allocated, model_bytes)
-        assert runner.submit(_greedy_request()).result(60).output_ids == before
-        assert runner.weight_version == "v1"
+        assert scheduler.submit(_greedy_request()).result(60).output_ids == before
+        assert scheduler.weight_version == "v1"
     finally:
-        runner.stop()
+        scheduler.stop()

@@ -160,13 +160,17 @@ def test_disk_sync_of_the_exported_weights_gives_transformers_greedy_tokens(glm,
 
     from transformers import AutoModelForCausalLM
 
-    from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams
+    from slimectl.engines.embedded.requests import GenRequest
+
+    from slimectl.engines.embedded.sampling_params import SamplingParams
+
+    from slimectl.engines.embedded.scheduler import GenerationScheduler
     from slimectl.fixtures.tiny_models import build_tiny_model
 
     other = build_tiny_model("glm4-moe", tmp_path / "other")
     ref = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
-    runner = BatchRunner(str(other), max_batch_size=4)
-    runner.start()
+    scheduler = GenerationScheduler(str(other), max_batch_size=4)
+    scheduler.start()
     try:
         prompts = [[random.Random(i).randrange(3, 500) for _ in range(3 + 4 * i)] for i in range(3)]
 
@@ -174,13 +178,13 @@ def test_disk_sync_of_the_exported_weights_gives_transformers_greedy_tokens(glm,
             reqs = [GenRequest(rid=f"g{i}", input_ids=p, return_logprob=True,
                                params=SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
                     for i, p in enumerate(prompts)]
-            return [f.result(60) for f in [runner.submit(q) for q in reqs]]
+            return [f.result(60) for f in [scheduler.submit(q) for q in reqs]]
 
         before = greedy()
-        runner.update_weights_from_disk(str(exported), weight_version="7")
+        scheduler.update_weights_from_disk(str(exported), weight_version="7")
         after = greedy()
         bias = "model.layers.3.mlp.gate.e_score_correction_bias"
-        assert torch.equal(torch.tensor(runner.get_weights_by_name(bias)), ref.state_dict()[bias])
+        assert torch.equal(torch.tensor(scheduler.get_weights_by_name(bias)), ref.state_dict()[bias])
         for p, b, a in zip(prompts, before, after):
             with torch.inference_mode():
                 want = ref.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
@@ -190,7 +194,7 @@ def test_disk_sync_of_the_exported_weights_gives_transformers_greedy_tokens(glm,
                 [lp[len(p) - 1 + i, t].item() for i, t in enumerate(a.output_ids)], abs=1e-4)
         assert [b.output_ids for b in before] != [a.output_ids for a in after]  # the new weights took effect
     finally:
-        runner.stop()
+        scheduler.stop()
 
 
 def test_a_train_step_moves_the_expert_bias_and_checkpoints_carry_it(glm, tmp_path):

@@ -22,7 +22,7 @@ import torch
 
 from slimectl.contract.rundir import RunDir
 from slimectl.engines.embedded.weights import fused_expert_views
-from tests.helpers import post, slimectl_in_process, start_serve
+from tests.helpers import load_tensors, post, slimectl_in_process, start_serve
 
 pytestmark = pytest.mark.xdist_group("moe_sync")  # xdist: one worker, the engine started once
 
@@ -202,10 +202,10 @@ def test_refused_updates_name_the_expert(served, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def runner(moe_run):
-    from slimectl.engines.embedded.scheduler import BatchRunner
+def scheduler(moe_run):
+    from slimectl.engines.embedded.scheduler import GenerationScheduler
 
-    r = BatchRunner(str(moe_run[0].config().model.path), max_batch_size=2)
+    r = GenerationScheduler(str(moe_run[0].config().model.path), max_batch_size=2)
     r.start()
     yield r
     r.stop()
@@ -253,19 +253,19 @@ def test_other_fused_layouts_follow_the_module_flags():
     assert torch.equal(views["experts.0.down_proj.bias"], x.down_proj_bias[0].detach())
 
 
-def test_runner_updates_and_receives_slices_by_expert_name(runner, moe_run):
+def test_scheduler_updates_and_receives_slices_by_expert_name(scheduler, moe_run):
     _, weights = moe_run
     name = "model.layers.0.mlp.experts.1.up_proj.weight"
-    fused = runner._params["model.layers.0.mlp.experts.gate_up_proj"]
+    fused = scheduler.weights.params["model.layers.0.mlp.experts.gate_up_proj"]
     i = fused.shape[1] // 2
     gate_before = fused[1, :i].clone()
-    runner.update_weights([(name, weights[2][name])], weight_version="a")
+    load_tensors(scheduler, [(name, weights[2][name])], weight_version="a")
     assert torch.equal(fused[1, i:], weights[2][name]) and torch.equal(fused[1, :i], gate_before)
     new = torch.full_like(weights[2][name], 0.5)
-    runner.receive_weights([(name, torch.float32, tuple(new.shape))], lambda t: t.copy_(new), "b")
-    assert torch.equal(fused[1, i:], new) and torch.equal(torch.tensor(runner.get_weights_by_name(name)), new)
+    scheduler.receive_weights([(name, torch.float32, tuple(new.shape))], lambda t: t.copy_(new), "b")
+    assert torch.equal(fused[1, i:], new) and torch.equal(torch.tensor(scheduler.get_weights_by_name(name)), new)
     with pytest.raises(ValueError, match="unknown parameter name 'model.layers.0.mlp.experts.4.up_proj.weight'"):
-        runner.receive_weights([(name.replace(".1.", ".4."), torch.float32, (1,))], lambda t: None, "c")
+        scheduler.receive_weights([(name.replace(".1.", ".4."), torch.float32, (1,))], lambda t: None, "c")
     with pytest.raises(ValueError, match=f"shape mismatch for '{name}'"):
-        runner.update_weights([(name, torch.zeros(3, 3))])
-    assert runner.weight_version == "b"
+        load_tensors(scheduler, [(name, torch.zeros(3, 3))])
+    assert scheduler.weight_version == "b"

@@ -36,24 +36,26 @@ REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.2, 0.9]  # every group has a non-zero
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams
+    from slimectl.engines.embedded.requests import GenRequest
+    from slimectl.engines.embedded.sampling_params import SamplingParams
+    from slimectl.engines.embedded.scheduler import GenerationScheduler
     from slimectl.fixtures.tiny_models import build_tiny_model
 
     d = tmp_path_factory.mktemp("train_actor")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model_dir = build_tiny_model("qwen2", d / "qwen2", seed=3, vocab_size=300, initializer_range=0.1)
-    runner = BatchRunner(str(model_dir))
-    runner.start()
+    scheduler = GenerationScheduler(str(model_dir))
+    scheduler.start()
     try:
-        tok = runner.tokenizer
+        tok = scheduler.tokenizer
         reqs = [(g, tok.encode(p)) for g, p in enumerate(PROMPTS) for _ in range(PER_GROUP)]
-        futs = [runner.submit(GenRequest(f"r{i}", ids, SamplingParams(
+        futs = [scheduler.submit(GenRequest(f"r{i}", ids, SamplingParams(
             max_new_tokens=NEW_TOKENS, temperature=1.0, sampling_seed=200 + i, ignore_eos=True), return_logprob=True))
             for i, (_, ids) in enumerate(reqs)]
         outs = [f.result(timeout=120) for f in futs]
     finally:
-        runner.stop()
+        scheduler.stop()
     samples = [{"group_index": g, "index": i, "tokens": ids + list(o.output_ids), "response_length": len(o.output_ids),
                 "rollout_log_probs": list(o.output_token_logprobs), "reward": REWARDS[i]}
                for i, ((g, ids), o) in enumerate(zip(reqs, outs))]

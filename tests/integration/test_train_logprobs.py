@@ -86,7 +86,9 @@ N_SAMPLES, NEW_TOKENS, BUDGET = 8, 16, 80
 @pytest.fixture(scope="module")
 def rollout(tmp_path_factory):
     """Tiny qwen2 (vocab 300: Megatron pads to 384 / 512) and 8 samples from the rollout engine."""
-    from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams
+    from slimectl.engines.embedded.requests import GenRequest
+    from slimectl.engines.embedded.sampling_params import SamplingParams
+    from slimectl.engines.embedded.scheduler import GenerationScheduler
     from slimectl.fixtures.tiny_models import build_tiny_model
 
     d = tmp_path_factory.mktemp("train_logprobs")
@@ -95,18 +97,18 @@ def rollout(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model_dir = build_tiny_model("qwen2", d / "qwen2", seed=3, vocab_size=300, initializer_range=0.1)
-    runner = BatchRunner(str(model_dir))
-    runner.start()
+    scheduler = GenerationScheduler(str(model_dir))
+    scheduler.start()
     try:
-        tok = runner.tokenizer
+        tok = scheduler.tokenizer
         prompts = ["one two three", "the cat sat on", "2 + 2 =", "hello", "a b c d e f g", "why is the sky",
                    "count: 1 2 3 4", "x"]
-        futs = [runner.submit(GenRequest(f"r{i}", tok.encode(p), SamplingParams(
+        futs = [scheduler.submit(GenRequest(f"r{i}", tok.encode(p), SamplingParams(
             max_new_tokens=NEW_TOKENS, temperature=1.0, sampling_seed=100 + i, ignore_eos=True), return_logprob=True))
             for i, p in enumerate(prompts[:N_SAMPLES])]
         results = [f.result(timeout=120) for f in futs]
     finally:
-        runner.stop()
+        scheduler.stop()
     samples = []
     for p, r in zip(prompts, results):
         ids = tok.encode(p)

@@ -1,4 +1,4 @@
-"""Routing replay end to end on a tiny Qwen3-MoE (fp32, one rank): the embedded engine's runner
+"""Routing replay end to end on a tiny Qwen3-MoE (fp32, one rank): the embedded engine's scheduler
 rolls out samples with their routed experts, the Megatron actor recomputes their log-probs with
 ``train.use_rollout_routing_replay`` on and off.
 
@@ -33,24 +33,26 @@ PERTURB = 0.05  # relative noise on the engine's router weights for the second r
 
 def rollout(hf_dir: str, perturb: float):
     from slimectl.contract.samples import Sample
-    from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams
+    from slimectl.engines.embedded.requests import GenRequest
+    from slimectl.engines.embedded.sampling_params import SamplingParams
+    from slimectl.engines.embedded.scheduler import GenerationScheduler
 
-    runner = BatchRunner(hf_dir, max_batch_size=8)
+    scheduler = GenerationScheduler(hf_dir, max_batch_size=8)
     if perturb:
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
-            for gate in runner._gates:
+            for gate in scheduler.batch.gates:
                 gate.weight.add_(perturb * gate.weight.abs().mean() * torch.randn(gate.weight.shape, generator=g))
-    runner.start()
+    scheduler.start()
     try:
-        prompts = [torch.randint(3, runner.vocab_size, (3 + 4 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+        prompts = [torch.randint(3, scheduler.vocab_size, (3 + 4 * i,), generator=torch.Generator().manual_seed(i)).tolist()
                    for i in range(PROMPTS)]
         reqs = [GenRequest(rid=f"r{i}", input_ids=p, return_logprob=True, return_routed_experts=True,
                            params=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, sampling_seed=i, ignore_eos=True))
                 for i, p in enumerate(prompts)]
-        results = [f.result(120) for f in [runner.submit(r) for r in reqs]]
+        results = [f.result(120) for f in [scheduler.submit(r) for r in reqs]]
     finally:
-        runner.stop()
+        scheduler.stop()
     samples = []
     for i, (p, res) in enumerate(zip(prompts, results)):
         s = Sample(index=i, group_index=i, tokens=list(p), reward=float(i % 2))

@@ -136,17 +136,21 @@ def test_embedded_engine_serves_it_greedy_tokens_equal_hf(moe_dir):
 
     from transformers import AutoModelForCausalLM
 
-    from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams
+    from slimectl.engines.embedded.requests import GenRequest
+
+    from slimectl.engines.embedded.sampling_params import SamplingParams
+
+    from slimectl.engines.embedded.scheduler import GenerationScheduler
 
     ref = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
-    runner = BatchRunner(str(moe_dir), max_batch_size=8)
-    runner.start()
+    scheduler = GenerationScheduler(str(moe_dir), max_batch_size=8)
+    scheduler.start()
     try:
         reqs = [GenRequest(rid=f"m{i}", input_ids=[random.Random(i).randrange(3, 500) for _ in range(1 + 5 * i)],
                            params=SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
                            return_logprob=True)
                 for i in range(4)]
-        futures = [runner.submit(q) for q in reqs]
+        futures = [scheduler.submit(q) for q in reqs]
         for q, fut in zip(reqs, futures):
             res = fut.result(60)
             n = len(q.input_ids)
@@ -158,7 +162,7 @@ def test_embedded_engine_serves_it_greedy_tokens_equal_hf(moe_dir):
             assert res.output_token_logprobs == pytest.approx(
                 [lp[n - 1 + i, t].item() for i, t in enumerate(res.output_ids)], abs=1e-5)
     finally:
-        runner.stop()
+        scheduler.stop()
 
 
 # ----------------------------------------------------------------------------- GLM-4.5 (glm4_moe)

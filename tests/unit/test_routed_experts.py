@@ -45,11 +45,11 @@ def _calls(engine, *bodies: dict) -> list:
 def test_engine_routed_experts_equal_hf_full_forward_batched(moe_dir):
     from transformers import AutoModelForCausalLM
 
-    from slimectl.engines.embedded.server import EmbeddedEngine
+    from slimectl.engines.embedded.server import EngineHTTPServer
 
     ref = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
-    engine = EmbeddedEngine(str(moe_dir), max_batch_size=8)
-    engine.runner.start()
+    engine = EngineHTTPServer(str(moe_dir), max_batch_size=8)
+    engine.scheduler.start()
     try:
         prompts = [[random.Random(i).randrange(3, 500) for _ in range(2 + 7 * i)] for i in range(4)]
         # sampled (seeded) so that the rows finish at different lengths and decode with different tokens
@@ -81,15 +81,15 @@ def test_engine_routed_experts_equal_hf_full_forward_batched(moe_dir):
         assert out["meta_info"]["routed_experts_start_len"] == 5
         assert status3 == 200 and "routed_experts" not in out3["meta_info"]
     finally:
-        engine.runner.stop()
+        engine.scheduler.stop()
 
 
 def test_dense_model_return_routed_experts_is_a_clear_400(tmp_path):
-    from slimectl.engines.embedded.server import EmbeddedEngine
+    from slimectl.engines.embedded.server import EngineHTTPServer
 
     dense = build_tiny_model("qwen3", tmp_path / "dense")
-    engine = EmbeddedEngine(str(dense), max_batch_size=2)
-    engine.runner.start()
+    engine = EngineHTTPServer(str(dense), max_batch_size=2)
+    engine.scheduler.start()
     try:
         [(status, out)] = _calls(engine, {"input_ids": [5, 6, 7], "return_routed_experts": True,
                                           "sampling_params": {"max_new_tokens": 2}})
@@ -98,7 +98,7 @@ def test_dense_model_return_routed_experts_is_a_clear_400(tmp_path):
         print(msg)
         assert "return_routed_experts needs a MoE model" in msg and "qwen3" in msg
     finally:
-        engine.runner.stop()
+        engine.scheduler.stop()
 
 
 def test_rollout_generate_stores_routes_and_a_partial_rollout_extends_them(moe_dir):
@@ -110,11 +110,11 @@ def test_rollout_generate_stores_routes_and_a_partial_rollout_extends_them(moe_d
     from transformers import AutoModelForCausalLM
 
     from slimectl.contract.samples import Sample
-    from slimectl.engines.embedded.server import EmbeddedEngine
+    from slimectl.engines.embedded.server import EngineHTTPServer
     from slimectl.stages.rollout.generate import EnginePool, default_generate
 
     ref = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
-    engine = EmbeddedEngine(str(moe_dir), port=0, max_batch_size=4)
+    engine = EngineHTTPServer(str(moe_dir), port=0, max_batch_size=4)
 
     async def go():
         app_runner = await engine.start()
@@ -130,7 +130,7 @@ def test_rollout_generate_stores_routes_and_a_partial_rollout_extends_them(moe_d
         finally:
             await pool.close()
             await app_runner.cleanup()
-            engine.runner.stop()
+            engine.scheduler.stop()
 
     s, first = asyncio.run(go())
     layers, k = ref.config.num_hidden_layers, ref.config.num_experts_per_tok

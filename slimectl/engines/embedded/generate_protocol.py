@@ -25,7 +25,7 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenRequest], b
     """A /generate body (one input or a batch; ``text`` or ``input_ids``) as GenRequests, and whether it was
     a batch; :class:`BadRequest` names the first bad field."""
     from slimectl.engines.embedded.requests import GenRequest
-    from slimectl.engines.embedded.sampling import SamplingParams
+    from slimectl.engines.embedded.sampling_params import SamplingParams
 
     if body.get("stream"):
         raise BadRequest("stream=true is not supported by the embedded engine; send stream=false")

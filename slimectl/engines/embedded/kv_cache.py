@@ -15,11 +15,11 @@ _KV_SLACK = 64
 
 
 class BatchKVCache:
-    """A batch KV cache the runner can reshape (rows joining and leaving) between forwards.
+    """A batch KV cache the running batch can reshape (rows joining and leaving) between forwards.
 
     Per layer, ``keys[l]`` / ``values[l]`` are ``[batch, kv_heads, capacity, head_dim]``; the
     valid columns are ``start .. end - 1`` (all rows right-aligned at ``end``). A forward appends
-    its ``q`` new columns at ``end`` in place; the runner advances ``end`` after the forward.
+    its ``q`` new columns at ``end`` in place; the running batch advances ``end`` after the forward.
     A fresh store (no buffers yet) simply adopts the keys/values of its first forward (prefill).
 
     Instances are made with :meth:`new`, which mixes this class into transformers' ``Cache``
@@ -58,7 +58,7 @@ class BatchKVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.end - self.start
 
-    # -- runner-side helpers --------------------------------------------------------------------
+    # -- what the running batch calls -----------------------------------------------------------
     @property
     def width(self) -> int:
         return self.end - self.start

@@ -22,20 +22,25 @@ the bench's peak RSS of the process tree (``bench/rl_vs_trl.py --no-trl --steps 
 4.53 -> 3.90 GB with ``--offload``. Loading the weights into resumed (fresh) memory costs their
 first-touch page faults: ``update_weights_from_disk`` 2.30 CPU-s against 1.36 into resident weights.
 
-Imports no torch at module level (the server imports its errors).
+Imports no torch (the server imports its errors and tags).
 
 Only an idle engine releases (no request running or waiting; see
-:meth:`~slimectl.engines.embedded.scheduler.BatchRunner.release_memory_occupation`).
+:meth:`~slimectl.engines.embedded.scheduler.GenerationScheduler.release_memory_occupation`).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from slimectl.backends.host_memory import release_free_memory, rss_bytes  # one reader for trainer and engine
+from slimectl.backends.host_memory import release_free_memory, rss_bytes
 
 if TYPE_CHECKING:
-    import torch
+    from slimectl.engines.embedded.weights import ServedWeights
+
+log = logging.getLogger("slimectl.engine")
 
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"
 TAGS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
@@ -63,40 +68,116 @@ def parse_tags(tags) -> frozenset[str]:
     return frozenset(tags) if tags else frozenset(TAGS)
 
 
-def unique_params(params: dict[str, torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    """Each parameter once (tied weights appear under several names but are one parameter)."""
-    return list({id(p): p for p in params.values()}.values())
+class MemoryOccupancy:
+    """What of the engine's memory is released now, and whether its weights hold valid values: released by tag
+    (freeing the weights of :class:`~slimectl.engines.embedded.weights.ServedWeights`, and the KV cache through
+    the scheduler's callback), resumed, and loaded again by weight updates.
 
+    The scheduler runs every release and resume on its thread between two steps, with :attr:`lock` held; a
+    weight update holds it too, so no release lands in the middle of one. The state has a lock of its own
+    (:meth:`state` is read from the HTTP threads).
+    """
 
-def param_bytes(params: dict[str, torch.nn.Parameter]) -> int:
-    return sum(p.numel() * p.element_size() for p in unique_params(params))
+    def __init__(self, weights: ServedWeights):
+        self.weights = weights
+        # taken by the callers of a release, resume or weight update, never by the scheduler thread
+        self.lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._released: frozenset[str] = frozenset()
+        self._reloaded: set[str] | None = None  # after weights were resumed, the names loaded since (None: valid)
+        self._counts = {"releases": 0, "resumes": 0}
 
+    def state(self) -> dict:
+        """What /get_server_info reports: the released tags, whether the weights await a full update
+        after a resume, and how many releases and resumes there were."""
+        with self._state_lock:
+            return {"memory_released": sorted(self._released),
+                    "weights_need_update": self._reloaded is not None,
+                    "memory_release_count": self._counts["releases"],
+                    "memory_resume_count": self._counts["resumes"]}
 
-def release_params(params: dict[str, torch.nn.Parameter]) -> int:
-    """Swap every parameter's data for a 0-byte stand-in of the same shape and dtype (a broadcast
-    scalar: shape checks still pass, a write into it raises); returns the bytes let go."""
-    import torch
+    def unservable(self) -> str | None:
+        """Why the engine cannot run a forward now (None: it can)."""
+        released = [t for t in (WEIGHTS, KV_CACHE) if t in self._released]
+        if WEIGHTS in released:
+            what = "weights and KV cache are" if KV_CACHE in released else "weights are"
+            return (f"cannot generate: the engine's {what} released (/release_memory_occupation); "
+                    f"POST /resume_memory_occupation, then load weights (/update_weights_from_disk or "
+                    f"/update_weights_from_distributed)")
+        fix = []
+        if KV_CACHE in released:
+            fix.append('KV cache is released (/release_memory_occupation): POST /resume_memory_occupation '
+                       '{"tags": ["kv_cache"]}')
+        if self._reloaded is not None:
+            fix.append("weights were resumed (/resume_memory_occupation) but not loaded since, so they hold no "
+                       "valid values: load weights (/update_weights_from_disk or /update_weights_from_distributed)")
+        return f"cannot generate: the engine's {'; its '.join(fix)}" if fix else None
 
-    freed = 0
-    with torch.inference_mode(False), torch.no_grad():
-        for p in unique_params(params):
-            freed += p.numel() * p.element_size()
-            p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
-    return freed
+    def raise_if_unservable(self) -> None:
+        why = self.unservable()
+        if why is not None:
+            raise MemoryReleased(why)
 
+    def require_weights_resident(self, doing: str) -> None:
+        if WEIGHTS in self._released:
+            raise MemoryReleased(f"cannot {doing}: the engine's weights are released (/release_memory_occupation); "
+                                 f'POST /resume_memory_occupation {{"tags": ["weights"]}} first')
 
-def reallocate_params(params: dict[str, torch.nn.Parameter]) -> int:
-    """Give the (released) parameters storage again (uninitialised: the next weight update fills it);
-    returns the bytes allocated."""
-    import torch
+    def require_weights_loaded(self, name: str) -> None:
+        if WEIGHTS in self._released or self._reloaded is not None:
+            raise MemoryReleased(f"cannot read {name!r}: the engine's weights are released or not loaded since "
+                                 f"they were resumed; resume and load them first")
 
-    alloc = 0
-    with torch.inference_mode(False), torch.no_grad():
-        for p in unique_params(params):
-            p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-            alloc += p.numel() * p.element_size()
-    return alloc
+    def mark_released(self, tags: frozenset[str], busy: int) -> frozenset[str]:
+        """Record ``tags`` as released and return those that were not before (cuda_graph never is: there is
+        nothing to free on CPU). Only an idle engine releases: with ``busy`` requests running or waiting this
+        raises :class:`EngineBusy` and records nothing (the scheduler counts them under the lock its
+        submissions take, so none slips in between)."""
+        if busy:
+            raise EngineBusy(f"cannot release memory: {busy} request(s) are running or waiting; release an idle "
+                             f"engine (wait for them, or POST /abort_request {{\"abort_all\": true}} first)")
+        tags = tags - {CUDA_GRAPH}
+        with self._state_lock:
+            new = tags - self._released
+            self._released = self._released | tags
+            self._counts["releases"] += 1
+        return new
 
+    def free(self, tags: frozenset[str], new: frozenset[str], drop_kv_cache: Callable[[], int]) -> dict:
+        """Free what :meth:`mark_released` recorded: the KV cache (``drop_kv_cache()``: its bytes) and the newly
+        released weights, then hand the free heap back to the OS. Returns the bytes freed and the RSS before
+        and after."""
+        rss0 = rss_bytes()
+        kv = drop_kv_cache() if KV_CACHE in tags else 0
+        weights = self.weights.release() if WEIGHTS in new else 0
+        release_free_memory()
+        rss1 = rss_bytes()
+        log.info("Released memory occupation (tags %s): weights %.1f MB, KV cache %.1f MB; RSS %.1f -> %.1f MB",
+                 ",".join(sorted(tags - {CUDA_GRAPH})) or "cuda_graph", weights / 2**20, kv / 2**20, rss0 / 2**20,
+                 rss1 / 2**20)
+        return {"weights_bytes": weights, "kv_cache_bytes": kv, "rss_before": rss0, "rss_after": rss1}
 
-__all__ = ["CUDA_GRAPH", "EngineBusy", "KV_CACHE", "MemoryReleased", "TAGS", "WEIGHTS", "param_bytes", "parse_tags",
-           "reallocate_params", "release_params", "release_free_memory", "rss_bytes", "unique_params"]
+    def resume(self, tags: frozenset[str]) -> dict:
+        """Take the memory of ``tags`` back. Resumed weights hold no valid values: generation is refused until a
+        full weight update (:meth:`loaded`)."""
+        back = tags & self._released
+        alloc = self.weights.reallocate() if WEIGHTS in back else 0
+        with self._state_lock:
+            if WEIGHTS in back:
+                self._reloaded = set()
+            self._released = self._released - tags
+            self._counts["resumes"] += 1
+        log.info("Resumed memory occupation (tags %s)%s", ",".join(sorted(tags)),
+                 f"; weights allocated ({alloc / 2**20:.1f} MB), generation waits for a weight update" if alloc else "")
+        return {"weights_bytes": alloc}
+
+    def loaded(self, names: Iterable[str]) -> None:
+        """Names just written by a weight update: once a full set has landed after a resume, the
+        weights are valid again."""
+        if self._reloaded is None:
+            return
+        self._reloaded.update(names)
+        if not self.weights.missing_from(self._reloaded):
+            with self._state_lock:
+                self._reloaded = None
+            log.info("weights loaded after resume (weight version %s): generating again", self.weights.version)

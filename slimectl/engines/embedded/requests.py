@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slimectl.engines.embedded.sampling import SamplingParams
+from slimectl.engines.embedded.sampling_params import SamplingParams
 
 # Uniform random numbers a request draws from its generator at a time.
 _UNIFORM_BLOCK = 64

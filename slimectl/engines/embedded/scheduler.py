@@ -1,11 +1,14 @@
 """The embedded engine's scheduler: continuous batching of many requests over one KV cache, in a background thread.
 
-:class:`BatchRunner` owns a transformers causal LM (Llama / Qwen2 / Qwen3 and friends, loaded
-with ``AutoModelForCausalLM``) and a background *scheduler thread* that serves many concurrent
-generation requests. Other threads (the HTTP event loop) only talk to it through
-:meth:`BatchRunner.submit`, :meth:`~BatchRunner.abort`, :meth:`~BatchRunner.pause`, the weight
-update methods and the memory release/resume (:mod:`~slimectl.engines.embedded.memory`); the
-scheduler thread is the only one that runs the model.
+:class:`GenerationScheduler` is the engine without its HTTP server: it loads a transformers causal LM
+(Llama / Qwen2 / Qwen3 and friends, with ``AutoModelForCausalLM``) and owns the parts that serve it — the
+running batch (:class:`~slimectl.engines.embedded.running_batch.RunningBatch`: the rows, their KV cache,
+prefill and decode), the weights (:class:`~slimectl.engines.embedded.weights.ServedWeights`) and their memory
+(:class:`~slimectl.engines.embedded.memory.MemoryOccupancy`) — and the background *scheduler thread* that
+serves many concurrent generation requests. Other threads (the HTTP event loop) only talk to it through
+:meth:`~GenerationScheduler.submit`, :meth:`~GenerationScheduler.abort`, :meth:`~GenerationScheduler.pause`,
+the weight updates and the memory release/resume; the scheduler thread is the only one that runs the model,
+and every change to the weights or the memory runs on it between two steps.
 
 How a scheduler iteration works
 -------------------------------
@@ -14,7 +17,7 @@ The *running batch* is a list of sequences that share one KV cache
 buffer of shape ``[batch, kv_heads, capacity, head_dim]``. All rows are **right-aligned**: they
 end at the same column ``end``, and a row with ``n`` cached tokens occupies columns
 ``end - n .. end - 1``; columns to the left of that are left padding, masked out by the 4D
-attention mask that the runner builds itself (it is handed to the model as-is, so
+attention mask that the batch builds itself (it is handed to the model as-is, so
 transformers does no mask work of its own). Each row carries its own ``position_ids``, so
 rotary embeddings do not see the padding.
 
@@ -37,7 +40,7 @@ Each iteration of the scheduler:
    held padding of departed rows are cut off. (Rebuilding copies the whole cache, so doing it
    every time one request ends would cost about as much as the decode itself.)
 
-The prefill and decode steps themselves are in :mod:`~slimectl.engines.embedded.batch_steps`;
+The prefill and decode steps themselves are in :mod:`~slimectl.engines.embedded.running_batch`;
 sampling is in :mod:`~slimectl.engines.embedded.sampling`, weight updates in
 :mod:`~slimectl.engines.embedded.weights`, model loading in :mod:`~slimectl.engines.embedded.model`.
 """
@@ -48,20 +51,19 @@ import concurrent.futures
 import logging
 import os
 import threading
-import time
 from collections import deque
 from typing import Any
 
 import torch
 
-from slimectl.engines.embedded.batch_steps import BatchSteps, moe_gates
-from slimectl.engines.embedded.kv_cache import BatchKVCache
+from slimectl.engines.embedded.memory import MemoryOccupancy, parse_tags
 from slimectl.engines.embedded.model import load_model, model_dtype
-from slimectl.engines.embedded.occupancy import MemoryOccupancy
-from slimectl.engines.embedded.requests import ABORT_REASON, GenRequest, GenResult, RunningRequest
-from slimectl.engines.embedded.sampling import BatchSampling, SamplingParams, is_int
+from slimectl.engines.embedded.requests import ABORT_REASON, GenRequest, RunningRequest
+from slimectl.engines.embedded.running_batch import RunningBatch
+from slimectl.engines.embedded.sampling_params import SamplingParams, is_int
+from slimectl.engines.embedded.weights import ServedWeights
 
-__all__ = ["BatchRunner", "GenRequest", "GenResult", "SamplingParams"]
+__all__ = ["GenerationScheduler"]
 
 log = logging.getLogger("slimectl.engine")
 
@@ -71,8 +73,9 @@ DECODE_LOG_INTERVAL_ENV = "SLIMECTL_DECODE_LOG_INTERVAL"
 DEFAULT_DECODE_LOG_INTERVAL = 40
 
 
-class BatchRunner(MemoryOccupancy, BatchSteps):
-    """Continuous-batching generation over a transformers causal LM, in a background thread."""
+class GenerationScheduler:
+    """Continuous-batching generation over a transformers causal LM, in a background thread: the engine's core,
+    which the HTTP server (:class:`~slimectl.engines.embedded.server.EngineHTTPServer`) drives."""
 
     def __init__(
         self,
@@ -92,22 +95,11 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
             torch.set_num_threads(int(num_threads))
         m = load_model(model_path, torch_dtype, max_context)
         self.model_path, self.dtype, self.config, self.model = m.model_path, m.dtype, m.config, m.model
-        self.decoder, self.lm_head = m.decoder, m.lm_head
         self.tokenizer, self._detok = m.tokenizer, m.detok
-        self.num_layers, self.vocab_size, self.max_context = m.num_layers, m.vocab_size, m.max_context
-        self.eos_token_ids, self.pad_token_id = m.eos_token_ids, m.pad_token_id
-        self._params = m.params  # by HF name (tied weights appear under both names)
+        self.vocab_size, self.max_context, self.eos_token_ids = m.vocab_size, m.max_context, m.eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max(1, int(max_prefill_tokens))
-        # MoE routers (one per MoE layer, in layer order) and the capture of their top-k choices.
-        self._gates = moe_gates(self.decoder)
-        self.moe_topk = int(getattr(self._gates[0], "top_k", 0)) if self._gates else 0
-        self._route_buf: list[torch.Tensor] | None = None
-        self._routes: torch.Tensor | None = None  # the last forward's [batch, seq, moe_layers, topk]
-        for g in self._gates:
-            g.register_forward_hook(self._capture_routes)
 
-        self._weight_version = str(weight_version)
         self._cv = threading.Condition()
         self._waiting: deque[RunningRequest] = deque()
         self._inflight: set[RunningRequest] = set()  # admitted to the scheduler (prefilling or running)
@@ -118,30 +110,14 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
         self._in_step = False
         self._thread: threading.Thread | None = None
         self._control_lock = threading.Lock()  # serialises control work when no thread runs
-        # Memory release/resume (memory.py): the tags released now; after weights were resumed, the
-        # names loaded since (None: the weights hold valid values); a lock that keeps a release out
-        # of a weight update in progress (taken by callers, never by the scheduler thread).
-        self._released: frozenset[str] = frozenset()
-        self._reloaded: set[str] | None = None
-        self._memory_lock = threading.Lock()
-        self._memory_counts = {"releases": 0, "resumes": 0}
+        self._occupied = {"num_running_reqs": 0, "num_used_tokens": 0}  # at the end of the last step
 
-        # Running batch (scheduler thread only).
-        self._rows: list[RunningRequest] = []
-        self._kv: BatchKVCache | None = None
-        self._lens = torch.zeros(0, dtype=torch.long)  # cached tokens per row
-        self._next = torch.zeros(0, dtype=torch.long)  # last sampled token per row (next input)
-        self._meta: BatchSampling | None = None
-        self._arange = torch.arange(self.max_context + 1)
-
-        # Counters (read by load_stats / tests / benchmarks).
-        self._stats = {"prefill_forwards": 0, "prefill_rows_shared": 0, "decode_forwards": 0, "generated_tokens": 0,
-                       "num_running_reqs": 0, "num_used_tokens": 0}
-        self._tok_times: deque[tuple[float, int]] = deque(maxlen=64)
+        self.weights = ServedWeights(m.model, m.config, m.params, weight_version)
+        self.memory = MemoryOccupancy(self.weights)
         if decode_log_interval is None:
             decode_log_interval = int(os.environ.get(DECODE_LOG_INTERVAL_ENV) or DEFAULT_DECODE_LOG_INTERVAL)
-        self.decode_log_interval = max(1, int(decode_log_interval))
-        self._last_log = (time.perf_counter(), 0)  # (time, generated tokens) at the last decode log line
+        self.batch = RunningBatch(m, max_batch_size, finish=self._finish, queued=self._queued,
+                                  decode_log_interval=max(1, int(decode_log_interval)))
 
     # -------------------------------------------------------------------------------- info
     @property
@@ -153,59 +129,57 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
             "model_type": c.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": c.hidden_size,
-            "num_hidden_layers": self.num_layers,
+            "num_hidden_layers": int(c.num_hidden_layers),
             "max_context": self.max_context,
             "dtype": str(self.dtype).replace("torch.", ""),
             "eos_token_ids": sorted(self.eos_token_ids),
-            "weight_version": self._weight_version,
+            "weight_version": self.weights.version,
             "is_generation": True,
         }
 
     @property
     def weight_version(self) -> str:
-        return self._weight_version
-
-    def set_weight_version(self, v: str) -> None:
-        """Label the weights; tokens generated from now on carry this version."""
-        if not isinstance(v, str) or not v:
-            raise ValueError(f"weight_version must be a non-empty string, got {v!r}")
-        self._run_control(lambda: setattr(self, "_weight_version", v))
+        return self.weights.version
 
     def load_stats(self) -> dict:
         with self._cv:
             waiting = len(self._waiting)
-            s = dict(self._stats)
-        rate = 0.0
-        if len(self._tok_times) >= 2:
-            (t0, n0), (t1, n1) = self._tok_times[0], self._tok_times[-1]
-            if t1 > t0:
-                rate = (n1 - n0) / (t1 - t0)
+            counters, occupied = dict(self.batch.counters), dict(self._occupied)
         return {
-            "num_running_reqs": s["num_running_reqs"],
+            "num_running_reqs": occupied["num_running_reqs"],
             "num_waiting_reqs": waiting,
-            "num_used_tokens": s["num_used_tokens"],
+            "num_used_tokens": occupied["num_used_tokens"],
             "max_running_requests": self.max_batch_size,
-            "token_usage": s["num_used_tokens"] / (self.max_batch_size * self.max_context),
-            "gen_throughput": rate,
-            "num_prefill_forwards": s["prefill_forwards"],
-            "num_prefill_rows_shared": s["prefill_rows_shared"],
-            "num_decode_forwards": s["decode_forwards"],
-            "num_generated_tokens": s["generated_tokens"],
+            "token_usage": occupied["num_used_tokens"] / (self.max_batch_size * self.max_context),
+            "gen_throughput": self.batch.throughput(),
+            "num_prefill_forwards": counters["prefill_forwards"],
+            "num_prefill_rows_shared": counters["prefill_rows_shared"],
+            "num_decode_forwards": counters["decode_forwards"],
+            "num_generated_tokens": counters["generated_tokens"],
         }
+
+    @property
+    def memory_state(self) -> dict:
+        """What /get_server_info reports of the memory (:meth:`MemoryOccupancy.state`)."""
+        return self.memory.state()
 
     def flush_cache(self) -> bool:
         """There is no prefix cache to flush; True when nothing is running or waiting."""
         with self._cv:
             return not self._waiting and not self._inflight
 
+    def _queued(self) -> int:
+        with self._cv:
+            return len(self._waiting)
+
     # -------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
         with self._cv:
             if self._stopping:
-                raise RuntimeError("the runner was stopped; create a new one")
+                raise RuntimeError("the scheduler was stopped; create a new one")
             if self._thread is not None:
                 return
-            self._thread = threading.Thread(target=self._loop, name="slimectl-batch-runner", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name="slimectl-engine-scheduler", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
@@ -227,11 +201,33 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
             self._finish(s, dict(ABORT_REASON))
         for _, fut in controls:
             if not fut.done():
-                fut.set_exception(RuntimeError("the runner was stopped"))
+                fut.set_exception(RuntimeError("the scheduler was stopped"))
 
     # -------------------------------------------------------------------------------- requests
     def submit(self, req: GenRequest) -> concurrent.futures.Future:
         """Queue a request; returns a Future of its GenResult. Bad requests raise ValueError now."""
+        max_new = self._check_request(req)
+        self.memory.raise_if_unservable()
+        req.input_ids = list(req.input_ids)
+        seq = RunningRequest(req, self.eos_token_ids, max_new)
+        needs_prompt_pass = (req.return_logprob and (req.logprob_start_len >= 0 or req.top_logprobs_num > 0)) \
+            or req.return_routed_experts
+        if max_new == 0 and not needs_prompt_pass:
+            # Nothing to compute.
+            self._finish(seq, {"type": "length", "length": 0})
+            return seq.future
+        seq.future.add_done_callback(lambda f, s=seq: self._on_future_done(s, f))
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the scheduler is stopped")
+            self.memory.raise_if_unservable()  # again, atomically with a release (which checks the queue under _cv)
+            self._waiting.append(seq)
+            self._cv.notify_all()
+        return seq.future
+
+    def _check_request(self, req: GenRequest) -> int:
+        """ValueError naming the first field this engine cannot serve; returns the request's max_new_tokens
+        (None: up to the context length)."""
         ids = req.input_ids
         if not isinstance(ids, (list, tuple)) or not ids:
             raise ValueError("input_ids is empty; send at least one token")
@@ -258,30 +254,14 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
                              f"length ({n})")
         if not is_int(req.top_logprobs_num) or req.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be a non-negative integer, got {req.top_logprobs_num!r}")
-        if req.return_routed_experts and not self._gates:
+        if req.return_routed_experts and not self.batch.gates:
             raise ValueError(f"return_routed_experts needs a MoE model, and {self.model_path} "
                              f"({self.config.model_type}) has no MoE router; drop return_routed_experts "
                              f"(rollout.return_routed_experts / train.use_rollout_routing_replay) for dense models")
         start = req.routed_experts_start_len
         if not is_int(start) or start < 0:
             raise ValueError(f"routed_experts_start_len must be a non-negative integer, got {start!r}")
-        self._raise_if_unservable()
-        req.input_ids = list(ids)
-        seq = RunningRequest(req, self.eos_token_ids, max_new)
-        needs_prompt_pass = (req.return_logprob and (req.logprob_start_len >= 0 or req.top_logprobs_num > 0)) \
-            or req.return_routed_experts
-        if max_new == 0 and not needs_prompt_pass:
-            # Nothing to compute.
-            self._finish(seq, {"type": "length", "length": 0})
-            return seq.future
-        seq.future.add_done_callback(lambda f, s=seq: self._on_future_done(s, f))
-        with self._cv:
-            if self._stopping:
-                raise RuntimeError("the runner is stopped")
-            self._raise_if_unservable()  # again, atomically with a release (which checks the queue under _cv)
-            self._waiting.append(seq)
-            self._cv.notify_all()
-        return seq.future
+        return max_new
 
     def _on_future_done(self, seq: RunningRequest, fut: concurrent.futures.Future) -> None:
         # A caller cancelled its future: stop spending compute on it.
@@ -335,10 +315,6 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
             self._paused = False
             self._cv.notify_all()
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     def _wait_step_boundary(self) -> None:
         if threading.current_thread() is self._thread:
             return
@@ -346,6 +322,57 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
             while self._in_step and self._thread is not None and self._thread.is_alive():
                 self._cv.wait(0.5)
 
+    # -------------------------------------------------------------------------------- weights and memory
+    def set_weight_version(self, v: str) -> None:
+        """Label the weights; tokens generated from now on carry this version."""
+        ServedWeights.check_version(v)
+        self._run_control(lambda: setattr(self.weights, "version", v))
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        """Load the safetensors weights of a checkpoint of the same architecture and swap them in
+        between scheduler steps (in-flight requests continue on the new weights); everything is checked
+        first (ValueError, nothing applied)."""
+        self.memory.require_weights_resident("load weights")
+        with self.weights.checkpoint(model_path) as (specs, read):
+            self.receive_weights(specs, read, weight_version)
+        self.model_path = str(model_path)
+
+    def receive_weights(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], recv,
+                        weight_version: str | None = None) -> None:
+        """Fill weights straight from ``recv(tensor)`` (a collective receive) between scheduler steps
+        (:meth:`ServedWeights.receiver`: names and shapes checked before anything is received)."""
+        with self.memory.lock:
+            self.memory.require_weights_resident("receive weights")
+            self._run_control(self.weights.receiver(specs, recv, weight_version))
+            self.memory.loaded(n for n, _, _ in specs)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang's ``/get_weights_by_name`` (:meth:`ServedWeights.read`), refused while the weights are released
+        or not loaded since a resume."""
+        self.memory.require_weights_loaded(name)
+        return self.weights.read(name, truncate_size)
+
+    def release_memory_occupation(self, tags=None) -> dict:
+        """SGLang's ``/release_memory_occupation``: free the memory of ``tags`` (None: all; see
+        :mod:`~slimectl.engines.embedded.memory`) between two scheduler steps. Only an idle engine
+        releases: with requests running or waiting it raises :class:`~slimectl.engines.embedded.memory.EngineBusy`
+        and frees nothing. Returns the bytes freed and the RSS before and after."""
+        tags = parse_tags(tags) if not isinstance(tags, frozenset) else tags
+        with self.memory.lock:
+            return self._run_control(lambda: self._release_idle(tags))
+
+    def _release_idle(self, tags: frozenset[str]) -> dict:
+        self.batch.reap_aborted()  # aborted rows end now, not at the next step
+        with self._cv:
+            new = self.memory.mark_released(tags, busy=len(self._waiting) + len(self._inflight))
+        return self.memory.free(tags, new, drop_kv_cache=self.batch.drop_kv_cache)
+
+    def resume_memory_occupation(self, tags=None) -> dict:
+        """SGLang's ``/resume_memory_occupation``: take the memory of ``tags`` (None: all) back.
+        Resumed weights hold no valid values: generation is refused until a full weight update."""
+        tags = parse_tags(tags) if not isinstance(tags, frozenset) else tags
+        with self.memory.lock:
+            return self._run_control(lambda: self.memory.resume(tags))
 
     def _run_control(self, fn):
         """Run ``fn`` on the scheduler thread between two steps (inline when no thread runs)."""
@@ -356,7 +383,7 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             if self._stopping:
-                raise RuntimeError("the runner is stopped")
+                raise RuntimeError("the scheduler is stopped")
             self._controls.append((fn, fut))
             self._cv.notify_all()
         return fut.result()
@@ -367,7 +394,7 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
             while True:
                 with self._cv:
                     while not (self._stopping or self._controls or self._wake
-                               or (not self._paused and (self._waiting or self._rows))):
+                               or (not self._paused and (self._waiting or self.batch.rows))):
                         self._cv.wait()
                     if self._stopping:
                         break
@@ -377,38 +404,42 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
                     admitted = self._admit_locked() if compute else []
                     self._in_step = True
                 try:
-                    for fn, fut in controls:
-                        try:
-                            with self._control_lock:
-                                fut.set_result(fn())
-                        except BaseException as exc:  # hand the failure to the caller
-                            fut.set_exception(exc)
-                    self._reap_aborted()
-                    if admitted:
-                        self._prefill(admitted)
-                    if compute and self._rows:
-                        self._decode_step()
+                    self._step(controls, admitted, compute)
                 except Exception as exc:  # a failed forward: fail the affected requests, keep serving
                     self._fail_all(exc, admitted)
                 finally:
+                    live = self.batch.live_rows()
                     with self._cv:
                         self._in_step = False
-                        live = [s for s in self._rows if not s.done]
-                        self._stats["num_running_reqs"] = len(live)
-                        self._stats["num_used_tokens"] = sum(s.cache_len for s in live)
+                        self._occupied = {"num_running_reqs": len(live),
+                                          "num_used_tokens": sum(s.cache_len for s in live)}
                         self._cv.notify_all()
             # Stopping: everything still here ends as aborted (finished rows are skipped).
-            for s in list(self._rows):
+            for s in self.batch.take_rows():
                 self._finish(s, dict(ABORT_REASON))
-            self._set_rows([], None)
             with self._cv:
                 controls, self._controls = self._controls, []
             for _, fut in controls:
-                fut.set_exception(RuntimeError("the runner was stopped"))
+                fut.set_exception(RuntimeError("the scheduler was stopped"))
+
+    def _step(self, controls: list, admitted: list[RunningRequest], compute: bool) -> None:
+        """One iteration: the control work queued, the aborted rows out, the admitted prompts prefilled, one
+        decode step of the running batch."""
+        for fn, fut in controls:
+            try:
+                with self._control_lock:
+                    fut.set_result(fn())
+            except BaseException as exc:  # hand the failure to the caller
+                fut.set_exception(exc)
+        self.batch.reap_aborted()
+        if admitted:
+            self.batch.prefill(admitted, self.weights.version)
+        if compute and self.batch.rows:
+            self.batch.decode(self.weights.version)
 
     def _admit_locked(self) -> list[RunningRequest]:
         """Take waiting requests for a prefill (FIFO), within the batch and token budgets."""
-        room = self.max_batch_size - sum(1 for s in self._rows if not s.done)
+        room = self.max_batch_size - len(self.batch.live_rows())
         out: list[RunningRequest] = []
         longest = 0
         while self._waiting and len(out) < room:
@@ -422,54 +453,11 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
             longest = longest2
         return out
 
-    def _reap_aborted(self) -> None:
-        dead = [i for i, s in enumerate(self._rows) if s.abort_flag and not s.done]
-        for i in dead:
-            self._finish(self._rows[i], dict(ABORT_REASON))
-        if dead:
-            self._retire(dead)
-
     def _fail_all(self, exc: Exception, admitted: list[RunningRequest]) -> None:
-        victims = list(self._rows) + [s for s in admitted if not s.done]
-        self._set_rows([], None)
+        victims = self.batch.take_rows() + [s for s in admitted if not s.done]
         for s in victims:
             self._finish(s, None, error=exc)
 
-    # -- batch bookkeeping ------------------------------------------------------------------------
-    def _set_rows(self, rows: list[RunningRequest], kv: BatchKVCache | None) -> None:
-        self._rows = rows
-        self._kv = kv
-        self._lens = torch.tensor([s.cache_len for s in rows], dtype=torch.long)
-        self._next = torch.tensor([s.output_ids[-1] for s in rows], dtype=torch.long)
-        self._meta = BatchSampling.build(rows, self.vocab_size) if rows else None
-
-    def _retire(self, dead: list[int]) -> None:
-        """Rows ``dead`` just finished. They stay in the batch as inert rows (attending only to
-        themselves) until a quarter of the batch is inert or new rows are merged: compacting the
-        KV buffers copies all of them, too costly to do each time a single request ends."""
-        if dead:
-            idx = torch.tensor(dead, dtype=torch.long)
-            self._lens[idx] = 0
-            self._next[idx] = self.pad_token_id
-        live = [i for i, s in enumerate(self._rows) if not s.done]
-        if not live:
-            self._set_rows([], None)
-        elif 4 * (len(self._rows) - len(live)) >= len(self._rows):
-            self._shrink(live)
-
-    def _shrink(self, keep: list[int]) -> None:
-        """Keep only rows ``keep`` of the running batch, trimming now-unneeded padding columns."""
-        if len(keep) == len(self._rows):
-            return
-        rows = [self._rows[i] for i in keep]
-        if not rows:
-            self._set_rows([], None)
-            return
-        width = max(s.cache_len for s in rows)
-        kv = BatchKVCache.assemble([(self._kv, torch.tensor(keep, dtype=torch.long), width)], self.num_layers)
-        self._set_rows(rows, kv)
-
-    # -- per-token bookkeeping --------------------------------------------------------------------
     def _finish(self, s: RunningRequest, reason: dict | None, error: BaseException | None = None) -> None:
         """Build the result and resolve the future (exactly once)."""
         if s.done:
@@ -485,7 +473,7 @@ class BatchRunner(MemoryOccupancy, BatchSteps):
                 except concurrent.futures.InvalidStateError:
                     pass
             return
-        result = s.result(reason, self._weight_version, self._detok)
+        result = s.result(reason, self.weights.version, self._detok)
         if not fut.done():
             try:
                 fut.set_result(result)

@@ -1,8 +1,9 @@
-"""The embedded engine: a real HTTP server that speaks the subset of SGLang's protocol slimectl uses.
+"""The embedded engine's HTTP server: a real server that speaks the subset of SGLang's protocol slimectl uses.
 
-It serves a transformers model through :class:`slimectl.engines.embedded.scheduler.BatchRunner` (continuous
-batching with a KV cache). Request and response bodies follow SGLang 0.5.x as captured in
-shared/reference/sglang-protocol/, so rollout and sync have one code path for both engines.
+:class:`EngineHTTPServer` serves a transformers model through the engine's core,
+:class:`slimectl.engines.embedded.scheduler.GenerationScheduler` (continuous batching with a KV cache).
+Request and response bodies follow SGLang 0.5.x as captured in shared/reference/sglang-protocol/, so
+rollout and sync have one code path for both engines.
 
 Run it like SGLang's launcher (``slimectl serve`` does this for you):
 
@@ -79,8 +80,9 @@ def _fail(message: str, status: int = 400) -> web.Response:
     return web.json_response({"success": False, "message": message}, status=status)
 
 
-class EmbeddedEngine:
-    """The aiohttp application around a BatchRunner."""
+class EngineHTTPServer:
+    """The embedded engine's HTTP server: the aiohttp application around a
+    :class:`~slimectl.engines.embedded.scheduler.GenerationScheduler`."""
 
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "fp32",
                  max_batch_size: int = 64, weight_version: str = "default", admin_token: str | None = None,
@@ -89,16 +91,16 @@ class EmbeddedEngine:
         """``nonce``: reported as ``slimectl_nonce`` in ``/get_server_info``, so the launcher can tell
         this engine from another server that answers on the same port. ``reserved_socket``: a socket already
         bound to ``host:port`` (:func:`~slimectl.web.server.reserve_port`), served by :meth:`start`."""
-        from slimectl.engines.embedded.scheduler import BatchRunner
+        from slimectl.engines.embedded.scheduler import GenerationScheduler
 
         self.model_path = model_path
         self.host, self.port = host, port
         self.reserved_socket = reserved_socket  # bound before the model loaded (main): served by start()
         self.admin_token = admin_token
         self.nonce = nonce
-        self.runner = BatchRunner(model_path, dtype=dtype, max_batch_size=max_batch_size,
-                                  weight_version=weight_version, num_threads=num_threads)
-        self.tokenizer = self.runner.tokenizer
+        self.scheduler = GenerationScheduler(model_path, dtype=dtype, max_batch_size=max_batch_size,
+                                             weight_version=weight_version, num_threads=num_threads)
+        self.tokenizer = self.scheduler.tokenizer
         self.groups: dict[str, Any] = {}
         self.in_weight_update = False
         self.started = time.time()
@@ -177,26 +179,26 @@ class EmbeddedEngine:
 
     async def health_generate(self, request: web.Request) -> web.Response:
         from slimectl.engines.embedded.requests import GenRequest
-        from slimectl.engines.embedded.sampling import SamplingParams
+        from slimectl.engines.embedded.sampling_params import SamplingParams
 
         bos = [self.tokenizer.eos_token_id or 0]
         req = GenRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=bos,
                          params=SamplingParams(max_new_tokens=1, temperature=0))
         try:
-            await asyncio.wait_for(asyncio.wrap_future(self.runner.submit(req)), timeout=60)
+            await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit(req)), timeout=60)
         except Exception as exc:
             return _err(503, f"health generate failed: {exc}")
         return web.Response(status=200)
 
     def _model_info(self) -> dict[str, Any]:
-        info = dict(self.runner.model_info)
+        info = dict(self.scheduler.model_info)
         return {
             "model_path": self.model_path,
             "served_model_name": self.model_path,
             "tokenizer_path": self.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": self.runner.weight_version,
+            "weight_version": self.scheduler.weight_version,
             "load_format": "auto",
             "reasoning_parser": None,
             "tool_call_parser": None,
@@ -216,15 +218,15 @@ class EmbeddedEngine:
             "model_path": self.model_path, "tokenizer_path": self.model_path, "host": self.host, "port": self.port,
             "tp_size": 1, "dp_size": 1, "dtype": self.dtype, "served_model_name": self.model_path,
             "device": "cpu", "backend": "embedded", "version": VERSION,
-            "max_running_requests": self.runner.max_batch_size if hasattr(self.runner, "max_batch_size") else None,
-            "weight_version": self.runner.weight_version,
+            "max_running_requests": self.scheduler.max_batch_size,
+            "weight_version": self.scheduler.weight_version,
             "admin_api_key": None, "api_key": None,  # never echoed
             NONCE_FIELD: self.nonce,
-            **self.runner.memory_state,  # memory_released, weights_need_update, memory_release/resume_count
+            **self.scheduler.memory_state,  # memory_released, weights_need_update, memory_release/resume_count
         })
 
     async def loads(self, request: web.Request) -> web.Response:
-        stats = self.runner.load_stats()
+        stats = self.scheduler.load_stats()
         return web.json_response({
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
             "version": VERSION,
@@ -251,12 +253,12 @@ class EmbeddedEngine:
         futures = []
         try:
             for r in reqs:
-                futures.append(self.runner.submit(r))
+                futures.append(self.scheduler.submit(r))
         except (ValueError, MemoryReleased) as exc:
             for f in futures:
                 f.cancel()
             for r in reqs[: len(futures)]:
-                self.runner.abort(rid=r.rid)
+                self.scheduler.abort(rid=r.rid)
             if isinstance(exc, MemoryReleased):
                 raise  # 503 (the middleware)
             raise BadRequest(str(exc)) from None
@@ -266,16 +268,16 @@ class EmbeddedEngine:
 
     # ------------------------------------------------------------------ control
     async def flush_cache(self, request: web.Request) -> web.Response:
-        ok = self.runner.flush_cache()
+        ok = self.scheduler.flush_cache()
         return web.Response(text=FLUSH_TEXT, status=200 if ok else 400,
                             content_type="text/plain")
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         if body.get("abort_all"):
-            self.runner.abort(abort_all=True)
+            self.scheduler.abort(abort_all=True)
         elif body.get("rid") is not None:
-            self.runner.abort(rid=str(body["rid"]))
+            self.scheduler.abort(rid=str(body["rid"]))
         else:
             raise BadRequest("send {'rid': ...} or {'abort_all': true}")
         return web.Response(status=200)
@@ -285,12 +287,12 @@ class EmbeddedEngine:
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode {mode!r}: expected abort, retract or in_place")
-        await self._in_thread(self.runner.pause, mode)
+        await self._in_thread(self.scheduler.pause, mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         await self._json(request)
-        self.runner.resume()
+        self.scheduler.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def _memory_call(self, request: web.Request, fn) -> web.Response:
@@ -305,10 +307,10 @@ class EmbeddedEngine:
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         """Free the weights and/or KV cache (``tags``; none: all) of an idle engine; 400 while
         requests are in flight. Until resumed (and, for weights, reloaded) /generate answers 503."""
-        return await self._memory_call(request, self.runner.release_memory_occupation)
+        return await self._memory_call(request, self.scheduler.release_memory_occupation)
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        return await self._memory_call(request, self.runner.resume_memory_occupation)
+        return await self._memory_call(request, self.scheduler.resume_memory_occupation)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await self._json(request)
@@ -316,8 +318,8 @@ class EmbeddedEngine:
         if not isinstance(new, str) or not new:
             raise BadRequest("new_version must be a non-empty string")
         if body.get("abort_all_requests", True):
-            self.runner.abort(abort_all=True)
-        self.runner.set_weight_version(new)
+            self.scheduler.abort(abort_all=True)
+        self.scheduler.set_weight_version(new)
         return web.json_response({"success": True, "message": f"Weight version updated to {new}", "new_version": new})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
@@ -330,7 +332,7 @@ class EmbeddedEngine:
         if not isinstance(name, str):
             raise BadRequest("name must be a string")
         try:
-            values = await self._in_thread(self.runner.get_weights_by_name, name, truncate)
+            values = await self._in_thread(self.scheduler.get_weights_by_name, name, truncate)
         except KeyError:
             return _fail("Get parameter by name failed")
         return web.json_response(values)
@@ -343,13 +345,13 @@ class EmbeddedEngine:
         version = body.get("weight_version")
         paused = 0
         if body.get("abort_all_requests"):
-            paused = self.runner.abort(abort_all=True)
+            paused = self.scheduler.abort(abort_all=True)
         try:
-            await self._in_thread(self.runner.update_weights_from_disk, path, version)
+            await self._in_thread(self.scheduler.update_weights_from_disk, path, version)
         except (ValueError, OSError, MemoryReleased) as exc:
             return _fail(f"Failed to update weights: {exc}")
         self.model_path = path
-        v = self.runner.weight_version
+        v = self.scheduler.weight_version
         return web.json_response({"success": True, "message": f"Succeeded to update model weights. Weight version updated to {v}.",
                                   "num_paused_requests": paused})
 
@@ -411,12 +413,12 @@ class EmbeddedEngine:
             dist.broadcast(t, src=0, group=pg)
 
         try:
-            await self._in_thread(self.runner.receive_weights, specs, recv, body.get("weight_version"))
+            await self._in_thread(self.scheduler.receive_weights, specs, recv, body.get("weight_version"))
         except ValueError as exc:
             return _fail(f"Failed to update parameter online: {exc}")
         except Exception as exc:
             return _fail(f"Failed to receive weights: {exc}")
-        v = self.runner.weight_version
+        v = self.scheduler.weight_version
         return web.json_response({"success": True, "message": f"Succeeded to update parameter online. Weight version updated to {v}."})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
@@ -432,7 +434,7 @@ class EmbeddedEngine:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> web.AppRunner:
-        self.runner.start()
+        self.scheduler.start()
         app_runner, self.port = await start_site(self.app, self.host, self.port, sock=self.reserved_socket)
         return app_runner
 
@@ -441,7 +443,7 @@ class EmbeddedEngine:
         return http_url(self.host, self.port)
 
     def shutdown(self) -> None:
-        self.runner.stop()
+        self.scheduler.stop()
 
 
 async def _watch_parent(pid: int, stop: asyncio.Event, interval: float = 0.5) -> None:
@@ -500,13 +502,14 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(1)
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"}.get(args.dtype, args.dtype)
     token = os.environ.get(args.admin_api_key_env) if args.admin_api_key_env else None
-    engine = EmbeddedEngine(args.model_path, args.host, port, dtype=dtype, max_batch_size=args.max_running_requests,
-                            weight_version=args.weight_version, admin_token=token or None, num_threads=args.num_threads,
-                            nonce=os.environ.get(ENGINE_NONCE_ENV) or None, reserved_socket=sock)
+    engine = EngineHTTPServer(args.model_path, args.host, port, dtype=dtype, max_batch_size=args.max_running_requests,
+                              weight_version=args.weight_version, admin_token=token or None,
+                              num_threads=args.num_threads, nonce=os.environ.get(ENGINE_NONCE_ENV) or None,
+                              reserved_socket=sock)
 
     async def serve() -> None:
         app_runner = await engine.start()
-        log.info("serving %s at %s (weight_version %s)", args.model_path, engine.url, engine.runner.weight_version)
+        log.info("serving %s at %s (weight_version %s)", args.model_path, engine.url, engine.scheduler.weight_version)
         if args.ready_file:
             with open(args.ready_file, "w") as f:
                 f.write(f"{engine.host} {engine.port}\n")

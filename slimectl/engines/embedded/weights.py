@@ -1,8 +1,8 @@
-"""Weight updates of the embedded engine: by name, from tensors, from a checkpoint on disk, from a distributed group.
+"""The embedded engine's weights: by HF name, updated from a checkpoint on disk or a distributed group, read back.
 
 Every update is checked in full first (names, shapes, dtypes, and for a checkpoint the
 architecture and completeness): a bad one raises ValueError and changes nothing. The copy itself
-runs on the scheduler thread between two steps (:meth:`_run_control` of the runner).
+runs on the scheduler thread between two steps (the scheduler runs what :class:`ServedWeights` returns).
 
 Names are HF parameter names. Mixture-of-experts models are the exception to "one name, one
 parameter": transformers 5 holds a layer's experts FUSED in memory (3-D
@@ -21,7 +21,8 @@ from a full checkpoint, read back (:func:`persistent_buffers`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,27 +35,91 @@ _ARCH_FIELDS = (
 )
 
 
-class WeightUpdates:
-    """The weight methods of :class:`~slimectl.engines.embedded.scheduler.BatchRunner` (a mixin: it
-    uses the runner's ``config``, ``_params``, ``model_path``, ``_weight_version`` and ``_run_control``)."""
+class ServedWeights:
+    """The served model's weights by HF name, and the label of their version.
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       weight_version: str | None = None) -> None:
-        """Copy tensors (HF parameter names) into the model between scheduler steps.
+    Every update is checked in full before anything is written (:meth:`receiver`, :meth:`checkpoint`); the
+    write itself is a function the scheduler runs on its thread between two steps. Released weights
+    (:meth:`release`) keep their names and shapes but hold no storage until :meth:`reallocate`.
+    """
 
-        Everything is checked first: an unknown name or a shape mismatch raises ValueError and
-        nothing is applied.
-        """
-        items = self._check_named_tensors(named_tensors)
-        self._apply_weights(items, weight_version)
+    def __init__(self, model, config, params: dict[str, torch.nn.Parameter], version: str):
+        self.model, self.config = model, config
+        self.params = params  # by HF name (tied weights appear under both names)
+        self.version = str(version)
+        self._targets: dict[str, torch.Tensor] | None = None
+        self._fused_parts: dict[str, list[str]] = {}
+        self._state_buffers: dict[str, torch.Tensor] = {}
 
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
-        """Load the safetensors weights of a checkpoint of the same architecture and swap them in
-        between scheduler steps (in-flight requests continue on the new weights)."""
+    @staticmethod
+    def check_version(v) -> None:
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"weight_version must be a non-empty string, got {v!r}")
+
+    def receiver(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], recv,
+                 weight_version: str | None = None) -> Callable[[], None]:
+        """Check ``specs`` (name, dtype, shape) and ``weight_version`` now (ValueError, nothing applied) and return
+        the function that fills the weights straight from ``recv(tensor)`` (a collective receive): no staging
+        copy when the dtype matches the parameter's. If a receive fails midway the model holds a mix, so the
+        version becomes ``<old>-incomplete`` (rollouts refuse mixed versions; the next full update fixes it)."""
+        targets = self.check_specs(specs)
+        if weight_version is not None:
+            self.check_version(weight_version)
+
+        def fill() -> None:
+            try:
+                with torch.no_grad():
+                    for name, dtype, shape in specs:
+                        p = targets[name]
+                        if p.dtype == dtype and p.is_contiguous():
+                            recv(p.data)
+                        else:
+                            buf = torch.empty(tuple(shape), dtype=dtype, device=p.device)
+                            recv(buf)
+                            p.copy_(buf.to(p.dtype))
+            except BaseException:
+                self.version = f"{self.version}-incomplete"
+                raise
+            if weight_version is not None:
+                self.version = weight_version
+
+        return fill
+
+    @contextmanager
+    def checkpoint(self, model_path: str) -> Iterator[tuple[list, Callable[[torch.Tensor], None]]]:
+        """The safetensors weights of a checkpoint of the same architecture, checked in full from its config and
+        headers (architecture, names, shapes, completeness; ValueError otherwise): yields their specs and a
+        ``read(out)`` that reads the next of them, in that order, straight into ``out`` (no second copy of the
+        model)."""
+        from slimectl.backends.hf.checkpoint import HFCheckpoint
+        from slimectl.contract.errors import SlimectlError
+
+        self._check_architecture(model_path)
+        try:
+            ckpt = HFCheckpoint(Path(model_path))
+        except SlimectlError as exc:
+            raise ValueError(str(exc)) from None
+        with ckpt:
+            specs = [(n, ckpt.dtype(n), ckpt.shape(n)) for n in ckpt.names()]
+            self.check_specs(specs)
+            missing = self.missing_from({n for n, _, _ in specs})
+            if missing:
+                raise ValueError(f"checkpoint {model_path!r} is missing parameter {missing[0]!r}"
+                                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            order = iter([n for n, _, _ in specs])
+
+            def read(out: torch.Tensor) -> None:
+                try:
+                    ckpt.get(next(order), out=out)
+                except SlimectlError as exc:
+                    raise ValueError(str(exc)) from None
+
+            yield specs, read
+
+    def _check_architecture(self, model_path: str) -> None:
         from transformers import AutoConfig
 
-        path = Path(model_path)
-        if not (path / "config.json").is_file():
+        if not (Path(model_path) / "config.json").is_file():
             raise ValueError(f"model_path {model_path!r} is not a model directory (no config.json)")
         try:
             other = AutoConfig.from_pretrained(model_path)
@@ -67,79 +132,20 @@ class WeightUpdates:
             if mine != theirs:
                 raise ValueError(f"checkpoint {model_path!r} does not match the served model: "
                                  f"{key} is {theirs!r}, expected {mine!r}")
-        # Read straight into the parameters (no second copy of the model): names, shapes and
-        # completeness are checked from the headers first; a read that fails midway leaves the
-        # version ``<old>-incomplete``, as a failed receive does (receive_weights).
-        from slimectl.backends.hf.checkpoint import HFCheckpoint
-        from slimectl.contract.errors import SlimectlError
 
-        try:
-            ckpt = HFCheckpoint(path)
-        except SlimectlError as exc:
-            raise ValueError(str(exc)) from None
-        with ckpt:
-            specs = [(n, ckpt.dtype(n), ckpt.shape(n)) for n in ckpt.names()]
-            self._check_specs(specs)
-            missing = self._missing_from({n for n, _, _ in specs})
-            if missing:
-                raise ValueError(f"checkpoint {model_path!r} is missing parameter {missing[0]!r}"
-                                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-            order = iter([n for n, _, _ in specs])
-
-            def read(out: torch.Tensor) -> None:
-                try:
-                    ckpt.get(next(order), out=out)
-                except SlimectlError as exc:
-                    raise ValueError(str(exc)) from None
-
-            self.receive_weights(specs, read, weight_version)
-        self.model_path = str(model_path)
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        """The first ``truncate_size`` rows (dim 0) of parameter ``name`` as float32 nested lists —
-        SGLang's ``/get_weights_by_name`` semantics; used by ``slimectl sync --verify``."""
-        p = self._weight_targets().get(name)
+    def read(self, name: str, truncate_size: int = 100) -> list:
+        """The first ``truncate_size`` rows (dim 0) of weight ``name`` as float32 nested lists —
+        SGLang's ``/get_weights_by_name`` semantics; used by ``slimectl sync --verify``. KeyError: no such name."""
+        p = self.targets().get(name)
         if p is None:
             raise KeyError(name)
         with torch.no_grad():
             return p.detach()[: max(0, int(truncate_size))].to(torch.float32).tolist()
 
-    def receive_weights(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], recv,
-                        weight_version: str | None = None) -> None:
-        """Fill parameters straight from ``recv(tensor)`` (a collective receive), between scheduler
-        steps: no staging copy when the dtype matches the parameter's.
-
-        Names and shapes are checked before anything is received (ValueError, nothing applied).
-        If a receive fails midway the model holds a mix, so the weight version becomes
-        ``<old>-incomplete`` (rollouts refuse mixed versions; the next full update fixes it).
-        """
-        targets = self._check_specs(specs)
-        if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
-            raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
-
-        def apply():
-            try:
-                with torch.no_grad():
-                    for name, dtype, shape in specs:
-                        p = targets[name]
-                        if p.dtype == dtype and p.is_contiguous():
-                            recv(p.data)
-                        else:
-                            buf = torch.empty(tuple(shape), dtype=dtype, device=p.device)
-                            recv(buf)
-                            p.copy_(buf.to(p.dtype))
-            except BaseException:
-                self._weight_version = f"{self._weight_version}-incomplete"
-                raise
-            if weight_version is not None:
-                self._weight_version = weight_version
-
-        self._run_control(apply)
-
-    def _check_specs(self, specs) -> dict[str, torch.Tensor]:
+    def check_specs(self, specs) -> dict[str, torch.Tensor]:
         """ValueError unless every (name, dtype, shape) names a weight of that shape and a floating
         dtype; returns the weight targets."""
-        targets = self._weight_targets()
+        targets = self.targets()
         for name, dtype, shape in specs:
             param = targets.get(name)
             if param is None:
@@ -150,27 +156,25 @@ class WeightUpdates:
                 raise ValueError(f"dtype mismatch for {name!r}: got {dtype}, expected a floating point tensor")
         return targets
 
-    def _weight_targets(self) -> dict[str, torch.Tensor]:
+    def targets(self) -> dict[str, torch.Tensor]:
         """Every name an update may write or a read-back may read: the parameters (tied ones under
         both names) and, for fused MoE experts, each expert's per-expert HF names (views)."""
-        targets = getattr(self, "_targets", None)
-        if targets is None:
+        if self._targets is None:
             views = fused_expert_views(self.model)
             parts: dict[str, list[str]] = {}
             for name, (fused, _) in views.items():
                 parts.setdefault(fused, []).append(name)
             self._fused_parts = parts
             self._state_buffers = persistent_buffers(self.model)
-            targets = self._targets = {**self._params, **self._state_buffers,
-                                       **{n: v for n, (_, v) in views.items()}}
-        return targets
+            self._targets = {**self.params, **self._state_buffers, **{n: v for n, (_, v) in views.items()}}
+        return self._targets
 
-    def _missing_from(self, given: set[str]) -> list[str]:
+    def missing_from(self, given: set[str]) -> list[str]:
         """The names a full checkpoint lacks, given the names it has: a parameter is covered by its
         name (a tied one by either name) or, when fused, by every one of its per-expert names; the
         missing pieces of a fused parameter are named per expert, as checkpoints spell them."""
-        self._weight_targets()
-        weights = {**self._params, **self._state_buffers}
+        self.targets()
+        weights = {**self.params, **self._state_buffers}
         covered = {p.data_ptr() for n, p in weights.items() if n in given}
         missing: dict[str, None] = {}
         for n, p in weights.items():
@@ -183,44 +187,31 @@ class WeightUpdates:
             missing.update(dict.fromkeys(lacking))
         return list(missing)
 
-    def _check_named_tensors(self, named_tensors) -> list[tuple[str, torch.Tensor]]:
-        items = []
-        targets = self._weight_targets()
-        for entry in named_tensors:
-            try:
-                name, tensor = entry
-            except (TypeError, ValueError):
-                raise ValueError("named_tensors must be (name, tensor) pairs") from None
-            param = targets.get(name)
-            if param is None:
-                raise ValueError(f"unknown parameter name {name!r}")
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"value for {name!r} is not a tensor")
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            if not (tensor.is_floating_point() or tensor.is_complex()) and param.is_floating_point():
-                raise ValueError(f"dtype mismatch for {name!r}: got {tensor.dtype}, expected a floating point tensor")
-            items.append((name, tensor))
-        return items
+    def release(self) -> int:
+        """Swap every parameter's data for a 0-byte stand-in of the same shape and dtype (a broadcast
+        scalar: shape checks still pass, a write into it raises); returns the bytes let go."""
+        freed = 0
+        with torch.inference_mode(False), torch.no_grad():
+            for p in self._unique_params():
+                freed += p.numel() * p.element_size()
+                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+        self._targets = None  # the fused-expert views of the old storage
+        return freed
 
-    def _apply_weights(self, items, weight_version, after=None) -> None:
-        if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
-            raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
+    def reallocate(self) -> int:
+        """Give the (released) parameters storage again (uninitialised: the next weight update fills it);
+        returns the bytes allocated."""
+        alloc = 0
+        with torch.inference_mode(False), torch.no_grad():
+            for p in self._unique_params():
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                alloc += p.numel() * p.element_size()
+        self._targets = None
+        return alloc
 
-        targets = self._weight_targets()
-
-        def apply():
-            with torch.no_grad():
-                for name, tensor in items:
-                    p = targets[name]
-                    p.copy_(tensor.to(device=p.device, dtype=p.dtype))
-            if after is not None:
-                after()
-            if weight_version is not None:
-                self._weight_version = weight_version
-
-        self._run_control(apply)
+    def _unique_params(self) -> list[torch.nn.Parameter]:
+        """Each parameter once (tied weights appear under several names but are one parameter: freed once)."""
+        return list({id(p): p for p in self.params.values()}.values())
 
 
 def persistent_buffers(model) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
-"""slimectl.engines.embedded.scheduler: continuous batching with a KV cache over tiny offline models.
+"""The embedded engine's GenerationScheduler: continuous batching with a KV cache over tiny offline models.
 
-Reference values come from plain transformers forwards over prompt + output, so the runner's
+Reference values come from plain transformers forwards over prompt + output, so the scheduler's
 batching (left padding, KV merging, explicit positions) is checked against the unbatched model.
 """
 
@@ -17,8 +17,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from slimectl.engines.embedded.scheduler import BatchRunner, GenRequest, SamplingParams  # noqa: E402
+from slimectl.engines.embedded.requests import GenRequest  # noqa: E402
+from slimectl.engines.embedded.sampling_params import SamplingParams  # noqa: E402
+from slimectl.engines.embedded.scheduler import GenerationScheduler  # noqa: E402
 from slimectl.fixtures.tiny_models import build_tiny_model  # noqa: E402
+from tests.helpers import load_tensors  # noqa: E402
 
 # A larger init than the default 0.02 gives peaked next-token distributions, so greedy picks and
 # sampled tokens are far from ties and numerical noise (~1e-7) cannot flip them, while the logits
@@ -30,7 +33,7 @@ TIMEOUT = 30
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("runner_models")
+    root = tmp_path_factory.mktemp("scheduler_models")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return {
@@ -42,21 +45,21 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def runner(models):
-    """A shared runner on the qwen3 model; tests using it must not change its weights."""
-    r = BatchRunner(str(models["qwen3"]), max_batch_size=16)
+def scheduler(models):
+    """A shared scheduler on the qwen3 model; tests using it must not change its weights."""
+    r = GenerationScheduler(str(models["qwen3"]), max_batch_size=16)
     r.start()
     yield r
     r.stop()
 
 
 @pytest.fixture
-def fresh_runner(models):
-    """A private runner for tests that pause it or change its weights."""
+def fresh_scheduler(models):
+    """A private scheduler for tests that pause it or change its weights."""
     made = []
 
     def make(name="qwen3", **kw):
-        r = BatchRunner(str(models[name]), **kw)
+        r = GenerationScheduler(str(models[name]), **kw)
         r.start()
         made.append(r)
         return r
@@ -79,7 +82,7 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
-def gen(r: BatchRunner, ids, rid="r", **kw) -> object:
+def gen(r: GenerationScheduler, ids, rid="r", **kw) -> object:
     lp = {k: kw.pop(k) for k in ("return_logprob", "logprob_start_len", "top_logprobs_num") if k in kw}
     return r.submit(GenRequest(rid=rid, input_ids=list(ids), params=SamplingParams(**kw), **lp)).result(TIMEOUT)
 
@@ -120,12 +123,12 @@ def _mixed_requests(n=32):
     return reqs
 
 
-def test_concurrent_requests_match_sequential_runs(runner):
+def test_concurrent_requests_match_sequential_runs(scheduler):
     reqs = _mixed_requests(32)
     # Alone: one request at a time.
     alone = {}
     for q in reqs:
-        alone[q.rid] = runner.submit(q).result(TIMEOUT)
+        alone[q.rid] = scheduler.submit(q).result(TIMEOUT)
     # Together: 4 threads submit with small random gaps, so requests join a running batch
     # mid-decode and (max_batch_size 16) some wait for others to leave.
     futures, lock = {}, threading.Lock()
@@ -133,14 +136,14 @@ def test_concurrent_requests_match_sequential_runs(runner):
     def worker(part):
         rng = random.Random(len(part))
         for q in part:
-            f = runner.submit(q)
+            f = scheduler.submit(q)
             with lock:
                 futures[q.rid] = f
             time.sleep(rng.random() * 0.004)
 
     threads = [threading.Thread(target=worker, args=(reqs[k::4],)) for k in range(4)]
     shapes = []
-    dec = runner.model.get_decoder()
+    dec = scheduler.model.get_decoder()
     orig = dec.forward
 
     def recording(*a, **kw):
@@ -148,7 +151,7 @@ def test_concurrent_requests_match_sequential_runs(runner):
         return orig(*a, **kw)
 
     dec.forward = recording
-    before = runner.load_stats()
+    before = scheduler.load_stats()
     try:
         for t in threads:
             t.start()
@@ -157,7 +160,7 @@ def test_concurrent_requests_match_sequential_runs(runner):
         together = {rid: f.result(TIMEOUT) for rid, f in futures.items()}
     finally:
         dec.forward = orig
-    after = runner.load_stats()
+    after = scheduler.load_stats()
 
     for q in reqs:
         a, b = alone[q.rid], together[q.rid]
@@ -175,17 +178,17 @@ def test_concurrent_requests_match_sequential_runs(runner):
     assert max(b for b, _ in shapes) <= 16 and max(b for b, q in shapes if q == 1) > 4
 
 
-def test_same_seed_same_tokens_different_seed_differs(runner):
+def test_same_seed_same_tokens_different_seed_differs(scheduler):
     ids = prompt(7, 6)
-    a = gen(runner, ids, max_new_tokens=16, sampling_seed=42, ignore_eos=True)
-    b = gen(runner, ids, max_new_tokens=16, sampling_seed=42, ignore_eos=True)
-    c = gen(runner, ids, max_new_tokens=16, sampling_seed=43, ignore_eos=True)
+    a = gen(scheduler, ids, max_new_tokens=16, sampling_seed=42, ignore_eos=True)
+    b = gen(scheduler, ids, max_new_tokens=16, sampling_seed=42, ignore_eos=True)
+    c = gen(scheduler, ids, max_new_tokens=16, sampling_seed=43, ignore_eos=True)
     assert a.output_ids == b.output_ids
     assert a.output_ids != c.output_ids
 
 
-def test_decode_batches_all_rows_in_one_forward(fresh_runner):
-    r = fresh_runner()
+def test_decode_batches_all_rows_in_one_forward(fresh_scheduler):
+    r = fresh_scheduler()
     calls = []
     dec = r.model.get_decoder()
     orig = dec.forward
@@ -209,11 +212,11 @@ def test_decode_batches_all_rows_in_one_forward(fresh_runner):
     dec.forward = orig
 
 
-def test_repeated_prompts_are_prefilled_once_and_match_the_hf_forward(fresh_runner, hf_model):
+def test_repeated_prompts_are_prefilled_once_and_match_the_hf_forward(fresh_scheduler, hf_model):
     """A GRPO group: four requests with one prompt (and one other prompt) admitted together go
     through the prefill as two rows, the KV cache copied to the others; every request's tokens and
     log-probs are still its own (a plain HF forward over prompt + output)."""
-    r = fresh_runner()
+    r = fresh_scheduler()
     calls = []
     dec = r.model.get_decoder()
     orig = dec.forward
@@ -248,13 +251,13 @@ def test_repeated_prompts_are_prefilled_once_and_match_the_hf_forward(fresh_runn
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
-def test_output_logprobs_match_hf_forward(runner, hf_model, temperature):
+def test_output_logprobs_match_hf_forward(scheduler, hf_model, temperature):
     reqs = [GenRequest(rid=f"lp{i}", input_ids=prompt(50 + i, 2 + 3 * i),
                        params=SamplingParams(max_new_tokens=12, temperature=temperature, sampling_seed=i,
                                              ignore_eos=True),
                        return_logprob=True, logprob_start_len=0)
             for i in range(6)]
-    futs = [runner.submit(q) for q in reqs]  # batched together (different prompt lengths)
+    futs = [scheduler.submit(q) for q in reqs]  # batched together (different prompt lengths)
     for q, f in zip(reqs, futs):
         res = f.result(TIMEOUT)
         n = len(q.input_ids)
@@ -272,10 +275,10 @@ def test_output_logprobs_match_hf_forward(runner, hf_model, temperature):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_other_families_match_hf_forward(fresh_runner, models, family):
+def test_other_families_match_hf_forward(fresh_scheduler, models, family):
     from transformers import AutoModelForCausalLM
 
-    r = fresh_runner(family)
+    r = fresh_scheduler(family)
     ref_model = AutoModelForCausalLM.from_pretrained(str(models[family]), dtype=torch.float32).eval()
     reqs = [GenRequest(rid=f"{family}{i}", input_ids=prompt(90 + i, 1 + 4 * i), return_logprob=True,
                        logprob_start_len=0,
@@ -296,8 +299,8 @@ def test_other_families_match_hf_forward(fresh_runner, models, family):
             assert res.output_ids == logits[n - 1 : len(full) - 1].argmax(-1).tolist()
 
 
-def test_bf16_runner_generates(fresh_runner):
-    r = fresh_runner(dtype="bf16")
+def test_bf16_scheduler_generates(fresh_scheduler):
+    r = fresh_scheduler(dtype="bf16")
     futs = [r.submit(GenRequest(rid=f"h{i}", input_ids=prompt(i, 3 + i), return_logprob=True,
                                 params=SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=i,
                                                       ignore_eos=True)))
@@ -308,11 +311,11 @@ def test_bf16_runner_generates(fresh_runner):
     assert r.model_info["dtype"] == "bfloat16"
 
 
-def test_teacher_mode_input_logprobs(runner, hf_model):
+def test_teacher_mode_input_logprobs(scheduler, hf_model):
     ids = prompt(9, 20)
     ref = torch.log_softmax(hf_logits(hf_model, ids), dim=-1)
     want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
-    futs = [runner.submit(GenRequest(rid=f"t{k}", input_ids=ids, return_logprob=True, logprob_start_len=k,
+    futs = [scheduler.submit(GenRequest(rid=f"t{k}", input_ids=ids, return_logprob=True, logprob_start_len=k,
                                      params=SamplingParams(max_new_tokens=0, temperature=0)))
             for k in (0, 5)]
     full, part = (f.result(TIMEOUT) for f in futs)
@@ -326,9 +329,9 @@ def test_teacher_mode_input_logprobs(runner, hf_model):
     assert full.weight_versions == [{"version": "default", "start": 0, "end": 0}]
 
 
-def test_top_logprobs(runner, hf_model):
+def test_top_logprobs(scheduler, hf_model):
     ids = prompt(11, 6)
-    res = gen(runner, ids, max_new_tokens=3, temperature=0, return_logprob=True, logprob_start_len=0,
+    res = gen(scheduler, ids, max_new_tokens=3, temperature=0, return_logprob=True, logprob_start_len=0,
               top_logprobs_num=2)
     ref = torch.log_softmax(hf_logits(hf_model, ids + res.output_ids), dim=-1)
     assert res.input_top_logprobs[0] is None and len(res.input_top_logprobs) == 6
@@ -340,8 +343,8 @@ def test_top_logprobs(runner, hf_model):
     assert [top[0][1] for top in res.output_top_logprobs] == res.output_ids
 
 
-def test_max_new_tokens_zero_returns_immediately(runner):
-    res = gen(runner, [5, 6, 7], max_new_tokens=0)
+def test_max_new_tokens_zero_returns_immediately(scheduler):
+    res = gen(scheduler, [5, 6, 7], max_new_tokens=0)
     assert res.output_ids == [] and res.finish_reason == {"type": "length", "length": 0}
     assert res.output_token_logprobs is None and res.input_token_logprobs is None
 
@@ -351,10 +354,10 @@ def test_max_new_tokens_zero_returns_immediately(runner):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_stop_strings_and_stop_token_ids(runner):
-    tok = runner.tokenizer
+def test_stop_strings_and_stop_token_ids(scheduler):
+    tok = scheduler.tokenizer
     ids = prompt(21, 5)
-    base = gen(runner, ids, max_new_tokens=24, temperature=0, ignore_eos=True)
+    base = gen(scheduler, ids, max_new_tokens=24, temperature=0, ignore_eos=True)
     out = base.output_ids
     assert base.finish_reason == {"type": "length", "length": 24}
     assert base.text == tok.decode(out, skip_special_tokens=True)
@@ -363,40 +366,40 @@ def test_stop_strings_and_stop_token_ids(runner):
     k = next(k for k in range(3, 24) if tok.decode([out[k]]).strip().isalnum())
     stop = tok.decode([out[k]]).strip()
     n = next(n for n in range(1, 25) if stop in tok.decode(out[:n]))
-    res = gen(runner, ids, max_new_tokens=24, temperature=0, ignore_eos=True, stop=[stop, "never-seen-zzz"])
+    res = gen(scheduler, ids, max_new_tokens=24, temperature=0, ignore_eos=True, stop=[stop, "never-seen-zzz"])
     assert res.finish_reason == {"type": "stop", "matched": stop}
     assert res.output_ids == out[:n]
     full = tok.decode(out[:n])
     assert res.text == full[: full.find(stop)]
-    keep = gen(runner, ids, max_new_tokens=24, temperature=0, ignore_eos=True, stop=stop, no_stop_trim=True)
+    keep = gen(scheduler, ids, max_new_tokens=24, temperature=0, ignore_eos=True, stop=stop, no_stop_trim=True)
     assert keep.output_ids == out[:n] and keep.text == full
 
     # A stop token id: generation ends on its first occurrence; the token is output, not text.
     t = out[3]
     m = out.index(t)
-    res = gen(runner, ids, max_new_tokens=24, temperature=0, stop_token_ids=[t])
+    res = gen(scheduler, ids, max_new_tokens=24, temperature=0, stop_token_ids=[t])
     assert res.finish_reason == {"type": "stop", "matched": t}
     assert res.output_ids == out[: m + 1]
     assert res.text == tok.decode(out[:m])
-    res = gen(runner, ids, max_new_tokens=24, temperature=0, stop_token_ids=[t], no_stop_trim=True)
+    res = gen(scheduler, ids, max_new_tokens=24, temperature=0, stop_token_ids=[t], no_stop_trim=True)
     assert res.text == tok.decode(out[: m + 1])
     # As in SGLang, ignore_eos turns off every token-based stop.
-    res = gen(runner, ids, max_new_tokens=24, temperature=0, stop_token_ids=[t], ignore_eos=True)
+    res = gen(scheduler, ids, max_new_tokens=24, temperature=0, stop_token_ids=[t], ignore_eos=True)
     assert res.output_ids == out
 
-    res = gen(runner, ids, max_new_tokens=5, temperature=0)
+    res = gen(scheduler, ids, max_new_tokens=5, temperature=0)
     assert res.output_ids == out[:5] and res.finish_reason == {"type": "length", "length": 5}
 
 
-def test_eos_stops_unless_ignore_eos(fresh_runner):
-    r = fresh_runner()
+def test_eos_stops_unless_ignore_eos(fresh_scheduler):
+    r = fresh_scheduler()
     ids = prompt(31, 4)
     first = gen(r, ids, max_new_tokens=4, temperature=0, ignore_eos=True).output_ids[0]
     # Make <|im_end|> (id 2) the most likely next token: its (tied) output row becomes 3x the
     # row of the token greedy would pick, whose logit is positive.
     emb = r.model.get_input_embeddings().weight.detach().clone()
     emb[2] = 3 * emb[first]
-    r.update_weights([("lm_head.weight", emb)])
+    load_tensors(r, [("lm_head.weight", emb)])
     res = gen(r, ids, max_new_tokens=4, temperature=0, return_logprob=True)
     assert res.output_ids == [2]
     assert res.finish_reason == {"type": "stop", "matched": 2}
@@ -410,8 +413,8 @@ def test_eos_stops_unless_ignore_eos(fresh_runner):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_abort_running_and_waiting(fresh_runner):
-    r = fresh_runner(max_batch_size=1)
+def test_abort_running_and_waiting(fresh_scheduler):
+    r = fresh_scheduler(max_batch_size=1)
     long = r.submit(GenRequest(rid="long", input_ids=[5, 6, 7],
                                params=SamplingParams(max_new_tokens=450, temperature=0, ignore_eos=True)))
     queued = r.submit(GenRequest(rid="queued", input_ids=[5, 6],
@@ -428,12 +431,12 @@ def test_abort_running_and_waiting(fresh_runner):
     assert res.finish_reason == {"type": "abort", "message": "Aborted"}
     assert 0 < len(res.output_ids) < 450 and res.text
     assert r.abort(rid="nope") == 0
-    # The runner keeps serving.
+    # The scheduler keeps serving.
     assert gen(r, [5, 6], max_new_tokens=3, temperature=0).finish_reason["type"] == "length"
 
 
-def test_cancelled_future_is_aborted(fresh_runner):
-    r = fresh_runner()
+def test_cancelled_future_is_aborted(fresh_scheduler):
+    r = fresh_scheduler()
     r.pause("in_place")
     f = r.submit(GenRequest(rid="c", input_ids=[5, 6], params=SamplingParams(max_new_tokens=10)))
     assert f.cancel()
@@ -442,8 +445,8 @@ def test_cancelled_future_is_aborted(fresh_runner):
     assert r.flush_cache()
 
 
-def test_pause_in_place_holds_requests_until_resume(fresh_runner):
-    r = fresh_runner()
+def test_pause_in_place_holds_requests_until_resume(fresh_scheduler):
+    r = fresh_scheduler()
     ids = prompt(41, 5)
     ref = gen(r, ids, max_new_tokens=300, temperature=0, ignore_eos=True).output_ids
     running = r.submit(GenRequest(rid="run", input_ids=ids,
@@ -464,8 +467,8 @@ def test_pause_in_place_holds_requests_until_resume(fresh_runner):
     assert r.flush_cache()
 
 
-def test_pause_abort_aborts_in_flight_and_parks_new(fresh_runner):
-    r = fresh_runner()
+def test_pause_abort_aborts_in_flight_and_parks_new(fresh_scheduler):
+    r = fresh_scheduler()
     f = r.submit(GenRequest(rid="x", input_ids=[5, 6, 7],
                             params=SamplingParams(max_new_tokens=450, temperature=0, ignore_eos=True)))
     wait_for(lambda: r.load_stats()["num_generated_tokens"] >= 2)
@@ -483,32 +486,32 @@ def test_pause_abort_aborts_in_flight_and_parks_new(fresh_runner):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_update_weights_changes_outputs_and_version(fresh_runner):
-    r = fresh_runner()
+def test_update_weights_changes_outputs_and_version(fresh_scheduler):
+    r = fresh_scheduler()
     ids = prompt(51, 6)
     before = gen(r, ids, max_new_tokens=12, temperature=0, ignore_eos=True)
     norm = r.model.get_decoder().norm.weight.detach().clone()
-    r.update_weights([("model.norm.weight", norm * -1.5)], weight_version="v2")
+    load_tensors(r, [("model.norm.weight", norm * -1.5)], weight_version="v2")
     assert r.weight_version == "v2" and r.model_info["weight_version"] == "v2"
     after = gen(r, ids, max_new_tokens=12, temperature=0, ignore_eos=True)
     assert after.output_ids != before.output_ids
     assert after.weight_version == "v2"
     assert after.weight_versions == [{"version": "v2", "start": 0, "end": 12}]
-    r.update_weights([("model.norm.weight", norm)], weight_version="v3")
+    load_tensors(r, [("model.norm.weight", norm)], weight_version="v3")
     assert gen(r, ids, max_new_tokens=12, temperature=0, ignore_eos=True).output_ids == before.output_ids
     r.set_weight_version("v4")
     assert gen(r, ids, max_new_tokens=1, temperature=0).weight_version == "v4"
 
 
-def test_weight_update_mid_request_shows_two_versions(fresh_runner, hf_model):
-    r = fresh_runner()
+def test_weight_update_mid_request_shows_two_versions(fresh_scheduler, hf_model):
+    r = fresh_scheduler()
     ids = prompt(61, 5)
     f = r.submit(GenRequest(rid="s", input_ids=ids, return_logprob=True,
                             params=SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)))
     wait_for(lambda: r.load_stats()["num_generated_tokens"] >= 4)
     r.pause("in_place")  # freeze it mid-flight so the update lands before it finishes
     norm = r.model.get_decoder().norm.weight.detach().clone()
-    r.update_weights([("model.norm.weight", norm * -1.5)], weight_version="v2")
+    load_tensors(r, [("model.norm.weight", norm * -1.5)], weight_version="v2")
     r.resume()
     res = f.result(TIMEOUT)
     spans = res.weight_versions
@@ -528,9 +531,9 @@ def test_weight_update_mid_request_shows_two_versions(fresh_runner, hf_model):
     assert new_lp != pytest.approx(old_lp, abs=1e-3)
 
 
-def test_update_weights_from_disk(fresh_runner, models):
-    r = fresh_runner()
-    other = fresh_runner("qwen3_b")
+def test_update_weights_from_disk(fresh_scheduler, models):
+    r = fresh_scheduler()
+    other = fresh_scheduler("qwen3_b")
     ids = prompt(71, 6)
     before = gen(r, ids, max_new_tokens=10, temperature=0, ignore_eos=True)
     want = gen(other, ids, max_new_tokens=10, temperature=0, ignore_eos=True, return_logprob=True)
@@ -547,15 +550,15 @@ def test_update_weights_from_disk(fresh_runner, models):
     assert gen(r, ids, max_new_tokens=10, temperature=0, ignore_eos=True).output_ids == before.output_ids
 
 
-def test_bad_weight_updates_change_nothing(fresh_runner, models, tmp_path):
-    r = fresh_runner()
+def test_bad_weight_updates_change_nothing(fresh_scheduler, models, tmp_path):
+    r = fresh_scheduler()
     ids = prompt(81, 6)
     before = gen(r, ids, max_new_tokens=10, temperature=0, ignore_eos=True).output_ids
     norm = r.model.get_decoder().norm.weight.detach().clone()
     with pytest.raises(ValueError, match="model.layers.9.nope"):
-        r.update_weights([("model.norm.weight", norm * 0), ("model.layers.9.nope", norm)], weight_version="bad")
+        load_tensors(r, [("model.norm.weight", norm * 0), ("model.layers.9.nope", norm)], weight_version="bad")
     with pytest.raises(ValueError, match="shape mismatch for 'model.norm.weight'"):
-        r.update_weights([("model.norm.weight", torch.zeros(3))], weight_version="bad")
+        load_tensors(r, [("model.norm.weight", torch.zeros(3))], weight_version="bad")
     with pytest.raises(ValueError, match="model_type"):
         r.update_weights_from_disk(str(models["llama"]), weight_version="bad")
     with pytest.raises(ValueError, match="not a model directory"):
@@ -569,18 +572,18 @@ def test_bad_weight_updates_change_nothing(fresh_runner, models, tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_submit_validation(runner):
+def test_submit_validation(scheduler):
     def sub(ids, **kw):
-        return runner.submit(GenRequest(rid="v", input_ids=ids, params=SamplingParams(**kw)))
+        return scheduler.submit(GenRequest(rid="v", input_ids=ids, params=SamplingParams(**kw)))
 
     with pytest.raises(ValueError, match="empty"):
         sub([])
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        sub([5, runner.vocab_size])
+        sub([5, scheduler.vocab_size])
     with pytest.raises(ValueError, match="context length"):
-        sub([5] * 10, max_new_tokens=runner.max_context)
+        sub([5] * 10, max_new_tokens=scheduler.max_context)
     with pytest.raises(ValueError, match="logprob_start_len"):
-        runner.submit(GenRequest(rid="v", input_ids=[5, 6], params=SamplingParams(), return_logprob=True,
+        scheduler.submit(GenRequest(rid="v", input_ids=[5, 6], params=SamplingParams(), return_logprob=True,
                                  logprob_start_len=2))
 
 
@@ -598,18 +601,18 @@ def test_sampling_params_from_dict():
             SamplingParams.from_dict(bad)
 
 
-def test_model_info_and_stats(runner):
-    info = runner.model_info
+def test_model_info_and_stats(scheduler):
+    info = scheduler.model_info
     assert info["model_type"] == "qwen3" and info["architectures"] == ["Qwen3ForCausalLM"]
-    assert info["vocab_size"] == runner.vocab_size and 2 in info["eos_token_ids"]
-    stats = runner.load_stats()
+    assert info["vocab_size"] == scheduler.vocab_size and 2 in info["eos_token_ids"]
+    stats = scheduler.load_stats()
     assert {"num_running_reqs", "num_waiting_reqs", "num_used_tokens"} <= set(stats)
-    assert runner.tokenizer.eos_token_id == 2
+    assert scheduler.tokenizer.eos_token_id == 2
 
 
-def test_receive_weights_checks_first_fills_in_place_and_marks_a_broken_receive(fresh_runner):
-    r = fresh_runner()
-    name, p = next((n, q) for n, q in r._params.items() if q.dim() == 2)
+def test_receive_weights_checks_first_fills_in_place_and_marks_a_broken_receive(fresh_scheduler):
+    r = fresh_scheduler()
+    name, p = next((n, q) for n, q in r.weights.params.items() if q.dim() == 2)
     shape = tuple(p.shape)
     with pytest.raises(ValueError, match="unknown parameter"):
         r.receive_weights([("nope", torch.float32, (1,))], lambda t: None, "v1")
@@ -618,10 +621,11 @@ def test_receive_weights_checks_first_fills_in_place_and_marks_a_broken_receive(
     ptr = p.data_ptr()
     new = torch.full(shape, 0.5)
     r.receive_weights([(name, torch.float32, shape)], lambda t: t.copy_(new), "v2")
-    assert r.weight_version == "v2" and torch.equal(r._params[name], new) and r._params[name].data_ptr() == ptr
+    params = r.weights.params
+    assert r.weight_version == "v2" and torch.equal(params[name], new) and params[name].data_ptr() == ptr
     other = torch.full(shape, 0.25, dtype=torch.float64)  # another dtype goes through a buffer and is cast
     r.receive_weights([(name, torch.float64, shape)], lambda t: t.copy_(other), None)
-    assert torch.equal(r._params[name], other.float()) and r.weight_version == "v2"
+    assert torch.equal(r.weights.params[name], other.float()) and r.weight_version == "v2"
 
     def broken(t):
         raise RuntimeError("peer died")
