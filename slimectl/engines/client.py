@@ -182,16 +182,6 @@ class EngineClient:
         body.update(extra)
         return await self.request("POST", "/generate", body)
 
-    async def health(self, timeout: float = 5.0) -> bool:
-        try:
-            await self.request("GET", "/health", timeout=timeout, expect_json=False)
-            return True
-        except EngineError:
-            return False
-
-    async def health_generate(self, timeout: float = 60.0) -> None:
-        await self.request("GET", "/health_generate", timeout=timeout, expect_json=False)
-
     async def wait_healthy(self, timeout: float = 600.0, interval: float = 0.5) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -234,9 +224,6 @@ class EngineClient:
 
     async def weight_version(self) -> str:
         return (await self.get_model_info())["weight_version"]
-
-    async def loads(self) -> dict[str, Any]:
-        return await self.request("GET", "/v1/loads")
 
     # ------------------------------------------------------------------ control
     async def flush_cache(self) -> str:

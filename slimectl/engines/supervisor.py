@@ -1,4 +1,4 @@
-"""Child-process supervision: start with a per-process log, wait for health, stop the whole tree, forward signals.
+"""Child-process supervision: start with a per-process log, wait for health, stop the whole tree.
 
 Each child runs in its own session / process group, with stdout+stderr in its log file (filtered
 through a redacting pump when secrets are on its command line), is polled with ``GET URL/path``
@@ -24,7 +24,6 @@ from urllib.parse import urlsplit
 import psutil
 
 from slimectl.contract.errors import SlimectlError
-from slimectl.orchestration.signals import SignalHandlers, run_previous
 from slimectl.web.client import http_status, request_json
 from slimectl.web.errors import HttpError
 
@@ -169,7 +168,7 @@ class ProcessSupervisor:
     """Starts child processes in their own sessions with per-process log files, waits for them to
     become healthy and tears them (and all their descendants) down. Use as a context manager::
 
-        with ProcessSupervisor() as sup, sup.install_signal_handlers():
+        with ProcessSupervisor() as sup:
             p = sup.start("engine-0", argv, env=env, log_path=run_dir / "logs/engine-0.log", url=url)
             sup.wait_healthy(url, timeout=600)
             ...
@@ -177,7 +176,6 @@ class ProcessSupervisor:
 
     def __init__(self) -> None:
         self.processes: list[ManagedProcess] = []
-        self._signal_handlers: SignalHandlers | None = None
 
     # ---- start ---------------------------------------------------------------------------
     def start(self, name: str, argv: Sequence[str], *, log_path: str | Path, env: Mapping[str, str] | None = None,
@@ -377,36 +375,11 @@ class ProcessSupervisor:
             out.update(_group_members({p.pid for p in procs}))
         return out
 
-    # ---- signals -------------------------------------------------------------------------
-    def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> SignalHandlers:
-        """Make SIGTERM/SIGINT in this (main-thread) process stop the children first, then do what
-        the previous handler would (default SIGINT -> KeyboardInterrupt; default SIGTERM ->
-        SystemExit(143)). Signals set to SIG_IGN are left alone; off the main thread nothing is
-        installed. Returns the handlers: ``restore()`` (or leaving their ``with`` block) puts the
-        previous ones back."""
-        if self._signal_handlers is None or not self._signal_handlers.previous:
-            self._signal_handlers = SignalHandlers(self._on_signal, signals, skip_ignored=True)
-        return self._signal_handlers.install()
-
-    def restore_signal_handlers(self) -> None:
-        if self._signal_handlers is not None:
-            self._signal_handlers.restore()
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        prev = self._signal_handlers.previous.get(signum) if self._signal_handlers else None
-        log.warning("received %s: stopping %d child process(es)", signal.Signals(signum).name, len(self.processes))
-        self.stop()
-        self.restore_signal_handlers()
-        run_previous(prev, signum, frame)
-
     def __enter__(self) -> "ProcessSupervisor":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        try:
-            self.stop()
-        finally:
-            self.restore_signal_handlers()
+        self.stop()
 
 
 

@@ -231,7 +231,7 @@ def test_pause_abort_continue(served):
     async def pause_then_continue():
         async with EngineClient(url) as c:
             deadline = time.monotonic() + 60
-            while not any(x["num_running_reqs"] for x in (await c.loads())["loads"]):  # /v1/loads: it is decoding
+            while not any(x["num_running_reqs"] for x in (await c.request("GET", "/v1/loads"))["loads"]):  # decoding
                 assert time.monotonic() < deadline and t.is_alive(), f"the request never ran: {box}"
                 await asyncio.sleep(0.05)
             await c.pause_generation(mode="abort")

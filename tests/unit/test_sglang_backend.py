@@ -2,14 +2,14 @@
 
 No sglang here: the process tests run a small stdlib HTTP server that behaves like
 ``python -m sglang.launch_server`` (parses --host/--port, answers /health_generate, spawns a
-grandchild, handles SIGTERM), launched through the ``launcher`` hook of the spec.
+grandchild, handles SIGTERM), launched through the ``launcher`` hook of the spec. The argv checks
+run tests/sglang_argv_check.py (SGLang's own parser) against a fake ``sglang``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import textwrap
 import time
@@ -19,19 +19,14 @@ import psutil
 import pytest
 
 from slimectl.contract.errors import UsageError
-from slimectl.engines.sglang.argv_check import SGLANG_NOT_IMPORTABLE, check_argv_with_sglang
-from slimectl.engines.sglang.launch_spec import (
-    SGLangLaunchSpec,
-    build_env,
-    build_router_argv,
-    build_sglang_argv,
-    control_token,
-)
-from slimectl.engines.sglang.launcher import launch_router, launch_sglang_engines
+from slimectl.engines.sglang.launch_spec import (SGLangLaunchSpec, build_env, build_router_argv, build_sglang_argv,
+                                                 url_host)
+from slimectl.engines.sglang.launcher import launch_router
 from slimectl.engines.supervisor import (
     ExitedBeforeHealthy,
     HealthTimeout,
     LaunchError,
+    ManagedProcess,
     ProcessSupervisor,
     _alive,
     redact_argv,
@@ -39,6 +34,7 @@ from slimectl.engines.supervisor import (
 )
 from slimectl.web.client import http_status
 from tests.helpers import free_port
+from tests.sglang_argv_check import SGLANG_NOT_IMPORTABLE, check_argv_with_sglang
 
 PY = sys.executable
 TOKEN = "sk-test-4f9c2d1e0b"
@@ -74,7 +70,6 @@ def test_argv_full_exact():
         "--context-length", "4096", "--enable-dp-attention", "--cuda-graph-bs", "1", "2", "4",
         "--attention-backend", "fa3", "--json-model-override-args", '{"a":"x","b":1}',
     ]
-    assert spec.url == "http://127.0.0.1:30001"
     assert TOKEN not in repr(spec) and ADMIN not in repr(spec)
 
 
@@ -134,16 +129,13 @@ def test_router_argv_exact():
         build_router_argv("py", "h", 1, [])
 
 
-def test_redaction_and_control_token():
+def test_redaction():
     spec = SGLangLaunchSpec(model_path="m", port=1, api_key=TOKEN)
     argv = build_sglang_argv(spec)
     shown = redact_argv(argv)
     assert TOKEN not in " ".join(shown) and shown[shown.index("--api-key") + 1] == "***"
     assert redact_argv(["x", f"--api-key={TOKEN}"]) == ["x", "--api-key=***"]
     assert secrets_in_argv(argv) == [TOKEN]
-    assert control_token(spec) == TOKEN
-    assert control_token(SGLangLaunchSpec(model_path="m", port=1, api_key=TOKEN, admin_api_key=ADMIN)) == ADMIN
-    assert control_token(SGLangLaunchSpec(model_path="m", port=1)) is None
 
 
 # ------------------------------------------------------------------------------------------
@@ -235,6 +227,25 @@ def _gone(procs: list[psutil.Process]) -> bool:
     return not any(_alive(p) for p in procs)
 
 
+def launch_until_healthy(specs: list[SGLangLaunchSpec], log_dir: Path, health_timeout: float, *, interval: float,
+                         supervisor: ProcessSupervisor | None = None) -> list[ManagedProcess]:
+    """Start a server per spec under ``supervisor`` (its argv and environment from the spec, its log
+    ``log_dir/engine-<i>.log``) and wait until all answer /health_generate; on a failure the ones started are
+    stopped and the error is raised."""
+    sup = supervisor or ProcessSupervisor()
+    started: list[ManagedProcess] = []
+    try:
+        for i, spec in enumerate(specs):
+            url = f"http://{url_host(spec.host)}:{spec.port}"
+            started.append(sup.start(f"engine-{i}", build_sglang_argv(spec), env=build_env(spec),
+                                     log_path=log_dir / f"engine-{i}.log", url=url, secrets=spec.secrets()))
+        sup.wait_all_healthy([p.url for p in started], timeout=health_timeout, interval=interval)
+    except BaseException:
+        sup.stop(names=[p.name for p in started])
+        raise
+    return started
+
+
 def test_two_engines_healthy_logs_router_and_no_orphans(tmp_path, standin, caplog):
     caplog.set_level(logging.DEBUG, logger="slimectl")
     ports = [free_port(), free_port()]
@@ -244,7 +255,7 @@ def test_two_engines_healthy_logs_router_and_no_orphans(tmp_path, standin, caplo
     log_dir = tmp_path / "run" / "logs"
     with ProcessSupervisor() as sup:
         t0 = time.monotonic()
-        handles = launch_sglang_engines(specs, log_dir, health_timeout=15, interval=0.1, supervisor=sup)
+        handles = launch_until_healthy(specs, log_dir, health_timeout=15, interval=0.1, supervisor=sup)
         assert time.monotonic() - t0 < 10
         assert [h.url for h in handles] == [f"http://127.0.0.1:{p}" for p in ports]
         assert [h.log_path for h in handles] == [log_dir / "engine-0.log", log_dir / "engine-1.log"]
@@ -286,7 +297,7 @@ def test_engine_exits_before_healthy_fails_fast_with_log_tail(tmp_path, standin)
     spec = SGLangLaunchSpec(model_path="m", port=port, launcher=standin, api_key=TOKEN, extra_args={"mode": "crash"})
     t0 = time.monotonic()
     with pytest.raises(ExitedBeforeHealthy) as ei:
-        launch_sglang_engines([spec], tmp_path / "logs", health_timeout=30, interval=0.1)
+        launch_until_healthy([spec], tmp_path / "logs", health_timeout=30, interval=0.1)
     assert time.monotonic() - t0 < 8
     msg = str(ei.value)
     assert "\n" not in msg
@@ -302,7 +313,7 @@ def test_engine_never_healthy_times_out_naming_url(tmp_path, standin):
     sup = ProcessSupervisor()
     t0 = time.monotonic()
     with pytest.raises(HealthTimeout) as ei:
-        launch_sglang_engines([spec], tmp_path / "logs", health_timeout=1.5, interval=0.1, supervisor=sup)
+        launch_until_healthy([spec], tmp_path / "logs", health_timeout=1.5, interval=0.1, supervisor=sup)
     assert 1.4 < time.monotonic() - t0 < 8
     msg = str(ei.value)
     assert "\n" not in msg and f"http://127.0.0.1:{port}" in msg and "/health_generate" in msg
@@ -315,7 +326,7 @@ def test_stop_escalates_to_sigkill_for_stubborn_grandchild(tmp_path, standin):
     spec = SGLangLaunchSpec(model_path="m", port=port, launcher=standin,
                             extra_args={"stubborn_grandchild": True, "healthy_after": 0})
     with ProcessSupervisor() as sup:
-        (h,) = launch_sglang_engines([spec], tmp_path / "logs", health_timeout=10, interval=0.05, supervisor=sup)
+        (h,) = launch_until_healthy([spec], tmp_path / "logs", health_timeout=10, interval=0.05, supervisor=sup)
         kids = _wait_for_grandchild(h.pid)
         time.sleep(0.2)  # let the grandchild install SIG_IGN
         tree = _tree([h.pid])
@@ -323,39 +334,6 @@ def test_stop_escalates_to_sigkill_for_stubborn_grandchild(tmp_path, standin):
         sup.stop(timeout=0.7)
         assert 0.6 < time.monotonic() - t0 < 6
         assert _gone(tree) and _gone(kids)
-
-
-def test_signal_handlers_tear_down_and_restore(tmp_path, standin):
-    calls = []
-
-    def previous(signum, frame):
-        calls.append(signum)
-
-    original = signal.signal(signal.SIGTERM, previous)
-    sigint_before = signal.getsignal(signal.SIGINT)  # SIG_IGN when pytest runs as a background job
-    try:
-        port = free_port()
-        spec = SGLangLaunchSpec(model_path="m", port=port, launcher=standin, extra_args={"healthy_after": 0})
-        sup = ProcessSupervisor()
-        with sup.install_signal_handlers():
-            assert signal.getsignal(signal.SIGTERM) == sup._on_signal
-            if sigint_before != signal.SIG_IGN:
-                assert signal.getsignal(signal.SIGINT) == sup._on_signal
-            else:  # an ignored signal stays ignored
-                assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-            (h,) = launch_sglang_engines([spec], tmp_path / "logs", health_timeout=10, interval=0.05,
-                                         supervisor=sup)
-            _wait_for_grandchild(h.pid)
-            tree = _tree([h.pid])
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)  # the handler runs in this (main) thread
-            assert calls == [signal.SIGTERM]  # previous handler chained
-            assert _gone(tree)
-            assert signal.getsignal(signal.SIGTERM) is previous  # restored by the handler
-        assert signal.getsignal(signal.SIGTERM) is previous
-        assert signal.getsignal(signal.SIGINT) is sigint_before
-    finally:
-        signal.signal(signal.SIGTERM, original)
 
 
 def test_start_missing_executable_is_one_line(tmp_path):

@@ -1,7 +1,7 @@
 """SGLang launch specs: the exact argv and environment of ``python -m sglang.launch_server`` and of the router.
 
-Nothing here imports sglang: the argv is built as plain strings (and
-:mod:`slimectl.engines.sglang.argv_check` validates it with SGLang's own parser).
+Nothing here imports sglang: the argv is built as plain strings (the tests validate it with SGLang's own
+parser, ``tests/sglang_argv_check.py``).
 
 Flags and semantics this module relies on (SGLang 0.5.x, ``python/sglang/srt/server_args.py``):
 
@@ -11,7 +11,7 @@ Flags and semantics this module relies on (SGLang 0.5.x, ``python/sglang/srt/ser
   (Bearer token or ``x-api-key`` header). ``--admin-api-key`` protects the management endpoints
   (``/update_weights_from_*``, ...); when it is set those endpoints accept *only* the admin key,
   when it is not they accept the api key (``python/sglang/srt/utils/auth.py``). The health check
-  therefore never needs a token. :func:`control_token` picks the right one for weight updates.
+  therefore never needs a token; ``serve`` starts SGLang with its token as the admin key.
 * Secrets are passed on the command line (that is how SGLang takes them), are shown as ``***`` in
   every command line the supervisor logs, and are replaced by ``***`` in the engine log files (SGLang
   prints ``server_args=ServerArgs(... api_key='...')`` at startup, so its output is filtered
@@ -76,18 +76,12 @@ class SGLangLaunchSpec:
     extra_args: dict[str, Any] = field(default_factory=dict)
     python: str = field(default_factory=lambda: sys.executable)
     launcher: list[str] | None = None
-    log_path: str | Path | None = None
     #: extra environment variables for this engine (e.g. ``SGLANG_USE_CPU_ENGINE=1`` on CPU); ``serve``
     #: fills them from the config's ``engine.env``
     env: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def url(self) -> str:
-        return f"http://{url_host(self.host)}:{self.port}"
-
     def secrets(self) -> list[str]:
         return [s for s in (self.api_key, self.admin_api_key) if s]
-
 
 
 def url_host(host: str) -> str:
@@ -220,8 +214,3 @@ def build_router_argv(python: str, host: str, port: int, worker_urls: Sequence[s
     return prefix + ["--host", host, "--port", str(port), "--worker-urls", *urls, "--policy", policy] + \
         translate_extra_args(extra_args, _MANAGED_ROUTER_KEYS, what="router")
 
-
-def control_token(spec: SGLangLaunchSpec) -> str | None:
-    """The token for SGLang's admin-optional endpoints (weight updates, pause, ...): the admin key
-    when set (the api key is then refused there), otherwise the api key, otherwise None."""
-    return spec.admin_api_key or spec.api_key or None

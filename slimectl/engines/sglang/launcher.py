@@ -1,4 +1,5 @@
-"""Launch real SGLang servers (all healthy, or none left running) and the sglang-router in front of them."""
+"""Launch the sglang-router in front of SGLang servers (``serve`` starts the servers themselves), and check that
+an interpreter can run it."""
 
 from __future__ import annotations
 
@@ -7,52 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from slimectl.engines.sglang.launch_spec import (SGLangArgError, SGLangLaunchSpec, url_host, build_env,
-                                                 build_router_argv, build_sglang_argv)
-from slimectl.engines.supervisor import ManagedProcess, ProcessSupervisor
-
-
-@dataclass
-class SGLangServer:
-    """One launched SGLang server (its supervisor owns the process)."""
-
-    url: str
-    pid: int
-    log_path: Path
-    spec: SGLangLaunchSpec
-    name: str = ""
-    supervisor: ProcessSupervisor | None = field(default=None, repr=False, compare=False)
-
-
-def launch_sglang_engines(specs: Sequence[SGLangLaunchSpec], run_log_dir: str | Path, health_timeout: float = 600.0,
-                          *, interval: float = 1.0, supervisor: ProcessSupervisor | None = None,
-                          base_env: Mapping[str, str] | None = None) -> list[SGLangServer]:
-    """Start every engine (``run_log_dir/engine-<i>.log`` unless ``spec.log_path``), then wait until
-    all answer ``/health_generate``. On failure the engines started here are stopped and the error
-    is raised. Pass ``supervisor`` to own their lifetime; otherwise a new one is created and is
-    available as ``handle.supervisor`` (call its ``stop()``)."""
-    if not specs:
-        raise SGLangArgError("no sglang engines to launch")
-    ports = [(s.host, s.port) for s in specs]
-    if len(set(ports)) != len(ports):
-        raise SGLangArgError(f"sglang specs: duplicate host:port in {', '.join(f'{h}:{p}' for h, p in ports)}")
-    sup = supervisor or ProcessSupervisor()
-    argvs = [build_sglang_argv(s) for s in specs]  # validate every spec before starting anything
-    envs = [build_env(s, base_env) for s in specs]
-    started: list[ManagedProcess] = []
-    try:
-        for i, (spec, argv, env) in enumerate(zip(specs, argvs, envs)):
-            log_path = Path(spec.log_path) if spec.log_path else Path(run_log_dir) / f"engine-{i}.log"
-            started.append(sup.start(f"engine-{i}", argv, env=env, log_path=log_path, url=spec.url,
-                                     secrets=spec.secrets()))
-        # SGLang cannot report a nonce of ours: the health wait accepts a server only when no other
-        # process is seen listening on its port (ProcessSupervisor: our pid or a child must hold it)
-        sup.wait_all_healthy([p.url for p in started if p.url], timeout=health_timeout, interval=interval)
-    except BaseException:
-        sup.stop(names=[p.name for p in started])
-        raise
-    return [SGLangServer(url=p.url or "", pid=p.pid, log_path=p.log_path, spec=s, name=p.name, supervisor=sup)
-            for p, s in zip(started, specs)]
+from slimectl.engines.sglang.launch_spec import build_router_argv, url_host
+from slimectl.engines.supervisor import ProcessSupervisor
 
 
 @dataclass

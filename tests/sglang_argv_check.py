@@ -1,4 +1,5 @@
-"""Validate an SGLang server argv with SGLang's own argparse, in a subprocess of the interpreter that has sglang."""
+"""A reference for the tests: an SGLang server argv validated with SGLang's own argparse, in a subprocess of the
+interpreter that has sglang (slimectl builds the argv, ``engines/sglang/launch_spec.py``; it never runs this)."""
 
 from __future__ import annotations
 
