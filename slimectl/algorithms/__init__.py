@@ -9,7 +9,7 @@ Modules: :mod:`.registry` (every choice name and default, no torch), :mod:`.obje
 per-micro-batch loss and metrics the trainer backpropagates), :mod:`.rewards` (group reward
 normalization), :mod:`.advantages` (GRPO/GSPO/CISPO, REINFORCE++, REINFORCE++-baseline,
 whitening), :mod:`.kl` (k1/k2/k3/low_var_kl), :mod:`.policy_loss` (PPO clip, clip-higher, dual
-clip, GSPO, CISPO, entropy, SFT), :mod:`.tis` (truncated importance sampling, mismatch metrics),
+clip, GSPO, CISPO, entropy, SFT), :mod:`.tis` (truncated importance sampling, the train/rollout mismatch metric),
 :mod:`.opd` (on-policy distillation shaping), :mod:`.reduce` (per-sample vs per-token reduction),
 :mod:`.gae` (PPO: token rewards, GAE advantages and returns), :mod:`.value_loss` (the critic's clipped
 value loss, explained variance, ``critic/*`` metrics).

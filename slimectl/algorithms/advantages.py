@@ -82,12 +82,6 @@ def grpo_advantages(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return broadcast_to_tokens(rewards, mask)
 
 
-def gspo_advantages(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GSPO uses GRPO's advantages; its sequence-level ratio lives in
-    :func:`slimectl.algorithms.policy_loss.gspo_policy_loss`."""
-    return grpo_advantages(rewards, mask)
-
-
 def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` index of the last ``mask == 1`` position of each row; raises on an all-zero row
     (slime asserts ``Sequence ... is fully masked``)."""
@@ -171,23 +165,6 @@ def reinforce_plus_plus_returns(
     rows = torch.arange(mask.shape[0], device=mask.device)
     token_rewards[rows, last] += r.to(dtype)
     return masked(discounted_cumsum(token_rewards, gamma), resp)
-
-
-def reinforce_plus_plus_advantages(
-    rewards: torch.Tensor,
-    mask: torch.Tensor,
-    log_probs: torch.Tensor | None = None,
-    ref_log_probs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    gamma: float = 1.0,
-    kl_type: KLType = "k1",
-    response_mask: torch.Tensor | None = None,
-    normalize: bool = True,
-    eps: float = WHITEN_EPS,
-) -> torch.Tensor:
-    """REINFORCE++: :func:`reinforce_plus_plus_returns`, then (``normalize``) global whitening."""
-    g = reinforce_plus_plus_returns(rewards, mask, log_probs, ref_log_probs, kl_coef, gamma, kl_type, response_mask)
-    return whiten_advantages(g, mask, eps) if normalize else masked(g, mask)
 
 
 def reinforce_plus_plus_baseline_advantages(

@@ -203,26 +203,6 @@ def opsm_mask(
         return OPSMOutput(keep=1.0 - drop, dropped=drop, seq_kl=seq_kl)
 
 
-def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log softmax(logits / temperature)[token]`` for ``logits [..., V]`` and ``tokens [...]``
-    (slime always divides by ``--rollout-temperature`` first)."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    logp = torch.log_softmax(logits, -1)
-    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Per-position entropy ``H = logsumexp(z) - sum softmax(z) * z`` of ``logits [..., V]``."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
-
-
 def entropy_bonus(
     entropy: torch.Tensor,
     mask: torch.Tensor,

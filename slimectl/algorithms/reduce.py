@@ -142,8 +142,3 @@ def reduce_masked(x: torch.Tensor, mask: torch.Tensor, mode: ReductionMode = "sa
         return sample_mean(x, mask)
     check_choice("reduction mode", mode, REDUCTION_MODES)
     return token_mean(x, mask)
-
-
-def reduction_mode(calculate_per_token_loss: bool) -> ReductionMode:
-    """Map slime's ``--calculate-per-token-loss`` flag to a mode name."""
-    return "token_mean" if calculate_per_token_loss else "sample_mean"

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from slimectl.algorithms.kl import compute_approx_kl
 from slimectl.algorithms.reduce import ReductionMode, masked, reduce_masked
 from slimectl.contract.algorithm_names import DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW, DEFAULT_TIS_MODE, TIS_MODES, check_choice
 
@@ -98,29 +97,3 @@ def logprob_abs_diff(
     with torch.no_grad():
         t = train_log_probs.detach()
         return reduce_masked(masked(t - rollout_log_probs.detach().to(t.dtype), mask).abs(), mask, reduction)
-
-
-def mismatch_metrics(
-    train_log_probs: torch.Tensor,
-    rollout_log_probs: torch.Tensor,
-    mask: torch.Tensor,
-    reduction: ReductionMode = "sample_mean",
-    *,
-    tis_clip: float = DEFAULT_TIS_CLIP,
-    tis_clip_low: float = DEFAULT_TIS_CLIP_LOW,
-) -> dict[str, torch.Tensor]:
-    """Train-vs-rollout mismatch metrics (detached scalars).
-
-    * ``train_rollout_logprob_abs_diff``: ``reduce(|train_lp - rollout_lp|)`` (slime's name);
-    * ``tis``, ``tis_clipfrac``, ``tis_abs``: as :class:`TISOutput`;
-    * ``mismatch_kl_k1`` / ``mismatch_kl_k3``: ``reduce(approx_kl(rollout_lp, train_lp))``, estimates
-      of ``KL(pi_rollout || pi_train)`` from the rollout's own samples.
-    """
-    with torch.no_grad():
-        t = train_log_probs.detach()
-        r = rollout_log_probs.detach().to(t.dtype)
-        out = {"train_rollout_logprob_abs_diff": logprob_abs_diff(t, r, mask, reduction)}
-        out.update(compute_tis_weights(t, r, mask, tis_clip=tis_clip, tis_clip_low=tis_clip_low).metrics(reduction))
-        out["mismatch_kl_k1"] = reduce_masked(compute_approx_kl(r, t, "k1", mask=mask), mask, reduction)
-        out["mismatch_kl_k3"] = reduce_masked(compute_approx_kl(r, t, "k3", mask=mask), mask, reduction)
-        return out

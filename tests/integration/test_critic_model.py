@@ -38,6 +38,13 @@ class _S:
 SAMPLES = [_S([5, 6, 7, 8, 9, 10], 3), _S([11, 12, 13], 1), _S([20, 21, 22, 23, 24, 25, 26], 5)]
 
 
+def response_values(model, micro_batch):
+    """Per packed sequence: the values of its response tokens (differentiable)."""
+    from slimectl.backends.megatron.critic import forward_values, response_rows
+
+    return response_rows(forward_values(model, micro_batch), micro_batch)
+
+
 def padded_values(per_sample: dict[int, torch.Tensor], n: int) -> torch.Tensor:
     """``{sample index: values}`` of ``n`` samples -> ``[n, T]`` right-padded with zeros (the layout of
     :func:`slimectl.algorithms.gae.compute_gae`)."""
@@ -61,7 +68,6 @@ def test_value_model_forward_and_one_step_lowers_the_value_loss(tiny_llama):
     from slimectl.backends.megatron.critic import (
         build_value_model,
         load_trunk_from_hf,
-        response_values,
     )
     from slimectl.backends.megatron.logprobs import forward_micro_batch, response_positions
     from slimectl.backends.megatron.packing import pack_samples

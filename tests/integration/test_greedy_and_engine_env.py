@@ -55,7 +55,7 @@ def trainer_log_probs(model_dir: str, samples, temperature: float) -> list[torch
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.hf.checkpoint import HFCheckpoint
     from slimectl.backends.megatron.checkpoint import load_hf_into_model
-    from slimectl.backends.megatron.logprobs import compute_log_probs_for_batches
+    from tests.helpers import compute_log_probs_for_batches
     from slimectl.backends.megatron.packing import pack_samples
     from slimectl.backends.megatron.parallel import init_parallel, shutdown_parallel
     from slimectl.backends.megatron.provider import build_gpt_model

@@ -27,7 +27,8 @@ def main() -> None:
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.hf.checkpoint import HFCheckpoint
     from slimectl.contract.samples import Sample
-    from slimectl.backends.megatron.logprobs import compute_log_probs, compute_log_probs_for_batches
+    from slimectl.backends.megatron.logprobs import compute_log_probs
+    from tests.helpers import compute_log_probs_for_batches
     from slimectl.backends.megatron.packing import pack_samples
 
     info = init_parallel(tp=tp, pp=1)

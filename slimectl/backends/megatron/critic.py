@@ -125,9 +125,3 @@ def response_rows(values: torch.Tensor, micro_batch: MicroBatch) -> list[torch.T
 
     rows, _, counts = response_positions(micro_batch)
     return list(values.index_select(0, rows.to(values.device)).split(counts))
-
-
-def response_values(model, micro_batch: MicroBatch) -> list[torch.Tensor]:
-    """Per packed sequence (in ``micro_batch.seqs`` order): the values of its response tokens
-    ``[response_length]`` (differentiable; wrap in ``torch.no_grad()`` for the rollout's ``V_old``)."""
-    return response_rows(forward_values(model, micro_batch), micro_batch)

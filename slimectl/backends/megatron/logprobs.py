@@ -341,14 +341,3 @@ def log_probs_from_output(out: torch.Tensor, micro_batch: MicroBatch, vocab_size
                                                                   else [None] * len(counts))):
         result.append(SeqLogProbs(s.sample_index, lp_i, ent_i))
     return result
-
-
-def compute_log_probs_for_batches(model, micro_batches: list[MicroBatch], vocab_size: int,
-                                  temperature: float = 1.0, with_entropy: bool = False,
-                                  tp_group=None) -> dict[int, SeqLogProbs]:
-    """:func:`compute_log_probs` over several micro-batches, keyed by sample index."""
-    out: dict[int, SeqLogProbs] = {}
-    for mb in micro_batches:
-        for r in compute_log_probs(model, mb, vocab_size, temperature, with_entropy, tp_group):
-            out[r.sample_index] = r
-    return out
