@@ -359,15 +359,3 @@ def assert_trained_once(run, n: int) -> None:
 async def zero_reward(args, sample):
     """Pure distillation: no task reward, only the teacher's log-probs shape the advantages."""
     return 0.0
-
-
-def compute_log_probs_for_batches(model, micro_batches, vocab_size: int, temperature: float = 1.0,
-                                  with_entropy: bool = False, tp_group=None) -> dict:
-    """``backends.megatron.logprobs.compute_log_probs`` over several micro-batches, keyed by sample index."""
-    from slimectl.backends.megatron.logprobs import compute_log_probs
-
-    out: dict = {}
-    for mb in micro_batches:
-        for r in compute_log_probs(model, mb, vocab_size, temperature, with_entropy, tp_group):
-            out[r.sample_index] = r
-    return out

@@ -55,7 +55,7 @@ def trainer_log_probs(model_dir: str, samples, temperature: float) -> list[torch
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.hf.checkpoint import HFCheckpoint
     from slimectl.backends.megatron.checkpoint import load_hf_into_model
-    from tests.helpers import compute_log_probs_for_batches
+    from slimectl.backends.megatron.logprobs import compute_log_probs
     from slimectl.backends.megatron.packing import pack_samples
     from slimectl.backends.megatron.parallel import init_parallel, shutdown_parallel
     from slimectl.backends.megatron.provider import build_gpt_model
@@ -67,7 +67,8 @@ def trainer_log_probs(model_dir: str, samples, temperature: float) -> list[torch
         model = build_gpt_model(arch, padded, tp=1, pp=1, init=False).eval()
         load_hf_into_model(model, arch, HFCheckpoint(model_dir), padded, info.tp_rank, 1)
         with torch.no_grad():
-            out = compute_log_probs_for_batches(model, pack_samples(samples, 256), arch.vocab_size, temperature)
+            out = {r.sample_index: r for mb in pack_samples(samples, 256)
+                   for r in compute_log_probs(model, mb, arch.vocab_size, temperature)}
         shutdown_parallel()
     return [out[i].log_probs for i in range(len(samples))]
 

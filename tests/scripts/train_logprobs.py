@@ -18,6 +18,19 @@ import time
 import torch
 
 
+
+def compute_log_probs_for_batches(model, micro_batches, vocab_size: int, temperature: float = 1.0,
+                                  with_entropy: bool = False, tp_group=None) -> dict:
+    """``backends.megatron.logprobs.compute_log_probs`` over several micro-batches, keyed by sample index."""
+    from slimectl.backends.megatron.logprobs import compute_log_probs
+
+    out: dict = {}
+    for mb in micro_batches:
+        for r in compute_log_probs(model, mb, vocab_size, temperature, with_entropy, tp_group):
+            out[r.sample_index] = r
+    return out
+
+
 def main() -> None:
     tp, hf_dir, samples_json, budget, out_pt = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     t0 = time.perf_counter()
@@ -28,7 +41,6 @@ def main() -> None:
     from slimectl.backends.hf.checkpoint import HFCheckpoint
     from slimectl.contract.samples import Sample
     from slimectl.backends.megatron.logprobs import compute_log_probs
-    from tests.helpers import compute_log_probs_for_batches
     from slimectl.backends.megatron.packing import pack_samples
 
     info = init_parallel(tp=tp, pp=1)
