@@ -59,3 +59,13 @@ class CursorError(RunDirError):
 
 class WaitTimeout(RunDirError):
     """An artifact did not become READY within the timeout."""
+
+
+class MegatronCheckpointError(SlimectlError):
+    """A Megatron checkpoint directory is missing, damaged or does not match the model."""
+
+
+class NotACheckpoint(MegatronCheckpointError, UsageError):
+    """The directory given as a checkpoint is absent or not one slimectl wrote (exit code 2)."""
+
+    exit_code = 2

@@ -37,24 +37,19 @@ class CriticWorker:
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port on it: the critic group's rendezvous."""
-        import socket
+        from slimectl.orchestration.ray_workers import node_address
 
-        import ray
-
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        return node_address()
 
     def start(self, run_path: str, cfg_data: dict, log_level: int, rank: int, world: int,
               master: tuple[str, int], checkpoint_id: int | None) -> dict:
         """Join the critic's world, set up its Megatron layout, build (or resume) the critic."""
         from slimectl.contract.config import build_config
         from slimectl.contract.rundir import RunDir
-        from slimectl.orchestration.ray_launcher import _worker_context, _worker_logging
+        from slimectl.orchestration.ray_workers import worker_context, worker_logging
         from slimectl.stages.train.ppo import build_critic_group_rank
 
-        _worker_logging(log_level if rank == 0 else logging.WARNING)
+        worker_logging(log_level if rank == 0 else logging.WARNING)
         os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
                            "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
         self.rank = rank
@@ -62,7 +57,7 @@ class CriticWorker:
         cfg = build_config(cfg_data, origin="the rl driver's config")
         self.critic = build_critic_group_rank(run, cfg, checkpoint_id)
         pp, tp, dp = self.critic.layout
-        return {**_worker_context(), "rank": rank, "step": self.critic.step, "layout": {"tp": tp, "pp": pp, "dp": dp}}
+        return {**worker_context(), "rank": rank, "step": self.critic.step, "layout": {"tp": tp, "pp": pp, "dp": dp}}
 
     def values(self, samples) -> list | None:
         out = self.critic.values(samples)
@@ -99,7 +94,7 @@ class RemoteCritic:
 
     def _call(self, method: str, *args):
         """Rank 0's answer of ``method(*args)`` on every critic rank (actor rank 0 only)."""
-        from slimectl.orchestration.ray_launcher import remote_result
+        from slimectl.orchestration.ray_workers import remote_result
 
         with self._submit:  # every critic rank gets the calls in the same order (their collectives pair up)
             refs = [getattr(w, method).remote(*args) for w in self.workers]
@@ -149,7 +144,7 @@ def critic_factory(group: dict, run_path: str, cfg_data: dict, log_level: int, r
 
     def make(last, total_steps: int, before_update) -> RemoteCritic:
         from slimectl.backends.megatron.parallel import broadcast_from_rank0
-        from slimectl.orchestration.ray_launcher import remote_result
+        from slimectl.orchestration.ray_workers import remote_result
 
         info = None
         if rank == 0:

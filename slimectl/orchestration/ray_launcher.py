@@ -43,23 +43,20 @@ from slimectl.contract.config import build_config
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
+from slimectl.orchestration.ray_workers import (
+    import_ray,
+    node_address,
+    remote_result,
+    worker_context,
+    worker_logging,
+)
 from slimectl.orchestration.signals import kept_handlers
 
 log = logging.getLogger("slimectl.ray")
 
-INSTALL_HINT = "pip install 'slimectl[ray]'"
 PLACEMENT_TIMEOUT_S = 120.0
 """How long the cluster may take to reserve a placement group's bundles (an autoscaler adds nodes)."""
 STOP_TIMEOUT_S = 60.0
-
-
-def import_ray():
-    """The ``ray`` module, or a one-line error saying how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise UsageError(f"--launcher ray needs Ray, which is not installed; {INSTALL_HINT}") from None
-    return ray
 
 
 # ---------------------------------------------------------------------------------- placement
@@ -144,43 +141,6 @@ def _is_loopback(host: str) -> bool:
     return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
-def _worker_context() -> dict:
-    """Where the calling actor runs: recorded in the engine registry and logged by the driver."""
-    import ray
-
-    from slimectl.contract.rundir.atomic import hostname
-
-    ctx = ray.get_runtime_context()
-    return {"ray_actor_id": ctx.get_actor_id(), "ray_node_id": ctx.get_node_id(), "actor_pid": os.getpid(),
-            "actor_host": hostname()}
-
-
-def _worker_logging(level: int) -> None:
-    """slimectl's log lines on the actor's stderr (Ray forwards them to the driver), at the driver's level."""
-    from slimectl.contract.logs import setup_logging
-
-    setup_logging(0)
-    logging.getLogger("slimectl").setLevel(level)
-
-
-def remote_result(refs, what: str):
-    """``ray.get`` with remote failures turned into slimectl's one-line errors (the driver's, or a
-    worker's own calls of other workers: trainer rank 0 calls the critic group)."""
-    import ray
-
-    try:
-        return ray.get(refs)
-    except ray.exceptions.RayTaskError as exc:
-        cause = exc.cause
-        if isinstance(cause, SlimectlError):
-            raise cause from None
-        raise SlimectlError(f"the {what} actor failed: {type(cause).__name__}: {cause}") from None
-    except ray.exceptions.RayActorError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SlimectlError(f"the {what} actor died ({first}); see its log under the Ray session's logs/ "
-                            f"on its node") from None
-
-
 # ------------------------------------------------------------------------------------ workers
 class TrainerWorker:
     """One trainer rank in its own Ray worker process (a Ray actor): the train stage and the weight
@@ -194,14 +154,7 @@ class TrainerWorker:
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port on it: the rendezvous of a trainer with several ranks."""
-        import socket
-
-        import ray
-
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        return node_address()
 
     def start(self, run_path: str, cfg_data: dict, log_level: int, rank: int = 0, world: int = 1,
               master: tuple[str, int] | None = None, critic: dict | None = None) -> dict:
@@ -213,7 +166,7 @@ class TrainerWorker:
         from slimectl.orchestration.trainer_ranks import Followers, control_group
         from slimectl.stages.train.trainer import FollowerLock, Trainer
 
-        _worker_logging(log_level if rank == 0 else logging.WARNING)
+        worker_logging(log_level if rank == 0 else logging.WARNING)
         if world > 1:
             os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
                                "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
@@ -230,7 +183,7 @@ class TrainerWorker:
         self.group = control_group() if world > 1 else None
         if rank == 0:
             self.trainer.followers = Followers(self.group)
-        return {**_worker_context(), "rank": rank, "weight_version": weight_version}
+        return {**worker_context(), "rank": rank, "weight_version": weight_version}
 
     def follow(self) -> int:
         """Rank > 0: make every operation rank 0 announces until it says stop (one long call)."""
@@ -282,12 +235,12 @@ class EngineWorker:
         """Launch engine ``index``, wait until healthy, register it (the record names this actor)."""
         from slimectl.stages.serve import EngineGroup
 
-        _worker_logging(log_level)
+        worker_logging(log_level)
         run = RunDir.open(run_path)
         cfg = build_config(cfg_data, origin="the rl driver's config")
         self.group = EngineGroup(run, cfg, engine_indices=[index]).start()
         engine = self.group.engines[0]
-        where = _worker_context()
+        where = worker_context()
         run.engines.update(engine.id, extra={"launcher": "ray", **where})
         return {"id": engine.id, "url": engine.url, "backend": engine.backend, "pid": engine.pid, **where}
 

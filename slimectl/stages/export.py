@@ -60,7 +60,8 @@ def _parse_size_text(text: str | int) -> int:
 def _read_meta_and_arch(checkpoint, iteration, read_checkpoint_meta, arch_from_meta):
     """``read_checkpoint_meta`` and ``arch_from_meta``, with a malformed slimectl_checkpoint.json one
     line naming it (not a KeyError/TypeError from deep inside)."""
-    from slimectl.backends.megatron.checkpoint import META, MegatronCheckpointError
+    from slimectl.backends.megatron.checkpoint import META
+    from slimectl.contract.errors import MegatronCheckpointError
 
     root = Path(checkpoint)
     meta_p = root / META if (root / META).is_file() or not (root.parent / META).is_file() else root.parent / META

@@ -25,11 +25,10 @@ from typing import Any, Iterator
 
 import torch
 
-from slimectl.contract.errors import SlimectlError
+from slimectl.contract.errors import MegatronCheckpointError, NotACheckpoint, SlimectlError
 from slimectl.contract.faults import fault_point
 from slimectl.backends.hf.arch import CheckpointMismatch, ModelArch
 from slimectl.backends.hf.checkpoint import HFCheckpoint
-from slimectl.backends.megatron.checkpoint_errors import MegatronCheckpointError, NotACheckpoint  # noqa: F401
 from slimectl.backends.megatron.safe_loading import install_safe_loading
 from slimectl.backends.megatron.sync_writer import (
     DEFERRED,

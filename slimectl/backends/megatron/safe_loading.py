@@ -6,8 +6,7 @@ from pathlib import Path
 
 import torch
 
-from slimectl.backends.megatron.checkpoint_errors import MegatronCheckpointError
-from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.errors import MegatronCheckpointError, SlimectlError, UsageError
 
 # A torch_dist checkpoint is data a user may receive from anyone (a shared run directory, a
 # download), so loading one must run no code from it. Three places in torch/megatron unpickle

@@ -11,7 +11,7 @@ import torch
 
 
 def _error(message: str):
-    from slimectl.backends.megatron.checkpoint import MegatronCheckpointError
+    from slimectl.contract.errors import MegatronCheckpointError
 
     return MegatronCheckpointError(message)
 
