@@ -6,8 +6,8 @@ import click
 
 from slimectl.commands._options import dry_run_option, overrides_option, resolve_run_dir
 from slimectl.fixtures.pretrained import PRETRAINED  # light: no torch
+from slimectl.fixtures.tiny_models import FAMILIES as TINY_FAMILIES  # light: no torch
 
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3-moe", "glm4-moe")
 PRETRAINED_NAMES = tuple(PRETRAINED)
 
 

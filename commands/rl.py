@@ -13,6 +13,7 @@ from slimectl.commands._options import (
     run_dir_option,
 )
 from slimectl.fixtures.pretrained import PRETRAINED  # light: no torch
+from slimectl.fixtures.tiny_models import FAMILIES as TINY_FAMILIES  # light: no torch
 
 PRETRAINED_NAMES = tuple(PRETRAINED)
 
@@ -22,7 +23,7 @@ PRETRAINED_NAMES = tuple(PRETRAINED)
 @run_dir_option
 @overrides_option
 @dry_run_option
-@click.option("--tiny-model", type=click.Choice(["llama", "qwen2", "qwen3"]),
+@click.option("--tiny-model", type=click.Choice(TINY_FAMILIES),
               help="With --config on a new run: build a tiny offline model as model.path (CPU demos).")
 @click.option("--pretrained", type=click.Choice(PRETRAINED_NAMES),
               help="With --config: use a real pretrained model as model.path, as `slimectl init --pretrained` "

@@ -28,7 +28,10 @@ class InitResult:
 
 def _check_inputs(cfg: SlimectlConfig) -> None:
     if cfg.model.path is None:
-        raise ConfigError("model.path is not set; set it in the config (an HF model directory) or pass --tiny-model llama|qwen2|qwen3")
+        from slimectl.fixtures.tiny_models import FAMILIES as TINY_FAMILIES
+
+        raise ConfigError(f"model.path is not set; set it in the config (an HF model directory) or pass "
+                          f"--tiny-model {'|'.join(TINY_FAMILIES)}")
     mp = Path(cfg.model.path)
     if not mp.is_dir():
         raise ConfigError(f"model.path = {cfg.model.path}: no such directory; point it at an HF model directory")
