@@ -1,4 +1,4 @@
-"""The bad-input corpus (issue 17, build item 5), server side: HTTP bodies to the embedded engine,
+"""The bad-input corpus, server side: HTTP bodies to the embedded engine,
 the agent harness and the rollout buffer. The three servers run ONCE for the module, in this
 process (one event-loop thread, a tiny qwen2, small body limits so "huge" bodies are cheap).
 

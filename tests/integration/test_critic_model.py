@@ -1,4 +1,4 @@
-"""slimectl.backends.megatron.critic: the value model on megatron-core, one rank, CPU/gloo (issue 21).
+"""slimectl.backends.megatron.critic: the value model on megatron-core, one rank, CPU/gloo.
 
 In this process (tests.helpers.in_process_stage: Megatron's CPU shim and one-rank groups kept for
 the session). A tiny Llama is written with transformers (no tokenizer needed: token ids are made

@@ -1,4 +1,4 @@
-"""PPO's critic (MegatronCritic) on the actor's layouts: TP=2, DP=2 and PP=2 match one rank (issue 21).
+"""PPO's critic (MegatronCritic) on the actor's layouts: TP=2, DP=2 and PP=2 match one rank.
 
 tests/scripts/critic_check.py runs once in this process (one rank: the reference) and once per layout on the
 session's two_ranks worker (tests/integration/conftest.py): the values of every response token before and

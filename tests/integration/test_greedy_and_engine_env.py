@@ -1,4 +1,4 @@
-"""Issue 19's fixes on real parts: ``engine.env`` reaches a launched embedded engine process, and a
+"""Found against real SGLang, on real parts: ``engine.env`` reaches a launched embedded engine process, and a
 greedy (``rollout.temperature: 0``) rollout gives identical responses within a group whose
 engine log-probs the trainer reproduces (temperature 0: log-probs of the unscaled distribution).
 

@@ -1,4 +1,4 @@
-"""PPO with a critic in `slimectl train` (issue 21): values, GAE, the actor's and the critic's steps,
+"""PPO with a critic in `slimectl train`: values, GAE, the actor's and the critic's steps,
 critic-only warm-up, ``critic_checkpoints/N`` and a bit-exact resume (real Megatron, gloo, one rank).
 
 The rollouts are made up (random response tokens, a reward the critic can learn: the first response

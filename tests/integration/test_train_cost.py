@@ -1,4 +1,4 @@
-"""What a training step costs, counted rather than timed (issue 16): per-sequence attention, logits
+"""What a training step costs, counted rather than timed: per-sequence attention, logits
 only at response positions in bounded chunks, no old-log-prob forward that changes nothing.
 
 tests/scripts/train_cost_check.py runs once in this process (tests.helpers.run_script_in_process)

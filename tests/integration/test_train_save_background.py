@@ -1,4 +1,4 @@
-"""Checkpoints off the critical path and no second copy of the weights (issue 16, items 4 and 5),
+"""Checkpoints off the critical path and no second copy of the weights,
 on real Megatron (gloo) in this process with a random tiny qwen2 and random rollouts (no engine).
 
 - the checkpoint of rollout N is written by the background writer while rollout N+1 trains; the

@@ -1,4 +1,4 @@
-"""Issue 18: slime's defaults and switches, the config's refusals, OPSM, IcePop TIS and the custom hooks.
+"""slime's defaults and switches, the config's refusals, OPSM, IcePop TIS and the custom hooks.
 
 Every expected number is written out by hand (float64); the hooks are real functions in a module
 written to tmp_path and imported by the config's loader (contract/imports.py), with slime's signatures.
@@ -209,9 +209,9 @@ def my_advantages(args, rollout_data):
 
 @pytest.fixture
 def hooks(tmp_path, monkeypatch):
-    (tmp_path / "slime_hooks18.py").write_text(textwrap.dedent(HOOKS))
+    (tmp_path / "slime_hooks.py").write_text(textwrap.dedent(HOOKS))
     monkeypatch.syspath_prepend(str(tmp_path))
-    return "slime_hooks18"
+    return "slime_hooks"
 
 
 def _section(**kw):

@@ -1,4 +1,4 @@
-"""The bad-input corpus (issue 17, build item 5), CLI side: configs, --set, datasets, HF checkpoints,
+"""The bad-input corpus, CLI side: configs, --set, datasets, HF checkpoints,
 run directories. Every case runs `slimectl ARGS` in this process and must end in exit code 2
 (usage/config/input) or 1 (runtime), with ONE line ``Error: ...`` that names the file, key or
 field, no traceback, no "unexpected X" (an internal error), and nothing half-written: a run

@@ -1,4 +1,4 @@
-"""The critic section, algorithm.gamma / lambd, and advantage_estimator: ppo (issue 21)."""
+"""The critic section, algorithm.gamma / lambd, and advantage_estimator: ppo."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Where PPO's critic runs (issue 21, placement): on the trainer's ranks at the actor's layout, except under
+"""Where PPO's critic runs: on the trainer's ranks at the actor's layout, except under
 `rl --launcher ray`, where it is its own actor group at any critic.tp x pp x dp."""
 
 from __future__ import annotations

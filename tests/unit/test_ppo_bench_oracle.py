@@ -1,4 +1,4 @@
-"""bench/ppo_vs_grpo.py's EV bound (issue 21): the explained variance of the best critic that sees what ours
+"""bench/ppo_vs_grpo.py's EV bound: the explained variance of the best critic that sees what ours
 sees, on hand-made samples whose reward the critic can read only after a sampled token."""
 
 from __future__ import annotations

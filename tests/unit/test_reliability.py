@@ -1,4 +1,4 @@
-"""Reliability round two (issue 17): crash debris, slices, errors that say where, bad bodies."""
+"""Reliability: crash debris, slices, errors that say where, bad bodies."""
 
 from __future__ import annotations
 

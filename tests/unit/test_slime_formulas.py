@@ -1,4 +1,4 @@
-"""Parity with slime's published formulas (issue 18): every estimator and loss of slimectl.algorithms
+"""Parity with slime's published formulas: every estimator and loss of slimectl.algorithms
 against a transcription of slime's definitions (``slime/utils/ppo_utils.py``, ``loss.py``,
 ``cp_utils.get_sum_of_sample_mean``, ``distributed_masked_whiten``, ``rollout._post_process_rewards``)
 written here on slime's own layout: per-sample lists of 1-D response tensors, concatenated, float32.

@@ -1,4 +1,4 @@
-"""Fixes found against real SGLang 0.5.23 (issue 19): ``sync --verify`` on a model without
+"""What slimectl does about real SGLang 0.5.23: ``sync --verify`` on a model without
 ``get_weights_by_name``, the current ``/model_info`` / ``/server_info`` endpoints with a fallback,
 ``engine.env``, and greedy (temperature 0) rollouts.
 

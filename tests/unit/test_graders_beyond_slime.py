@@ -1,4 +1,4 @@
-"""Issue 18 item 7: graders that beat slime's on the cases slime (and Math-Verify-style checks) miss,
+"""Graders that beat slime's on the cases slime (and Math-Verify-style checks) miss,
 keeping slime's answers where slime is right. Each case is one (response box, label, expected)."""
 
 from __future__ import annotations
