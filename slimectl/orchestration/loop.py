@@ -36,6 +36,7 @@ from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import UsageError
 from slimectl.contract.faults import fault_point
 from slimectl.contract.rundir import RunDir
+from slimectl.orchestration.handles import EnginesInUse, Launcher, TrainerHandle
 
 log = logging.getLogger("slimectl.rl")
 
@@ -66,138 +67,163 @@ def make_launcher(name: str = "local", address: str | None = None, colocate: boo
 
 
 def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
-           stop: threading.Event | None = None, critical=nullcontext, launcher=None) -> RLResult:
+           stop: threading.Event | None = None, critical=nullcontext, launcher: Launcher | None = None) -> RLResult:
     """Run the loop until ``rollout.num_rollout`` rollouts are trained (or ``stop`` is set).
 
     ``critical()`` wraps each weight sync (``InterruptOnSignal.deferred`` keeps a signal from cutting
     a pause/continue sequence in half). ``launcher`` places the engines and the trainer
     (default :class:`LocalLauncher`)."""
-    from slimectl.contract.metrics import MetricsWriter
-    from slimectl.orchestration.local_launcher import LocalLauncher, open_engine_clients
-    from slimectl.stages.rollout.stage import check_prompt_data, run_rollout
+    from slimectl.orchestration.local_launcher import LocalLauncher
+    from slimectl.stages.rollout.stage import check_prompt_data
 
     check_prompt_data(cfg)  # the data and its keys, before any engine or trainer starts
     launcher = launcher or LocalLauncher()
-    stop = stop or threading.Event()
     t_start = time.perf_counter()
     result = RLResult()
-    n_total = cfg.rollout.num_rollout
-    one_step_off = cfg.rollout.async_mode == "one_step_off"
     with ExitStack() as stack:
         stack.enter_context(run.lock("rl"))
         stack.enter_context(run.stage_log("rl"))
         trainer = launcher.start_trainer(run, cfg, stack)
         start = result.weight_version = trainer.weight_version  # version N = trained on rollouts 0..N-1
-        if start >= n_total:
+        if start >= cfg.rollout.num_rollout:
             log.info("all %d rollouts are trained; nothing to do (to go on: slimectl extend -r %s --num-rollout N)",
-                     n_total, run.path)
+                     cfg.rollout.num_rollout, run.path)
             return result
         engines = launcher.start_engines(run, cfg, engine_urls, stack)
-        log.info("resuming at rollout %d, %d to go (%s loop, %s sync, %d engine(s))", start, n_total - start,
-                 "one-step-off async" if one_step_off else "synchronous", cfg.sync.transport, len(engines.urls))
+        log.info("resuming at rollout %d, %d to go (%s loop, %s sync, %d engine(s))", start,
+                 cfg.rollout.num_rollout - start,
+                 "one-step-off async" if cfg.rollout.async_mode == "one_step_off" else "synchronous",
+                 cfg.sync.transport, len(engines.urls))
+        RLSession(run, cfg, trainer, engines, stack, critical, result).run_rollouts(start, stop or threading.Event())
+        result.seconds = time.perf_counter() - t_start
+        return result
 
-        loop = asyncio.new_event_loop()
-        stack.callback(loop.close)
-        clients = open_engine_clients(cfg, engines.urls, loop, stack)
+
+class RLSession:
+    """One ``rl`` process's loop over its rollouts, with the trainer and the engines started: the engine
+    clients, the sync and rl metrics, and (one-step-off) the thread that generates the next rollout."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, trainer: TrainerHandle, engines: EnginesInUse,
+                 stack: ExitStack, critical, result: RLResult):
+        from slimectl.contract.metrics import MetricsWriter
+        from slimectl.engines.client import KeptConnections
+        from slimectl.orchestration.local_launcher import open_engine_clients
+
+        self.run, self.cfg, self.trainer, self.engines, self.critical, self.result = \
+            run, cfg, trainer, engines, critical, result
+        self.loop = asyncio.new_event_loop()
+        stack.callback(self.loop.close)
+        self.clients = open_engine_clients(cfg, engines.urls, self.loop, stack)
         tb = (lambda s: run.tensorboard_dir(s)) if cfg.logging.tensorboard else (lambda s: None)
-        sync_metrics = stack.enter_context(MetricsWriter(run.metrics_path("sync"), tb("sync")))
-        rl_metrics = stack.enter_context(MetricsWriter(run.metrics_path("rl"), tb("rl")))
-
-        def sync(version: int) -> float:
-            engines.check_alive()
-            with critical():
-                metrics, seconds = trainer.sync(version)
-            run.engines.set_weight_version(engines.ids.values(), str(version))
-            sync_metrics.log(version, metrics)
-            return seconds
-
+        self.sync_metrics = stack.enter_context(MetricsWriter(run.metrics_path("sync"), tb("sync")))
+        self.rl_metrics = stack.enter_context(MetricsWriter(run.metrics_path("rl"), tb("rl")))
         # One loop and one keep-alive session per engine for every rollout of this process (each
         # rollout runs on one thread at a time: this one, or the one-step-off rollout thread).
-        from slimectl.engines.client import KeptConnections
+        self.kept = KeptConnections()
+        stack.callback(self.kept.close)  # (after the rollout thread is shut down)
 
-        kept = KeptConnections()
-        stack.callback(kept.close)  # (after the rollout thread is shut down below)
+    def sync(self, version: int) -> float:
+        self.engines.check_alive()
+        with self.critical():
+            metrics, seconds = self.trainer.sync(version)
+        self.run.engines.set_weight_version(self.engines.ids.values(), str(version))
+        self.sync_metrics.log(version, metrics)
+        return seconds
 
-        def rollout(rid: int):
-            if not run.rollouts.exists(rid):
-                engines.check_alive()
-                run_rollout(run, cfg, rid, engines.urls, connections=kept)
-                result.generated.append(rid)
-            return run.rollouts.get(rid, verify="full")
+    def rollout(self, rid: int):
+        """``rollouts/RID``, generated unless already published (never regenerated)."""
+        from slimectl.stages.rollout.stage import run_rollout
 
-        with critical():
-            trainer.connect(loop, clients)
-        loop.run_until_complete(resume_released_engines(clients))  # left released by a run killed in training
-        sync(trainer.weight_version)
+        if not self.run.rollouts.exists(rid):
+            self.engines.check_alive()
+            run_rollout(self.run, self.cfg, rid, self.engines.urls, connections=self.kept)
+            self.result.generated.append(rid)
+        return self.run.rollouts.get(rid, verify="full")
+
+    def run_rollouts(self, start: int, stop: threading.Event) -> None:
+        """Sync the trainer's weights, then (rollout, train, sync, eval) for each rollout from ``start``."""
+        n_total = self.cfg.rollout.num_rollout
+        one_step_off = self.cfg.rollout.async_mode == "one_step_off"
+        with self.critical():
+            self.trainer.connect(self.loop, self.clients)
+        self.loop.run_until_complete(resume_released_engines(self.clients))  # left released by a run killed in training
+        self.sync(self.trainer.weight_version)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-rollout")
         ahead: Future | None = None
         try:
             for rid in range(start, n_total):
                 if stop.is_set():
                     log.info("stopping before rollout %d", rid)
-                    _checkpoint_before_stopping(trainer)
+                    _checkpoint_before_stopping(self.trainer)
                     break
                 t0 = time.perf_counter()
-                art = ahead.result() if ahead is not None else rollout(rid)
+                art = ahead.result() if ahead is not None else self.rollout(rid)
                 t_rollout = time.perf_counter() - t0
-                ahead = pool.submit(rollout, rid + 1) if one_step_off and rid + 1 < n_total else None
+                ahead = pool.submit(self.rollout, rid + 1) if one_step_off and rid + 1 < n_total else None
                 fault_point("rl.rollout_in_flight") if ahead is not None else None
-                t1 = time.perf_counter()
-                offload = cfg.engine.offload_during_train and ahead is None
-                if offload:
-                    release_engines(loop, clients)
-                try:
-                    steps = trainer.train(rid, art, last=rid == n_total - 1)
-                except BaseException:
-                    if offload:  # engines that outlive this run (a `serve`'s) take their memory back for the rerun's sync
-                        _resume_quietly(loop, clients)
-                    raise
-                t_train = time.perf_counter() - t1
-                result.trained.append(rid)
-                t2 = time.perf_counter()
-                if ahead is not None:
-                    ahead.result()  # drain: rollout rid+1 finishes on weights rid before they change
-                t_drain = time.perf_counter() - t2
-                if offload:
-                    resume_engines(loop, clients, ["weights"])
-                t_sync = sync(rid + 1)
-                if offload:
-                    resume_engines(loop, clients, ["kv_cache"])
-                result.weight_version = rid + 1
-                t_eval = 0.0
-                ev = cfg.rollout.eval_interval
-                if cfg.data.eval_data and ev and ((rid + 1) % ev == 0 or rid == n_total - 1):
-                    from slimectl.stages.rollout.eval import run_eval
-
-                    t3 = time.perf_counter()
-                    run_eval(run, cfg, rid + 1, engines.urls)
-                    t_eval = time.perf_counter() - t3
-                total = time.perf_counter() - t0
-                meta = art.meta
-                staleness = rid - int(meta.get("weight_version") or 0)
-                rec = {"rl/staleness": staleness, "rl/reward_mean": meta.get("reward_mean"),
-                       "perf/rl_step_time": total, "perf/rl_rollout_wait_time": t_rollout + t_drain,
-                       "perf/rl_train_time": t_train, "perf/rl_sync_time": t_sync, "perf/rl_eval_time": t_eval,
-                       "perf/rl_other_time": max(0.0, total - t_rollout - t_drain - t_train - t_sync - t_eval),
-                       "train/loss": steps[-1].get("train/loss") if steps else None}
-                rl_metrics.log(rid, {k: v for k, v in rec.items() if v is not None})
-                log.info("rl %d/%d: reward %.3f, staleness %d, rollout %.2f s, train %.2f s, sync %.2f s, step %.2f s",
-                         rid + 1, n_total, meta.get("reward_mean") or 0.0, staleness, t_rollout + t_drain, t_train,
-                         t_sync, total)
+                self.step(rid, art, ahead, t0, t_rollout)
         except KeyboardInterrupt:
-            _checkpoint_before_stopping(trainer)
+            _checkpoint_before_stopping(self.trainer)
             raise
         finally:
             stop.set()
             if ahead is not None and not ahead.done():
-                for c in clients.values():  # unblock the rollout still in flight
+                for c in self.clients.values():  # unblock the rollout still in flight
                     try:
-                        loop.run_until_complete(c.abort_request(abort_all=True))
+                        self.loop.run_until_complete(c.abort_request(abort_all=True))
                     except Exception:
                         pass
             pool.shutdown(wait=True, cancel_futures=True)
-        result.seconds = time.perf_counter() - t_start
-        return result
+
+    def step(self, rid: int, art, ahead: Future | None, t0: float, t_rollout: float) -> None:
+        """Rollout ``rid`` generated (``art``): train on it, drain the one-step-off rollout, sync, eval, log."""
+        n_total = self.cfg.rollout.num_rollout
+        t1 = time.perf_counter()
+        offload = self.cfg.engine.offload_during_train and ahead is None
+        if offload:
+            release_engines(self.loop, self.clients)
+        try:
+            steps = self.trainer.train(rid, art, last=rid == n_total - 1)
+        except BaseException:
+            if offload:  # engines that outlive this run (a `serve`'s) take their memory back for the rerun's sync
+                _resume_quietly(self.loop, self.clients)
+            raise
+        t_train = time.perf_counter() - t1
+        self.result.trained.append(rid)
+        t2 = time.perf_counter()
+        if ahead is not None:
+            ahead.result()  # drain: rollout rid+1 finishes on weights rid before they change
+        t_drain = time.perf_counter() - t2
+        if offload:
+            resume_engines(self.loop, self.clients, ["weights"])
+        t_sync = self.sync(rid + 1)
+        if offload:
+            resume_engines(self.loop, self.clients, ["kv_cache"])
+        self.result.weight_version = rid + 1
+        t_eval = self.evaluate(rid)
+        total = time.perf_counter() - t0
+        staleness = rid - int(art.meta.get("weight_version") or 0)
+        rec = {"rl/staleness": staleness, "rl/reward_mean": art.meta.get("reward_mean"),
+               "perf/rl_step_time": total, "perf/rl_rollout_wait_time": t_rollout + t_drain,
+               "perf/rl_train_time": t_train, "perf/rl_sync_time": t_sync, "perf/rl_eval_time": t_eval,
+               "perf/rl_other_time": max(0.0, total - t_rollout - t_drain - t_train - t_sync - t_eval),
+               "train/loss": steps[-1].get("train/loss") if steps else None}
+        self.rl_metrics.log(rid, {k: v for k, v in rec.items() if v is not None})
+        log.info("rl %d/%d: reward %.3f, staleness %d, rollout %.2f s, train %.2f s, sync %.2f s, step %.2f s",
+                 rid + 1, n_total, art.meta.get("reward_mean") or 0.0, staleness, t_rollout + t_drain, t_train,
+                 t_sync, total)
+
+    def evaluate(self, rid: int) -> float:
+        """Evaluate weight version ``rid + 1`` at the eval interval (and at the end); its seconds."""
+        cfg = self.cfg
+        ev = cfg.rollout.eval_interval
+        if not (cfg.data.eval_data and ev and ((rid + 1) % ev == 0 or rid == cfg.rollout.num_rollout - 1)):
+            return 0.0
+        from slimectl.stages.rollout.eval import run_eval
+
+        t = time.perf_counter()
+        run_eval(self.run, cfg, rid + 1, self.engines.urls)
+        return time.perf_counter() - t
 
 
 def _checkpoint_before_stopping(trainer) -> None:
