@@ -228,7 +228,6 @@ async def run_episode(args: Any, sample: Sample, sampling_params: dict[str, Any]
     and continues its interrupted turn when called again.
     """
     tok = args.tokenizer
-    fmt = chat_turn_format(tok)
     meta = sample.metadata
     meta.setdefault("turns", 0)
     meta.setdefault("tool_calls", [])
@@ -242,86 +241,122 @@ async def run_episode(args: Any, sample: Sample, sampling_params: dict[str, Any]
     while True:
         if meta["turns"] >= options.max_turns:
             return _end(sample, Status.TRUNCATED, "max_turns")
-        caps = {}
-        if limit is not None:
-            caps["context_limit"] = limit - len(sample.tokens)
-        if budget is not None:
-            caps["response_budget"] = budget - sample.response_length
-        if options.max_tokens_per_turn is not None:
-            caps["turn_length"] = options.max_tokens_per_turn - (sample.response_length - turn_start)
+        caps = _turn_caps(sample, limit, budget, options.max_tokens_per_turn, turn_start)
         binding = min(caps, key=caps.get) if caps else None
         if binding is not None and caps[binding] <= 0:
             return _end(sample, Status.TRUNCATED, binding)
-        params = dict(sampling_params)
-        if binding is not None:
-            params["max_new_tokens"] = caps[binding]
-        else:
-            params.pop("max_new_tokens", None)
-        if params.get("sampling_seed") is not None:
-            params["sampling_seed"] = int(params["sampling_seed"]) + meta["turns"]  # a fresh stream per turn
-        if options.stop_after_tool_call:
-            from slimectl.agents.tools import TOOL_CALL_CLOSE
-
-            stops = params.get("stop") or []
-            params["stop"] = ([stops] if isinstance(stops, str) else list(stops)) + [TOOL_CALL_CLOSE]
-        try:
-            extra = {"return_routed_experts": True, "routed_experts_start_len": len(sample.rollout_routed_experts or [])} \
-                if getattr(args, "return_routed_experts", False) else {}  # MoE routing replay: extend the rows
-            out = await args.pool.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True, **extra)
-        except EngineError as exc:
-            if exc.status == 400 and "context" in str(exc).lower():
-                meta["engine_error"] = str(exc)
-                return _end(sample, Status.TRUNCATED, "context_limit")
-            raise
-        info = out["meta_info"]
-        ids = list(out["output_ids"])
-        lps = [float(x[0]) for x in info.get("output_token_logprobs", [])]
-        sample.append_response_tokens(ids, lps, True, info, tok.decode(ids, skip_special_tokens=False))
-        meta["engine_url"] = info.get("engine_url")
+        info = await _model_turn(args, sample, _turn_params(sampling_params, caps.get(binding), meta["turns"], options))
+        if info is None:
+            return _end(sample, Status.TRUNCATED, "context_limit")
         finish = info.get("finish_reason") or {}
-        kind = finish.get("type")
-        if kind == "abort":
+        if finish.get("type") == "abort":
             meta["turn_start"] = turn_start
             return _end(sample, Status.ABORTED, "aborted")
-        turn_ids = sample.response_tokens[turn_start:]
-        turn_text = tok.decode(turn_ids, skip_special_tokens=True)
+        turn_text = tok.decode(sample.response_tokens[turn_start:], skip_special_tokens=True)
         meta["final_text"] = turn_text
-        if kind == "length":
-            meta["turns"] += 1
-            return _end(sample, Status.TRUNCATED, binding or "length")
-
         meta["turns"] += 1
-        try:
-            obs = await env.step(turn_text)
-            if not isinstance(obs, Observation):
-                raise TypeError(f"step() returned {type(obs).__name__}, not an Observation")
-        except Exception as exc:  # the environment's bug must not stop the rollout; the sample is dropped from the loss
-            log.warning("sample %s: environment failed: %s: %s", sample.index, type(exc).__name__, exc)
-            sample.remove_sample = True
-            return _end(sample, Status.FAILED, f"env_error: {type(exc).__name__}: {exc}")
-        for call in obs.info.get("tool_calls", []):
-            meta["tool_calls"].append({"turn": meta["turns"], **call})
-        if obs.reward is not None:
-            meta["env_reward"] = obs.reward
-        if obs.done:
-            return _end(sample, Status.COMPLETED, str(obs.info.get("reason", "done")))
-        if meta["turns"] >= options.max_turns:
-            return _end(sample, Status.TRUNCATED, "max_turns")
-
-        emitted = ""
-        if isinstance(finish.get("matched"), int) and ids and ids[-1] == finish["matched"]:
-            emitted = tok.decode([ids[-1]], skip_special_tokens=False)
-        text = fmt.between_turns(obs, emitted)
-        obs_ids = tok.encode(text, add_special_tokens=False)
-        if limit is not None and len(sample.tokens) + len(obs_ids) >= limit:
-            meta["dropped_observation_tokens"] = len(obs_ids)
-            return _end(sample, Status.TRUNCATED, "context_limit")
-        if budget is not None and sample.response_length + len(obs_ids) >= budget:
-            meta["dropped_observation_tokens"] = len(obs_ids)
-            return _end(sample, Status.TRUNCATED, "response_budget")
-        sample.append_response_tokens(obs_ids, None, False, None, text)
+        if finish.get("type") == "length":
+            return _end(sample, Status.TRUNCATED, binding or "length")
+        obs = await _environment_step(env, sample, turn_text)
+        if not isinstance(obs, Observation):
+            return obs  # (the sample, ended)
+        ended = _append_observation(sample, obs, finish, chat_turn_format(tok), tok, limit, budget, options)
+        if ended is not None:
+            return ended
         turn_start = sample.response_length
         meta["turn_start"] = turn_start
+
+
+def _turn_caps(sample: Sample, limit: int | None, budget: int | None, per_turn: int | None,
+               turn_start: int) -> dict[str, int]:
+    """The tokens the next turn may still generate under each limit that applies."""
+    caps = {}
+    if limit is not None:
+        caps["context_limit"] = limit - len(sample.tokens)
+    if budget is not None:
+        caps["response_budget"] = budget - sample.response_length
+    if per_turn is not None:
+        caps["turn_length"] = per_turn - (sample.response_length - turn_start)
+    return caps
+
+
+def _turn_params(sampling_params: dict[str, Any], cap: int | None, turns: int, options: MultiTurnOptions) -> dict:
+    """The sampling parameters of the next model turn: its token cap, a seed of its own, the tool-call stop."""
+    params = dict(sampling_params)
+    if cap is not None:
+        params["max_new_tokens"] = cap
+    else:
+        params.pop("max_new_tokens", None)
+    if params.get("sampling_seed") is not None:
+        params["sampling_seed"] = int(params["sampling_seed"]) + turns  # a fresh stream per turn
+    if options.stop_after_tool_call:
+        from slimectl.agents.tools import TOOL_CALL_CLOSE
+
+        stops = params.get("stop") or []
+        params["stop"] = ([stops] if isinstance(stops, str) else list(stops)) + [TOOL_CALL_CLOSE]
+    return params
+
+
+async def _model_turn(args: Any, sample: Sample, params: dict[str, Any]) -> dict[str, Any] | None:
+    """Generate one model turn onto ``sample``; the engine's ``meta_info`` (None: the context is full)."""
+    try:
+        extra = {"return_routed_experts": True, "routed_experts_start_len": len(sample.rollout_routed_experts or [])} \
+            if getattr(args, "return_routed_experts", False) else {}  # MoE routing replay: extend the rows
+        out = await args.pool.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True, **extra)
+    except EngineError as exc:
+        if exc.status == 400 and "context" in str(exc).lower():
+            sample.metadata["engine_error"] = str(exc)
+            return None
+        raise
+    info = out["meta_info"]
+    ids = list(out["output_ids"])
+    lps = [float(x[0]) for x in info.get("output_token_logprobs", [])]
+    sample.append_response_tokens(ids, lps, True, info, args.tokenizer.decode(ids, skip_special_tokens=False))
+    sample.metadata["engine_url"] = info.get("engine_url")
+    return info
+
+
+async def _environment_step(env: Environment, sample: Sample, turn_text: str) -> "Observation | Sample":
+    """The environment's answer to the turn; the sample, ended, when the environment failed."""
+    meta = sample.metadata
+    try:
+        obs = await env.step(turn_text)
+        if not isinstance(obs, Observation):
+            raise TypeError(f"step() returned {type(obs).__name__}, not an Observation")
+    except Exception as exc:  # the environment's bug must not stop the rollout; the sample is dropped from the loss
+        log.warning("sample %s: environment failed: %s: %s", sample.index, type(exc).__name__, exc)
+        sample.remove_sample = True
+        return _end(sample, Status.FAILED, f"env_error: {type(exc).__name__}: {exc}")
+    for call in obs.info.get("tool_calls", []):
+        meta["tool_calls"].append({"turn": meta["turns"], **call})
+    if obs.reward is not None:
+        meta["env_reward"] = obs.reward
+    return obs
+
+
+def _append_observation(sample: Sample, obs: Observation, finish: dict, fmt: "ChatTurnFormat", tok,
+                        limit: int | None, budget: int | None, options: MultiTurnOptions) -> Sample | None:
+    """The observation's tokens appended as the next turn's start (loss-masked); the sample, ended, when the
+    episode is over (done, out of turns, or no room for the observation), else None."""
+    meta = sample.metadata
+    if obs.done:
+        return _end(sample, Status.COMPLETED, str(obs.info.get("reason", "done")))
+    if meta["turns"] >= options.max_turns:
+        return _end(sample, Status.TRUNCATED, "max_turns")
+    ids = sample.response_tokens
+    emitted = ""
+    if isinstance(finish.get("matched"), int) and ids and ids[-1] == finish["matched"]:
+        emitted = tok.decode([ids[-1]], skip_special_tokens=False)
+    text = fmt.between_turns(obs, emitted)
+    obs_ids = tok.encode(text, add_special_tokens=False)
+    if limit is not None and len(sample.tokens) + len(obs_ids) >= limit:
+        meta["dropped_observation_tokens"] = len(obs_ids)
+        return _end(sample, Status.TRUNCATED, "context_limit")
+    if budget is not None and sample.response_length + len(obs_ids) >= budget:
+        meta["dropped_observation_tokens"] = len(obs_ids)
+        return _end(sample, Status.TRUNCATED, "response_budget")
+    sample.append_response_tokens(obs_ids, None, False, None, text)
+    return None
 
 
 def make_generate(env_factory: EnvFactory, **options: Any) -> Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]:
