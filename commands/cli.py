@@ -106,7 +106,7 @@ class LazyGroup(click.Group):
                 raise
             raise CliError(str(exc), exc.exit_code) from None
         except KeyboardInterrupt as exc:
-            from slimectl.orchestration.signals import interrupted_exit_code, resume_hint
+            from slimectl.contract.signals import interrupted_exit_code, resume_hint
 
             if debug_enabled():
                 raise

@@ -55,7 +55,7 @@ def _preload(kind: str = "stages") -> None:
         # what slimectl.engines.embedded.server imports, not the module itself: a child runs it as __main__
         import slimectl.engines.embedded.scheduler, slimectl.engines.embedded.model  # noqa: E401,F401
         import slimectl.engines.embedded.weights, slimectl.engines.embedded.memory, aiohttp.web  # noqa: E401,F401
-        import slimectl.web.server, slimectl.engines.supervisor, slimectl.orchestration.signals  # noqa: E401,F401
+        import slimectl.web.server, slimectl.engines.supervisor, slimectl.contract.signals  # noqa: E401,F401
         from transformers.models.qwen2 import modeling_qwen2  # noqa: F401
         from transformers.models.llama import modeling_llama  # noqa: F401
         from transformers.models.qwen3 import modeling_qwen3  # noqa: F401

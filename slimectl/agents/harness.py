@@ -43,7 +43,7 @@ from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_j
 from slimectl.contract.rundir.atomic import atomic_write_text
 from slimectl.contract.samples import Sample
 from slimectl.agents.harness_sessions import Reply, Segment, Session, export_jsonl, samples_from_sessions
-from slimectl.orchestration.signals import set_on_signals
+from slimectl.contract.signals import set_on_signals
 
 log = logging.getLogger("slimectl.harness")
 

@@ -50,7 +50,7 @@ from slimectl.orchestration.ray_workers import (
     worker_context,
     worker_logging,
 )
-from slimectl.orchestration.signals import kept_handlers
+from slimectl.contract.signals import kept_handlers
 
 log = logging.getLogger("slimectl.ray")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from slimectl.orchestration.signals import InterruptOnSignal, StageInterrupted
+from slimectl.contract.signals import InterruptOnSignal, StageInterrupted
 
 
 @dataclass

@@ -126,7 +126,7 @@ def relaunch_rl(nproc: int, argv: list[str]) -> RelaunchResult:
     the run stopped on."""
     import tempfile
 
-    from slimectl.orchestration.signals import SignalHandlers
+    from slimectl.contract.signals import SignalHandlers
     from slimectl.orchestration.torchrun import torchrun_command, torchrun_env
 
     cmd = torchrun_command(nproc, argv, torchrun_args=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)])

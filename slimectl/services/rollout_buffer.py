@@ -28,7 +28,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from slimectl.contract.errors import SlimectlError, UsageError
-from slimectl.orchestration.signals import set_on_signals
+from slimectl.contract.signals import set_on_signals
 from slimectl.services.buffer_state import DEFAULT_LEASE_TIMEOUT_S, Rejected, RolloutBuffer, is_index, only_keys
 from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, start_site
 

@@ -45,7 +45,7 @@ from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.net import free_port
 from slimectl.contract.rundir import EngineRecord, RunDir
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV
-from slimectl.orchestration.signals import set_on_signals
+from slimectl.contract.signals import set_on_signals
 
 log = logging.getLogger("slimectl.serve")
 

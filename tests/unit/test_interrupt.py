@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from slimectl.orchestration.signals import StageInterrupted, interrupted_exit_code, resume_hint
+from slimectl.contract.signals import StageInterrupted, interrupted_exit_code, resume_hint
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""slimectl.orchestration.signals: real signals to this process and to a subprocess; handlers run, previous ones come back."""
+"""slimectl.contract.signals: real signals to this process and to a subprocess; handlers run, previous ones come back."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from slimectl.orchestration.signals import (InterruptOnSignal, SignalHandlers, kept_handlers, run_previous,
+from slimectl.contract.signals import (InterruptOnSignal, SignalHandlers, kept_handlers, run_previous,
                                             set_on_signals)
 
 
@@ -150,7 +150,7 @@ def test_interrupt_on_signal_now_or_after_the_deferred_section(previous_sigterm)
 def test_sigterm_to_an_asyncio_subprocess_runs_its_handler():
     code = textwrap.dedent("""
         import asyncio, signal, sys
-        from slimectl.orchestration.signals import set_on_signals
+        from slimectl.contract.signals import set_on_signals
 
         async def main():
             stop = asyncio.Event()
@@ -181,7 +181,7 @@ def test_a_signal_arriving_while_the_main_thread_holds_the_events_lock_does_not_
     Setting the event in the handler waited for itself forever; the process must stop instead."""
     code = textwrap.dedent(f"""
         import os, signal, threading
-        from slimectl.orchestration.signals import InterruptOnSignal, set_on_signals
+        from slimectl.contract.signals import InterruptOnSignal, set_on_signals
 
         stop = threading.Event()
         handlers = set_on_signals(stop) if {how!r} == "set_on_signals" else InterruptOnSignal(stop)

@@ -35,7 +35,7 @@ from slimectl.contract.rundir.atomic import atomic_write_text, process_alive
 from slimectl.engines.embedded.generate_protocol import BadRequest, generate_response, parse_generate
 from slimectl.engines.embedded.memory import EngineBusy, MemoryReleased, parse_tags
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV, NONCE_FIELD
-from slimectl.orchestration.signals import set_on_signals
+from slimectl.contract.signals import set_on_signals
 from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, reserve_port, start_site
 
 log = logging.getLogger("slimectl.engine")
