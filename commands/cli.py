@@ -95,7 +95,7 @@ class LazyGroup(click.Group):
         from slimectl.contract.errors import SlimectlError
 
         argv = invoked_argv(ctx)  # before click consumes the subcommand's arguments
-        from slimectl.orchestration.torchrun import under_torchrun  # light: os and the errors only
+        from slimectl.contract.ranks import under_torchrun  # light: os only
 
         # Judged before the command runs: a one-rank in-process trainer sets WORLD_SIZE/LOCAL_RANK itself.
         torchrun_rank = under_torchrun()

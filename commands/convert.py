@@ -32,10 +32,9 @@ def convert_cmd(ctx: click.Context, hf_dir: str | None, out_dir: str | None, run
       slimectl convert --hf Qwen2.5-0.5B --out ckpt/qwen --tp 2
       slimectl convert -r runs/a            # the run's model.path -> RUN/checkpoints/000000
     """
-    import os
-
     from slimectl.contract.errors import UsageError
-    from slimectl.orchestration.torchrun import argv_from_params, relaunch_under_torchrun, under_torchrun
+    from slimectl.contract.ranks import launch_rank, under_torchrun
+    from slimectl.orchestration.torchrun import argv_from_params, relaunch_under_torchrun
     from slimectl.stages.convert import check_convert_inputs, convert_hf_to_megatron
 
     run = resolve_run_dir(ctx, run_dir)
@@ -59,5 +58,5 @@ def convert_cmd(ctx: click.Context, hf_dir: str | None, out_dir: str | None, run
         return
     result = convert_hf_to_megatron(hf_dir, out_dir, tp=tp, pp=pp, dtype=dtype, force=force,
                                     run_dir=run if out_dir is None else None)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launch_rank() == 0:
         click.echo(str(result.out))

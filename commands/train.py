@@ -39,13 +39,8 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     dp=16 above); launching `torchrun ... -m slimectl train` yourself works as well.
     """
     from slimectl.commands._stage import format_ids, open_stage
-    from slimectl.orchestration.torchrun import (
-        argv_from_params,
-        check_node_options,
-        relaunch_under_torchrun,
-        under_torchrun,
-    )
-    from slimectl.orchestration.torchrun import launch_rank
+    from slimectl.contract.ranks import launch_rank, under_torchrun
+    from slimectl.orchestration.torchrun import argv_from_params, check_node_options, relaunch_under_torchrun
     from slimectl.stages.train.plan import plan_training
 
     opened = open_stage(ctx, "train", run_dir, overrides, dry_run)

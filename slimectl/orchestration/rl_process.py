@@ -50,14 +50,14 @@ def run_rl_process(run_path: str | Path | None, config_path: str | Path | None =
     several ranks. Raises :class:`StageInterrupted` when a signal stopped the run."""
     from slimectl.orchestration.loop import make_launcher
     from slimectl.orchestration.preflight import prepare_rl
-    from slimectl.orchestration.torchrun import under_torchrun
+    from slimectl.contract.ranks import launch_rank, under_torchrun
 
     placer = make_launcher(launcher, address, colocate)
     torchrun_rank = launcher == "local" and under_torchrun()
     if torchrun_rank:
         from slimectl.orchestration import torchrun_trainer as tt
 
-        if tt.launch_rank() > 0:  # a trainer rank > 0: rank 0 runs the loop, this one follows its trainer calls
+        if launch_rank() > 0:  # a trainer rank > 0: rank 0 runs the loop, this one follows its trainer calls
             tt.follow_as_rank(*tt.follower_config(run_path, overrides))
             return RlProcessOutcome()
         tt.write_status(pid=os.getpid())

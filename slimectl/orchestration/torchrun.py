@@ -26,16 +26,6 @@ from slimectl.contract.net import free_port
 log = logging.getLogger("slimectl.torchrun")
 
 
-def under_torchrun() -> bool:
-    """Whether this process is one rank of a torchrun job."""
-    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-
-
-def launch_rank() -> int:
-    """This process's rank in a torchrun job (0 when not under torchrun); valid before dist init."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def _spelling(param: Any) -> str:
     """The option's long name when it has one (``--max-rollouts``), else its first name (``-r``)."""
     longs = [o for o in param.opts if o.startswith("--")]

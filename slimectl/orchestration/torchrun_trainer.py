@@ -37,9 +37,9 @@ from typing import Any, Iterable, Mapping
 
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import UsageError
+from slimectl.contract.ranks import launch_rank
 from slimectl.contract.rundir import RunDir
 from slimectl.orchestration.local_launcher import InProcessTrainer, LocalLauncher
-from slimectl.orchestration.torchrun import launch_rank
 from slimectl.orchestration.trainer_ranks import Followers, control_group, follow_rank0
 
 log = logging.getLogger("slimectl.rl")

@@ -8,7 +8,6 @@ complete, so a failure or ``kill -9`` never leaves a half-written output behind.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 
 from slimectl.contract.errors import UsageError
 from slimectl.contract.logs import StageLog
+from slimectl.contract.ranks import launch_rank
 from slimectl.contract.rundir.atomic import check_output_dir, swap_dir_into_place
 
 log = logging.getLogger("slimectl.convert")
@@ -91,7 +91,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path | None = None, tp
 
     arch, hf, run, out = check_convert_inputs(hf_dir, out, tp, pp, dtype, force, run_dir)
     hf_dir = Path(hf_dir)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank0 = launch_rank() == 0
     with StageLog(run.log_path("convert") if run is not None else None, enabled=run is not None and rank0):
         info = init_parallel(tp=tp, pp=pp)
         try:

@@ -18,7 +18,7 @@ from slimectl.backends.megatron.checkpoint import TRAIN_STATE_DIR
 from slimectl.backends.megatron.parallel import barrier, broadcast_from_rank0
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.faults import fault_point
-from slimectl.orchestration.torchrun import launch_rank
+from slimectl.contract.ranks import launch_rank
 from slimectl.contract.rundir import RunDir
 from slimectl.stages.train.writer import CheckpointWriter
 

@@ -11,7 +11,7 @@ from slimectl.backends.megatron.parallel import broadcast_from_rank0
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
-from slimectl.orchestration.torchrun import launch_rank
+from slimectl.contract.ranks import launch_rank
 from slimectl.stages.train.plan import plan_training
 from slimectl.stages.train.trainer import FollowerLock, NullMetrics, Trainer
 

@@ -15,7 +15,7 @@ from slimectl.contract.errors import ConfigError, UsageError
 from slimectl.contract.faults import fault_point
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
-from slimectl.orchestration.torchrun import launch_rank
+from slimectl.contract.ranks import launch_rank
 from slimectl.stages.train.plan import initial_arch, resume_point
 from slimectl.stages.train.ppo import CriticFactory, build_critic, train_ppo_rollout
 from slimectl.stages.train.publish import publish
