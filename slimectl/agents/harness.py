@@ -3,7 +3,7 @@
 Any agent program written against the OpenAI client can generate RL training data: point its
 ``base_url`` at the harness, name each episode with a session id, and finish the episode with
 a reward. The harness renders the messages with the model's chat template, generates on the
-engines through :class:`~slimectl.stages.rollout.generate.EnginePool` (SGLang ``/generate`` with
+engines through :class:`~slimectl.engines.pool.EnginePool` (SGLang ``/generate`` with
 ``input_ids`` and ``return_logprob``), and keeps, per session, the exact token ids the engine
 saw and produced. Finished sessions become :class:`~slimectl.contract.samples.Sample` objects that
 ``slimectl rollout import`` accepts, or are published straight into a run directory through
@@ -81,7 +81,7 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 class Harness:
     """The aiohttp application: chat completions in, recorded sessions out.
 
-    ``pool`` is an :class:`~slimectl.stages.rollout.generate.EnginePool`; ``tokenizer`` a transformers
+    ``pool`` is an :class:`~slimectl.engines.pool.EnginePool`; ``tokenizer`` a transformers
     tokenizer with a chat template (the one the engines serve). ``out_path``: every finished
     session is written there (the whole file, atomically, after each finish; an existing
     non-empty file is refused unless ``overwrite``). ``run`` and
@@ -564,7 +564,7 @@ def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path,
     from transformers import AutoTokenizer
 
     from slimectl.contract.logs import quiet_hf_progress
-    from slimectl.stages.rollout.generate import EnginePool
+    from slimectl.engines.pool import EnginePool
 
     quiet_hf_progress()
     try:

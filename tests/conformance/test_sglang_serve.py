@@ -126,7 +126,7 @@ def test_greedy_tokens_and_logprobs_equal_the_embedded_engine(served, figures):
 
 
 def test_a_dead_router_sends_generate_to_the_engines(served):
-    from slimectl.stages.rollout.generate import EnginePool
+    from slimectl.engines.pool import EnginePool
 
     urls = served["urls"]
 

@@ -277,7 +277,7 @@ def servers(tmp_path_factory):
     from slimectl.fixtures.tiny_models import build_tiny_model
     from slimectl.services.buffer_state import RolloutBuffer
     from slimectl.services.rollout_buffer import BufferServer
-    from slimectl.stages.rollout.generate import EnginePool
+    from slimectl.engines.pool import EnginePool
     from slimectl.web.server import start_site
 
     root = tmp_path_factory.mktemp("bad-http")

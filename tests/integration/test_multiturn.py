@@ -332,7 +332,7 @@ def episode(engine, question: str, env_factory=python_tool_env, params=GREEDY, s
             mask_offpolicy: bool = False, **options):
     """Run one multi-turn episode against the real engine; returns (sample, recorded engine calls)."""
     from slimectl.contract.config import build_config
-    from slimectl.stages.rollout.generate import EnginePool
+    from slimectl.engines.pool import EnginePool
 
     async def go():
         pool = RecordingPool(EnginePool([engine.url]))
@@ -491,7 +491,7 @@ def test_environment_error_fails_only_that_sample(engine):
 @pytest.mark.parametrize("mask_offpolicy", [False, True])
 def test_aborted_turn_continues_to_the_same_tokens(engine, mask_offpolicy):
     """Partial rollout: a sample aborted mid-turn continues that turn; the result equals an uninterrupted run."""
-    from slimectl.stages.rollout.generate import EnginePool
+    from slimectl.engines.pool import EnginePool
 
     tok = engine.tok
     full, _ = episode(engine, "What is 1234 * 5678?")

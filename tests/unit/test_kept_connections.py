@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from slimectl.engines.client import EngineClient, KeptConnections
-from slimectl.stages.rollout.generate import EnginePool
+from slimectl.engines.pool import EnginePool
 
 
 class Server:

@@ -141,7 +141,8 @@ def test_an_engine_that_dies_mid_rollout_is_named_once_with_its_log(run_dir):
     from slimectl.contract.rundir.registry import EngineRecord
     from slimectl.contract.samples import Sample
     from slimectl.engines.client import EngineError
-    from slimectl.stages.rollout.generate import EnginePool, default_generate, generate_batch
+    from slimectl.engines.pool import EnginePool
+    from slimectl.stages.rollout.generate import default_generate, generate_batch
 
     proc = subprocess.Popen([sys.executable, "-c", _SILENT_ENGINE], stdout=subprocess.PIPE, text=True)
     try:
@@ -242,7 +243,7 @@ def test_the_harness_tokenises_long_messages_off_the_event_loop():
     from aiohttp.test_utils import TestClient, TestServer
 
     from slimectl.agents.harness import Harness
-    from slimectl.stages.rollout.generate import EnginePool
+    from slimectl.engines.pool import EnginePool
 
     tok = _ThreadRecorder(_tiny_chat_tokenizer())
 

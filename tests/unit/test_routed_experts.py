@@ -111,7 +111,8 @@ def test_rollout_generate_stores_routes_and_a_partial_rollout_extends_them(moe_d
 
     from slimectl.contract.samples import Sample
     from slimectl.engines.embedded.server import EngineHTTPServer
-    from slimectl.stages.rollout.generate import EnginePool, default_generate
+    from slimectl.engines.pool import EnginePool
+    from slimectl.stages.rollout.generate import default_generate
 
     ref = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     engine = EngineHTTPServer(str(moe_dir), port=0, max_batch_size=4)

@@ -82,7 +82,8 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
 async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list[str], tok,
                       version: int) -> tuple[dict[str, dict[str, float]], dict[str, list[list[Sample]]]]:
     from slimectl.contract.logs import progress
-    from slimectl.stages.rollout.generate import EnginePool, default_generate, load_function, run_group
+    from slimectl.engines.pool import EnginePool
+    from slimectl.stages.rollout.generate import default_generate, load_function, run_group
     from slimectl.rewards import close_shared_remotes
     from slimectl.stages.rollout.stage import _sampling_params, make_reward_fn
 

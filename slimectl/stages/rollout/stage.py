@@ -23,7 +23,8 @@ from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
 from slimectl.stages.rollout.data import PromptSource, load_tokenizer, tokenize_prompts
-from slimectl.stages.rollout.generate import EnginePool, default_generate, generate_batch, load_function, nonzero_std
+from slimectl.engines.pool import EnginePool
+from slimectl.stages.rollout.generate import default_generate, generate_batch, load_function, nonzero_std
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, write_samples
 
