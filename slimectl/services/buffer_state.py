@@ -20,7 +20,7 @@ from typing import Any
 
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir.atomic import atomic_write_bytes, atomic_write_json, read_json
-from slimectl.stages.rollout.importer import check_sample, parse_sample
+from slimectl.contract.sample_checks import check_sample, parse_sample
 
 log = logging.getLogger("slimectl.buffer")
 

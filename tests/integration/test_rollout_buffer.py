@@ -283,7 +283,8 @@ def test_token_is_required_everywhere_but_health_and_stats(serve, run_dir, cli):
 
 def test_cli_collects_each_group_exactly_once_even_when_the_ack_was_lost(serve, run_dir, cli):
     from slimectl.stages.rollout.buffer_source import BufferClient
-    from slimectl.stages.rollout.importer import parse_sample, publish_samples
+    from slimectl.contract.sample_checks import parse_sample
+    from slimectl.stages.rollout.importer import publish_samples
 
     buf = serve("--lease-timeout", "2")
     groups = [buf.task([traj(10 * k + i, float(i % 2)) for i in range(N)])[1] for k in range(4)]

@@ -269,7 +269,7 @@ def test_the_harness_tokenises_long_messages_off_the_event_loop():
 def test_the_buffer_and_import_refuse_a_negative_group_index():
     from slimectl.contract.errors import SlimectlError
     from slimectl.contract.samples import Sample
-    from slimectl.stages.rollout.importer import check_sample
+    from slimectl.contract.sample_checks import check_sample
 
     s = Sample(group_index=-3, index=0, rollout_id=0, tokens=[5, 6, 7], prompt="p")
     s.append_response_tokens([8], [-0.1], True, {})

@@ -23,10 +23,10 @@ from typing import Any
 
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
-from slimectl.stages.rollout.importer import (ImportResult, check_sample, model_vocab_size, parse_sample, publish_samples,
-                                       resolve_rollout_id)
 from slimectl.contract.rundir import RunDir
+from slimectl.contract.sample_checks import check_sample, parse_sample
 from slimectl.contract.samples import Sample
+from slimectl.stages.rollout.importer import ImportResult, model_vocab_size, publish_samples, resolve_rollout_id
 from slimectl.web.client import request_json
 from slimectl.web.errors import HttpError
 

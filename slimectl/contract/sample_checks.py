@@ -1,0 +1,104 @@
+"""The checks of the Sample contract: a sample made outside slimectl, parsed and refused unless train can use it.
+
+Each error names where the sample came from (a file line, a request). A sample is refused unless its
+token ids are non-negative, within the model's vocabulary and fit the samples file's int32 column;
+``response_length`` is positive and inside ``tokens``; the per-token lists (loss mask, log-probs) are
+as long as the response; every field has the JSON type the samples file stores; its reward is a
+finite number (or a dict holding one under the reward key); it has a ``group_index``; and its rollout
+log-probs are log-probabilities (<= 0). Used by ``rollout import``, the rollout buffer service and the
+rollout's buffer source alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+from slimectl.contract.errors import SlimectlError
+from slimectl.contract.samples import Sample
+
+
+def parse_sample(where: str, d: object) -> Sample:
+    """A decoded JSON value -> Sample; errors name ``where`` (a file line, a request's trajectory)."""
+    if not isinstance(d, dict):
+        raise SlimectlError(f"{where}: expected a JSON object with Sample fields")
+    try:
+        return Sample.from_dict(d)
+    except (ValueError, TypeError) as exc:
+        raise SlimectlError(f"{where}: {exc}") from None
+
+
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _wrongly_typed_field(s: Sample) -> str | None:
+    """What is wrong with the first field whose JSON type the samples file cannot store, or None."""
+    for name in ("group_index", "index", "rollout_id"):
+        v = getattr(s, name)
+        if v is not None and not (_is_int(v) and -2**63 <= v < 2**63):
+            return f"{name} must be an integer (64-bit)"
+    if not _is_int(s.response_length):
+        return "response_length must be an integer"
+    if not isinstance(s.response, str):
+        return "response must be a string"
+    if not isinstance(s.prompt, (str, list)):
+        return "prompt must be a string or a list of chat messages"
+    if not isinstance(s.metadata, dict):
+        return "metadata must be a JSON object"
+    if not isinstance(s.weight_versions, list) or not all(isinstance(v, str) for v in s.weight_versions):
+        return "weight_versions must be a list of strings"
+    if not isinstance(s.remove_sample, bool):
+        return "remove_sample must be true or false"
+    if s.loss_mask is not None and (not isinstance(s.loss_mask, list) or not all(_is_int(m) for m in s.loss_mask)):
+        return "loss_mask must be a list of 0/1 integers"
+    for name in ("rollout_log_probs", "teacher_log_probs"):
+        v = getattr(s, name)
+        if v is not None and (not isinstance(v, list) or not all(_is_int(x) or isinstance(x, float) for x in v)
+                              or not all(math.isfinite(x) for x in v)):
+            return f"{name} must be a list of finite numbers"
+    return None
+
+
+def check_sample(where: str, s: Sample, vocab_size: int | None, reward_key: str | None) -> None:
+    """Refuse a sample train could not use (the rules in the module docstring), naming ``where``.
+
+    ``vocab_size``: token ids must be below it (None: unchecked); ``reward_key``: the key of a dict reward."""
+
+    def bad(msg: str) -> SlimectlError:
+        return SlimectlError(f"{where}: {msg}")
+
+    if not isinstance(s.tokens, list) or not s.tokens or not all(_is_int(t) and t >= 0 for t in s.tokens):
+        raise bad("tokens must be a non-empty list of non-negative token ids")
+    if vocab_size is not None and max(s.tokens) >= vocab_size:
+        raise bad(f"token id {max(s.tokens)} is outside the model's vocabulary ({vocab_size} ids)")
+    if max(s.tokens) > _MAX_TOKEN_ID:
+        raise bad(f"token id {max(s.tokens)} does not fit the samples file's int32 token column")
+    wrong = _wrongly_typed_field(s)
+    if wrong:
+        raise bad(wrong)
+    if s.response_length <= 0:
+        raise bad("response_length must be > 0 (the tokens to train on are the last response_length)")
+    try:
+        s.validate()
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if s.group_index is None:
+        raise bad("group_index is missing (samples of one prompt share a group_index)")
+    if s.group_index < 0:
+        raise bad(f"group_index must be >= 0, got {s.group_index}")
+    if s.index is not None and s.index < 0:
+        raise bad(f"index must be >= 0, got {s.index}")
+    raw = s.reward.get(reward_key) if isinstance(s.reward, dict) and reward_key else s.reward
+    if isinstance(raw, bool):
+        raise bad(f"reward must be a number, not {str(raw).lower()}")
+    try:
+        value = s.reward_value(reward_key)
+    except (SlimectlError, KeyError, TypeError, ValueError) as exc:
+        raise bad(f"no usable reward ({exc})") from None
+    if not math.isfinite(value):
+        raise bad(f"reward is {value} (it must be a finite number)")
+    if s.rollout_log_probs is not None and any(x > 1e-6 for x in s.rollout_log_probs):
+        raise bad("rollout_log_probs must be <= 0 (they are log-probabilities)")
