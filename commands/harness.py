@@ -41,9 +41,11 @@ def harness_cmd(ctx: click.Context, run_dir: str | None, engine_urls: tuple[str,
       slimectl harness --engine-url http://127.0.0.1:30000 --model ckpt/hf --out traj.jsonl --port 0
     """
     import os
+    from functools import partial
 
     from slimectl.contract.errors import UsageError
     from slimectl.agents.harness import serve_harness
+    from slimectl.stages.rollout.importer import import_rollout
 
     run = cfg = None
     run_path = resolve_run_dir(ctx, run_dir)
@@ -60,6 +62,7 @@ def harness_cmd(ctx: click.Context, run_dir: str | None, engine_urls: tuple[str,
         model_path = cfg.model.tokenizer_path or cfg.model.path
     urls = list(engine_urls) or [r.url for r in run.engines.require_live()]
     token = os.environ.get(cfg.engine.token_env) if cfg is not None else None
-    serve_harness(urls, model_path, out_path, host=host, port=port, api_key=api_key, run=run, config=cfg,
+    publish = partial(import_rollout, run, cfg) if run is not None else None
+    serve_harness(urls, model_path, out_path, host=host, port=port, api_key=api_key, publish=publish,
                   engine_token=token or None, served_model_name=served_model_name, default_max_tokens=max_tokens,
                   overwrite=force, announce=lambda url: click.echo(url))

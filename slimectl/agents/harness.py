@@ -6,8 +6,9 @@ a reward. The harness renders the messages with the model's chat template, gener
 engines through :class:`~slimectl.engines.pool.EnginePool` (SGLang ``/generate`` with
 ``input_ids`` and ``return_logprob``), and keeps, per session, the exact token ids the engine
 saw and produced. Finished sessions become :class:`~slimectl.contract.samples.Sample` objects that
-``slimectl rollout import`` accepts, or are published straight into a run directory through
-the importer (:func:`slimectl.stages.rollout.importer.import_rollout`).
+``slimectl rollout import`` accepts, or are published straight into a run directory by the
+publishing function the harness is given (``slimectl harness -r RUN`` passes the importer,
+:func:`slimectl.stages.rollout.importer.import_rollout`, bound to the run).
 
 Why token lists and not text: re-tokenizing the assistant's text on the next turn can give
 other ids than the model sampled (BPE merges across the boundary, special tokens, stop
@@ -33,7 +34,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from aiohttp import web
 
@@ -61,6 +62,19 @@ MAX_BODY_BYTES = 64 * 2**20
 """The largest request body the harness reads (a bigger one is answered 413)."""
 
 
+class Published(Protocol):
+    """What publishing a batch of sessions made: the rollout, its size and where it lies."""
+
+    rollout_id: int
+    num_samples: int
+    path: Path
+
+
+Publish = Callable[[Path], Published]
+"""``publish(batch_file)``: publish the samples of a JSON Lines file as the run's next rollout (may
+raise :class:`~slimectl.contract.errors.SlimectlError`); it runs in a worker thread."""
+
+
 class HarnessError(Exception):
     """A request the harness refuses: answered as an OpenAI-style error object."""
 
@@ -84,19 +98,18 @@ class Harness:
     ``pool`` is an :class:`~slimectl.engines.pool.EnginePool`; ``tokenizer`` a transformers
     tokenizer with a chat template (the one the engines serve). ``out_path``: every finished
     session is written there (the whole file, atomically, after each finish; an existing
-    non-empty file is refused unless ``overwrite``). ``run`` and
-    ``config``: enable ``POST /publish`` (finished sessions -> the run's next rollout); the
-    batch file it imports is kept beside ``out_path``.
+    non-empty file is refused unless ``overwrite``). ``publish`` (a :data:`Publish`) enables
+    ``POST /publish`` (finished sessions -> the run's next rollout); the batch file it is given
+    is kept beside ``out_path``.
     """
 
     def __init__(self, pool, tokenizer, model_name: str, api_key: str | None = None,
-                 out_path: str | Path | None = None, run=None, config=None, default_max_tokens: int | None = None,
-                 overwrite: bool = False, max_body_bytes: int = MAX_BODY_BYTES):
+                 out_path: str | Path | None = None, publish: Publish | None = None,
+                 default_max_tokens: int | None = None, overwrite: bool = False,
+                 max_body_bytes: int = MAX_BODY_BYTES):
         if getattr(tokenizer, "chat_template", None) is None:
             raise UsageError(f"the tokenizer of {model_name} has no chat template; the harness renders messages with it")
-        if (run is None) != (config is None):
-            raise ValueError("pass both run and config, or neither")
-        if run is not None and out_path is None:
+        if publish is not None and out_path is None:
             raise UsageError("publishing into a run keeps each imported batch beside the export file: pass --out FILE.jsonl")
         self.pool, self.tokenizer, self.model_name = pool, tokenizer, model_name
         self.api_key = api_key or None
@@ -106,7 +119,7 @@ class Harness:
                 raise UsageError(f"{self.out_path} already holds recorded sessions; choose another --out "
                                  f"or pass --force to replace it")
             export_jsonl([], self.out_path)  # fail now (bad path), not at the first finish
-        self.run, self.config = run, config
+        self.publish_batch = publish
         self.default_max_tokens = default_max_tokens
         self.sessions: dict[str, Session] = {}
         self._in_flight: dict[str, int] = {}  # requests of each session being answered
@@ -473,8 +486,8 @@ class Harness:
             await asyncio.get_running_loop().run_in_executor(None, atomic_write_text, self.out_path, data)
 
     async def publish(self, request: web.Request) -> web.Response:
-        """Publish the finished, not yet published sessions as the run's next rollout (via the importer)."""
-        if self.run is None:
+        """Publish the finished, not yet published sessions as the run's next rollout (via :attr:`publish_batch`)."""
+        if self.publish_batch is None:
             raise HarnessError(409, "this harness is not attached to a run directory; start it with -r RUN to publish",
                                code="no_run")
         await self._body(request, allow_empty=True)
@@ -487,11 +500,9 @@ class Harness:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             path = self.out_path.with_name(f"{self.out_path.stem}.publish-{stamp}-{uuid.uuid4().hex[:6]}.jsonl")
             loop = asyncio.get_running_loop()
-            from slimectl.stages.rollout.importer import import_rollout
-
             try:
                 await loop.run_in_executor(None, export_jsonl, samples, path)
-                result = await loop.run_in_executor(None, import_rollout, self.run, self.config, path)
+                result = await loop.run_in_executor(None, self.publish_batch, path)
             except (ArtifactExists, LockHeld) as exc:
                 raise HarnessError(409, f"cannot publish: {exc}", code="publish_conflict") from None
             except SlimectlError as exc:
@@ -557,10 +568,12 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path, host: str = "127.0.0.1",
-                  port: int = 8000, api_key: str | None = None, run=None, config=None, engine_token: str | None = None,
-                  served_model_name: str | None = None, default_max_tokens: int | None = None,
-                  overwrite: bool = False, announce: Callable[[str], None] = print) -> None:
-    """Run the harness until SIGINT/SIGTERM; ``announce`` gets the OpenAI base URL once it listens."""
+                  port: int = 8000, api_key: str | None = None, publish: Publish | None = None,
+                  engine_token: str | None = None, served_model_name: str | None = None,
+                  default_max_tokens: int | None = None, overwrite: bool = False,
+                  announce: Callable[[str], None] = print) -> None:
+    """Run the harness until SIGINT/SIGTERM; ``announce`` gets the OpenAI base URL once it listens.
+    ``publish``: see :class:`Harness`."""
     from transformers import AutoTokenizer
 
     from slimectl.contract.logs import quiet_hf_progress
@@ -580,7 +593,7 @@ def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path,
         pool = EnginePool([u.rstrip("/") for u in engine_urls], token=engine_token)
         runner = harness = None
         try:
-            harness = Harness(pool, tokenizer, name, api_key=api_key, out_path=out_path, run=run, config=config,
+            harness = Harness(pool, tokenizer, name, api_key=api_key, out_path=out_path, publish=publish,
                               default_max_tokens=default_max_tokens, overwrite=overwrite)
             if not await pool.weight_versions():
                 raise SlimectlError(f"none of the engines answered ({', '.join(engine_urls)}); is `slimectl serve` running?")
