@@ -1,42 +1,159 @@
-"""The architecture's walls, checked statically, and the installed package's shape."""
+"""The architecture's walls, checked statically against the map of tests/walls_map.py, and the installed package's shape."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 
 from tests.helpers import ROOT
+from tests.walls_map import (KNOWN_BREACHES, LAYER, MAP, RULES, Import, arrows, breaches, imports_in, known,
+                             known_modules, markdown_table, module_of, part_of, read_imports, source_files, unmapped)
 
 LIB = ROOT / "slimectl"
+PACKAGE_ROOTS = {"slimectl", "slimectl.backends", "slimectl.stages"}
 
 
-def imports_of(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-    return found
+@pytest.fixture(scope="module")
+def code() -> list[Import]:
+    """Every import of the checkout's library and CLI, less the known breaches."""
+    return [imp for imp in read_imports(ROOT) if not known(imp)]
 
 
-def library_files() -> list[Path]:
-    return [p for p in LIB.rglob("*.py") if p.name != "__main__.py"]
+def where(imp: Import) -> str:
+    return f"{imp.file}:{imp.line} imports {imp.module} ({imp.source} -> {imp.target})"
 
 
-def test_library_never_imports_the_cli_or_click():
-    offenders = {}
-    for p in library_files():
-        bad = {m for m in imports_of(p) if m == "click" or m.startswith(("click.", "slimectl.commands"))}
-        if bad:
-            offenders[str(p.relative_to(ROOT))] = sorted(bad)
-    assert offenders == {}
+def broken(found: list[tuple[str, Import]]) -> list[str]:
+    return sorted(f"{where(imp)}: breaks {rule}" for rule, imp in found)
+
+
+# ----------------------------------------------------------------------------- the reader
+
+
+def test_the_reader_resolves_relative_imports_and_reads_imports_inside_functions():
+    source = ("import os\nfrom . import boxed\nfrom .hub import grade\nfrom ..contract.errors import SlimectlError\n"
+              "\n\ndef later():\n    from slimectl.stages import train\n    import megatron.core\n")
+    found = imports_in(source, "slimectl.rewards", True, known_modules(ROOT))
+    assert {m for m, _ in found} == {"os", "slimectl.rewards.boxed", "slimectl.rewards.hub",
+                                     "slimectl.contract.errors", "slimectl.stages.train", "megatron.core"}
+    assert dict(found)["megatron.core"] == 9
+    # in a module (not a package's __init__) the package is the module's parent
+    found = imports_in("from ..megatron import checkpoint\nfrom .arch import HFArch\n", "slimectl.backends.hf.mapping",
+                       False, known_modules(ROOT))
+    assert {m for m, _ in found} == {"slimectl.backends.megatron.checkpoint", "slimectl.backends.hf.arch"}
+
+
+def test_the_reader_resolves_the_relative_imports_of_the_code(code):
+    """rewards/ imports its own modules relatively: the reader resolves them (they make no arrow)."""
+    relative = {(imp.file, imp.module) for imp in code if imp.file == "slimectl/rewards/hub.py"}
+    assert ("slimectl/rewards/hub.py", "slimectl.rewards.boxed") in relative
+
+
+def test_parts_and_modules():
+    assert module_of(ROOT.joinpath("commands/cli.py").relative_to(ROOT)) == ("slimectl.commands.cli", False)
+    assert module_of(LIB.joinpath("stages/sync/__init__.py").relative_to(ROOT)) == ("slimectl.stages.sync", True)
+    assert [part_of(m) for m in ("slimectl.backends.hf.arch", "slimectl.backends.host_memory", "slimectl.stages.train",
+                                 "slimectl.engines.embedded.server", "slimectl.__main__", "slimectl.stages", "torch")] \
+        == ["backends/hf", "backends/host_memory", "stages/train", "engines", "commands", None, None]
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def test_every_file_belongs_to_a_part_of_the_map():
+    """A new part (or a new stage) gets a row of the table before it gets code."""
+    outside = set()
+    for path in source_files(ROOT):
+        module = module_of(path.relative_to(ROOT))[0]
+        if module not in PACKAGE_ROOTS and part_of(module) not in MAP:
+            outside.add(str(path.relative_to(ROOT)))
+    assert outside == set()
+
+
+def test_every_part_of_the_map_has_code():
+    have = {part_of(module_of(p.relative_to(ROOT))[0]) for p in source_files(ROOT)}
+    assert set(MAP) - have == set(), "a part of the map is gone: update tests/walls_map.py"
+
+
+def test_the_table_names_only_its_parts_and_points_down():
+    for part, may in MAP.items():
+        assert set(may) <= set(MAP) - {part}, part
+        assert all(LAYER[dst] < LAYER[part] for dst in may), part
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_the_table_keeps_the_wall(rule):
+    """No arrow of the table is one a wall forbids (the table is derived from the walls, not from the code)."""
+    def module(part: str) -> str:
+        return "slimectl." + part.replace("/", ".")
+
+    declared = [Import("<the table>", 0, module(src), module(dst)) for src, may in MAP.items() for dst in may]
+    assert broken(breaches(declared, [rule])) == []
+
+
+def test_every_import_is_an_arrow_of_the_map(code):
+    assert sorted(map(where, unmapped(code))) == []
+
+
+def test_an_arrow_the_map_lacks_is_found(tmp_path):
+    """An import no wall forbids but the table does not draw (the plot stage reading HF configs) is found."""
+    (tmp_path / "slimectl/stages/plot").mkdir(parents=True)
+    (tmp_path / "slimectl/stages/plot/breach.py").write_text("from slimectl.backends.hf.arch import HFArch\n")
+    imports = read_imports(tmp_path)
+    assert breaches(imports) == [] and unmapped(imports) == imports
+
+
+def test_every_arrow_of_the_map_is_used(code):
+    """The map claims no arrow the code does not draw."""
+    declared = {(src, dst) for src, may in MAP.items() for dst in may}
+    assert declared - set(arrows(code)) == set()
+
+
+def test_known_breaches_are_still_in_the_code():
+    """An entry goes with its import: one whose import is gone (or is allowed now) is stale."""
+    everything = read_imports(ROOT)
+    wrong = {(i.file, i.module) for i in unmapped(everything)} | {(i.file, i.module) for _, i in breaches(everything)}
+    assert set(KNOWN_BREACHES) - wrong == set()
+
+
+def test_the_map_prints_as_markdown():
+    table = markdown_table().splitlines()
+    assert table[0] == "| part | may import |" and len(table) == 2 + len(MAP)
+    assert "| `agents` | `contract`, `web`, `engines` |" in table
+    proc = subprocess.run([sys.executable, "-m", "tests.walls_map"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith(markdown_table()), proc.stderr
+
+
+# ----------------------------------------------------------------------------- the walls
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_the_code_keeps_the_wall(rule, code):
+    assert broken(breaches(code, [rule])) == [], rule.says
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_a_breach_of_the_wall_is_found(rule, tmp_path):
+    """A module that breaks the wall, put in its place in a checkout, is found by the checker, by that rule."""
+    path, source = rule.breach
+    (tmp_path / path).parent.mkdir(parents=True)
+    (tmp_path / path).write_text(source)
+    imports = read_imports(tmp_path)
+    assert imports and {imp.file for imp in imports} == {path}
+    assert [imp for _, imp in breaches(imports, [rule])] == imports, f"{rule.name} misses its breach"
+    assert rule.name in {name for name, _ in breaches(imports)}
+
+
+def test_each_wall_has_a_breach_of_its_own():
+    """No two rules share an example, and each example lies where its rule applies."""
+    assert len({r.breach for r in RULES}) == len(RULES)
+    for rule in RULES:
+        path = rule.breach[0]
+        imp = Import(path, 1, module_of(ROOT.joinpath(path).relative_to(ROOT))[0], "os")
+        assert rule.applies(imp), rule.name
 
 
 def test_library_imports_without_click():
@@ -52,92 +169,7 @@ def test_library_imports_without_click():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
-# The walls of docs/architecture.md. Each rule: (folder or module under slimectl/, banned import prefixes).
-LIBRARY_PARTS = ("slimectl.stages", "slimectl.orchestration", "slimectl.backends", "slimectl.engines",
-                 "slimectl.agents", "slimectl.rewards", "slimectl.services", "slimectl.algorithms")
-FORBIDDEN = [
-    # the contract (config, samples, run directory, metrics, logs) is below everything else
-    ("contract", LIBRARY_PARTS),
-    ("contract/rundir", ("torch",)),
-    # engines serve tokens: no training, no rollout, no orchestration code
-    ("engines", ("slimectl.stages", "slimectl.orchestration", "slimectl.backends.megatron", "slimectl.agents",
-                 "slimectl.rewards", "slimectl.services", "slimectl.algorithms", "megatron")),
-    # backends know nothing of stages or of the loop
-    ("backends", ("slimectl.stages", "slimectl.orchestration", "slimectl.agents", "slimectl.services",
-                  "slimectl.engines")),
-    ("backends/hf", ("slimectl.backends.megatron", "megatron")),
-    ("rewards", ("slimectl.stages", "slimectl.orchestration", "slimectl.backends", "slimectl.agents",
-                 "slimectl.services", "megatron", "torch")),
-    ("web", LIBRARY_PARTS),
-]
-# Exact modules a part may import through one of its bans: engines use the one signal module.
-ALLOWED_THROUGH = {"engines": ("slimectl.contract.signals",)}
-
-
-def part_files(where: str) -> list[Path]:
-    base = LIB / where
-    if base.is_dir():
-        return sorted(base.rglob("*.py"))
-    return [base.with_suffix(".py")] if base.with_suffix(".py").exists() else []
-
-
-@pytest.mark.parametrize("where, banned", FORBIDDEN, ids=[w for w, _ in FORBIDDEN])
-def test_walls_between_parts(where, banned):
-    files = part_files(where)
-    assert files, f"slimectl/{where} is gone: update the walls"
-    offenders = {}
-    for p in files:
-        bad = sorted(m for m in imports_of(p) if m.startswith(banned) and m not in ALLOWED_THROUGH.get(where, ()))
-        if bad:
-            offenders[str(p.relative_to(ROOT))] = bad
-    assert offenders == {}
-
-
-def test_only_the_megatron_backend_imports_megatron():
-    offenders = {}
-    for p in library_files():
-        if (LIB / "backends" / "megatron") in p.parents:
-            continue
-        bad = sorted(m for m in imports_of(p) if m == "megatron" or m.startswith("megatron."))
-        if bad:
-            offenders[str(p.relative_to(ROOT))] = bad
-    assert offenders == {}
-
-
-def stage_names() -> list[str]:
-    return sorted(p.stem if p.is_file() else p.name for p in (LIB / "stages").iterdir()
-                  if p.name != "__init__.py" and not p.name.startswith("__") and (p.suffix == ".py" or p.is_dir()))
-
-
-@pytest.mark.parametrize("stage", stage_names())
-def test_stages_never_import_each_other(stage):
-    """Stages meet only in the run directory and the engine protocol (rollout never imports train...)."""
-    others = tuple(f"slimectl.stages.{s}" for s in stage_names() if s != stage)
-    offenders = {}
-    for p in part_files(f"stages/{stage}"):
-        bad = sorted(m for m in imports_of(p) if m.startswith(others) and m.split(".")[2] != stage)
-        if bad:
-            offenders[str(p.relative_to(ROOT))] = bad
-    assert offenders == {}
-
-
-def test_the_walls_test_sees_a_breach(tmp_path):
-    """The checker itself: an import that breaks a wall is found."""
-    bad = tmp_path / "bad.py"
-    bad.write_text("from slimectl.stages.train import run_train\nimport megatron.core\n")
-    assert {"slimectl.stages.train", "megatron.core"} <= imports_of(bad)
-
-
-def test_algorithm_math_imports_only_torch():
-    algo = LIB / "algorithms"
-    files = sorted(algo.rglob("*.py"))
-    assert files
-    for p in files:
-        allowed = {"torch", "__future__", "typing", "math", "dataclasses", "types", "collections"}
-        bad = {m for m in imports_of(p) if m.split(".")[0] not in allowed
-               and not m.startswith(("slimectl.algorithms", "slimectl.contract.algorithm_names",
-                                     "slimectl.contract.config_schema"))}
-        assert not bad, f"{p.relative_to(ROOT)} imports {sorted(bad)}"
+# ----------------------------------------------------------------------------- the installed package
 
 
 def test_wheel_installs_commands_inside_the_slimectl_namespace(tmp_path):
