@@ -31,9 +31,24 @@ class TrainerHandle(Protocol):
         """Checkpoint what was trained since the last checkpoint (a stop between rollouts)."""
 
 
+class EngineSet(Protocol):
+    """Engines this process launched and owns: :class:`~slimectl.stages.serve.EngineProcesses` (child processes),
+    :class:`~slimectl.orchestration.ray_launcher.RayEngineActors` (one Ray actor each)."""
+
+    engines: list
+    """The launched engines (``ServedEngine``: id, url, backend, pid), healthy and registered."""
+
+    def start(self) -> "EngineSet": ...
+
+    def stop(self) -> None: ...
+
+    def check_alive(self) -> None:
+        """Raise (one line) when a launched engine has died."""
+
+
 class EnginesInUse(Protocol):
-    """The engines a run's rollouts and syncs go to (a running ``serve``'s, or ones this process started):
-    :class:`~slimectl.orchestration.local_launcher.Engines`."""
+    """The engines a run's rollouts and syncs go to (a running ``serve``'s, or an :class:`EngineSet` this process
+    started): :class:`~slimectl.orchestration.local_launcher.RunEngines`."""
 
     ids: dict[str, str | None]
     """Engine URL -> its id in ``RUN/engines/`` (None for external engines)."""

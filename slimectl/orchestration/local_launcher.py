@@ -1,6 +1,6 @@
 """The local launcher of ``slimectl rl``: engines as child processes, the trainer in this process.
 
-:class:`Engines` attaches to a running ``slimectl serve`` of the run, or starts engines owned by
+:class:`RunEngines` attaches to a running ``slimectl serve`` of the run, or starts engines owned by
 this process (they die with it, even after ``kill -9``). :class:`InProcessTrainer` is the train
 stage in this process and the weight sync from it: one trainer rank, or rank 0 of several (ranks > 0
 follow it: :mod:`slimectl.orchestration.trainer_ranks`). The Ray launcher
@@ -45,16 +45,14 @@ def _kill_orphan_engines(run: RunDir) -> None:
                 registry.unregister(rec.id)
 
 
-class Engines:
-    """Attach to a running ``slimectl serve`` of this run, or start engines owned by this process.
-
-    ``make_group(run, cfg)`` builds what starts them: an :class:`~slimectl.stages.serve.EngineGroup`
-    (child processes), or a launcher's equivalent with the same ``start``/``stop``/``engines``/
-    ``check_alive``."""
+class RunEngines:
+    """The engines a run uses (:class:`~slimectl.orchestration.handles.EnginesInUse`): a running ``slimectl serve``'s,
+    or an :class:`~slimectl.orchestration.handles.EngineSet` this process starts and owns — ``make_group(run, cfg)``,
+    default :class:`~slimectl.stages.serve.EngineProcesses` (child processes)."""
 
     def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...], stack: ExitStack,
                  make_group=None):
-        from slimectl.stages.serve import EngineGroup
+        from slimectl.stages.serve import EngineProcesses
 
         self.ids: dict[str, str | None] = {}
         self.group = None  # set when this process started the engines
@@ -75,7 +73,7 @@ class Engines:
             return
         stack.callback(serve_lock.release)
         _kill_orphan_engines(run)
-        group = (make_group or EngineGroup)(run, cfg)
+        group = (make_group or EngineProcesses)(run, cfg)
         stack.callback(group.stop)
         group.start()
         self.group = group
@@ -210,5 +208,5 @@ class LocalLauncher:
     def start_trainer(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack) -> InProcessTrainer:
         return InProcessTrainer(run, cfg, stack)
 
-    def start_engines(self, run: RunDir, cfg: SlimectlConfig, engine_urls, stack: ExitStack) -> Engines:
-        return Engines(run, cfg, engine_urls, stack)
+    def start_engines(self, run: RunDir, cfg: SlimectlConfig, engine_urls, stack: ExitStack) -> RunEngines:
+        return RunEngines(run, cfg, engine_urls, stack)

@@ -7,7 +7,7 @@ The driver (``slimectl rl``, this process) still runs :func:`slimectl.orchestrat
 loop and the rollout stage (HTTP clients of the engines); only where engines and trainer live changes:
 
 - one :class:`EngineWorker` per engine, which starts that engine exactly as ``slimectl serve``
-  does (:class:`~slimectl.stages.serve.EngineGroup` for its one index: a child process of the
+  does (:class:`~slimectl.stages.serve.EngineProcesses` for its one index: a child process of the
   worker, registered in ``RUN/engines/``, dying with the worker);
 - one :class:`TrainerWorker` per trainer rank (``train.tp*pp*dp`` of them). Rank 0 runs
   :class:`~slimectl.orchestration.local_launcher.InProcessTrainer` — the same train stage
@@ -233,12 +233,12 @@ class EngineWorker:
 
     def start(self, run_path: str, cfg_data: dict, index: int, log_level: int) -> dict:
         """Launch engine ``index``, wait until healthy, register it (the record names this actor)."""
-        from slimectl.stages.serve import EngineGroup
+        from slimectl.stages.serve import EngineProcesses
 
         worker_logging(log_level)
         run = RunDir.open(run_path)
         cfg = build_config(cfg_data, origin="the rl driver's config")
-        self.group = EngineGroup(run, cfg, engine_indices=[index]).start()
+        self.group = EngineProcesses(run, cfg, engine_indices=[index]).start()
         engine = self.group.engines[0]
         where = worker_context()
         run.engines.update(engine.id, extra={"launcher": "ray", **where})
@@ -293,9 +293,9 @@ class RayTrainer:
         return self._call("checkpoint_if_behind")
 
 
-class RayEngineGroup:
-    """What :class:`slimectl.orchestration.local_launcher.Engines` starts under Ray: one
-    :class:`EngineWorker` per engine, with :class:`~slimectl.stages.serve.EngineGroup`'s
+class RayEngineActors:
+    """What :class:`slimectl.orchestration.local_launcher.RunEngines` starts under Ray: one
+    :class:`EngineWorker` per engine, with :class:`~slimectl.stages.serve.EngineProcesses`'s
     ``start``/``stop``/``engines``/``check_alive``."""
 
     def __init__(self, launcher: "RayLauncher", run: RunDir, cfg: SlimectlConfig):
@@ -303,7 +303,7 @@ class RayEngineGroup:
         self.workers: list = []
         self.engines: list = []
 
-    def start(self) -> "RayEngineGroup":
+    def start(self) -> "RayEngineActors":
         from slimectl.contract.rundir.atomic import hostname
         from slimectl.stages.serve import ServedEngine
 
@@ -384,9 +384,9 @@ class RayLauncher:
         return RayTrainer(self, workers, infos[0])
 
     def start_engines(self, run: RunDir, cfg: SlimectlConfig, engine_urls, stack: ExitStack):
-        from slimectl.orchestration.local_launcher import Engines
+        from slimectl.orchestration.local_launcher import RunEngines
 
-        return Engines(run, cfg, engine_urls, stack, make_group=lambda r, c: RayEngineGroup(self, r, c))
+        return RunEngines(run, cfg, engine_urls, stack, make_group=lambda r, c: RayEngineActors(self, r, c))
 
     # ------------------------------------------------------------------ Ray plumbing
     def _connect(self, cfg: SlimectlConfig, stack: ExitStack) -> None:

@@ -133,8 +133,8 @@ class ServedEngine:
     pid: int | None
 
 
-class EngineGroup:
-    """``with EngineGroup(run, cfg) as g: g.urls`` — engines up, healthy and registered."""
+class EngineProcesses:
+    """``with EngineProcesses(run, cfg) as g: g.urls`` — engines up, healthy and registered."""
 
     def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
                  model_path: str | None = None, python: str | None = None, engine_indices: list[int] | None = None,
@@ -166,7 +166,7 @@ class EngineGroup:
         return [e.url for e in self.engines]
 
     # ------------------------------------------------------------------ start
-    def start(self) -> "EngineGroup":
+    def start(self) -> "EngineProcesses":
         ec = self.cfg.engine
         router_python = self._check_router()  # before anything else: a refusal is the only line printed
         if self.backend == "external" and not self.engine_urls:
@@ -388,7 +388,7 @@ class EngineGroup:
             if p.popen.poll() is not None:
                 raise SlimectlError(f"{p.name} at {p.url} exited with code {p.popen.returncode}; see {p.log_path}")
 
-    def __enter__(self) -> "EngineGroup":
+    def __enter__(self) -> "EngineProcesses":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -399,14 +399,14 @@ def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, 
           ready: threading.Event | None = None, stop: threading.Event | None = None, announce=print,
           weight_version: WeightChoice = None) -> None:
     """Start the engines, print their URLs, and keep them up until SIGINT/SIGTERM (or ``stop``).
-    ``weight_version``: see :class:`EngineGroup` (default: the newest published weights)."""
+    ``weight_version``: see :class:`EngineProcesses` (default: the newest published weights)."""
     with run.stage_log("serve"):
         stop = stop or threading.Event()
         with run.lock("serve"):
             dead = run.engines.prune_dead()  # records of this host's earlier serve, killed before it unregistered
             if dead:
                 log.info("removed the records of dead engines %s", ", ".join(dead))
-            group = EngineGroup(run, cfg, engine_urls, weight_version=weight_version)
+            group = EngineProcesses(run, cfg, engine_urls, weight_version=weight_version)
             with set_on_signals(stop), group:  # SIGINT/SIGTERM stop the engines; the old handlers come back
                 for url in group.urls:
                     announce(url)

@@ -4,7 +4,7 @@ Not the suite's shared engines (test_sglang_serve.py): what is tested here is rl
 engine itself and stopping it when it ends, on Qwen2 (the shared pair is Llama, which sync --verify can
 read back from).
 
-rl starts the engine itself (EngineGroup, backend sglang), rolls out on it, trains, syncs weights/1 to
+rl starts the engine itself (EngineProcesses, backend sglang), rolls out on it, trains, syncs weights/1 to
 it (disk), rolls out again on version 1 and stops it. The trainer recomputes the old log-probs of every
 sample, so train/train_rollout_logprob_abs_diff is SGLang's log-probs against the trainer's.
 """

@@ -42,16 +42,16 @@ def test_serve_refuses_a_router_in_front_of_engine_urls(run_dir):
 
 def test_engine_group_refuses_a_router_in_front_of_external_engines(run_dir):
     from slimectl.contract.errors import UsageError
-    from slimectl.stages.serve import EngineGroup
+    from slimectl.stages.serve import EngineProcesses
 
     cfg = run_dir.config().model_copy(deep=True)
     cfg.engine.router = True  # set after validation: a library caller passing URLs of its own
     try:
-        EngineGroup(run_dir, cfg, ["http://127.0.0.1:9"]).start()
+        EngineProcesses(run_dir, cfg, ["http://127.0.0.1:9"]).start()
     except UsageError as exc:
         assert "not external ones (--engine-url): drop --engine-url, or set engine.router: false" in str(exc)
     else:
-        raise AssertionError("EngineGroup started external engines behind a router")
+        raise AssertionError("EngineProcesses started external engines behind a router")
 
 
 def test_rl_stops_a_router_that_a_killed_serve_left_running(run_dir):

@@ -49,11 +49,11 @@ def test_sglang_passthrough_flags_reach_the_config(cli, run_dir):
 
 def test_sglang_backend_argv_from_the_run_config(run_dir):
     from slimectl.contract.config import build_config
-    from slimectl.stages.serve import EngineGroup
+    from slimectl.stages.serve import EngineProcesses
 
     data = run_dir.config().to_dict()
     data["engine"].update(backend="sglang", tp_size=2, gpu_ids=[0, 1, 2, 3], sglang_args={"context_length": 4096})
-    group = EngineGroup(run_dir, build_config(data))
+    group = EngineProcesses(run_dir, build_config(data))
     argv, env, secrets = group._launch_argv(1, 30001)
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--port") + 1] == "30001"

@@ -78,15 +78,15 @@ def test_serve_starts_engines_on_the_newest_published_weights(trained_run):
 
 
 def test_serve_weight_choice_initial_or_given_version(trained_run):
-    from slimectl.stages.serve import EngineGroup
+    from slimectl.stages.serve import EngineProcesses
 
     run, cfg = trained_run, trained_run.config()
     w1 = str(run.weights.get(1).path)
-    assert EngineGroup(run, cfg)._resolve_weights() == (w1, "1")
-    assert EngineGroup(run, cfg, weight_version=1)._resolve_weights() == (w1, "1")
-    assert EngineGroup(run, cfg, weight_version="initial")._resolve_weights() == (cfg.model.path, "0")
+    assert EngineProcesses(run, cfg)._resolve_weights() == (w1, "1")
+    assert EngineProcesses(run, cfg, weight_version=1)._resolve_weights() == (w1, "1")
+    assert EngineProcesses(run, cfg, weight_version="initial")._resolve_weights() == (cfg.model.path, "0")
     if not run.weights.exists(0):  # version 0 is the initial model unless weights/0 was published
-        assert EngineGroup(run, cfg, weight_version=0)._resolve_weights() == (cfg.model.path, "0")
+        assert EngineProcesses(run, cfg, weight_version=0)._resolve_weights() == (cfg.model.path, "0")
     missing = slimectl_in_process("serve", "-r", run.path, "--weight-version", "7")
     assert missing.returncode == 2
     assert "weights/000007 is not published" in missing.stderr and "published versions: " in missing.stderr
@@ -159,7 +159,7 @@ def test_each_embedded_engine_binds_a_port_the_system_picks(trained_run, monkeyp
         held.listen()
         taken = held.getsockname()[1]
         monkeypatch.setattr(serve_mod, "free_port", lambda host="127.0.0.1": taken)
-        with serve_mod.EngineGroup(trained_run, build_config(data)) as group:
+        with serve_mod.EngineProcesses(trained_run, build_config(data)) as group:
             ports = [int(u.rsplit(":", 1)[1]) for u in group.urls]
             assert len(set(ports)) == 2 and taken not in ports
             assert sorted(r.url for r in trained_run.engines.list()) == sorted(group.urls)

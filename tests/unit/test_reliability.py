@@ -285,7 +285,7 @@ def test_serve_on_all_interfaces_without_a_token_warns(run_dir, fake_model, monk
 
     from slimectl.contract.config import apply_overrides, build_config
     from slimectl.contract.errors import UsageError
-    from slimectl.stages.serve import EngineGroup
+    from slimectl.stages.serve import EngineProcesses
 
     with socket.socket() as held:  # engine.port is taken: start() stops right after its checks
         held.bind(("127.0.0.1", 0))
@@ -298,7 +298,7 @@ def test_serve_on_all_interfaces_without_a_token_warns(run_dir, fake_model, monk
         logger.addHandler(rec)
         try:
             with pytest.raises(UsageError, match="already in use"):
-                EngineGroup(run_dir, cfg).start()
+                EngineProcesses(run_dir, cfg).start()
         finally:
             logger.removeHandler(rec)
     warned = [line for line in rec.lines if "without a token" in line]

@@ -257,18 +257,18 @@ def test_verify_compares_what_it_can_and_still_catches_a_mismatch(run, fake_sgla
 
 def test_engine_env_reaches_both_launch_paths(run, monkeypatch):
     from slimectl.engines.supervisor import ENGINE_NONCE_ENV
-    from slimectl.stages.serve import EngineGroup
+    from slimectl.stages.serve import EngineProcesses
 
     run, _ = run
     cfg = run.config()
     cfg.engine.env = {"SGLANG_USE_CPU_ENGINE": "1", ENGINE_NONCE_ENV: "mine"}
     monkeypatch.setenv("SG19_INHERITED", "yes")
-    argv, env, _ = EngineGroup(run, cfg)._launch_argv(0, 30000)
+    argv, env, _ = EngineProcesses(run, cfg)._launch_argv(0, 30000)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SG19_INHERITED"] == "yes"
     assert env[ENGINE_NONCE_ENV] != "mine"  # the launcher's own nonce wins
     cfg.engine.backend = "sglang"
     cfg.engine.sglang_args = {"device": "cpu"}
-    argv, env, _ = EngineGroup(run, cfg)._launch_argv(0, 30000)
+    argv, env, _ = EngineProcesses(run, cfg)._launch_argv(0, 30000)
     assert argv[1:3] == ["-m", "sglang.launch_server"] and argv[-2:] == ["--device", "cpu"]
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SG19_INHERITED"] == "yes"
 
@@ -276,7 +276,7 @@ def test_engine_env_reaches_both_launch_paths(run, monkeypatch):
 def test_embedded_engines_leave_a_core_free_unless_told_otherwise(run, monkeypatch):
     """engine.num_threads: the configured count; none when OMP_NUM_THREADS is set (torch's own); else the
     CPUs less one, shared among the engines started here, at least 1."""
-    from slimectl.stages.serve import EngineGroup, embedded_threads
+    from slimectl.stages.serve import EngineProcesses, embedded_threads
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(9)))
     assert embedded_threads(None, {}, 1) == 8 and embedded_threads(None, {}, 3) == 2 and embedded_threads(None, {}, 16) == 1
@@ -288,29 +288,29 @@ def test_embedded_engines_leave_a_core_free_unless_told_otherwise(run, monkeypat
     cfg = run.config()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
-    argv, _, _ = EngineGroup(run, cfg)._launch_argv(0, 30000)
+    argv, _, _ = EngineProcesses(run, cfg)._launch_argv(0, 30000)
     assert argv[argv.index("--num-threads") + 1] == str(3 // cfg.engine.num_engines or 1)
     cfg.engine.env = {"OMP_NUM_THREADS": "2"}
-    assert "--num-threads" not in EngineGroup(run, cfg)._launch_argv(0, 30000)[0]
+    assert "--num-threads" not in EngineProcesses(run, cfg)._launch_argv(0, 30000)[0]
     cfg.engine.num_threads = 2
-    argv, _, _ = EngineGroup(run, cfg)._launch_argv(0, 30000)
+    argv, _, _ = EngineProcesses(run, cfg)._launch_argv(0, 30000)
     assert argv[argv.index("--num-threads") + 1] == "2"
 
 
 def test_routing_replay_starts_sglang_with_return_routed_experts(run):
     """SGLang answers ``return_routed_experts`` only when launched with --enable-return-routed-experts:
     serve adds it when rollout or train wants the routes (once, also when given in sglang_args)."""
-    from slimectl.stages.serve import EngineGroup
+    from slimectl.stages.serve import EngineProcesses
 
     run, _ = run
     cfg = run.config()
     cfg.engine.backend = "sglang"
-    assert "--enable-return-routed-experts" not in EngineGroup(run, cfg)._launch_argv(0, 30000)[0]
+    assert "--enable-return-routed-experts" not in EngineProcesses(run, cfg)._launch_argv(0, 30000)[0]
     cfg.train.use_rollout_routing_replay = True
-    assert EngineGroup(run, cfg)._launch_argv(0, 30000)[0].count("--enable-return-routed-experts") == 1
+    assert EngineProcesses(run, cfg)._launch_argv(0, 30000)[0].count("--enable-return-routed-experts") == 1
     cfg.train.use_rollout_routing_replay, cfg.rollout.return_routed_experts = False, True
     cfg.engine.sglang_args = {"enable-return-routed-experts": True}
-    assert EngineGroup(run, cfg)._launch_argv(0, 30000)[0].count("--enable-return-routed-experts") == 1
+    assert EngineProcesses(run, cfg)._launch_argv(0, 30000)[0].count("--enable-return-routed-experts") == 1
 
 
 @pytest.mark.parametrize("value, message", [
