@@ -40,7 +40,6 @@ def harness_cmd(ctx: click.Context, run_dir: str | None, engine_urls: tuple[str,
       slimectl harness -r runs/a --out runs/a-agent.jsonl
       slimectl harness --engine-url http://127.0.0.1:30000 --model ckpt/hf --out traj.jsonl --port 0
     """
-    import os
     from functools import partial
 
     from slimectl.contract.errors import UsageError
@@ -61,7 +60,7 @@ def harness_cmd(ctx: click.Context, run_dir: str | None, engine_urls: tuple[str,
             raise UsageError("pass --model HF_DIR (the model the engines serve), or -r RUN to use the run's model")
         model_path = cfg.model.tokenizer_path or cfg.model.path
     urls = list(engine_urls) or [r.url for r in run.engines.require_live()]
-    token = os.environ.get(cfg.engine.token_env) if cfg is not None else None
+    token = cfg.engine.token() if cfg is not None else None
     publish = partial(import_rollout, run, cfg) if run is not None else None
     serve_harness(urls, model_path, out_path, host=host, port=port, api_key=api_key, publish=publish,
                   engine_token=token or None, served_model_name=served_model_name, default_max_tokens=max_tokens,

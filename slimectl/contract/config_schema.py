@@ -245,6 +245,12 @@ class EngineSection(Section):
             out[k] = v
         return out
 
+    def token(self) -> str | None:
+        """The admin/weight-update token from the environment variable ``token_env`` (None when unset or empty)."""
+        import os
+
+        return os.environ.get(self.token_env) or None
+
     @model_validator(mode="after")
     def _router_needs_launched_engines(self) -> "EngineSection":
         if self.router and (self.backend == "external" or self.urls):

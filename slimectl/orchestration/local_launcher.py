@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from contextlib import ExitStack
 
 from slimectl.contract.config_schema import SlimectlConfig
@@ -92,7 +91,7 @@ def open_engine_clients(cfg: SlimectlConfig, urls, loop, stack: ExitStack) -> di
     """{url: EngineClient} for ``urls``, closed (on ``loop``) when ``stack`` unwinds."""
     from slimectl.engines.client import EngineClient
 
-    token = os.environ.get(cfg.engine.token_env) or None
+    token = cfg.engine.token()
     clients = {u: EngineClient(u, token=token, timeout=cfg.sync.timeout_s) for u in urls}
 
     async def close_clients() -> None:

@@ -402,7 +402,7 @@ class RayLauncher:
             kwargs.update(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False)
         if not sys.stderr.isatty():
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no color codes in the actors' forwarded lines
-        token = os.environ.get(cfg.engine.token_env)
+        token = cfg.engine.token()
         if token:
             # The actors (possibly on other nodes) must see the engine admin token; anyone who can
             # reach the Ray cluster can run code on it, so this exposes nothing new.

@@ -159,7 +159,7 @@ class EngineProcesses:
         self.supervisor = ProcessSupervisor()
         self.engines: list[ServedEngine] = []
         self.router: ServedEngine | None = None
-        self.token = os.environ.get(cfg.engine.token_env) or None
+        self.token = cfg.engine.token()
 
     @property
     def urls(self) -> list[str]:

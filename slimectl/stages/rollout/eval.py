@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import statistics
 from types import SimpleNamespace
 from typing import Any
@@ -88,7 +87,7 @@ async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list
     from slimectl.stages.rollout.stage import _sampling_params, make_reward_fn
 
     r = cfg.rollout
-    pool = EnginePool(urls, token=os.environ.get(cfg.engine.token_env) or None,
+    pool = EnginePool(urls, token=cfg.engine.token(),
                       concurrency_per_engine=r.concurrency_per_engine, timeout=cfg.engine.request_timeout_s)
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=None,
                            rollout_max_response_len=r.eval_max_response_len or r.max_response_len,

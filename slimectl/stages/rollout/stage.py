@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -397,7 +396,7 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
                          lock, buffered: list[list[Sample]], connections=None
                          ) -> tuple[list[Sample], dict[str, Any], list[dict[str, Any]], list[list[Sample]]]:
     r = cfg.rollout
-    token = os.environ.get(cfg.engine.token_env) or None
+    token = cfg.engine.token()
     pool = EnginePool(urls, token=token, concurrency_per_engine=r.concurrency_per_engine,
                       timeout=cfg.engine.request_timeout_s, registry=run.engines,
                       router=run.live_router(urls),  # serve's sglang-router in front of exactly these engines

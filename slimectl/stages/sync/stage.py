@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -128,7 +127,7 @@ def run_sync(run: RunDir, cfg: SlimectlConfig, version: int | None = None, trans
         with run.lock("sync"):
             source = weight_source(run, cfg, version)
             targets = engine_targets(run, engine_urls)
-            token = os.environ.get(cfg.engine.token_env) or None
+            token = cfg.engine.token()
             tr = make_transport(kind, cfg.sync)
             tr.progress = cfg.logging.progress
 
