@@ -9,6 +9,7 @@ import zipfile
 import pytest
 
 from tests.helpers import ROOT
+from tests import walls_map
 from tests.walls_map import (KNOWN_BREACHES, LAYER, MAP, RULES, Import, arrows, breaches, imports_in, known,
                              known_modules, markdown_table, module_of, part_of, read_imports, source_files, unmapped)
 
@@ -191,3 +192,31 @@ def test_wheel_installs_commands_inside_the_slimectl_namespace(tmp_path):
     entry = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry[0]).decode()
     assert "slimectl = slimectl.commands.cli:main" in text
+
+
+def test_the_map_page_shows_the_checked_table():
+    """docs/architecture.md shows the table and the walls this test checks, as tests/walls_map.py prints them."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    begin, end = "<!-- walls_map: begin -->", "<!-- walls_map: end -->"
+    shown = page[page.index(begin) + len(begin):page.index(end)].strip()
+    for piece in (walls_map.markdown_table(), walls_map.markdown_layers(), walls_map.markdown_walls()):
+        assert piece in shown, "docs/architecture.md's map is stale: paste `python -m tests.walls_map` between its markers"
+
+
+def test_the_map_page_names_only_modules_and_names_that_exist():
+    """Every `path.py` and `path.py::Name` the page names is in the checkout (a module moved or renamed, the page
+    says so in the same commit)."""
+    import re
+
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    files = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "site-packages" not in p.parts]
+    missing = []
+    for ref in sorted(set(re.findall(r"`([\w/.]+\.py)(?:::(\w+))?", page))):
+        path, name = ref
+        found = [p for p in files if p.as_posix().endswith("/" + path.lstrip("/"))]
+        if not found:
+            missing.append(path)
+        elif name and not any(re.search(rf"^\s*(?:async def|def|class) {name}\b|^{name}\s*[:=]", p.read_text(), re.M)
+                              for p in found):
+            missing.append(f"{path}::{name}")
+    assert missing == []
