@@ -351,7 +351,7 @@ class RayLauncher:
 
     # ------------------------------------------------------------------ what run_rl calls
     def start_trainer(self, run: RunDir, cfg: SlimectlConfig, stack: ExitStack) -> RayTrainer:
-        world = cfg.train.tp * cfg.train.pp * cfg.train.dp
+        world = cfg.train.world_size
         if cfg.engine.gpu_ids:
             raise UsageError("engine.gpu_ids is set, but under --launcher ray Ray assigns each engine its GPUs; "
                              "remove engine.gpu_ids")
