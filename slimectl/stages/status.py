@@ -20,6 +20,8 @@ def probe_health(url: str, timeout: float = 1.0) -> str:
 
 
 def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dict[str, Any]:
+    """Where the run stands: its config, artifacts, cursor, engines and routers (their ``/health`` with
+    ``probe``), the stages running, and each stage's last metrics."""
     info = run.info()
     out: dict[str, Any] = {
         "run_dir": str(run.path),
@@ -27,72 +29,25 @@ def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dic
         "created": info.get("created"),
         "slimectl_version": info.get("slimectl_version"),
     }
-    try:
-        cfg = run.config()
-        out["name"] = cfg.name
-        out["config"] = {
-            "model": cfg.model.path,
-            "dtype": cfg.model.dtype,
-            "prompt_data": cfg.data.prompt_data,
-            "advantage_estimator": cfg.algorithm.advantage_estimator,
-            "loss_type": cfg.algorithm.loss_type,
-            "num_rollout": cfg.rollout.num_rollout,
-            "rollout_batch_size": cfg.rollout.batch_size,
-            "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
-            "engine_backend": cfg.engine.backend,
-            "num_engines": cfg.engine.num_engines,
-            "train_parallel": {"tp": cfg.train.tp, "pp": cfg.train.pp},
-            "lr": cfg.train.lr,
-            "sync_transport": cfg.sync.transport,
-        }
-        n, source = effective_num_rollout(run, cfg.rollout.num_rollout)
-        out["config"]["num_rollout"] = n
-        out["config"]["num_rollout_frozen"] = cfg.rollout.num_rollout
-        out["config"]["num_rollout_from"] = source
-    except SlimectlError as exc:
-        out["name"] = None
-        out.pop("config", None)  # a bad extend.json (read last) leaves the run's length unknown
-        out["config_error"] = str(exc)
-    arts: dict[str, Any] = {}
-    for kind in KINDS:
-        ids = run.artifacts(kind).ids()
-        arts[kind] = {"count": len(ids), "latest": ids[-1] if ids else None}
+    out.update(_config_status(run))
+    arts = {kind: {"count": len(ids), "latest": ids[-1] if ids else None}
+            for kind, ids in ((k, run.artifacts(k).ids()) for k in KINDS)}
     out["artifacts"] = arts
     cursor = run.cursor("train").read()
     out["consumed"] = {"train": {"next": cursor.next, "count": len(cursor.consumed), "updated": cursor.updated}}
-    produced = arts["rollouts"]["count"]
     out["rollouts_pending"] = len([i for i in run.rollouts.ids() if i >= cursor.next])
-    out["rollouts_produced"] = produced
+    out["rollouts_produced"] = arts["rollouts"]["count"]
     out["training"] = {"trained": len(cursor.consumed), "trained_through": cursor.next - 1 if cursor.next else None,
                        "next_to_train": cursor.next,
                        "num_rollout": out["config"]["num_rollout"] if "config" in out else None}
-    engines = []
-    for rec in run.engines.list():
-        alive = rec.alive()
-        entry = {
-            "id": rec.id,
-            "url": rec.url,
-            "backend": rec.backend,
-            "host": rec.host,
-            "pid": rec.pid,
-            "weight_version": rec.weight_version,
-            "started": rec.started,
-            "process": {True: "alive", False: "dead", None: "remote"}[alive],
-        }
-        if probe:
-            entry["health"] = probe_health(rec.url, timeout) if alive is not False else "dead"
-        engines.append(entry)
-    out["engines"] = engines
-    routers = []
-    for rec in run.routers.list():
-        alive = rec.alive()
-        entry = {"id": rec.id, "url": rec.url, "host": rec.host, "pid": rec.pid, "started": rec.started,
-                 "workers": list(rec.extra.get("workers") or []) if isinstance(rec.extra, dict) else [],
-                 "process": {True: "alive", False: "dead", None: "remote"}[alive]}
-        if probe:
-            entry["health"] = probe_health(rec.url, timeout) if alive is not False else "dead"
-        routers.append(entry)
-    out["routers"] = routers
+    out["engines"] = [_process_status(rec, {"id": rec.id, "url": rec.url, "backend": rec.backend, "host": rec.host,
+                                            "pid": rec.pid, "weight_version": rec.weight_version,
+                                            "started": rec.started}, probe, timeout) for rec in run.engines.list()]
+    out["routers"] = [_process_status(rec, {"id": rec.id, "url": rec.url, "host": rec.host, "pid": rec.pid,
+                                            "started": rec.started,
+                                            "workers": list(rec.extra.get("workers") or [])
+                                            if isinstance(rec.extra, dict) else []}, probe, timeout)
+                      for rec in run.routers.list()]
     locks = {}
     for stage in STAGES:
         holder = run.lock(stage).holder()
@@ -100,13 +55,44 @@ def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dic
             locks[stage] = {k: holder.get(k) for k in ("host", "pid", "acquired", "heartbeat_age_s", "stale")}
     out["running"] = locks
     out["staging_in_use"] = run.staging_in_use()  # leftovers not provably dead (a live or unknown writer)
-    metrics = {}
-    for p in sorted((run.path / "metrics").glob("*.jsonl")):
-        rec = last_metrics(p)
-        if rec is not None:
-            metrics[p.stem] = rec
-    out["last_metrics"] = metrics
+    out["last_metrics"] = {p.stem: rec for p in sorted((run.path / "metrics").glob("*.jsonl"))
+                           if (rec := last_metrics(p)) is not None}
     return out
+
+
+def _config_status(run: RunDir) -> dict[str, Any]:
+    """The run's name and the config keys status shows (its length as extended), or the config's error."""
+    try:
+        cfg = run.config()
+        n, source = effective_num_rollout(run, cfg.rollout.num_rollout)
+    except SlimectlError as exc:  # (a bad extend.json, read last, leaves the run's length unknown)
+        return {"name": None, "config_error": str(exc)}
+    return {"name": cfg.name, "config": {
+        "model": cfg.model.path,
+        "dtype": cfg.model.dtype,
+        "prompt_data": cfg.data.prompt_data,
+        "advantage_estimator": cfg.algorithm.advantage_estimator,
+        "loss_type": cfg.algorithm.loss_type,
+        "num_rollout": n,
+        "rollout_batch_size": cfg.rollout.batch_size,
+        "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
+        "engine_backend": cfg.engine.backend,
+        "num_engines": cfg.engine.num_engines,
+        "train_parallel": {"tp": cfg.train.tp, "pp": cfg.train.pp},
+        "lr": cfg.train.lr,
+        "sync_transport": cfg.sync.transport,
+        "num_rollout_frozen": cfg.rollout.num_rollout,
+        "num_rollout_from": source,
+    }}
+
+
+def _process_status(rec, entry: dict[str, Any], probe: bool, timeout: float) -> dict[str, Any]:
+    """A registered engine's or router's ``entry`` with whether its process lives (and, probed, answers)."""
+    alive = rec.alive()
+    entry["process"] = {True: "alive", False: "dead", None: "remote"}[alive]
+    if probe:
+        entry["health"] = probe_health(rec.url, timeout) if alive is not False else "dead"
+    return entry
 
 
 def effective_num_rollout(run: RunDir, frozen: int) -> tuple[int, str]:

@@ -406,45 +406,8 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
                            reward_key=r.reward_key, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
                            return_routed_experts=r.return_routed_experts or cfg.train.use_rollout_routing_replay)
     try:
-        versions = await pool.weight_versions()
-        if not versions:
-            raise SlimectlError(f"none of the engines answered ({', '.join(urls)}); is `slimectl serve` running?")
-        check_staleness(run, cfg, versions)
-        if len(set(versions.values())) > 1:
-            raise SlimectlError(f"engines serve different weight versions {versions}; run `slimectl sync` first")
-        weight_version = next(iter(versions.values()))
+        weight_version = await _served_version(run, cfg, pool, urls)
         generate_fn = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else default_generate
-        reward_fn = make_reward_fn(cfg, args)
-        if r.dynamic_filter is None:
-            group_filter = None
-        elif r.dynamic_filter == "nonzero_std":
-            group_filter = lambda samples: nonzero_std(samples, r.reward_key)  # noqa: E731
-        else:
-            user = load_function(r.dynamic_filter, "rollout.dynamic_filter")
-            group_filter = lambda samples: bool(user(args, samples))  # noqa: E731
-        round_size = r.over_sampling_batch_size or r.batch_size
-
-        def supply() -> list[list[Sample]]:
-            groups = []
-            while buffered and len(groups) < round_size:
-                group = buffered.pop(0)
-                for s in group:
-                    s.rollout_id = rid
-                    if s.status == Status.ABORTED and s.response_length:  # picks up where it stopped
-                        s.metadata["partial_continued"] = True  # (a group-mate that had finished is not)
-                groups.append(group)
-            for g, row in source.take(round_size - len(groups)):
-                group = []
-                for j in range(r.n_samples_per_prompt):
-                    idx = g * r.n_samples_per_prompt + j
-                    group.append(Sample(
-                        group_index=g, index=idx, rollout_id=rid, prompt=row.prompt_text, tokens=list(row.prompt_ids),
-                        label=None if row.label is None else (row.label if isinstance(row.label, str) else json.dumps(row.label)),
-                        metadata={**row.metadata, "row": row.row, "sampling_seed": (r.seed * 1_000_003 + rid) * 65_537 + idx},
-                    ))
-                groups.append(group)
-            return groups
-
         from slimectl.contract.logs import progress
 
         bar = progress(total=r.batch_size, mode=cfg.logging.progress, desc=f"rollout {rid}", unit="group")
@@ -456,24 +419,71 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
 
         t0 = time.time()
         try:
-            kept, counts, leftover = await generate_batch(args, supply, r.batch_size, _sampling_params(cfg),
-                                                          generate_fn, reward_fn, group_filter,
-                                                          on_group_done=on_group_done, keep_partial=r.partial_rollout)
+            kept, counts, leftover = await generate_batch(
+                args, _group_supply(r, rid, source, buffered), r.batch_size, _sampling_params(cfg), generate_fn,
+                make_reward_fn(cfg, args), _group_filter(r, args), on_group_done=on_group_done,
+                keep_partial=r.partial_rollout)
         finally:
             bar.close()
         leftover += buffered  # buffered groups this rollout never reached stay buffered
         samples = [s for g in kept for s in g.samples]
         opd_rkl = await teacher_log_probs(samples, r.teacher_urls, r.temperature, token, cfg) if r.teacher_urls else None
-        seconds = time.time() - t0
-        trace = [span for g in kept for span in g.spans]
-        metrics = _metrics(samples, counts, seconds, r.reward_key, [g.samples for g in kept], weight_version)
+        metrics = _metrics(samples, counts, time.time() - t0, r.reward_key, [g.samples for g in kept], weight_version)
         if opd_rkl is not None:
             metrics["rollout/opd_reverse_kl"] = opd_rkl
         metrics["rollout/partial_groups_buffered"] = len(leftover)
         metrics["rollout/partial_samples_continued"] = sum(bool(s.metadata.get("partial_continued")) for s in samples)
-        return samples, metrics, trace, leftover
+        return samples, metrics, [span for g in kept for span in g.spans], leftover
     finally:
         from slimectl.rewards import close_shared_remotes
 
         await close_shared_remotes()
         await pool.close()
+
+
+async def _served_version(run: RunDir, cfg: SlimectlConfig, pool: EnginePool, urls: list[str]) -> str:
+    """The one weight version every engine serves (refused: none answering, too stale, or several versions)."""
+    versions = await pool.weight_versions()
+    if not versions:
+        raise SlimectlError(f"none of the engines answered ({', '.join(urls)}); is `slimectl serve` running?")
+    check_staleness(run, cfg, versions)
+    if len(set(versions.values())) > 1:
+        raise SlimectlError(f"engines serve different weight versions {versions}; run `slimectl sync` first")
+    return next(iter(versions.values()))
+
+
+def _group_filter(r, args):
+    """``rollout.dynamic_filter`` as a predicate on a group's samples (None: keep every group)."""
+    if r.dynamic_filter is None:
+        return None
+    if r.dynamic_filter == "nonzero_std":
+        return lambda samples: nonzero_std(samples, r.reward_key)
+    user = load_function(r.dynamic_filter, "rollout.dynamic_filter")
+    return lambda samples: bool(user(args, samples))
+
+
+def _group_supply(r, rid: int, source: PromptSource, buffered: list[list[Sample]]):
+    """What feeds the generation rounds: ``supply()`` -> the next round's groups, the groups an earlier rollout
+    left unfinished first (``buffered``, partial rollout), then new prompts' groups of ``n_samples_per_prompt``."""
+    round_size = r.over_sampling_batch_size or r.batch_size
+
+    def supply() -> list[list[Sample]]:
+        groups = []
+        while buffered and len(groups) < round_size:
+            group = buffered.pop(0)
+            for s in group:
+                s.rollout_id = rid
+                if s.status == Status.ABORTED and s.response_length:  # picks up where it stopped
+                    s.metadata["partial_continued"] = True  # (a group-mate that had finished is not)
+            groups.append(group)
+        for g, row in source.take(round_size - len(groups)):
+            label = None if row.label is None else (row.label if isinstance(row.label, str) else json.dumps(row.label))
+            groups.append([Sample(
+                group_index=g, index=g * r.n_samples_per_prompt + j, rollout_id=rid, prompt=row.prompt_text,
+                tokens=list(row.prompt_ids), label=label,
+                metadata={**row.metadata, "row": row.row,
+                          "sampling_seed": (r.seed * 1_000_003 + rid) * 65_537 + g * r.n_samples_per_prompt + j},
+            ) for j in range(r.n_samples_per_prompt)])
+        return groups
+
+    return supply
