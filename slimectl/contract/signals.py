@@ -22,16 +22,14 @@ class SignalHandlers:
     between two bytecodes: it may raise, e.g. KeyboardInterrupt). With ``loop`` it is called by
     that asyncio loop (``loop.add_signal_handler``), so it may set an ``asyncio.Event``; a plain
     handler could not wake a loop blocked in ``select``. Signals can only be handled in the main
-    thread: elsewhere this installs nothing. ``skip_ignored`` leaves signals set to SIG_IGN alone
-    (nohup, background jobs). ``previous`` maps each installed signal to the handler it replaced.
+    thread: elsewhere this installs nothing. ``previous`` maps each installed signal to the handler it replaced.
     """
 
     def __init__(self, handler: Handler, signals: Sequence[int] = STOP_SIGNALS, *,
-                 loop: asyncio.AbstractEventLoop | None = None, skip_ignored: bool = False):
+                 loop: asyncio.AbstractEventLoop | None = None):
         self.handler = handler
         self.signals = tuple(signals)
         self.loop = loop
-        self.skip_ignored = skip_ignored
         self.previous: dict[int, Any] = {}
 
     def install(self) -> "SignalHandlers":
@@ -40,10 +38,7 @@ class SignalHandlers:
         for sig in self.signals:
             if sig in self.previous:
                 continue
-            prev = signal.getsignal(sig)
-            if self.skip_ignored and prev == signal.SIG_IGN:
-                continue
-            self.previous[sig] = prev
+            self.previous[sig] = signal.getsignal(sig)
             if self.loop is not None:
                 self.loop.add_signal_handler(sig, self.handler, sig, None)
             else:
@@ -89,20 +84,6 @@ def set_from_handler(event: threading.Event) -> None:
     as the main thread lets go of the lock."""
     if not event.is_set():  # no lock taken
         threading.Thread(target=event.set, name="set-on-signal", daemon=True).start()
-
-
-def run_previous(previous: Any, signum: int, frame: Any) -> None:
-    """Do what ``previous`` (a handler :class:`SignalHandlers` replaced) would have done with the
-    signal: call it; nothing for SIG_IGN; KeyboardInterrupt for SIGINT and SystemExit(128 + signum)
-    for anything else left at its default (as the process would have died of it)."""
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_IGN:
-        return
-    elif signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    else:
-        raise SystemExit(128 + signum)
 
 
 @contextmanager

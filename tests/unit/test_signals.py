@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from slimectl.contract.signals import (InterruptOnSignal, SignalHandlers, kept_handlers, run_previous,
-                                            set_on_signals)
+from slimectl.contract.signals import InterruptOnSignal, SignalHandlers, kept_handlers, set_on_signals
 
 
 def _deliver(sig: int) -> None:
@@ -81,17 +80,6 @@ def test_asyncio_event_is_set_by_a_real_signal_and_handlers_come_back(previous_s
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_ignored_signals_are_left_alone_when_asked():
-    saved = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        with SignalHandlers(lambda s, f: None, skip_ignored=True) as handlers:
-            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
-            assert signal.SIGTERM not in handlers.previous and signal.SIGINT in handlers.previous
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGTERM, saved)
-
-
 def test_restore_is_idempotent_and_installs_nothing_off_the_main_thread(previous_sigterm):
     outer, _ = previous_sigterm
     h = SignalHandlers(lambda s, f: None).install()
@@ -103,18 +91,6 @@ def test_restore_is_idempotent_and_installs_nothing_off_the_main_thread(previous
     t.start()
     t.join()
     assert out["prev"] == {} and signal.getsignal(signal.SIGTERM) is outer
-
-
-def test_run_previous_does_what_the_replaced_handler_would():
-    calls = []
-    run_previous(lambda s, f: calls.append(s), signal.SIGTERM, None)
-    assert calls == [signal.SIGTERM]
-    run_previous(signal.SIG_IGN, signal.SIGTERM, None)
-    with pytest.raises(KeyboardInterrupt):
-        run_previous(signal.SIG_DFL, signal.SIGINT, None)
-    with pytest.raises(SystemExit) as ei:
-        run_previous(signal.SIG_DFL, signal.SIGTERM, None)
-    assert ei.value.code == 128 + signal.SIGTERM
 
 
 def test_kept_handlers_puts_back_what_a_library_replaced(previous_sigterm):
