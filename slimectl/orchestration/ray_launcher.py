@@ -175,15 +175,13 @@ class TrainerWorker:
         factory = critic_factory(critic, run_path, cfg_data, log_level, rank) if critic is not None else None
         if rank == 0:
             self.trainer = InProcessTrainer(self.run, self.cfg, self.stack, critic_factory=factory)
-            weight_version = self.trainer.weight_version
         else:  # a follower (follow): rank 0's operations, made with it
             self.trainer = Trainer(self.run, self.cfg, FollowerLock(), critic_factory=factory)
             self.stack.callback(self.trainer.close)
-            weight_version = self.trainer.weight_version
-        self.group = control_group() if world > 1 else None
+        self.group = control_group() if world > 1 else None  # (every rank, after its trainer: the same order)
         if rank == 0:
             self.trainer.followers = Followers(self.group)
-        return {**worker_context(), "rank": rank, "weight_version": weight_version}
+        return {**worker_context(), "rank": rank, "weight_version": self.trainer.weight_version}
 
     def follow(self) -> int:
         """Rank > 0: make every operation rank 0 announces until it says stop (one long call)."""

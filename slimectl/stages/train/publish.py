@@ -14,7 +14,14 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from slimectl.backends.host_memory import release_free_memory
-from slimectl.backends.megatron.checkpoint import TRAIN_STATE_DIR
+from slimectl.backends.megatron.checkpoint import (
+    HF_DIR,
+    TRAIN_STATE_DIR,
+    checkpoint_meta,
+    copy_hf_aux_files,
+    save_torch_dist,
+    write_checkpoint_meta,
+)
 from slimectl.backends.megatron.parallel import barrier, broadcast_from_rank0
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.faults import fault_point
@@ -63,7 +70,6 @@ def publish_weights(run: RunDir, actor, cfg: SlimectlConfig, rid: int, version: 
     """``weights/VERSION``: the actor's HF tensors (collective under TP/PP; written by rank 0) and the HF
     config and tokenizer files of ``model.path``."""
     from slimectl.backends.hf.checkpoint import write_safetensors_sharded
-    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
 
     tensors = actor.iter_hf_tensors()  # collective under TP/PP; views of the parameters on rank 0
     if rank0:
@@ -86,8 +92,6 @@ def publish_checkpoint(run: RunDir, actor, cfg: SlimectlConfig, meta: dict, vers
     by reference: the next optimizer step waits for the writer), written and published by the writer's job.
     With ``critic``, the same job publishes ``critic_checkpoints/VERSION`` first (collective like the actor's:
     every rank writes its file)."""
-    from slimectl.backends.megatron.checkpoint import checkpoint_meta
-
     writer.wait()  # a previous save still running: never two at once (and its state is the older one)
     state = actor.state_to_save({"next_rollout": meta["next_rollout"]})
     t = cfg.train
@@ -123,8 +127,6 @@ def _save_critic(run: RunDir, critic, critic_state: dict, meta: dict, version: i
 
 def _save_actor(run: RunDir, state: dict, info: dict, meta: dict, version: int, hf_src, rank0: bool) -> None:
     """``checkpoints/VERSION`` (collective: every rank its shards into rank 0's staging directory)."""
-    from slimectl.backends.megatron.checkpoint import HF_DIR, copy_hf_aux_files, save_torch_dist, write_checkpoint_meta
-
     with ExitStack() as stack:
         staging = stack.enter_context(run.checkpoints.publish(version, meta=meta, stage="train", overwrite=True)) \
             if rank0 else None
