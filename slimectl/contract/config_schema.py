@@ -143,11 +143,20 @@ class RolloutSection(Section):
     teacher_urls: list[str] = Field(default_factory=list)
     """On-policy distillation: engines serving the teacher (e.g. another ``slimectl serve``); each
     sample gets the teacher's log-probs of its response tokens (``/generate``, max_new_tokens 0)."""
-    async_mode: Literal["off", "one_step_off"] = "off"
-    """``slimectl rl``: ``one_step_off`` generates rollout N+1 (on weights N) while rollout N trains."""
+    async_mode: Literal["off", "one_step_off", "fully_async"] = "off"
+    """``slimectl rl``: ``one_step_off`` generates rollout N+1 (on weights N) while rollout N trains;
+    ``fully_async`` generates all the time (``rollout --follow``, ``train --follow`` and ``sync --follow``
+    in one command): a rollout is published as soon as its batch is scored, and weights are loaded into the
+    engines while requests are in flight (docs/async.md)."""
     max_staleness: Optional[int] = Field(default=None, ge=0)
-    """``rollout`` refuses to generate on an engine more than this many weight versions behind the newest
-    published ``weights/N`` (sync it first); default: what async_mode implies, 0 for off, 1 for one_step_off."""
+    """How many weight versions generation may run ahead of the newest published ``weights/N``: ``rollout``
+    refuses an engine further behind (sync it first), and ``fully_async`` starts no group for rollout R
+    while R - N exceeds it. Default: what async_mode implies, 0 for off, 1 for one_step_off and fully_async."""
+    stale_samples: Optional[Literal["drop", "keep"]] = None
+    """A group with a token sampled more than max_staleness versions before the weights it is trained from:
+    ``drop`` masks it out of the loss, ``keep`` trains on it (the off-policy correction weighs it); either way
+    it is counted (``rollout/stale_dropped``, ``train/staleness_mean``, ``train/staleness_max``).
+    Default: drop under fully_async, keep otherwise."""
     eval_interval: Optional[int] = Field(default=None, gt=0)
     """``slimectl rl``: evaluate on data.eval_data every this many weight versions (and at the end)."""
     eval_n_samples: int = Field(default=4, gt=0)
@@ -549,8 +558,10 @@ class SyncSection(Section):
     """Distributed transport: port of the weight-update group (0 = a free port)."""
     verify: bool = False
     """After each sync read sampled tensors back from every engine and compare them with the trainer's."""
-    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
-    """How engines pause for the update (SGLang's /pause_generation modes)."""
+    pause_mode: Optional[Literal["abort", "retract", "in_place"]] = None
+    """How engines pause for the update (SGLang's /pause_generation modes): ``abort`` ends the requests in
+    flight; ``retract`` keeps them and recomputes their KV cache under the new weights; ``in_place`` keeps
+    them and their old KV cache. Default: abort, or retract under ``rollout.async_mode = fully_async``."""
     timeout_s: float = Field(default=600.0, gt=0)
     """Seconds a sync may take."""
     keep_weights: Optional[int] = Field(default=2, gt=0)
@@ -614,6 +625,25 @@ class SlimectlConfig(Section):
         if problem:
             raise ValueError(problem)
         return self
+
+    @property
+    def effective_max_staleness(self) -> int:
+        """``rollout.max_staleness``, or what ``rollout.async_mode`` implies: 0 (off), 1 (one_step_off, fully_async)."""
+        r = self.rollout
+        if r.max_staleness is not None:
+            return r.max_staleness
+        return 0 if r.async_mode == "off" else 1
+
+    @property
+    def effective_stale_samples(self) -> str:
+        """``rollout.stale_samples``, or drop under fully_async and keep otherwise."""
+        r = self.rollout
+        return r.stale_samples or ("drop" if r.async_mode == "fully_async" else "keep")
+
+    @property
+    def effective_pause_mode(self) -> str:
+        """``sync.pause_mode``, or retract under fully_async (requests in flight go on) and abort otherwise."""
+        return self.sync.pause_mode or ("retract" if self.rollout.async_mode == "fully_async" else "abort")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -169,7 +169,7 @@ class InProcessTrainer:
         with self.run.stage_log("sync"):
             try:
                 res = self.loop.run_until_complete(sync_engines(self.clients, self.transport, self._source(version),
-                                                                s.pause_mode, s.verify))
+                                                                self.cfg.effective_pause_mode, s.verify))
             finally:
                 if not self.disk:
                     self._finish_passes()

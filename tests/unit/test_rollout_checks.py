@@ -122,6 +122,19 @@ def test_max_staleness_defaults_to_what_the_loop_mode_implies():
     assert max_staleness(cfg(async_mode="one_step_off")) == 1
     assert max_staleness(cfg(async_mode="one_step_off", max_staleness=0)) == 0
     assert max_staleness(cfg(max_staleness=3)) == 3
+    assert max_staleness(cfg(async_mode="fully_async")) == 1
+
+
+def test_fully_async_defaults_drop_stale_groups_and_retract_requests_for_the_update():
+    from slimectl.contract.config_schema import SlimectlConfig
+
+    off = SlimectlConfig()
+    assert (off.effective_stale_samples, off.effective_pause_mode) == ("keep", "abort")
+    fa = SlimectlConfig.model_validate({"rollout": {"async_mode": "fully_async"}})
+    assert (fa.effective_stale_samples, fa.effective_pause_mode) == ("drop", "retract")
+    chosen = SlimectlConfig.model_validate({"rollout": {"async_mode": "fully_async", "stale_samples": "keep"},
+                                            "sync": {"pause_mode": "in_place"}})
+    assert (chosen.effective_stale_samples, chosen.effective_pause_mode) == ("keep", "in_place")
 
 
 def publish_weights(run, *ids: int) -> None:

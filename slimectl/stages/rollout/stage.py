@@ -92,11 +92,8 @@ def check_prompt_data(cfg: SlimectlConfig) -> None:
 
 
 def max_staleness(cfg: SlimectlConfig) -> int:
-    """``rollout.max_staleness``, or what ``rollout.async_mode`` implies: 0 (off), 1 (one_step_off)."""
-    r = cfg.rollout
-    if r.max_staleness is not None:
-        return r.max_staleness
-    return 1 if r.async_mode == "one_step_off" else 0
+    """``rollout.max_staleness``, or what ``rollout.async_mode`` implies: 0 (off), 1 (one_step_off, fully_async)."""
+    return cfg.effective_max_staleness
 
 
 def check_staleness(run: RunDir, cfg: SlimectlConfig, versions: dict[str, str]) -> None:

@@ -136,7 +136,7 @@ def run_sync(run: RunDir, cfg: SlimectlConfig, version: int | None = None, trans
                 try:
                     await tr.connect(clients)
                     try:
-                        return await sync_engines(clients, tr, source, cfg.sync.pause_mode, verify)
+                        return await sync_engines(clients, tr, source, cfg.effective_pause_mode, verify)
                     finally:
                         await tr.close(clients)
                 finally:
