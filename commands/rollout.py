@@ -40,11 +40,13 @@ class RolloutGroup(click.Group):
               help="With --source buffer: the buffer's token (prefer the env var: a flag shows in ps).")
 @click.option("--wait-timeout", type=click.FloatRange(min=0), help="With --source buffer: give up after this many "
               "seconds without enough complete groups (default: wait).")
+@click.option("--follow", is_flag=True, help="Keep generating: publish each rollout as soon as its batch is scored, "
+              "at most rollout.max_staleness versions ahead of the newest weights/N, until rollout.num_rollout.")
 @click.pass_context
 def rollout_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...], dry_run: bool,
                 rollout_id: int | None, next_: bool, engine_urls: tuple[str, ...], skip_bad_rows: bool | None,
                 force: bool, source: str, buffer_url: str | None, buffer_token: str | None,
-                wait_timeout: float | None) -> None:
+                wait_timeout: float | None, follow: bool) -> None:
     """Generate one rollout on the registered engines (prompts x n samples, rewards, filters) and
     publish it as RUN/rollouts/N. Prints the artifact path. `rollout import FILE` publishes
     samples made elsewhere instead; `--source buffer URL` collects them from a rollout buffer
@@ -56,6 +58,7 @@ def rollout_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, .
       slimectl rollout -r runs/a --id 3 --force --set rollout.temperature=0.8
       slimectl rollout import trajectories.jsonl -r runs/a
       slimectl rollout -r runs/a --source buffer http://127.0.0.1:8889
+      slimectl rollout -r runs/a --follow        # with `train --follow` and `sync --follow`: fully async
     """
     from slimectl.commands._stage import open_stage
     from slimectl.contract.errors import UsageError
@@ -63,12 +66,14 @@ def rollout_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, .
     explicit = {name for name in ("source", "buffer_url", "wait_timeout")
                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
     if ctx.invoked_subcommand is not None:
-        if rollout_id is not None or next_ or engine_urls or force or overrides or dry_run or explicit:
+        if rollout_id is not None or next_ or engine_urls or force or overrides or dry_run or explicit or follow:
             raise UsageError(f"options before `{ctx.invoked_subcommand}` belong to generation; put them after it")
         return
 
     if rollout_id is not None and next_:
         raise UsageError("pass either --id N or --next, not both")
+    if follow and (rollout_id is not None or force or source == "buffer"):
+        raise UsageError("--follow publishes the next rollouts in order; it takes neither --id, --force nor --source buffer")
     if source == "buffer":
         if not buffer_url:
             raise UsageError("--source buffer needs the buffer's URL: --source buffer http://HOST:PORT")
@@ -85,6 +90,15 @@ def rollout_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, .
 
         result = collect_rollout(run, cfg, buffer_url, buffer_token or None, rollout_id, force, wait_timeout)
         click.echo(str(result.path))
+        return
+    if follow:
+        from slimectl.contract.signals import StopOnSignal
+        from slimectl.stages.rollout.follow import follow_rollouts
+
+        with StopOnSignal() as signals:
+            follow_rollouts(run, cfg, engine_urls, stop=signals.stop, skip_bad_rows=skip_bad_rows,
+                            on_published=lambda rid: click.echo(str(run.rollouts.dir_for(rid))))
+        signals.raise_if_signalled()
         return
     from slimectl.stages.rollout.stage import run_rollout
 

@@ -10,7 +10,8 @@ from slimectl.commands._options import stage_options
 @click.command("train", short_help="Train the Megatron actor on READY rollouts, each exactly once.")
 @stage_options
 @click.option("--id", "rollout_id", type=click.IntRange(min=0), help="Train on this rollout only (must be the next one).")
-@click.option("--follow", is_flag=True, help="Wait for rollouts that are not published yet (multi-machine use).")
+@click.option("--follow", is_flag=True, help="Wait for rollouts that are not published yet, and publish weights/N "
+              "after each one (multi-machine use; with `rollout --follow` and `sync --follow`: fully async).")
 @click.option("--max-rollouts", type=click.IntRange(min=1), help="Stop after this many rollouts.")
 @click.option("--wait-timeout", type=float, help="With --follow: give up after this many seconds per rollout.")
 @click.option("--allow-empty", is_flag=True, help="Exit 0 when there is nothing left to train.")

@@ -624,6 +624,9 @@ class SlimectlConfig(Section):
         problem = critic_problem(self)
         if problem:
             raise ValueError(problem)
+        if self.rollout.async_mode == "fully_async" and self.engine.offload_during_train:
+            raise ValueError("engine.offload_during_train frees the engines while the trainer runs, but "
+                             "rollout.async_mode = fully_async generates all the time; set one of them off")
         return self
 
     @property

@@ -149,6 +149,33 @@ class InterruptOnSignal:
                 raise KeyboardInterrupt
 
 
+class StopOnSignal:
+    """The first SIGINT/SIGTERM sets ``stop`` and is remembered; a loop that checks ``stop`` ends at its next
+    safe point, then :meth:`raise_if_signalled` raises :class:`StageInterrupted` (the CLI exits 128 + the
+    signal). For the follower loops (``rollout --follow``, ``sync --follow``)."""
+
+    def __init__(self, stop: threading.Event | None = None, signals: Sequence[int] = STOP_SIGNALS):
+        self.stop = stop if stop is not None else threading.Event()
+        self.signal: int | None = None
+        self._handlers = SignalHandlers(self._handler, signals)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.signal is None:
+            self.signal = signum
+            set_from_handler(self.stop)
+
+    def __enter__(self) -> "StopOnSignal":
+        self._handlers.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handlers.restore()
+
+    def raise_if_signalled(self) -> None:
+        if self.signal is not None:
+            raise StageInterrupted(self.signal)
+
+
 # ---------------------------------------------------------------------------- interrupted commands
 #: The exit status of a command stopped by SIGINT (Ctrl-C), as a shell reports a process killed by it.
 EXIT_INTERRUPTED = 128 + signal.SIGINT

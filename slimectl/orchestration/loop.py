@@ -10,6 +10,10 @@ Loop, for rollout ids from the train cursor to ``rollout.num_rollout``:
 - ``rollout.async_mode = off`` (synchronous): rollout N on weights N → train N → sync N+1.
 - ``one_step_off``: rollout N+1 is generated (on weights N) while train N runs; the sync of
   N+1 first drains it, so a rollout is at most one version stale (``rl/staleness``).
+- ``fully_async``: a rollout follower (:func:`~slimectl.stages.rollout.follow.follow_rollouts`, the code of
+  ``rollout --follow``) generates all the time on a thread of its own, at most ``rollout.max_staleness``
+  versions ahead of the weights the engines were last synced to; this thread trains each rollout as it is
+  published and syncs the new weights while requests are in flight (``sync.pause_mode``: retract).
 
 Engines: the registered ones when a ``slimectl serve`` is running for this run directory;
 otherwise ``rl`` starts its own (they die with it, even after ``kill -9``). Before the first
@@ -33,7 +37,7 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 from slimectl.contract.config_schema import SlimectlConfig
-from slimectl.contract.errors import UsageError
+from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.faults import fault_point
 from slimectl.contract.rundir import RunDir
 from slimectl.orchestration.handles import EnginesInUse, Launcher, TrainerHandle
@@ -91,12 +95,14 @@ def run_rl(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str,
             return result
         engines = launcher.start_engines(run, cfg, engine_urls, stack)
         log.info("resuming at rollout %d, %d to go (%s loop, %s sync, %d engine(s))", start,
-                 cfg.rollout.num_rollout - start,
-                 "one-step-off async" if cfg.rollout.async_mode == "one_step_off" else "synchronous",
-                 cfg.sync.transport, len(engines.urls))
+                 cfg.rollout.num_rollout - start, LOOP_NAMES[cfg.rollout.async_mode], cfg.sync.transport,
+                 len(engines.urls))
         RLSession(run, cfg, trainer, engines, stack, critical, result).run_rollouts(start, stop or threading.Event())
         result.seconds = time.perf_counter() - t_start
         return result
+
+
+LOOP_NAMES = {"off": "synchronous", "one_step_off": "one-step-off async", "fully_async": "fully async"}
 
 
 class RLSession:
@@ -121,12 +127,15 @@ class RLSession:
         # rollout runs on one thread at a time: this one, or the one-step-off rollout thread).
         self.kept = KeptConnections()
         stack.callback(self.kept.close)  # (after the rollout thread is shut down)
+        self.synced = 0
+        """The weight version the engines were last synced to (fully_async: the staleness bound counts from it)."""
 
     def sync(self, version: int) -> float:
         self.engines.check_alive()
         with self.critical():
             metrics, seconds = self.trainer.sync(version)
         self.run.engines.set_weight_version(self.engines.ids.values(), str(version))
+        self.synced = version
         self.sync_metrics.log(version, metrics)
         return seconds
 
@@ -148,6 +157,8 @@ class RLSession:
             self.trainer.connect(self.loop, self.clients)
         self.loop.run_until_complete(resume_released_engines(self.clients))  # left released by a run killed in training
         self.sync(self.trainer.weight_version)
+        if self.cfg.rollout.async_mode == "fully_async":
+            return self.run_fully_async(start, stop)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-rollout")
         ahead: Future | None = None
         try:
@@ -174,6 +185,40 @@ class RLSession:
                     except Exception:
                         pass
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def run_fully_async(self, start: int, stop: threading.Event) -> None:
+        """Train each rollout the follower thread publishes, as it appears, and sync after each."""
+        from slimectl.contract.errors import WaitTimeout
+        from slimectl.stages.rollout.follow import follow_rollouts
+
+        follower_stop = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-rollout")
+        follower = pool.submit(follow_rollouts, self.run, self.cfg, self.engines.urls, follower_stop,
+                               lambda: self.synced)
+        try:
+            for rid in range(start, self.cfg.rollout.num_rollout):
+                t0 = time.perf_counter()
+                try:
+                    art = self.run.rollouts.wait_for(rid, verify="full", poll=0.05,
+                                                     should_stop=lambda: stop.is_set() or follower.done())
+                except WaitTimeout:
+                    if follower.done() and not stop.is_set():
+                        follower.result()  # the follower's failure, raised here
+                        raise SlimectlError(f"the rollout follower stopped before publishing rollout {rid}") from None
+                    log.info("stopping before rollout %d", rid)
+                    _checkpoint_before_stopping(self.trainer)
+                    break
+                self.engines.check_alive()
+                self.step(rid, art, None, t0, time.perf_counter() - t0)
+        except KeyboardInterrupt:
+            _checkpoint_before_stopping(self.trainer)
+            raise
+        finally:
+            stop.set()
+            follower_stop.set()
+            pool.shutdown(wait=True)
+        if follower.exception() is not None:
+            raise follower.exception()
 
     def step(self, rid: int, art, ahead: Future | None, t0: float, t_rollout: float) -> None:
         """Rollout ``rid`` generated (``art``): train on it, drain the one-step-off rollout, sync, eval, log."""

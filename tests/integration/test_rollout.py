@@ -262,14 +262,14 @@ def test_a_process_prepares_the_dataset_once_and_again_when_the_file_changes(tmp
     calls = []
     real = stage.tokenize_prompts
     monkeypatch.setattr(stage, "tokenize_prompts", lambda *a, **k: calls.append(1) or real(*a, **k))
-    first = stage._prepared_prompts(cfg, None)
-    again = stage._prepared_prompts(cfg, None)
+    first = stage.prepared_prompts(cfg, None)
+    again = stage.prepared_prompts(cfg, None)
     assert again is first and len(calls) == 1 and len(first[0]) == 12
     assert first[0][3].prompt_ids and first[0][3].prompt_text.endswith("\n")  # chat-templated, tokenized
     with data.open("a") as f:  # the file changes: prepared again, with the new row
         f.write(json.dumps({"input": "What is 1 + 1?", "label": "2"}) + "\n")
     st = data.stat()
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
-    changed = stage._prepared_prompts(cfg, None)
+    changed = stage.prepared_prompts(cfg, None)
     assert len(calls) == 2 and len(changed[0]) == 13
-    assert stage._prepared_prompts(cfg, True) is not changed and len(calls) == 3  # another option, another key
+    assert stage.prepared_prompts(cfg, True) is not changed and len(calls) == 3  # another option, another key

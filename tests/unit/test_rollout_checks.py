@@ -14,7 +14,7 @@ from slimectl.contract.rundir import EngineRecord
 from slimectl.contract.samples import Sample
 from slimectl.rewards import RewardConfigError, needs_label
 from slimectl.stages.rollout.data import DatasetError, load_prompts
-from slimectl.stages.rollout.stage import (StaleEngine, _metrics, check_staleness, max_staleness, run_rollout,
+from slimectl.stages.rollout.stage import (StaleEngine, rollout_metrics, check_staleness, max_staleness, run_rollout,
                                            zero_spread_warning)
 
 
@@ -206,11 +206,11 @@ def groups(*rewards: list[float]) -> list[list[Sample]]:
 def test_zero_spread_share_is_a_metric_and_all_zero_spread_is_warned_about():
     c = cfg(reward="math", n_samples_per_prompt=2)
     mixed = groups([0.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 1.0])
-    m = _metrics([s for g in mixed for s in g], {}, 1.0, None, mixed, "0")
+    m = rollout_metrics([s for g in mixed for s in g], {}, 1.0, None, mixed, "0")
     assert m["rollout/zero_std_groups"] == 2 and m["rollout/zero_std_group_frac"] == 0.5
     assert zero_spread_warning(c, 4, mixed) is None
     flat = groups([0.0, 0.0], [0.0, 0.0], [1.0, 1.0])
-    assert _metrics([s for g in flat for s in g], {}, 1.0, None, flat, "0")["rollout/zero_std_group_frac"] == 1.0
+    assert rollout_metrics([s for g in flat for s in g], {}, 1.0, None, flat, "0")["rollout/zero_std_group_frac"] == 1.0
     assert zero_spread_warning(c, 4, flat) == (
         "rollout 4: all 3 groups have zero reward spread (each group's samples got the same reward; rewards seen: 0, 1), "
         "so group-relative advantages are 0 and grpo learns nothing from it; see what reward 'math' grades in "

@@ -84,7 +84,7 @@ async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list
     from slimectl.engines.pool import EnginePool
     from slimectl.stages.rollout.generate import default_generate, load_function, run_group
     from slimectl.rewards import close_shared_remotes
-    from slimectl.stages.rollout.stage import _sampling_params, make_reward_fn
+    from slimectl.stages.rollout.stage import sampling_params, make_reward_fn
 
     r = cfg.rollout
     pool = EnginePool(urls, token=cfg.engine.token(),
@@ -92,7 +92,7 @@ async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=None,
                            rollout_max_response_len=r.eval_max_response_len or r.max_response_len,
                            n_samples_per_prompt=r.eval_n_samples, reward_key=r.reward_key, mask_offpolicy=False)
-    params: dict[str, Any] = {**_sampling_params(cfg), "max_new_tokens": r.eval_max_response_len or r.max_response_len,
+    params: dict[str, Any] = {**sampling_params(cfg), "max_new_tokens": r.eval_max_response_len or r.max_response_len,
                               "temperature": r.eval_temperature}
     reward_fn = make_reward_fn(cfg, args)
     # The rollout's own generate function (multi-turn, tools, ...): eval measures what training sees.

@@ -120,13 +120,13 @@ def check_staleness(run: RunDir, cfg: SlimectlConfig, versions: dict[str, str]) 
                               f"slimectl sync -r {run.path}")
 
 
-def _engine_urls(run: RunDir, given: list[str] | tuple[str, ...]) -> list[str]:
+def engine_urls_for(run: RunDir, given: list[str] | tuple[str, ...]) -> list[str]:
     if given:
         return [u.rstrip("/") for u in given]
     return [r.url for r in run.engines.require_live()]
 
 
-def _data_state(run: RunDir, rollout_id: int) -> dict[str, Any] | None:
+def data_state_before(run: RunDir, rollout_id: int) -> dict[str, Any] | None:
     if rollout_id == 0:
         return None
     if not run.rollouts.exists(rollout_id - 1):
@@ -138,7 +138,13 @@ def _data_state(run: RunDir, rollout_id: int) -> dict[str, Any] | None:
     return json.loads(art.file(DATA_STATE).read_text())
 
 
-def _buffer(run: RunDir, rollout_id: int) -> list[list[Sample]]:
+def carries_groups(cfg: SlimectlConfig) -> bool:
+    """Whether a rollout's unfinished groups go on in the next one: partial rollout, or fully async generation
+    (the groups in flight when a rollout was published)."""
+    return cfg.rollout.partial_rollout or cfg.rollout.async_mode == "fully_async"
+
+
+def buffered_groups(run: RunDir, rollout_id: int) -> list[list[Sample]]:
     """Unfinished groups left by the previous rollout (partial rollout), in group order."""
     from slimectl.contract.samples import read_samples
 
@@ -153,7 +159,7 @@ def _buffer(run: RunDir, rollout_id: int) -> list[list[Sample]]:
     return [groups[g] for g in sorted(groups)]
 
 
-def _sampling_params(cfg: SlimectlConfig) -> dict[str, Any]:
+def sampling_params(cfg: SlimectlConfig) -> dict[str, Any]:
     r = cfg.rollout
     p: dict[str, Any] = {"max_new_tokens": r.max_response_len, "temperature": r.temperature, "top_p": r.top_p,
                          "top_k": r.top_k}
@@ -216,7 +222,7 @@ def zero_spread_warning(cfg: SlimectlConfig, rid: int, groups: list[list[Sample]
             f"{DOCS_REWARDS}")
 
 
-def _metrics(samples: list[Sample], counts: dict[str, int], seconds: float, reward_key: str | None,
+def rollout_metrics(samples: list[Sample], counts: dict[str, int], seconds: float, reward_key: str | None,
              groups: list[list[Sample]], weight_version: str | None) -> dict[str, Any]:
     rewards = [s.reward_value(reward_key) for s in samples]
     lengths = [s.response_length for s in samples]
@@ -243,7 +249,7 @@ def _metrics(samples: list[Sample], counts: dict[str, int], seconds: float, rewa
 _prepared: dict[str, Any] = {}  # the last dataset prepared in this process: {"key": ..., "value": ...}
 
 
-def _prepared_prompts(cfg: SlimectlConfig, skip_bad_rows: bool | None):
+def prepared_prompts(cfg: SlimectlConfig, skip_bad_rows: bool | None):
     """``data.prompt_data`` read, checked and tokenized, with its tokenizer: ``(rows, bad rows skipped,
     prompts too long, tokenizer)``. A process that makes many rollouts (``slimectl rl``) prepares the
     dataset once, not once per rollout (the CPU demo spent ~15 % of its loop re-tokenizing 256
@@ -295,44 +301,76 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
                                  f"to go on, {extend}")
             if run.rollouts.exists(rid) and not force:
                 raise ArtifactExists(f"rollouts/{rid:06d} is already published; pass --force to regenerate it")
-            state = _data_state(run, rid)
-            buffered = _buffer(run, rid) if cfg.rollout.partial_rollout else []
+            state = data_state_before(run, rid)
+            buffered = buffered_groups(run, rid) if carries_groups(cfg) else []
             d = cfg.data
-            rows, bad, too_long, tok = _prepared_prompts(cfg, skip_bad_rows)
+            rows, bad, too_long, tok = prepared_prompts(cfg, skip_bad_rows)
             source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=state)
-            urls = _engine_urls(run, engine_urls)
+            urls = engine_urls_for(run, engine_urls)
             work = _rollout_async(run, cfg, rid, source, urls, tok, lock, buffered, connections)
             result = connections.run(work) if connections is not None else asyncio.run(work)
             samples, metrics, trace, leftover = result
             metrics.update({"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
-            meta = {
-                "rollout_id": rid,
-                "weight_version": metrics["rollout/weight_version"],
-                "num_samples": len(samples),
-                "num_groups": len({s.group_index for s in samples}),
-                "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
-                "reward_mean": metrics["rollout/reward_mean"],
-                "reward_std": metrics["rollout/reward_std"],
-                "seconds": metrics["perf/rollout_time"],
-                "counts": {k: metrics[k] for k in ("rollout/filter_dropped_groups", "rollout/aborted_groups",
-                                                   "rollout/zero_std_groups")},
-            }
-            lock.check()
-            with run.rollouts.publish(rid, meta=meta, stage="rollout", overwrite=force) as staging:
-                write_samples(samples, staging / SAMPLES_FILE)
-                (staging / DATA_STATE).write_text(json.dumps(source.state()))
-                if leftover:
-                    write_samples([x for g in leftover for x in g], staging / BUFFER_FILE)
-                (staging / "metrics.json").write_text(json.dumps(metrics, indent=2))
-                with open(staging / "trace.jsonl", "w") as f:
-                    for span in trace:
-                        f.write(json.dumps(span) + "\n")
-                fault_point("rollout.files_written")
-            _log_metrics(run, cfg, rid, metrics)
-            warning = zero_spread_warning(cfg, rid, groups_of(samples))
-            if warning:
-                log.warning("%s", warning)
+            publish_rollout(run, cfg, rid, samples, metrics, trace, leftover, source.state(), lock, overwrite=force)
             return RolloutResult(rid, len(samples), metrics, run.rollouts.dir_for(rid))
+
+
+def publish_rollout(run: RunDir, cfg: SlimectlConfig, rid: int, samples: list[Sample], metrics: dict[str, Any],
+                    trace: list[dict[str, Any]], leftover: list[list[Sample]], data_state: dict[str, Any], lock,
+                    overwrite: bool = False) -> None:
+    """Publish ``rollouts/RID`` (samples, the prompt source's state after it, the groups a later rollout continues,
+    metrics, per-sample spans) atomically, log its metrics line and warn about zero reward spread."""
+    versions = [v for v in (oldest_version(s) for s in samples) if v is not None]
+    meta = {
+        "rollout_id": rid,
+        "weight_version": metrics["rollout/weight_version"],
+        "weight_version_min": min(versions) if versions else None,
+        "weight_version_max": max((v for v in (newest_version(s) for s in samples) if v is not None), default=None),
+        "num_samples": len(samples),
+        "num_groups": len({s.group_index for s in samples}),
+        "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
+        "reward_mean": metrics["rollout/reward_mean"],
+        "reward_std": metrics["rollout/reward_std"],
+        "seconds": metrics["perf/rollout_time"],
+        "counts": {k: metrics[k] for k in ("rollout/filter_dropped_groups", "rollout/aborted_groups",
+                                           "rollout/zero_std_groups")},
+    }
+    lock.check()
+    with run.rollouts.publish(rid, meta=meta, stage="rollout", overwrite=overwrite) as staging:
+        write_samples(samples, staging / SAMPLES_FILE)
+        (staging / DATA_STATE).write_text(json.dumps(data_state))
+        if leftover:
+            write_samples([x for g in leftover for x in g], staging / BUFFER_FILE)
+        (staging / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        with open(staging / "trace.jsonl", "w") as f:
+            for span in trace:
+                f.write(json.dumps(span) + "\n")
+        fault_point("rollout.files_written")
+    _log_metrics(run, cfg, rid, metrics)
+    warning = zero_spread_warning(cfg, rid, groups_of(samples))
+    if warning:
+        log.warning("%s", warning)
+
+
+def _int_versions(s: Sample) -> list[int]:
+    out = []
+    for v in s.weight_versions:
+        try:
+            out.append(int(v))
+        except (TypeError, ValueError):
+            pass
+    return out
+
+
+def oldest_version(s: Sample) -> int | None:
+    """The oldest weight version that sampled a token of ``s`` (None: no integer version recorded)."""
+    v = _int_versions(s)
+    return min(v) if v else None
+
+
+def newest_version(s: Sample) -> int | None:
+    v = _int_versions(s)
+    return max(v) if v else None
 
 
 def groups_of(samples: list[Sample]) -> list[list[Sample]]:
@@ -389,12 +427,12 @@ async def teacher_log_probs(samples: list[Sample], urls: list[str], temperature:
     return num / den if den else 0.0
 
 
-async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: PromptSource, urls: list[str], tok,
-                         lock, buffered: list[list[Sample]], connections=None
-                         ) -> tuple[list[Sample], dict[str, Any], list[dict[str, Any]], list[list[Sample]]]:
+def generation_context(run: RunDir, cfg: SlimectlConfig, rid: int, urls: list[str], tok, connections=None
+                       ) -> tuple[EnginePool, SimpleNamespace]:
+    """The engine pool a rollout generates through and the ``args`` its generate, reward and filter functions
+    get (slime's names)."""
     r = cfg.rollout
-    token = cfg.engine.token()
-    pool = EnginePool(urls, token=token, concurrency_per_engine=r.concurrency_per_engine,
+    pool = EnginePool(urls, token=cfg.engine.token(), concurrency_per_engine=r.concurrency_per_engine,
                       timeout=cfg.engine.request_timeout_s, registry=run.engines,
                       router=run.live_router(urls),  # serve's sglang-router in front of exactly these engines
                       connections=connections)
@@ -402,6 +440,15 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
                            rollout_max_response_len=r.max_response_len, n_samples_per_prompt=r.n_samples_per_prompt,
                            reward_key=r.reward_key, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
                            return_routed_experts=r.return_routed_experts or cfg.train.use_rollout_routing_replay)
+    return pool, args
+
+
+async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: PromptSource, urls: list[str], tok,
+                         lock, buffered: list[list[Sample]], connections=None
+                         ) -> tuple[list[Sample], dict[str, Any], list[dict[str, Any]], list[list[Sample]]]:
+    r = cfg.rollout
+    token = cfg.engine.token()
+    pool, args = generation_context(run, cfg, rid, urls, tok, connections)
     try:
         weight_version = await _served_version(run, cfg, pool, urls)
         generate_fn = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else default_generate
@@ -417,15 +464,15 @@ async def _rollout_async(run: RunDir, cfg: SlimectlConfig, rid: int, source: Pro
         t0 = time.time()
         try:
             kept, counts, leftover = await generate_batch(
-                args, _group_supply(r, rid, source, buffered), r.batch_size, _sampling_params(cfg), generate_fn,
-                make_reward_fn(cfg, args), _group_filter(r, args), on_group_done=on_group_done,
+                args, group_supply(r, rid, source, buffered), r.batch_size, sampling_params(cfg), generate_fn,
+                make_reward_fn(cfg, args), group_filter(r, args), on_group_done=on_group_done,
                 keep_partial=r.partial_rollout)
         finally:
             bar.close()
         leftover += buffered  # buffered groups this rollout never reached stay buffered
         samples = [s for g in kept for s in g.samples]
         opd_rkl = await teacher_log_probs(samples, r.teacher_urls, r.temperature, token, cfg) if r.teacher_urls else None
-        metrics = _metrics(samples, counts, time.time() - t0, r.reward_key, [g.samples for g in kept], weight_version)
+        metrics = rollout_metrics(samples, counts, time.time() - t0, r.reward_key, [g.samples for g in kept], weight_version)
         if opd_rkl is not None:
             metrics["rollout/opd_reverse_kl"] = opd_rkl
         metrics["rollout/partial_groups_buffered"] = len(leftover)
@@ -449,7 +496,7 @@ async def _served_version(run: RunDir, cfg: SlimectlConfig, pool: EnginePool, ur
     return next(iter(versions.values()))
 
 
-def _group_filter(r, args):
+def group_filter(r, args):
     """``rollout.dynamic_filter`` as a predicate on a group's samples (None: keep every group)."""
     if r.dynamic_filter is None:
         return None
@@ -459,21 +506,23 @@ def _group_filter(r, args):
     return lambda samples: bool(user(args, samples))
 
 
-def _group_supply(r, rid: int, source: PromptSource, buffered: list[list[Sample]]):
+def group_supply(r, rid: int, source: PromptSource, buffered: list[list[Sample]]):
     """What feeds the generation rounds: ``supply()`` -> the next round's groups, the groups an earlier rollout
     left unfinished first (``buffered``, partial rollout), then new prompts' groups of ``n_samples_per_prompt``."""
     round_size = r.over_sampling_batch_size or r.batch_size
 
-    def supply() -> list[list[Sample]]:
+    def supply(n: int | None = None) -> list[list[Sample]]:
+        """The next ``n`` groups (default: a round of ``over_sampling_batch_size``, or ``batch_size``)."""
+        n = round_size if n is None else n
         groups = []
-        while buffered and len(groups) < round_size:
+        while buffered and len(groups) < n:
             group = buffered.pop(0)
             for s in group:
                 s.rollout_id = rid
                 if s.status == Status.ABORTED and s.response_length:  # picks up where it stopped
                     s.metadata["partial_continued"] = True  # (a group-mate that had finished is not)
             groups.append(group)
-        for g, row in source.take(round_size - len(groups)):
+        for g, row in source.take(n - len(groups)):
             label = None if row.label is None else (row.label if isinstance(row.label, str) else json.dumps(row.label))
             groups.append([Sample(
                 group_index=g, index=g * r.n_samples_per_prompt + j, rollout_id=rid, prompt=row.prompt_text,

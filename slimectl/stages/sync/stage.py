@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.faults import fault_point
@@ -115,39 +116,115 @@ def weight_source(run: RunDir, cfg: SlimectlConfig, version: int | None) -> Weig
                      f"train first (`slimectl train -r {run.path}`) or pass --version")
 
 
+class EngineSync:
+    """A sync process's connection to its engines: the clients and the transport, opened once, then
+    :meth:`push` for each version (``run_sync``: one; ``follow_sync``: each new ``weights/N``)."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, transport: str | None, verify: bool | None,
+                 engine_urls: list[str] | tuple[str, ...]):
+        self.run, self.cfg = run, cfg
+        self.verify = cfg.sync.verify if verify is None else verify
+        self.targets = engine_targets(run, engine_urls)
+        self.transport = make_transport(transport or cfg.sync.transport, cfg.sync)
+        self.transport.progress = cfg.logging.progress
+        self.clients: dict = {}
+
+    async def __aenter__(self) -> "EngineSync":
+        from slimectl.engines.client import EngineClient
+
+        token = self.cfg.engine.token()
+        self.clients = {t.url: EngineClient(t.url, token=token, timeout=self.cfg.sync.timeout_s) for t in self.targets}
+        try:
+            await self.transport.connect(self.clients)
+        except BaseException:
+            await self._close_clients()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.transport.close(self.clients)
+        finally:
+            await self._close_clients()
+
+    async def _close_clients(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients.values()), return_exceptions=True)
+
+    async def push(self, source: WeightSource) -> SyncResult:
+        """Load ``source`` into every engine, record the engines' version and the sync metrics."""
+        from slimectl.contract.metrics import MetricsWriter
+
+        result = await sync_engines(self.clients, self.transport, source, self.cfg.effective_pause_mode, self.verify)
+        self.run.engines.set_weight_version([t.id for t in self.targets], str(result.version))
+        tb = self.run.tensorboard_dir("sync") if self.cfg.logging.tensorboard else None
+        with MetricsWriter(self.run.metrics_path("sync"), tb) as m:
+            m.log(result.version, result.metrics())
+        log.info("sync: weight version %d to %d engine(s) by %s in %.2f s (%.1f MB)%s", result.version,
+                 len(result.engines), result.transport, result.seconds, result.bytes / 1e6,
+                 ", verified" if result.verified else "")
+        return result
+
+
 def run_sync(run: RunDir, cfg: SlimectlConfig, version: int | None = None, transport: str | None = None,
              verify: bool | None = None, engine_urls: list[str] | tuple[str, ...] = ()) -> SyncResult:
     """Push weight version ``version`` (default: the latest published) to every registered engine."""
-    with run.stage_log("sync"):
-        from slimectl.engines.client import EngineClient
-        from slimectl.contract.metrics import MetricsWriter
+    with run.stage_log("sync"), run.lock("sync"):
+        source = weight_source(run, cfg, version)
 
-        kind = transport or cfg.sync.transport
-        verify = cfg.sync.verify if verify is None else verify
-        with run.lock("sync"):
-            source = weight_source(run, cfg, version)
-            targets = engine_targets(run, engine_urls)
-            token = cfg.engine.token()
-            tr = make_transport(kind, cfg.sync)
-            tr.progress = cfg.logging.progress
+        async def go() -> SyncResult:
+            async with EngineSync(run, cfg, transport, verify, engine_urls) as engines:
+                return await engines.push(source)
 
-            async def go() -> SyncResult:
-                clients = {t.url: EngineClient(t.url, token=token, timeout=cfg.sync.timeout_s) for t in targets}
-                try:
-                    await tr.connect(clients)
-                    try:
-                        return await sync_engines(clients, tr, source, cfg.effective_pause_mode, verify)
-                    finally:
-                        await tr.close(clients)
-                finally:
-                    await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
+        return asyncio.run(go())
 
-            result = asyncio.run(go())
-            run.engines.set_weight_version([t.id for t in targets], str(result.version))
-            tb = run.tensorboard_dir("sync") if cfg.logging.tensorboard else None
-            with MetricsWriter(run.metrics_path("sync"), tb) as m:
-                m.log(result.version, result.metrics())
-            log.info("sync: weight version %d to %d engine(s) by %s in %.2f s (%.1f MB)%s", result.version,
-                     len(result.engines), result.transport, result.seconds, result.bytes / 1e6,
-                     ", verified" if result.verified else "")
-            return result
+
+def follow_sync(run: RunDir, cfg: SlimectlConfig, transport: str | None = None, verify: bool | None = None,
+                engine_urls: list[str] | tuple[str, ...] = (), stop=None, poll_s: float = 0.2,
+                on_synced: Callable[[SyncResult], None] | None = None) -> list[int]:
+    """``sync --follow``: push each new ``weights/N`` to every engine as soon as it is published (a version
+    published while one is being pushed is skipped for the newer one), until ``weights/{rollout.num_rollout}``
+    is in the engines or ``stop`` is set. Returns the versions pushed."""
+    import threading
+
+    stop = stop or threading.Event()
+    pushed: list[int] = []
+    with run.stage_log("sync"), run.lock("sync") as lock:
+        async def go() -> None:
+            async with EngineSync(run, cfg, transport, verify, engine_urls) as engines:
+                served = await _served_versions(engines.clients)
+                while not stop.is_set():
+                    lock.check()
+                    ids = run.weights.ids()
+                    newest = ids[-1] if ids else None
+                    if newest is not None and any(v != newest for v in served.values()):
+                        try:
+                            source = weight_source(run, cfg, newest)
+                            res = await engines.push(source)
+                        except (UsageError, SlimectlError) as exc:
+                            if run.weights.exists(newest):
+                                raise
+                            log.info("weights/%06d was pruned before it reached the engines (%s); taking the newer "
+                                     "one", newest, exc)
+                            continue
+                        served = {u: newest for u in served}
+                        pushed.append(newest)
+                        if on_synced is not None:
+                            on_synced(res)
+                    if newest is not None and newest >= cfg.rollout.num_rollout and \
+                            all(v == newest for v in served.values()):
+                        return
+                    await asyncio.sleep(poll_s)
+
+        asyncio.run(go())
+    return pushed
+
+
+async def _served_versions(clients: dict) -> dict[str, int | None]:
+    """Each engine's weight version as an int (None: not one of this run's versions)."""
+    out: dict[str, int | None] = {}
+    for u, c in clients.items():
+        try:
+            out[u] = int(await c.weight_version())
+        except (TypeError, ValueError):
+            out[u] = None
+    return out

@@ -76,7 +76,8 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
                             break
                         raise SlimectlError(f"rollouts/{rid:06d} is not published yet; run "
                                             f"`slimectl rollout -r {run.path}` or use --follow to wait for it")
-                    bar.update(len(trainer.train_rollout(rid, art, metrics, publish_weights=False,
+                    # Following: weights/N after every rollout, for the rollout and sync stages that follow it.
+                    bar.update(len(trainer.train_rollout(rid, art, metrics, publish_weights=follow,
                                                          last=n == len(todo) - 1)))
                     trained.append(rid)
             return TrainResult(trained, trainer.next_rollout, trainer.next_rollout)

@@ -1,0 +1,280 @@
+"""``slimectl rollout --follow``: generate all the time, publishing each rollout as soon as its batch is scored.
+
+Prompt groups generate concurrently and across rollout boundaries (:class:`GroupStream`): when
+``rollout.batch_size`` groups are scored (and pass the dynamic filter) they are published as the next
+``rollouts/N``, while the groups still in flight go on generating for the one after. Weight updates land
+while requests are in flight (``sync --follow`` with ``sync.pause_mode`` retract or in_place), so a sample
+may hold tokens of several weight versions; each records them.
+
+Staleness bound: with the newest published weights at version V (trained on rollouts 0..V-1), no group
+is started for rollout R while R - V > ``rollout.max_staleness`` (AReaL's bound on groups started:
+``(V + max_staleness + 1) * batch_size``); a group started earlier can still land in a later rollout,
+which is what ``rollout.stale_samples`` decides about at train time.
+
+Exactly once: a published rollout also holds the prompt source's position after every group started so
+far (``data_state.json``) and those groups as they were when they started, plus the finished groups not
+yet published (``buffer.parquet``). A follower killed at any point (``kill -9``) and started again continues
+from the last published rollout: every prompt group lands in exactly one rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from slimectl.contract.config_schema import SlimectlConfig
+from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.rundir import RunDir
+from slimectl.contract.samples import Sample
+from slimectl.engines.pool import EnginePool
+from slimectl.stages.rollout.data import PromptSource
+from slimectl.stages.rollout.generate import GroupResult, default_generate, load_function, run_group
+from slimectl.stages.rollout.stage import (
+    rollout_metrics,
+    buffered_groups,
+    check_staleness,
+    data_state_before,
+    engine_urls_for,
+    generation_context,
+    group_filter,
+    group_supply,
+    make_reward_fn,
+    next_rollout_id,
+    oldest_version,
+    prepared_prompts,
+    publish_rollout,
+    sampling_params,
+    teacher_log_probs,
+)
+
+log = logging.getLogger("slimectl.rollout")
+
+POLL_S = 0.2
+"""Seconds between two looks at the newest published weights while generation waits for them."""
+MAX_DROPPED_ROUNDS = 16
+"""Rounds of groups (``over_sampling_batch_size``) the dynamic filter may drop in a row before the follower gives up."""
+
+
+@dataclass
+class FollowResult:
+    published: list[int] = field(default_factory=list)
+    complete: bool = False
+    """All ``rollout.num_rollout`` rollouts are published."""
+
+
+def published_version(run: RunDir) -> int:
+    """The newest published weight version (0: the initial model)."""
+    ids = run.weights.ids()
+    return ids[-1] if ids else 0
+
+
+class GroupStream:
+    """Prompt groups generating concurrently, across rollouts: started as room allows, scored and filtered
+    as they finish, handed out in batches. ``carried`` is what a rerun continues from if this process
+    stops now (the groups in flight as they started, finished ones not handed out, aborted ones)."""
+
+    def __init__(self, args, params: dict, generate_fn: Callable, reward_fn, keep: Callable | None,
+                 requeued: list[list[Sample]]):
+        self.args, self.params, self.generate_fn, self.reward_fn, self.keep = args, params, generate_fn, reward_fn, keep
+        self.in_flight: dict[asyncio.Future, list[Sample]] = {}
+        self.ready: list[GroupResult] = []
+        self.requeued = requeued
+        """Groups to start before new prompts (the supply pops them): buffered by an earlier rollout, or aborted here."""
+        self.counts = {"dropped": 0, "aborted": 0}
+
+    def start(self, groups: list[list[Sample]]) -> None:
+        for g in groups:
+            as_started = copy.deepcopy(g)
+            task = asyncio.ensure_future(run_group(self.args, g, self.params, self.generate_fn, self.reward_fn))
+            self.in_flight[task] = as_started
+
+    async def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for a group in flight to finish; take every finished one (the first failure raises)."""
+        if not self.in_flight:
+            await asyncio.sleep(timeout)
+            return
+        done, _ = await asyncio.wait(list(self.in_flight), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        failure = None
+        for task in done:
+            self.in_flight.pop(task)
+            if task.cancelled():
+                continue
+            if task.exception() is not None:
+                failure = failure or task.exception()
+                continue
+            self._take(task.result())
+        if failure is not None:
+            raise failure
+
+    def _take(self, res: GroupResult) -> None:
+        if res.partial:  # a sample was aborted (an update that aborts, an engine restarting): it goes on later
+            self.counts["aborted"] += 1
+            self.requeued.append(res.samples)
+        elif self.keep is not None and not self.keep(res.samples):
+            res.kept = False
+            self.counts["dropped"] += 1
+        else:
+            self.ready.append(res)
+
+    def take(self, n: int) -> list[GroupResult]:
+        """The first ``n`` groups that finished, in group order."""
+        batch, self.ready = self.ready[:n], self.ready[n:]
+        return sorted(batch, key=lambda r: r.group_index)
+
+    def carried(self) -> list[list[Sample]]:
+        groups = list(self.in_flight.values()) + [r.samples for r in self.ready] + list(self.requeued)
+        return sorted(groups, key=lambda g: g[0].group_index)
+
+    async def close(self, pool: EnginePool) -> None:
+        """Abort what is in flight (its groups are in the last published rollout's buffer)."""
+        if not self.in_flight:
+            return
+        try:
+            await pool.abort_all()
+        except Exception:  # noqa: BLE001 — stopping anyway; the tasks are cancelled below
+            pass
+        for task in self.in_flight:
+            task.cancel()
+        await asyncio.gather(*self.in_flight, return_exceptions=True)
+        self.in_flight.clear()
+
+
+def follow_rollouts(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
+                    stop: threading.Event | None = None, newest_version: Callable[[], int] | None = None,
+                    skip_bad_rows: bool | None = None, on_published: Callable[[int], None] | None = None) -> FollowResult:
+    """Publish rollouts from the next id until ``rollout.num_rollout`` are published (or ``stop`` is set).
+
+    ``newest_version()``: the weight version the staleness bound counts from (default: the newest
+    published ``weights/N``; ``slimectl rl`` passes the version its engines were last synced to).
+    ``on_published(rid)`` is called after each rollout is published."""
+    with run.stage_log("rollout"):
+        if cfg.data.prompt_data is None:
+            raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
+        with run.lock("rollout") as lock:
+            first = next_rollout_id(run)
+            if first >= cfg.rollout.num_rollout:
+                log.info("all %d rollouts (rollout.num_rollout) are published; nothing to follow (to go on: "
+                         "slimectl extend -r %s --num-rollout N)", cfg.rollout.num_rollout, run.path)
+                return FollowResult(complete=True)
+            d = cfg.data
+            rows, bad, too_long, tok = prepared_prompts(cfg, skip_bad_rows)
+            source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=data_state_before(run, first))
+            follower = _Follower(run, cfg, first, source, engine_urls_for(run, engine_urls), tok, lock,
+                                 buffered_groups(run, first), stop or threading.Event(),
+                                 newest_version or (lambda: published_version(run)), on_published,
+                                 {"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
+            return asyncio.run(follower.follow())
+
+
+class _Follower:
+    """One follower's loop: start groups as the staleness bound allows, publish each full batch."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig, first: int, source: PromptSource, urls: list[str], tok,
+                 lock, buffered: list[list[Sample]], stop: threading.Event, newest_version: Callable[[], int],
+                 on_published: Callable[[int], None] | None, first_metrics: dict):
+        self.run, self.cfg, self.rid, self.source, self.urls, self.tok = run, cfg, first, source, urls, tok
+        self.lock, self.buffered, self.stop, self.newest_version = lock, buffered, stop, newest_version
+        self.on_published = on_published
+        self.result = FollowResult()
+        self.first_metrics = first_metrics
+        """The dataset's counters (bad rows, prompts too long): in the first rollout this process publishes."""
+
+    async def follow(self) -> FollowResult:
+        cfg, r = self.cfg, self.cfg.rollout
+        pool, args = generation_context(self.run, cfg, self.rid, self.urls, self.tok)
+        try:
+            versions = await pool.weight_versions()
+            if not versions:
+                raise SlimectlError(f"none of the engines answered ({', '.join(self.urls)}); is `slimectl serve` running?")
+            check_staleness(self.run, cfg, versions)
+            gen = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else default_generate
+            stream = GroupStream(args, sampling_params(cfg), gen, make_reward_fn(cfg, args), group_filter(r, args),
+                                 self.buffered)
+            try:
+                await self._loop(stream, group_supply(r, self.rid, self.source, self.buffered), pool)
+            finally:
+                await stream.close(pool)
+        finally:
+            from slimectl.rewards import close_shared_remotes
+
+            await close_shared_remotes()
+            await pool.close()
+        return self.result
+
+    async def _loop(self, stream: GroupStream, supply, pool: EnginePool) -> None:
+        r = self.cfg.rollout
+        n, batch, ahead = r.num_rollout, r.batch_size, self.cfg.effective_max_staleness
+        round_size = r.over_sampling_batch_size or batch
+        since, announced = time.time(), None
+        served = _ServedVersion(pool)
+        while self.rid < n and not self.stop.is_set():
+            self.lock.check()
+            # The bound counts from the weights the engines serve: published ones not synced yet do not count.
+            version = min(self.newest_version(), await served.get(default=self.newest_version()))
+            allowed = (version + ahead + 1 - self.rid) * batch - len(stream.ready)
+            room = min(round_size, allowed) - len(stream.in_flight)
+            if room > 0:
+                stream.start(supply(room))
+            if len(stream.ready) >= batch:
+                await self._publish(stream, since)
+                since, announced = time.time(), None
+                continue
+            if not stream.in_flight and announced != version:
+                log.info("rollout %d waits for newer weights: the engines serve version %d and rollout.max_staleness "
+                         "= %d", self.rid, version, ahead)
+                announced = version
+            if stream.counts["dropped"] > MAX_DROPPED_ROUNDS * round_size:  # (counted since the last publish)
+                raise SlimectlError(f"rollout {self.rid}: the dynamic filter dropped {MAX_DROPPED_ROUNDS} rounds of "
+                                    f"groups in a row; relax rollout.dynamic_filter")
+            await stream.settle(POLL_S)
+        self.result.complete = self.rid >= n
+
+    async def _publish(self, stream: GroupStream, since: float) -> None:
+        cfg, r, rid = self.cfg, self.cfg.rollout, self.rid
+        kept = stream.take(r.batch_size)
+        samples = [s for g in kept for s in g.samples]
+        for s in samples:
+            s.rollout_id = rid
+        versions = [v for v in (oldest_version(s) for s in samples) if v is not None]
+        opd_rkl = await teacher_log_probs(samples, r.teacher_urls, r.temperature, cfg.engine.token(), cfg) \
+            if r.teacher_urls else None
+        counts = {"dropped": stream.counts["dropped"], "aborted": stream.counts["aborted"]}
+        stream.counts = {"dropped": 0, "aborted": 0}
+        metrics = rollout_metrics(samples, counts, time.time() - since, r.reward_key, [g.samples for g in kept],
+                           str(min(versions)) if versions else None)
+        if opd_rkl is not None:
+            metrics["rollout/opd_reverse_kl"] = opd_rkl
+        carried = stream.carried()
+        metrics.update({"rollout/partial_groups_buffered": len(carried), "rollout/groups_in_flight": len(stream.in_flight),
+                        "rollout/weights_published": self.newest_version(), **self.first_metrics})
+        self.first_metrics = {}
+        publish_rollout(self.run, cfg, rid, samples, metrics, [span for g in kept for span in g.spans], carried,
+                        self.source.state(), self.lock)
+        self.result.published.append(rid)
+        self.rid += 1
+        if self.on_published is not None:
+            self.on_published(rid)
+
+
+class _ServedVersion:
+    """The oldest weight version the engines serve, asked again at most every :data:`POLL_S`."""
+
+    def __init__(self, pool: EnginePool):
+        self.pool, self.value, self.asked = pool, None, float("-inf")
+
+    async def get(self, default: int) -> int:
+        if time.monotonic() - self.asked >= POLL_S:
+            self.asked = time.monotonic()
+            versions = []
+            for v in (await self.pool.weight_versions()).values():
+                try:
+                    versions.append(int(v))
+                except (TypeError, ValueError):  # not one of this run's versions: it does not hold generation back
+                    pass
+            self.value = min(versions) if versions else None
+        return default if self.value is None else self.value
