@@ -30,6 +30,7 @@ FAULT_POINTS = (
     "sync.paused",                 # every engine paused and flushed; no weight moved yet
     "sync.pushed",                 # the new weights are in every (still paused) engine; not continued
     "rl.rollout_in_flight",        # one_step_off: rollout N+1 submitted beside the training of rollout N
+    "rollout.follow_published",    # rollout --follow: rollouts/N READY, the groups of N+1 in flight
     "engine.generate",             # an embedded engine, at a /generate request (the engine dies mid-rollout)
     "export.written",              # export: the HF files written into the temporary directory, not renamed
     "convert.before_tracker",      # convert: torch_dist shards and metadata written, the tracker not

@@ -29,6 +29,7 @@ from typing import Callable
 
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.faults import fault_point
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample
 from slimectl.engines.pool import EnginePool
@@ -259,6 +260,7 @@ class _Follower:
         self.rid += 1
         if self.on_published is not None:
             self.on_published(rid)
+        fault_point("rollout.follow_published")
 
 
 class _ServedVersion:

@@ -191,6 +191,10 @@ def follow_sync(run: RunDir, cfg: SlimectlConfig, transport: str | None = None, 
     with run.stage_log("sync"), run.lock("sync") as lock:
         async def go() -> None:
             async with EngineSync(run, cfg, transport, verify, engine_urls) as engines:
+                # A sync killed between pause and continue (kill -9) left the engines paused, maybe already on the
+                # newest weights, so nothing below would push (and continue) them: continue them first.
+                await asyncio.gather(*(c.continue_generation() for c in engines.clients.values()),
+                                     return_exceptions=True)
                 served = await _served_versions(engines.clients)
                 while not stop.is_set():
                     lock.check()
