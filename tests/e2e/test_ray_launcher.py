@@ -182,6 +182,23 @@ def test_sigterm_stops_the_actors_cleanly(tmp_path, cluster, forks):
     assert wait_gone([where["trainer"], where["engine_actor"], where["engine"]]) == []
 
 
+@pytest.mark.slow
+def test_rl_fully_async_on_ray_trains_each_rollout_once(tmp_path, cluster, forks):
+    """rollout.async_mode = fully_async under the Ray launcher: the driver's follower thread generates on the
+    engine actor while the trainer actor trains; every rollout is trained once, each prompt group in one rollout."""
+    from tests.e2e.test_fully_async import audit_fully_async
+
+    cfg = write_config(tmp_path, rollout={"num_rollout": 4, "async_mode": "fully_async"})
+    driver = Driver(forks, tmp_path, "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2", "--launcher", "ray",
+                    "--address", cluster.address)
+    rc, out, err = driver.finish(timeout=300)
+    assert rc == 0, err[-4000:]
+    assert "trained rollouts 0-3; weight version 4" in out and "fully async loop" in err
+    run = RunDir.open(tmp_path / "run")
+    audit_fully_async(run, 4, 2)
+    assert run.engines.list() == []
+
+
 def test_an_error_inside_an_actor_is_one_line(tmp_path, cluster, forks):
     """The trainer actor cannot take the train lock held here: the driver says so in one line."""
     cfg = write_config(tmp_path, rollout={"num_rollout": 1})
