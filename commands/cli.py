@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "extend": "slimectl.commands.extend:extend_cmd",
     "inspect": "slimectl.commands.inspect:inspect_cmd",
     "plot": "slimectl.commands.plot:plot_cmd",
+    "trace": "slimectl.commands.trace:trace_cmd",
     "harness": "slimectl.commands.harness:harness_cmd",
 }
 

@@ -45,12 +45,13 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
      "stages/serve": ("contract", "backends/hf", "engines"),
      "stages/status": ("contract", "web"),
      "stages/sync": ("contract", "backends/hf", "engines"),
+     "stages/trace": ("contract",),
      "stages/train": ("contract", "algorithms", "backends/hf", "backends/host_memory", "backends/megatron")},
     {"orchestration": ("contract", "backends/hf", "backends/megatron", "engines", "stages/init", "stages/rollout",
                        "stages/serve", "stages/sync", "stages/train")},
     {"commands": ("contract", "fixtures", "agents", "services", "stages/convert", "stages/export", "stages/extend",
                   "stages/init", "stages/plot", "stages/rollout", "stages/serve", "stages/status", "stages/sync",
-                  "stages/train", "orchestration")},
+                  "stages/trace", "stages/train", "orchestration")},
 )
 MAP: dict[str, tuple[str, ...]] = {part: allowed for layer in LAYERS for part, allowed in layer.items()}
 LAYER: dict[str, int] = {part: i for i, layer in enumerate(LAYERS) for part in layer}

@@ -169,7 +169,8 @@ class InProcessTrainer:
         with self.run.stage_log("sync"):
             try:
                 res = self.loop.run_until_complete(sync_engines(self.clients, self.transport, self._source(version),
-                                                                self.cfg.effective_pause_mode, s.verify))
+                                                                self.cfg.effective_pause_mode, s.verify,
+                                                                tracer=self.run.tracer("sync")))
             finally:
                 if not self.disk:
                     self._finish_passes()

@@ -9,6 +9,7 @@ from slimectl.contract.errors import SlimectlError
 from slimectl.contract.metrics import last_metrics
 from slimectl.contract.rundir.artifacts import KINDS
 from slimectl.contract.rundir.run import RunDir
+from slimectl.contract.trace import read_traces, wait_seconds
 from slimectl.web.client import probe_url
 
 STAGES = ("serve", "rollout", "train", "sync", "rl", "convert", "export")
@@ -57,7 +58,64 @@ def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dic
     out["staging_in_use"] = run.staging_in_use()  # leftovers not provably dead (a live or unknown writer)
     out["last_metrics"] = {p.stem: rec for p in sorted((run.path / "metrics").glob("*.jsonl"))
                            if (rec := last_metrics(p)) is not None}
+    out["async"] = async_status(out)
+    out["waits"] = trace_waits(run)
     return out
+
+
+def async_status(st: dict[str, Any]) -> dict[str, Any]:
+    """The asynchronous picture from what :func:`collect_status` read: the newest rollout, the train cursor,
+    the newest weights, each live engine's version, how far generation is ahead of the weights, and who waits."""
+    c = st.get("config") or {}
+    newest_rollout = st["artifacts"]["rollouts"]["latest"]
+    next_rollout = 0 if newest_rollout is None else newest_rollout + 1
+    weights = st["artifacts"]["weights"]["latest"] or 0  # none published: engines serve version 0
+    engines = {e["id"]: e["weight_version"] for e in st["engines"] if e["process"] != "dead"}
+    out = {"async_mode": c.get("async_mode"), "max_staleness": c.get("max_staleness"),
+           "newest_rollout": newest_rollout, "next_rollout": next_rollout,
+           "train_next": st["training"]["next_to_train"], "newest_weights": weights, "ahead": next_rollout - weights,
+           "engine_versions": engines}
+    out["waiting"] = who_waits(out, c.get("num_rollout"))
+    return out
+
+
+def who_waits(a: dict[str, Any], num_rollout: int | None) -> list[dict[str, str]]:
+    """Who waits for whom in the state ``a`` (:func:`async_status`): rollout for train (the next rollout would be
+    more than ``max_staleness`` versions ahead of the newest weights), train for rollout (its next rollout is not
+    published), engines for a sync (serving older weights than the newest)."""
+    waits = []
+    more = (lambda i: True) if num_rollout is None else (lambda i: i < num_rollout)
+    limit = a["max_staleness"]
+    if limit is not None and more(a["next_rollout"]) and a["ahead"] > limit:
+        waits.append({"who": "rollout", "waits_for": "train",
+                      "why": f"rollout {a['next_rollout']} needs weights {a['next_rollout'] - limit} or newer "
+                             f"(rollout.max_staleness {limit}); the newest are {a['newest_weights']}"})
+    newest_rollout = -1 if a["newest_rollout"] is None else a["newest_rollout"]
+    if more(a["train_next"]) and a["train_next"] > newest_rollout:
+        waits.append({"who": "train", "waits_for": "rollout",
+                      "why": f"rollouts/{a['train_next']:06d} is not published yet"})
+    behind = []
+    for engine, version in a["engine_versions"].items():
+        try:
+            if int(version) < a["newest_weights"]:
+                behind.append(f"{engine} serves {version}")
+        except (TypeError, ValueError):
+            continue
+    if behind:
+        waits.append({"who": "engines", "waits_for": "sync",
+                      "why": f"{', '.join(behind)}; the newest weights are {a['newest_weights']}"})
+    return waits
+
+
+def trace_waits(run: RunDir) -> dict[str, dict[str, float]] | None:
+    """Seconds each stage spent in each kind of ``wait:*`` span, from ``RUN/traces``; None without traces."""
+    files = read_traces(run, only='"wait:')  # (only the lines of waits are parsed)
+    if not files:
+        return None
+    by_stage: dict[str, list] = {}
+    for s in (s for f in files for s in f.spans):
+        by_stage.setdefault(s.stage, []).append(s)
+    return {stage: wait_seconds(spans) for stage, spans in sorted(by_stage.items())}
 
 
 def _config_status(run: RunDir) -> dict[str, Any]:
@@ -81,6 +139,8 @@ def _config_status(run: RunDir) -> dict[str, Any]:
         "train_parallel": {"tp": cfg.train.tp, "pp": cfg.train.pp},
         "lr": cfg.train.lr,
         "sync_transport": cfg.sync.transport,
+        "async_mode": cfg.rollout.async_mode,
+        "max_staleness": cfg.effective_max_staleness,
         "num_rollout_frozen": cfg.rollout.num_rollout,
         "num_rollout_from": source,
     }}
@@ -201,10 +261,29 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"{stage:<10} {state}: pid {h['pid']}@{h['host']} since {h['acquired']} (heartbeat {h['heartbeat_age_s']} s ago)")
     lines += [f"staging    .staging/{d['name']}: {d['bytes']} bytes, writer {d['stage']} pid {d['pid']}@{d['host']} "
               f"not provably dead (removed at a stage's start once it is)" for d in st.get("staging_in_use", [])]
+    lines += async_lines(st)
     for stage, m in st["last_metrics"].items():
         shown = ", ".join(f"{k}={_fmt_metric(v)}" for k, v in m.items() if k not in ("time",))
         lines.append(f"metrics    {stage}: {shown}")
     return "\n".join(lines)
+
+
+def async_lines(st: dict[str, Any]) -> list[str]:
+    """The ``staleness``, ``waiting`` and ``waits`` lines of :func:`format_status`."""
+    a = st["async"]
+    limit = "unknown (config error)" if a["max_staleness"] is None else str(a["max_staleness"])
+    newest = "none" if a["newest_rollout"] is None else str(a["newest_rollout"])
+    lines = [f"staleness  generation {a['ahead']} ahead of the weights (next rollout {a['next_rollout']}, newest "
+             f"weights {a['newest_weights']}; newest rollout {newest}, train next {a['train_next']}); "
+             f"rollout.max_staleness {limit} (async_mode {a['async_mode']})"]
+    lines += [f"waiting    {w['who']} waits for {w['waits_for']}: {w['why']}" for w in a["waiting"]] or \
+        ["waiting    nothing waits"]
+    waits = st.get("waits")
+    if waits is not None:
+        shown = "; ".join(f"{stage} " + ", ".join(f"{k} {v:.2f} s" for k, v in kinds.items())
+                          for stage, kinds in waits.items() if kinds)
+        lines.append(f"waits      {shown or 'none'} (traces/: `slimectl trace` shows each)")
+    return lines
 
 
 def _behind(version: Any, newest: int | None) -> str:

@@ -161,6 +161,13 @@ def test_stages_by_hand_make_the_same_artifacts_as_rl(tmp_path, clean_rl_run):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+    assert_traces_agree_with_metrics(hand, rollouts=3)
+    res = slimectl_in_process("trace", "-r", hand.path, "--out", tmp_path / "trace.json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads((tmp_path / "trace.json").read_text())
+    names = {e["args"]["name"].split(" (")[0] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"rollout", "train", "sync"} and all(e["dur"] >= 0 for e in doc["traceEvents"] if e["ph"] == "X")
+    assert [line.split()[0] for line in res.stdout.splitlines()[1:4]] == ["rollout", "train", "sync"]  # by first span
     auto, auto_cfg = clean_rl_run  # `rl` from scratch on the same config (made once, shared read-only)
     assert auto_cfg.read_text() == cfg.read_text()
     for kind in ("rollouts", "checkpoints", "weights"):
@@ -194,6 +201,41 @@ def test_stages_by_hand_make_the_same_artifacts_as_rl(tmp_path, clean_rl_run):
     wa = load_file(str(auto.weights.get(2).file("model.safetensors")))
     wh = load_file(str(hand.weights.get(2).file("model.safetensors")))
     assert sorted(wa) == sorted(wh) and max(float((wa[k] - wh[k]).abs().max()) for k in wa) <= 1e-6
+
+
+def assert_traces_agree_with_metrics(run: RunDir, rollouts: int) -> None:
+    """RUN/traces as the stages wrote them: every rollout's groups generated and scored, every optimizer step
+    of metrics/train.jsonl a `step` span, every sync of metrics/sync.jsonl a `sync` span as long as its
+    `sync/time` (within 20 ms or 5 %) holding its pause, update and continue."""
+    from slimectl.contract.trace import read_traces
+
+    files = read_traces(run)
+    assert all(f.malformed == 0 for f in files)
+    spans = {f.path.stem: f.spans for f in files}
+    assert set(spans) == {"rollout", "train", "sync"}
+    from slimectl.contract.samples import SAMPLES_FILE, read_samples
+
+    for rid in range(rollouts):
+        groups = sorted({x.group_index for x in read_samples(run.rollouts.get(rid).file(SAMPLES_FILE))})
+        mine = [s for s in spans["rollout"] if s.args.get("rollout") == rid]
+        assert sorted(s.args["group"] for s in mine if s.name == "generate") == groups, rid
+        assert sorted(s.args["group"] for s in mine if s.name == "reward") == groups, rid
+        (whole,) = [s for s in mine if s.name == "rollout"]
+        assert all(whole.start <= s.start <= s.end <= whole.end for s in mine if s.name in ("generate", "reward"))
+        assert len([s for s in mine if s.name == "publish"]) == 1
+    steps = [s.args["step"] for s in spans["train"] if s.name == "step"]
+    assert steps == [r["step"] for r in read_jsonl(run.metrics_path("train"))]
+    assert sorted(s.args["rollout"] for s in spans["train"] if s.name == "train_rollout") == list(range(rollouts))
+    assert any(s.name == "save" and s.thread == "save_0" for s in spans["train"])  # the background writer
+    syncs = sorted((s for s in spans["sync"] if s.name == "sync"), key=lambda s: s.start)
+    recs = read_jsonl(run.metrics_path("sync"))
+    assert [s.args["version"] for s in syncs] == [r["step"] for r in recs]
+    for s, r in zip(syncs, recs):
+        assert abs(s.seconds - r["sync/time"]) <= max(0.02, 0.05 * r["sync/time"]), (s, r)
+        parts = [p for p in spans["sync"] if p.name in ("pause", "update", "continue") and p.pid == s.pid
+                 and s.start <= p.start <= p.end <= s.end]
+        assert sorted(p.name for p in parts) == ["continue", "pause", "update"], s
+        assert all(p.args["version"] == s.args["version"] for p in parts)
 
 
 def test_pass_at_k_hand_computed():

@@ -39,6 +39,7 @@ SCRIPT = textwrap.dedent('''
                                 timeout=timedelta(seconds=20))
         import slimectl.stages.sync as sync_pkg
         from slimectl.contract.errors import SlimectlError
+        from slimectl.contract.trace import NULL_TRACER
         from slimectl.orchestration.local_launcher import InProcessTrainer
         from slimectl.orchestration.trainer_ranks import Followers, control_group, follow_rank0
 
@@ -47,7 +48,7 @@ SCRIPT = textwrap.dedent('''
         if rank == 0:
             calls = []
 
-            async def sync_engines(clients, transport, source, pause_mode, verify):
+            async def sync_engines(clients, transport, source, pause_mode, verify, tracer):
                 calls.append(1)
                 if len(calls) == 1:
                     for k, (name, t) in enumerate(source.iter_tensors()):
@@ -60,8 +61,10 @@ SCRIPT = textwrap.dedent('''
 
             sync_pkg.sync_engines = sync_engines
             t = object.__new__(InProcessTrainer)
-            t.run = types.SimpleNamespace(stage_log=lambda name: contextlib.nullcontext())
-            t.cfg = types.SimpleNamespace(sync=types.SimpleNamespace(pause_mode="abort", verify=False))
+            t.run = types.SimpleNamespace(stage_log=lambda name: contextlib.nullcontext(),
+                                          tracer=lambda stage: NULL_TRACER)
+            t.cfg = types.SimpleNamespace(sync=types.SimpleNamespace(pause_mode="abort", verify=False),
+                                          effective_pause_mode="abort")
             t.disk, t.trainer, t.clients, t.transport, t._open_passes = False, Tensors(), {}, None, []
             t.followers = Followers(group)
             t.loop = asyncio.new_event_loop()

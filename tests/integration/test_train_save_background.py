@@ -113,7 +113,7 @@ def test_the_cursor_waits_for_the_checkpoint_of_its_rollout(tmp_path, tiny):
             submit = trainer.writer.submit
             # this rollout's checkpoint job, once handed to the writer, is held until released (an event,
             # not a wait: train_rollout must return without waiting for it)
-            trainer.writer.submit = lambda job: submit(lambda: (release.wait(60), job()))
+            trainer.writer.submit = lambda job, **kw: submit(lambda: (release.wait(60), job()), **kw)
             trainer.train_rollout(0, run.rollouts.get(0), NullMetrics(), last=True)
             assert trainer.writer.busy  # the checkpoint was handed over
             # trained, checkpoint handed over but not written: nothing published, the cursor not moved
@@ -161,7 +161,7 @@ def test_weights_go_out_before_the_checkpoint_and_old_weights_are_removed_in_the
         trainer = Trainer(run, cfg, lock)
         try:
             submit, tidy = trainer.writer.submit, trainer.writer.tidy
-            trainer.writer.submit = lambda job: (handed_over.append(run.weights.ids()), submit(job))[1]
+            trainer.writer.submit = lambda job, **kw: (handed_over.append(run.weights.ids()), submit(job, **kw))[1]
             trainer.writer.tidy = lambda job: (tidied.append(job), tidy(job))[1]
             for rid in range(3):
                 trainer.train_rollout(rid, run.rollouts.get(rid), NullMetrics(), publish_weights=True, last=rid == 2)

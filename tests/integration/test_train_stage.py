@@ -158,6 +158,30 @@ def test_missing_rollout_and_wrong_id(tmp_path, rollouts):
     assert res.returncode == 0 and "trained rollouts 0;" in res.stdout  # stops at the first unpublished rollout
     res = slimectl_in_process("train", "-r", run.path)
     assert res.returncode == 1 and "rollouts/000001 is not published yet" in res.stderr
+    # --follow waits for it: published a second after the trainer says it waits, the trace shows that wait
+    import threading
+    import time
+
+    def publish_later():
+        deadline = time.monotonic() + 120
+        while "waiting for rollouts/000001" not in run.log_path("train").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        with run.rollouts.publish(1, meta={"weight_version": "1"}) as d:
+            write_samples(rolls[1], d / SAMPLES_FILE)
+
+    publisher = threading.Thread(target=publish_later)
+    publisher.start()
+    res = slimectl_in_process("train", "-r", run.path, "--follow", "--max-rollouts", "1")
+    publisher.join()
+    assert res.returncode == 0 and "trained rollouts 1;" in res.stdout, res.stderr[-2000:]
+    from slimectl.contract.trace import read_span_file
+
+    spans = read_span_file(run.trace_path("train")).spans
+    (wait,) = [s for s in spans if s.name == "wait:rollout"]
+    (trained,) = [s for s in spans if s.name == "train_rollout" and s.args["rollout"] == 1]
+    assert wait.args == {"rollout": 1} and 1.0 <= wait.seconds < 60 and wait.end <= trained.start
+    assert [s.args["rollout"] for s in spans if s.name == "train_rollout"] == [0, 1]
 
 
 def test_kill_9_mid_training_then_rerun_trains_each_rollout_once(tmp_path, rollouts, straight):

@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import ROOT, run_py
 from slimectl.commands.cli import COMMANDS, cli as root
 
-EXPECTED = ["init", "status", "convert", "serve", "rollout", "train", "sync", "export", "rl", "extend", "inspect", "plot", "harness"]
+EXPECTED = ["init", "status", "convert", "serve", "rollout", "train", "sync", "export", "rl", "extend", "inspect", "plot", "trace", "harness"]
 
 
 def test_command_table_is_complete_and_importable():

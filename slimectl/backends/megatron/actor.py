@@ -60,6 +60,7 @@ from slimectl.backends.megatron.rollout_batch import (
     rank_layout,
     step_batches,
 )
+from slimectl.contract.trace import NULL_TRACER, SpanRecorder
 
 
 class MegatronActor:
@@ -67,12 +68,14 @@ class MegatronActor:
     before every optimizer step (a checkpoint writer's wait, :attr:`MegatronModel.before_update`)."""
 
     def __init__(self, arch, padded_vocab: int, train, algo, tp: int = 1, pp: int = 1, dtype: str = "fp32",
-                 total_steps: int | None = None, ep: int = 1, before_update: Callable[[], float] | None = None):
+                 total_steps: int | None = None, ep: int = 1, before_update: Callable[[], float] | None = None,
+                 tracer: SpanRecorder = NULL_TRACER):
         from slimectl.backends.megatron.parallel import init_parallel
         from slimectl.backends.megatron.provider import build_gpt_model, check_expert_parallel, transformer_config
 
         self.arch, self.padded_vocab, self.train_cfg, self.algo = arch, padded_vocab, train, algo
         self.tp, self.pp, self.ep, self.dtype = tp, pp, ep, dtype
+        self.tracer = tracer  # the spans log_probs (the no-grad passes of a rollout) and step (each optimizer step)
         algo.hooks  # the custom functions it names, imported now: a bad one fails before anything is trained
         check_expert_parallel(arch, ep)
         self.info = init_parallel(tp=tp, pp=pp, seed=train.seed, ep=ep)
@@ -301,6 +304,7 @@ class MegatronActor:
         ref_lp: dict[int, torch.Tensor] = {}
         self.module.eval()
         t_old = t_ref = 0.0
+        started = time.time()
         with torch.no_grad():
             for layout, again in zip(batch.layouts, recompute):
                 if again:
@@ -315,6 +319,9 @@ class MegatronActor:
         self.module.train()
         batch.old_lp = [old_lp.get(i) for i in range(n)]
         batch.ref_lp = [ref_lp.get(i) for i in range(n)]
+        if any(recompute) or self.ref_model is not None:
+            self.tracer.record("log_probs", started, time.time(), recomputed=sum(recompute),
+                               reference=self.ref_model is not None)
         # slime's names: the rollout's no-grad passes, reported with its first step
         batch.timings["perf/log_probs_time"] = t_old
         if self.ref_model is not None:
@@ -324,8 +331,10 @@ class MegatronActor:
                     rollout_temperature: float = 1.0) -> list[dict[str, float]]:
         """One optimizer step per global batch of ``batch``; ``advantages``: ``[B, T]`` (None for SFT)."""
         rows = batch.rows(advantages)
-        steps = [self._train_step(layout, idx, rows, rollout_temperature)
-                 for layout, idx in zip(batch.layouts, batch.batches)]
+        steps = []
+        for layout, idx in zip(batch.layouts, batch.batches):
+            with self.tracer.span("step", step=self.step + 1, samples=len(idx)):
+                steps.append(self._train_step(layout, idx, rows, rollout_temperature))
         steps[0].update(batch.timings)
         return steps
 

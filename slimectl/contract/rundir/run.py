@@ -30,6 +30,7 @@ from slimectl.contract.rundir.atomic import atomic_write_json, atomic_write_text
 from slimectl.contract.rundir.cursor import ConsumptionCursor
 from slimectl.contract.rundir.locks import StageLock
 from slimectl.contract.rundir.registry import EngineRegistry
+from slimectl.contract.trace import TRACES_DIR, Tracer, trace_file
 
 log = logging.getLogger("slimectl.rundir")
 
@@ -37,7 +38,8 @@ RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
 STAGING = ".staging"
 # Every top-level entry a run directory may hold; anything else is the user's own business.
-LAYOUT_DIRS = KINDS + ("configs", "engines", "cursors", "locks", "logs", "metrics", "tensorboard", "models", STAGING)
+LAYOUT_DIRS = KINDS + ("configs", "engines", "cursors", "locks", "logs", "metrics", "tensorboard", "models", TRACES_DIR,
+                       STAGING)
 LAYOUT_FILES = (RUN_FILE, CONFIG_FILE)
 
 
@@ -249,6 +251,15 @@ class RunDir:
 
     def tensorboard_dir(self, stage: str) -> Path:
         return self.path / "tensorboard" / stage
+
+    def trace_path(self, stage: str) -> Path:
+        """``traces/STAGE.jsonl``: the spans of every process that ran STAGE (docs/run-directory.md "Traces")."""
+        return trace_file(self.path, stage)
+
+    def tracer(self, stage: str) -> Tracer:
+        """The :class:`~slimectl.contract.trace.Tracer` appending this process's spans of ``stage`` to
+        :meth:`trace_path`."""
+        return Tracer(self.path, stage)
 
     def cleanup(self, announce: bool = False) -> dict[str, list]:
         """Remove leftovers of dead writers: staging dirs and renamed-but-unmarked artifacts.

@@ -23,6 +23,7 @@ from typing import Any, Awaitable, Callable
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.imports import import_object
 from slimectl.contract.samples import Sample, Status
+from slimectl.contract.trace import SpanRecorder
 
 
 def load_function(path: str, what: str) -> Callable:
@@ -85,7 +86,7 @@ async def run_group(args: SimpleNamespace, samples: list[Sample], sampling_param
         params.setdefault("sampling_seed", s.metadata.get("sampling_seed"))
         t0 = time.time()
         res = await generate_fn(args, s, params)
-        spans.append({"sample": s.index, "span": "generate", "start": t0, "end": time.time()})
+        spans.append({"sample": s.index, "group": s.group_index, "span": "generate", "start": t0, "end": time.time()})
         res = res if isinstance(res, list) else [res]
         for r in res:
             if r.status == Status.PENDING:
@@ -100,6 +101,20 @@ async def run_group(args: SimpleNamespace, samples: list[Sample], sampling_param
     await reward_fn(flat)
     spans.append({"group": samples[0].group_index, "span": "reward", "start": t0, "end": time.time()})
     return GroupResult(samples[0].group_index, flat, True, spans)
+
+
+def trace_groups(tracer: SpanRecorder, rollout_id: int, spans: list[dict[str, Any]]) -> None:
+    """The groups' spans of an artifact's ``trace.jsonl`` as ``RUN/traces/rollout.jsonl`` spans: per group a
+    ``generate`` (its first sample's start to its last one's end) and its ``reward``."""
+    generated: dict[int, list[dict[str, Any]]] = {}
+    for s in spans:
+        if s["span"] == "generate":
+            generated.setdefault(s["group"], []).append(s)
+        else:
+            tracer.record(s["span"], s["start"], s["end"], rollout=rollout_id, group=s["group"])
+    for g, parts in sorted(generated.items()):
+        tracer.record("generate", min(p["start"] for p in parts), max(p["end"] for p in parts), rollout=rollout_id,
+                      group=g, samples=len(parts))
 
 
 def nonzero_std(samples: list[Sample], reward_key: str | None) -> bool:

@@ -23,7 +23,8 @@ from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
 from slimectl.stages.rollout.data import PromptSource, load_tokenizer, tokenize_prompts
 from slimectl.engines.pool import EnginePool
-from slimectl.stages.rollout.generate import default_generate, generate_batch, load_function, nonzero_std
+from slimectl.stages.rollout.generate import (default_generate, generate_batch, load_function, nonzero_std,
+                                              trace_groups)
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, write_samples
 
@@ -308,8 +309,11 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
             source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=state)
             urls = engine_urls_for(run, engine_urls)
             work = _rollout_async(run, cfg, rid, source, urls, tok, lock, buffered, connections)
+            tracer, started = run.tracer("rollout"), time.time()
             result = connections.run(work) if connections is not None else asyncio.run(work)
             samples, metrics, trace, leftover = result
+            tracer.record("rollout", started, time.time(), rollout=rid, samples=len(samples))
+            trace_groups(tracer, rid, trace)
             metrics.update({"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
             publish_rollout(run, cfg, rid, samples, metrics, trace, leftover, source.state(), lock, overwrite=force)
             return RolloutResult(rid, len(samples), metrics, run.rollouts.dir_for(rid))
@@ -336,7 +340,8 @@ def publish_rollout(run: RunDir, cfg: SlimectlConfig, rid: int, samples: list[Sa
                                            "rollout/zero_std_groups")},
     }
     lock.check()
-    with run.rollouts.publish(rid, meta=meta, stage="rollout", overwrite=overwrite) as staging:
+    with run.tracer("rollout").span("publish", rollout=rid), \
+            run.rollouts.publish(rid, meta=meta, stage="rollout", overwrite=overwrite) as staging:
         write_samples(samples, staging / SAMPLES_FILE)
         (staging / DATA_STATE).write_text(json.dumps(data_state))
         if leftover:

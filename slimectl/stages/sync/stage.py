@@ -12,6 +12,7 @@ from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
+from slimectl.contract.trace import NULL_TRACER, SpanRecorder
 from slimectl.stages.sync.source import WeightSource
 from slimectl.stages.sync.transport import EngineTarget, WeightTransport, make_transport
 
@@ -36,39 +37,51 @@ class SyncResult:
 
 
 async def sync_engines(clients: dict, transport: WeightTransport, source: WeightSource, pause_mode: str = "abort",
-                       verify: bool = False) -> SyncResult:
+                       verify: bool = False, tracer: SpanRecorder = NULL_TRACER) -> SyncResult:
     """Pause every engine, flush, move ``source`` in with ``transport``, flush, continue.
 
     Engines are always continued, whatever failed. Afterwards each must report weight version
     ``source.version``; with ``verify`` sampled tensors are read back and compared.
-    Raises :class:`SlimectlError` naming the engine that failed.
+    Raises :class:`SlimectlError` naming the engine that failed. ``tracer`` gets the spans ``sync``
+    and, inside it, ``pause``, ``update`` (the transfer), ``continue`` and ``verify``, each with the version.
     """
+    with tracer.span("sync", version=source.version, transport=transport.name, engines=len(clients)):
+        return await _sync_engines(clients, transport, source, pause_mode, verify, tracer)
+
+
+async def _sync_engines(clients: dict, transport: WeightTransport, source: WeightSource, pause_mode: str,
+                        verify: bool, tracer: SpanRecorder) -> SyncResult:
     from slimectl.engines.client import EngineError
 
     t0 = time.perf_counter()
+    version = source.version
     phases: dict[str, float] = {}
     urls = list(clients)
     paused: list[str] = []
     moved = 0
     try:
-        results = await asyncio.gather(*(clients[u].pause_generation(pause_mode) for u in urls), return_exceptions=True)
-        paused = [u for u, r in zip(urls, results) if not isinstance(r, BaseException)]
-        for u, r in zip(urls, results):
-            if isinstance(r, BaseException):
-                raise SlimectlError(f"sync stopped before any weight moved: {r}")
-        await asyncio.gather(*(clients[u].flush_cache() for u in urls), return_exceptions=True)
+        with tracer.span("pause", version=version, mode=pause_mode):
+            results = await asyncio.gather(*(clients[u].pause_generation(pause_mode) for u in urls),
+                                           return_exceptions=True)
+            paused = [u for u, r in zip(urls, results) if not isinstance(r, BaseException)]
+            for u, r in zip(urls, results):
+                if isinstance(r, BaseException):
+                    raise SlimectlError(f"sync stopped before any weight moved: {r}")
+            await asyncio.gather(*(clients[u].flush_cache() for u in urls), return_exceptions=True)
         phases["pause"] = time.perf_counter() - t0
         fault_point("sync.paused")
         t1 = time.perf_counter()
-        moved = await transport.push(clients, source)
+        with tracer.span("update", version=version):
+            moved = await transport.push(clients, source)
         phases["transfer"] = time.perf_counter() - t1
         fault_point("sync.pushed")
     except EngineError as exc:
         raise SlimectlError(f"sync of weight version {source.version} failed: {exc}") from None
     finally:
-        t2 = time.perf_counter()
+        t2, started = time.perf_counter(), time.time()
         await asyncio.gather(*(clients[u].flush_cache() for u in paused), return_exceptions=True)
         resumed = await asyncio.gather(*(clients[u].continue_generation() for u in paused), return_exceptions=True)
+        tracer.record("continue", started, time.time(), version=version)
         stuck = [(u, r) for u, r in zip(paused, resumed) if isinstance(r, BaseException)]
         phases["continue"] = time.perf_counter() - t2
         if stuck:
@@ -86,7 +99,8 @@ async def sync_engines(clients: dict, transport: WeightTransport, source: Weight
         from slimectl.stages.sync.verify import verify_engines
 
         t3 = time.perf_counter()
-        problems = await verify_engines(clients, source)
+        with tracer.span("verify", version=version):
+            problems = await verify_engines(clients, source)
         phases["verify"] = time.perf_counter() - t3
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -154,7 +168,8 @@ class EngineSync:
         """Load ``source`` into every engine, record the engines' version and the sync metrics."""
         from slimectl.contract.metrics import MetricsWriter
 
-        result = await sync_engines(self.clients, self.transport, source, self.cfg.effective_pause_mode, self.verify)
+        result = await sync_engines(self.clients, self.transport, source, self.cfg.effective_pause_mode, self.verify,
+                                     tracer=self.run.tracer("sync"))
         self.run.engines.set_weight_version([t.id for t in self.targets], str(result.version))
         tb = self.run.tensorboard_dir("sync") if self.cfg.logging.tensorboard else None
         with MetricsWriter(self.run.metrics_path("sync"), tb) as m:

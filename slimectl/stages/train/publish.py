@@ -110,7 +110,7 @@ def publish_checkpoint(run: RunDir, actor, cfg: SlimectlConfig, meta: dict, vers
                      ", in the background" if writer.background else "")
         release_free_memory()  # the writer's buffers (in its own thread's malloc arena)
 
-    writer.submit(job)
+    writer.submit(job, version=version)
 
 
 def _save_critic(run: RunDir, critic, critic_state: dict, meta: dict, version: int, rank0: bool) -> None:

@@ -64,7 +64,8 @@ def run_train(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None, f
                 for n, rid in enumerate(todo):
                     lock.check()
                     if follow:
-                        art = run.rollouts.wait_for(rid, timeout=wait_timeout, should_stop=lambda: not lock.held)
+                        with trainer.tracer.wait("rollout", rollout=rid):
+                            art = run.rollouts.wait_for(rid, timeout=wait_timeout, should_stop=lambda: not lock.held)
                     elif broadcast_from_rank0(run.rollouts.exists(rid) if rank0 else None):
                         # Rank 0 decides: ranks on other nodes may see the shared filesystem a moment later.
                         art = run.rollouts.get(rid, verify="full") if rank0 else \

@@ -15,6 +15,7 @@ from slimectl.contract.errors import ConfigError, UsageError
 from slimectl.contract.faults import fault_point
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
+from slimectl.contract.trace import NULL_TRACER, SpanRecorder
 from slimectl.contract.ranks import launch_rank
 from slimectl.stages.train.plan import initial_arch, resume_point
 from slimectl.stages.train.ppo import CriticFactory, build_critic, train_ppo_rollout
@@ -71,9 +72,11 @@ class Trainer:
         total_steps = cfg.rollout.num_rollout * t.num_steps_per_rollout
         # One trainer process: checkpoints are written in the background (several ranks: inline). The next
         # optimizer step of the actor (and of the critic) waits for a save still reading their state.
-        self.writer = CheckpointWriter(background=t.world_size == 1)
+        self.tracer: SpanRecorder = run.tracer("train") if self.rank0 else NULL_TRACER  # traces/train.jsonl
+        self.writer = CheckpointWriter(background=t.world_size == 1, tracer=self.tracer)
         self.actor = MegatronActor(arch, padded, t, cfg.algorithm, tp=t.tp, pp=t.pp, dtype=cfg.model.dtype,
-                                   total_steps=total_steps, ep=t.ep, before_update=self.writer.wait)
+                                   total_steps=total_steps, ep=t.ep, before_update=self.writer.wait,
+                                   tracer=self.tracer)
         if init_dir is not None:
             self.actor.load_checkpoint(init_dir)
         else:
@@ -122,7 +125,12 @@ class Trainer:
         return self.actor.iter_hf_tensors()
 
     def train_rollout(self, rid: int, art, metrics, publish_weights: bool = True, last: bool = False) -> list[dict]:
-        """Train on rollout ``rid`` (its READY artifact), publish at the save interval, commit the cursor."""
+        """Train on rollout ``rid`` (its READY artifact), publish at the save interval, commit the cursor
+        (the span ``train_rollout`` of the trace)."""
+        with self.tracer.span("train_rollout", rollout=rid):
+            return self._train_rollout(rid, art, metrics, publish_weights, last)
+
+    def _train_rollout(self, rid: int, art, metrics, publish_weights: bool, last: bool) -> list[dict]:
         if rid != self.next_rollout:
             raise UsageError(f"rollout {rid}: the next rollout to train is {self.next_rollout} (each is trained exactly "
                              f"once, in order)")
@@ -177,8 +185,9 @@ class Trainer:
         """Publish checkpoints/VERSION and/or weights/VERSION; their times (``perf/save_time``,
         ``perf/update_weights_time``). With a critic, ``critic_checkpoints/VERSION`` is written first,
         in the same background job (the actor's checkpoint READY is the commit point)."""
-        phases = publish(self.run, self.actor, self.cfg, rid, version, checkpoint, weights, self.writer,
-                         critic=self.critic)
+        with self.tracer.span("publish", version=version, checkpoint=checkpoint, weights=weights):
+            phases = publish(self.run, self.actor, self.cfg, rid, version, checkpoint, weights, self.writer,
+                             critic=self.critic)
         if checkpoint:
             self.last_published = version
         return phases

@@ -1,9 +1,13 @@
 """An ordered background writer: the trainer's checkpoint saves and what must follow them, one at a time, off the
-critical path (stdlib only)."""
+critical path (stdlib and the contract only)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+
+from slimectl.contract.trace import NULL_TRACER, SpanRecorder
 
 log = logging.getLogger("slimectl.train")
 
@@ -27,8 +31,11 @@ class CheckpointWriter:
     thread, in step with the other ranks) runs every job inline, as before.
     """
 
-    def __init__(self, background: bool = True):
+    def __init__(self, background: bool = True, tracer: SpanRecorder = NULL_TRACER):
+        """``tracer``: gets a ``save`` span per job handed over (on the writer's thread) and a ``wait:save``
+        whenever :meth:`wait` finds one still running."""
         self.background = background
+        self.tracer = tracer
         self._pool = None
         self._pending = None  # the Future of the last job handed over
 
@@ -41,24 +48,29 @@ class CheckpointWriter:
         fut = self._pending
         if fut is None:
             return 0.0
-        import time
-
         t = time.perf_counter()
-        try:
-            fut.result()
-        finally:
-            if fut.done():  # (interrupted while it runs: still pending, close() waits for it again)
-                self._pending = None
+        with self.tracer.wait("save") if not fut.done() else contextlib.nullcontext():
+            try:
+                fut.result()
+            finally:
+                if fut.done():  # (interrupted while it runs: still pending, close() waits for it again)
+                    self._pending = None
         return time.perf_counter() - t
 
-    def submit(self, job) -> float:
+    def submit(self, job, **args) -> float:
         """Run ``job`` in the background once the previous one is done (inline without a
-        background thread); returns the seconds this call waited for the previous one."""
+        background thread); returns the seconds this call waited for the previous one. ``args``:
+        what the job's ``save`` span says (``version=N``)."""
         waited = self.wait()
+
+        def traced() -> None:
+            with self.tracer.span("save", background=self.background, **args):
+                job()
+
         if not self.background:
-            job()
+            traced()
             return waited
-        self._pending = self._thread().submit(job)
+        self._pending = self._thread().submit(traced)
         return waited
 
     def _thread(self):
