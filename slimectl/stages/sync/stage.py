@@ -59,7 +59,7 @@ async def sync_engines(clients: dict, transport: WeightTransport, source: Weight
         phases["pause"] = time.perf_counter() - t0
         fault_point("sync.paused")
         t1 = time.perf_counter()
-        moved = await transport.push(clients, source)
+        moved = await transport.push(clients, source, flush_cache=pause_mode != "in_place")
         phases["transfer"] = time.perf_counter() - t1
         fault_point("sync.pushed")
     except EngineError as exc:
