@@ -232,7 +232,8 @@ def call_version_spans(meta_info: dict[str, Any], n: int) -> list[dict[str, Any]
     try:
         spans = [{"version": str(s["version"]), "start": int(s["start"]), "end": int(s["end"])} for s in reported]
     except (TypeError, KeyError, ValueError):
-        raise ValueError(f"meta_info.weight_versions must be a list of {{version, start, end}}, got {reported!r}") from None
+        raise ValueError(f"meta_info.weight_versions must be a list of {{version, start, end}}, "
+                         f"got {reported!r}") from None
     spans = [s for s in spans if s["end"] > s["start"]]
     ends = [0] + [s["end"] for s in spans]
     if [s["start"] for s in spans] != ends[:-1] or ends[-1] != n:

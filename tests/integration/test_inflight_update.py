@@ -7,19 +7,11 @@ made. The flushes around the update are answered as SGLang answers them (200 aft
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
-from slimectl.contract.config_schema import SyncSection
-from slimectl.contract.samples import Sample
-from slimectl.stages.sync import WeightSource
-from slimectl.stages.sync.disk import DiskTransport
-from slimectl.stages.sync.distributed import DistributedTransport
 from tests.helpers import start_engine, wait_healthy
-from tests.inflight_helpers import (FlushRecordingClient, hf_in_place_logprobs, hf_logprobs, perturbed_copy,
-                                    two_version_spans, update_mid_request)
+from tests.inflight_helpers import hf_in_place_logprobs, hf_logprobs, next_version_across_request, perturbed_copy
 
 pytestmark = pytest.mark.xdist_group("inflight_update")
 
@@ -53,50 +45,19 @@ def engine(weights, tmp_path_factory):
     proc, url = start_engine(weights["dirs"][0], log)  # weight version 0
     try:
         wait_healthy(url)
-        yield {"url": url, "version": 0}
+        yield {"url": url, "version": 0, **weights}
     finally:
         proc.kill()
         proc.wait()
 
 
-def _update(engine, weights, mode: str, kind: str):
-    """One request across the update of the engine from its version v to v + 1 (the other weight set)."""
-    v = engine["version"]
-    old_dir, new_dir = weights["dirs"][v % 2], weights["dirs"][(v + 1) % 2]
-    transport = DiskTransport() if kind == "disk" else DistributedTransport(SyncSection(backend="gloo",
-                                                                                        bucket_size_mb=1))
-
-    async def go():
-        async with FlushRecordingClient(engine["url"]) as client:
-            await transport.connect({client.url: client})
-            try:
-                out, result = await update_mid_request(client, transport, WeightSource.from_dir(v + 1, new_dir), mode,
-                                                       PROMPT, PARAMS, after_tokens=24)
-            finally:
-                await transport.close({client.url: client})
-            return out, result, client.flushes
-
-    out, result, flushes = asyncio.run(go())
-    engine["version"] = v + 1
-    assert result.version == v + 1 and result.transport == kind
-    meta = out["meta_info"]
-    assert len(out["output_ids"]) == NEW_TOKENS and meta["finish_reason"]["type"] == "length"
-    k = two_version_spans(meta["weight_versions"], str(v), str(v + 1), NEW_TOKENS)
-    assert meta["weight_version"] == str(v + 1)
-    full = PROMPT + out["output_ids"]
-    lps = [x[0] for x in meta["output_token_logprobs"]]
-    old, new = weights["hf"][old_dir], weights["hf"][new_dir]
-    assert lps[:k] == pytest.approx(hf_logprobs(old, full, len(PROMPT))[:k], abs=TOL)
-    # the sample keeps every token's version
-    s = Sample(tokens=list(PROMPT))
-    s.append_response_tokens(out["output_ids"], lps, True, meta)
-    assert s.weight_version_spans == meta["weight_versions"] and (s.oldest_version, s.newest_version) == (v, v + 1)
-    return out, k, lps, full, old, new, flushes
+def _update(engine, mode: str, kind: str):
+    return next_version_across_request(engine, mode, kind, PROMPT, PARAMS, after_tokens=24, tol=TOL)
 
 
 @pytest.mark.parametrize("kind", ["disk", "distributed"])
-def test_retract_recomputes_the_requests_cache_under_the_new_weights(engine, weights, kind):
-    out, k, lps, full, old, new, flushes = _update(engine, weights, "retract", kind)
+def test_retract_recomputes_the_requests_cache_under_the_new_weights(engine, kind):
+    out, k, lps, full, old, new, flushes = _update(engine, "retract", kind)
     assert out["meta_info"]["num_retractions"] == 1
     # every token after the update: the new weights' distribution given the whole prefix
     assert lps[k:] == pytest.approx(hf_logprobs(new, full, len(PROMPT))[k:], abs=TOL)
@@ -104,8 +65,8 @@ def test_retract_recomputes_the_requests_cache_under_the_new_weights(engine, wei
 
 
 @pytest.mark.parametrize("kind", ["disk", "distributed"])
-def test_in_place_goes_on_from_the_cache_of_the_old_weights(engine, weights, kind):
-    out, k, lps, full, old, new, flushes = _update(engine, weights, "in_place", kind)
+def test_in_place_goes_on_from_the_cache_of_the_old_weights(engine, kind):
+    out, k, lps, full, old, new, flushes = _update(engine, "in_place", kind)
     assert out["meta_info"]["num_retractions"] == 0
     n = len(PROMPT)
     # the tokens after the update are the new weights over the old weights' KV cache of the first n + k - 1

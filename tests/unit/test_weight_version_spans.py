@@ -23,7 +23,8 @@ def two_call_sample() -> Sample:
     """A partial rollout: the first call spans an update (3 -> 4) and is aborted, a tool's output follows, the
     continuation spans another (4 -> 5)."""
     s = Sample(group_index=0, index=0, tokens=[1, 2, 3], reward=1.0)
-    s.append_response_tokens([10, 11, 12, 13, 14], [-0.5] * 5, True, meta("4", ("3", 0, 3), ("4", 3, 5), reason="abort"))
+    s.append_response_tokens([10, 11, 12, 13, 14], [-0.5] * 5, True,
+                             meta("4", ("3", 0, 3), ("4", 3, 5), reason="abort"))
     s.append_response_tokens([15, 16, 17, 18], [-0.5] * 4, True, meta("5", ("4", 0, 1), ("5", 1, 4)))
     s.append_response_tokens([20, 21], None, False)  # tool output: no model sampled it
     s.append_response_tokens([22, 23], [-0.5] * 2, True, meta("5", ("5", 0, 2), ("5", 2, 2)))
