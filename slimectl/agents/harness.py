@@ -274,7 +274,7 @@ class Harness:
                 seg.sample.append_response_tokens(observed, None, False)
                 seg.text = text
             lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
-            status_meta = {"weight_version": meta.get("weight_version"),
+            status_meta = {"weight_version": meta.get("weight_version"), "weight_versions": meta.get("weight_versions"),
                            "finish_reason": {"type": reply.finish_reason}}
             seg.sample.append_response_tokens(out["output_ids"], lps, True, status_meta)
             seg.tail_tokens = reply.tail_tokens

@@ -40,9 +40,8 @@ class Segment:
 
         The kept tokens are a prefix of what the model generated, so their log-probs stay valid.
         """
-        n, s = self.tail_tokens, self.sample
-        s.tokens, s.response_length = s.tokens[:-n], s.response_length - n
-        s.loss_mask, s.rollout_log_probs = s.loss_mask[:-n], s.rollout_log_probs[:-n]
+        n = self.tail_tokens
+        self.sample.drop_response_tail(n)
         self.text = self.text[: self.tail_start]
         self.turns[-1]["trimmed_tokens"] = n
         self.tail_tokens = 0
@@ -91,7 +90,8 @@ def samples_from_sessions(sessions: list[Session], tokenizer, first_index: int =
             s = Sample(group_index=gi, index=first_index + len(out), prompt=src.prompt, tokens=list(src.tokens),
                        response_length=src.response_length, label=sess.label, reward=sess.reward,
                        loss_mask=list(src.loss_mask or []), rollout_log_probs=list(src.rollout_log_probs or []),
-                       weight_versions=list(src.weight_versions), status=src.status)
+                       weight_versions=list(src.weight_versions),
+                       weight_version_spans=[dict(sp) for sp in src.weight_version_spans], status=src.status)
             s.response = tokenizer.decode(s.response_tokens, skip_special_tokens=False,
                                           clean_up_tokenization_spaces=False)
             s.metadata = {**sess.metadata, "session_id": sess.id, "segment": k, "num_segments": len(sess.segments),

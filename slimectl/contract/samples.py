@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from slimectl.contract.errors import SlimectlError
 
 SAMPLES_FILE = "samples.parquet"
-FORMAT_VERSION = 2  # 2: the rollout_routed_experts column (v1 files read as None)
+FORMAT_VERSION = 3  # 2: the rollout_routed_experts column (v1 files read as None); 3: weight_version_spans (older: [])
 
 
 class Status(str, enum.Enum):
@@ -51,6 +51,11 @@ class Sample:
     """Per response token, from the engine (0.0 for tokens the model did not generate)."""
     weight_versions: list[str] = field(default_factory=list)
     """``meta_info.weight_version`` of every generation call that produced this sample."""
+    weight_version_spans: list[dict[str, Any]] = field(default_factory=list)
+    """The weight version that sampled each response token: ``{"version", "start", "end"}`` spans over the
+    response tokens, in order (SGLang's ``meta_info.weight_versions`` of each call, offset by the response
+    before it; a call whose engine reports none is its ``weight_version`` throughout). Tokens no engine
+    generated (tool output) are in no span. Empty in files older than samples format 3."""
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
     teacher_log_probs: list[float] | None = None
@@ -75,6 +80,28 @@ class Sample:
         return self.tokens[self.prompt_length:]
 
     @property
+    def oldest_version(self) -> int | str | None:
+        """The oldest weight version of the response's tokens (:meth:`_versions`), None when unknown."""
+        return self._versions()[0]
+
+    @property
+    def newest_version(self) -> int | str | None:
+        """The newest weight version of the response's tokens (:meth:`_versions`), None when unknown."""
+        return self._versions()[1]
+
+    def _versions(self) -> tuple[int | str | None, int | str | None]:
+        """(oldest, newest) of the spans' versions, else of ``weight_versions`` (files older than format 3):
+        ints, min and max, when every version is an integer (slimectl's are); else the first and the last."""
+        seen = [s["version"] for s in self.weight_version_spans] or list(self.weight_versions)
+        if not seen:
+            return None, None
+        try:
+            ints = [int(v) for v in seen]
+        except (TypeError, ValueError):
+            return seen[0], seen[-1]
+        return min(ints), max(ints)
+
+    @property
     def effective_response_length(self) -> int:
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
 
@@ -94,12 +121,14 @@ class Sample:
         """Append a generation (trainable) or an observation (not trained on) to the response.
 
         Generated tokens need their log-probs; observation tokens get log-prob 0 and mask 0.
-        ``meta_info`` of a /generate response sets the weight version and the status.
+        ``meta_info`` of a /generate response sets the weight version, the tokens' version spans and the status.
         """
         if trainable and log_probs is None:
             raise ValueError("trainable tokens need their log-probs")
         if log_probs is not None and len(log_probs) != len(tokens):
             raise ValueError(f"{len(tokens)} tokens but {len(log_probs)} log-probs")
+        spans = call_version_spans(meta_info, len(tokens)) if meta_info else []
+        offset = self.response_length
         self.tokens = list(self.tokens) + list(tokens)
         self.response_length += len(tokens)
         self.response += text
@@ -111,9 +140,39 @@ class Sample:
                 self._append_routed_experts(meta_info)
             if meta_info.get("weight_version") is not None:
                 self.weight_versions = list(self.weight_versions) + [str(meta_info["weight_version"])]
+            self._append_version_spans(spans, offset)
             reason = (meta_info.get("finish_reason") or {}).get("type")
             if reason in FINISH_TO_STATUS:
                 self.status = FINISH_TO_STATUS[reason]
+
+    def _append_version_spans(self, spans: list[dict[str, Any]], offset: int) -> None:
+        """Add one call's spans (over its own tokens), shifted by ``offset``; a span that goes on where the last
+        one ends, with its version, extends it."""
+        out = [dict(s) for s in self.weight_version_spans]
+        for sp in spans:
+            start, end = sp["start"] + offset, sp["end"] + offset
+            if out and out[-1]["version"] == sp["version"] and out[-1]["end"] == start:
+                out[-1]["end"] = end
+            else:
+                out.append({"version": sp["version"], "start": start, "end": end})
+        self.weight_version_spans = out
+
+    def drop_response_tail(self, n: int) -> None:
+        """Forget the last ``n`` response tokens: their loss mask, log-probs, version spans and routes too."""
+        if not 0 <= n <= self.response_length:
+            raise ValueError(f"cannot drop {n} of {self.response_length} response tokens")
+        if n == 0:
+            return
+        self.tokens, self.response_length = self.tokens[:-n], self.response_length - n
+        for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs"):
+            v = getattr(self, name)
+            if v is not None:
+                setattr(self, name, v[:-n])
+        if self.rollout_routed_experts is not None:
+            self.rollout_routed_experts = self.rollout_routed_experts[: max(len(self.tokens) - 1, 0)]
+        end = self.response_length
+        self.weight_version_spans = [{**s, "end": min(s["end"], end)} for s in self.weight_version_spans
+                                     if s["start"] < end]
 
     def _append_routed_experts(self, meta_info: dict[str, Any]) -> None:
         """Store a /generate response's ``routed_experts`` (SGLang: base64 int32, rows for positions
@@ -140,6 +199,7 @@ class Sample:
             raise ValueError(f"rollout_routed_experts has {len(re)} rows for {len(self.tokens)} tokens (at most T-1)")
         if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError("loss_mask entries must be 0 or 1")
+        check_version_spans(self.weight_version_spans, self.response_length, "weight_version_spans")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -159,6 +219,41 @@ class Sample:
             except ValueError:
                 raise ValueError(f"status {d['status']!r} is not one of {', '.join(s.value for s in Status)}") from None
         return cls(**d)
+
+
+def call_version_spans(meta_info: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The version spans of one /generate call's ``n`` output tokens: its ``meta_info.weight_versions`` (SGLang's
+    spans, the empty ones dropped), else its ``weight_version`` for every token (an engine reporting no
+    spans), else none. ValueError when the reported spans do not cover the ``n`` tokens in order."""
+    reported = meta_info.get("weight_versions")
+    if reported is None:
+        v = meta_info.get("weight_version")
+        return [{"version": str(v), "start": 0, "end": n}] if v is not None and n else []
+    try:
+        spans = [{"version": str(s["version"]), "start": int(s["start"]), "end": int(s["end"])} for s in reported]
+    except (TypeError, KeyError, ValueError):
+        raise ValueError(f"meta_info.weight_versions must be a list of {{version, start, end}}, "
+                         f"got {reported!r}") from None
+    spans = [s for s in spans if s["end"] > s["start"]]
+    ends = [0] + [s["end"] for s in spans]
+    if [s["start"] for s in spans] != ends[:-1] or ends[-1] != n:
+        raise ValueError(f"meta_info.weight_versions {reported} do not cover the call's {n} output tokens in order")
+    return spans
+
+
+def check_version_spans(spans: object, response_length: int, name: str) -> None:
+    """ValueError unless ``spans`` are ``{version: str, start: int, end: int}`` in order, non-empty, disjoint and
+    inside the response."""
+    if not isinstance(spans, list):
+        raise ValueError(f"{name} must be a list of {{version, start, end}} spans")
+    last = 0
+    for sp in spans:
+        if not (isinstance(sp, dict) and set(sp) == {"version", "start", "end"} and isinstance(sp["version"], str)
+                and all(isinstance(sp[k], int) and not isinstance(sp[k], bool) for k in ("start", "end"))):
+            raise ValueError(f"{name} must be a list of {{version: string, start: int, end: int}}, got {sp!r}")
+        if not last <= sp["start"] < sp["end"] <= response_length:
+            raise ValueError(f"{name} span {sp} is empty, out of order or past the {response_length} response tokens")
+        last = sp["end"]
 
 
 def decode_routed_experts(b64: str, positions: int) -> list[list[int]]:
@@ -198,6 +293,8 @@ def _schema():
         ("weight_versions", pa.list_(pa.string())), ("status", pa.string()), ("metadata", pa.string()),
         ("teacher_log_probs", pa.list_(pa.float32())), ("remove_sample", pa.bool_()),
         ("rollout_routed_experts", pa.list_(pa.list_(pa.int32()))),
+        ("weight_version_spans", pa.list_(pa.struct([("version", pa.string()), ("start", pa.int32()),
+                                                     ("end", pa.int32())]))),
     ], metadata={b"slimectl_samples_format": str(FORMAT_VERSION).encode()})
 
 

@@ -247,12 +247,14 @@ class EngineClient:
 
     # ------------------------------------------------------------------ weights
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       abort_all_requests: bool = False) -> dict[str, Any]:
+                                       abort_all_requests: bool = False, flush_cache: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             body["weight_version"] = weight_version
         if abort_all_requests:
             body["abort_all_requests"] = True
+        if not flush_cache:
+            body["flush_cache"] = False
         return await self.request("POST", "/update_weights_from_disk", body)
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:

@@ -531,6 +531,76 @@ def test_weight_update_mid_request_shows_two_versions(fresh_scheduler, hf_model)
     assert new_lp != pytest.approx(old_lp, abs=1e-3)
 
 
+def _lp_of(logits: torch.Tensor, full: list[int], n: int, a: int, b: int) -> list[float]:
+    """log softmax(logits) of output tokens a..b-1 of ``full`` (prompt of n tokens + output)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[n - 1 + i, full[n + i]].item() for i in range(a, b)]
+
+
+def test_retract_pause_recomputes_the_kv_cache_under_the_new_weights(fresh_scheduler, hf_model):
+    import copy
+
+    r = fresh_scheduler()
+    ids, other_ids = prompt(62, 5), prompt(63, 9)
+    req = dict(return_logprob=True, params=SamplingParams(max_new_tokens=200, temperature=1.0, sampling_seed=7,
+                                                          ignore_eos=True))
+    f = r.submit(GenRequest(rid="s", input_ids=ids, logprob_start_len=0, **req))
+    g = r.submit(GenRequest(rid="t", input_ids=other_ids, **req))
+    wait_for(lambda: r.load_stats()["num_generated_tokens"] >= 8)
+    r.pause("retract")
+    # both rows are back in the queue without their KV cache: a paused engine flushes (SGLang ignores the queue)
+    assert r.load_stats()["num_running_reqs"] == 0 and r.load_stats()["num_waiting_reqs"] == 2 and r.flush_cache()
+    norm = r.model.get_decoder().norm.weight.detach().clone()
+    load_tensors(r, [("model.norm.weight", norm * -1.5)], weight_version="v2")
+    new_model = copy.deepcopy(hf_model)
+    new_model.model.norm.weight.data.mul_(-1.5)
+    r.resume()
+    for fut, p in ((f, ids), (g, other_ids)):
+        res = fut.result(TIMEOUT)
+        k = res.weight_versions[0]["end"]
+        assert res.weight_versions == [{"version": "default", "start": 0, "end": k},
+                                       {"version": "v2", "start": k, "end": 200}] and 4 <= k < 200
+        assert res.num_retractions == 1
+        full, n = p + res.output_ids, len(p)
+        assert res.output_token_logprobs[:k] == pytest.approx(_lp_of(hf_logits(hf_model, full), full, n, 0, k), abs=1e-5)
+        # every token after the update: the new weights' distribution given the whole prefix
+        assert res.output_token_logprobs[k:] == pytest.approx(_lp_of(hf_logits(new_model, full), full, n, k, 200),
+                                                              abs=1e-5)
+    res = f.result()
+    assert len(res.input_token_logprobs) == len(ids)  # the prompt's log-probs once, not again after the retraction
+
+
+def test_a_retract_without_a_weight_change_changes_nothing(fresh_scheduler):
+    r = fresh_scheduler()
+    ids = prompt(64, 7)
+    params = dict(max_new_tokens=120, temperature=1.0, sampling_seed=3, ignore_eos=True)
+    ref = gen(r, ids, return_logprob=True, **params)
+    f = r.submit(GenRequest(rid="s", input_ids=ids, return_logprob=True, params=SamplingParams(**params)))
+    wait_for(lambda: r.load_stats()["num_generated_tokens"] >= 120 + 5)
+    r.pause("retract")
+    r.pause("retract")  # nothing runs now: a second retract retracts nothing
+    r.resume()
+    res = f.result(TIMEOUT)
+    assert res.num_retractions == 1 and res.output_ids == ref.output_ids
+    assert res.output_token_logprobs == pytest.approx(ref.output_token_logprobs, abs=1e-5)
+
+
+def test_in_place_pause_keeps_running_requests_and_refuses_the_flush(fresh_scheduler):
+    r = fresh_scheduler()
+    f = r.submit(GenRequest(rid="s", input_ids=prompt(65, 4), params=SamplingParams(max_new_tokens=300,
+                                                                                    ignore_eos=True)))
+    wait_for(lambda: r.load_stats()["num_generated_tokens"] >= 3)
+    r.pause("in_place")
+    assert r.load_stats()["num_running_reqs"] == 1 and not r.flush_cache()  # SGLang: in_place cannot flush
+    r.resume()
+    assert f.result(TIMEOUT).num_retractions == 0
+    r.pause("abort")
+    parked = r.submit(GenRequest(rid="p", input_ids=[5, 6], params=SamplingParams(max_new_tokens=2)))
+    assert r.flush_cache()  # paused: the queued request does not count
+    r.resume()
+    parked.result(TIMEOUT)
+
+
 def test_update_weights_from_disk(fresh_scheduler, models):
     r = fresh_scheduler()
     other = fresh_scheduler("qwen3_b")

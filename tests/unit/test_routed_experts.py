@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import random
+import time
 
 import numpy as np
 import pytest
@@ -82,6 +83,35 @@ def test_engine_routed_experts_equal_hf_full_forward_batched(moe_dir):
         assert status3 == 200 and "routed_experts" not in out3["meta_info"]
     finally:
         engine.scheduler.stop()
+
+
+def test_routes_of_a_retracted_request_are_recorded_again_by_its_prefill(moe_dir):
+    # a retract pause drops the KV cache and the routes (SGLang resets them); the prefill after the resume
+    # records every position of prompt + output so far: the rows still equal an HF forward's, T-1 of them
+    from transformers import AutoModelForCausalLM
+
+    from slimectl.engines.embedded.requests import GenRequest
+    from slimectl.engines.embedded.sampling_params import SamplingParams
+    from slimectl.engines.embedded.scheduler import GenerationScheduler
+
+    ref = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    r = GenerationScheduler(str(moe_dir))
+    r.start()
+    try:
+        ids = [random.Random(9).randrange(3, 500) for _ in range(6)]
+        f = r.submit(GenRequest(rid="m", input_ids=ids, return_routed_experts=True, routed_experts_start_len=2,
+                                params=SamplingParams(max_new_tokens=150, temperature=1.0, sampling_seed=2,
+                                                      ignore_eos=True)))
+        while r.load_stats()["num_generated_tokens"] < 4:
+            time.sleep(0.002)
+        r.pause("retract")
+        r.resume()
+        res = f.result(30)
+    finally:
+        r.stop()
+    assert res.num_retractions == 1 and len(res.output_ids) == 150
+    full = ids + res.output_ids
+    assert torch.equal(res.routed_experts.long(), hf_routes(ref, full)[2:-1])
 
 
 def test_dense_model_return_routed_experts_is_a_clear_400(tmp_path):

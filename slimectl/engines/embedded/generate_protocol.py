@@ -94,7 +94,7 @@ def generate_response(res: GenResult, req: GenRequest, body: dict[str, Any], t0:
         "finish_reason": res.finish_reason,
         "prompt_tokens": res.prompt_tokens,
         "weight_version": res.weight_version,
-        "num_retractions": 0,
+        "num_retractions": res.num_retractions,
     }
     if req.return_logprob:
         ilp = res.input_token_logprobs

@@ -60,6 +60,7 @@ class GenResult:
     e2e_latency: float = 0.0
     # With return_routed_experts: int32 tensor [T - 1 - routed_experts_start_len, moe_layers, topk].
     routed_experts: torch.Tensor | None = None
+    num_retractions: int = 0  # times a retract pause took it out of the batch (SGLang's meta_info field)
 
 
 class RunningRequest:
@@ -68,7 +69,7 @@ class RunningRequest:
     __slots__ = (
         "req", "params", "future", "prompt_len", "max_new", "stop_ids", "stop_strs", "stop_window",
         "gen", "_uniforms", "output_ids", "out_logprobs", "out_top", "in_logprobs", "in_top",
-        "spans", "cache_len", "abort_flag", "done", "t0", "want_lp", "top_n", "temp", "routes",
+        "spans", "cache_len", "abort_flag", "done", "t0", "want_lp", "top_n", "temp", "routes", "num_retractions",
     )
 
     def __init__(self, req: GenRequest, eos_ids: frozenset[int], max_new: int):
@@ -103,6 +104,25 @@ class RunningRequest:
         self.temp = 1.0 if p.greedy else float(p.temperature)
         # Routed experts recorded so far: one int32 tensor [positions, moe_layers, topk] per forward.
         self.routes: list[torch.Tensor] | None = [] if req.return_routed_experts else None
+        self.num_retractions = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """What a prefill feeds: the prompt, and after a retraction the output so far too."""
+        return list(self.req.input_ids) + self.output_ids if self.output_ids else list(self.req.input_ids)
+
+    @property
+    def fill_len(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    def retract(self) -> None:
+        """Out of the running batch, its KV cache gone (SGLang's retract): the next prefill recomputes the KV of
+        prompt + output so far under the weights of then, and samples the next token from it. The routes
+        recorded so far are dropped too (SGLang resets them): that prefill records every position again."""
+        self.cache_len = 0
+        self.num_retractions += 1
+        if self.routes is not None:
+            self.routes = []
 
     def next_uniform(self) -> float:
         """The next uniform number of this request's own random stream."""
@@ -173,6 +193,7 @@ class RunningRequest:
             input_top_logprobs=self.in_top,
             e2e_latency=time.perf_counter() - self.t0,
             routed_experts=self._routed_experts(),
+            num_retractions=self.num_retractions,
         )
 
     def _routed_experts(self) -> torch.Tensor | None:

@@ -98,19 +98,18 @@ class RunningBatch:
     # -- prefill --------------------------------------------------------------------------------
     @staticmethod
     def _shared_prompt_rows(seqs: list[RunningRequest]) -> list[int] | None:
-        """For each new request, the first of them with the same prompt tokens — when some prompts
-        repeat and none asks for what one row per request gives (prompt log-probs, recorded
-        routes); else None."""
+        """For each new request, the first of them with the same tokens to prefill — when some repeat and none
+        asks for what one row per request gives (prompt log-probs, recorded routes); else None."""
         if len(seqs) < 2 or any(s.routes is not None or (s.req.return_logprob and s.req.logprob_start_len >= 0)
                                 for s in seqs):
             return None
         seen: dict[tuple[int, ...], int] = {}
-        first = [seen.setdefault(tuple(s.req.input_ids), i) for i, s in enumerate(seqs)]
+        first = [seen.setdefault(tuple(s.fill_ids), i) for i, s in enumerate(seqs)]
         return first if len(seen) < len(seqs) else None
 
     def prefill(self, seqs: list[RunningRequest], version: str) -> None:
-        """One left-padded forward over the new prompts; sample their first tokens (weights ``version``), merge
-        the rows that go on into the running batch."""
+        """One left-padded forward over the new prompts (a retracted request's prompt + output so far); sample
+        their next tokens (weights ``version``), merge the rows that go on into the running batch."""
         if not self.live_rows():  # the engine was idle: the throughput clock starts now
             self._last_log = (time.perf_counter(), self.counters["generated_tokens"])
         hidden, kv, first = self._prefill_forward(seqs)
@@ -125,12 +124,12 @@ class RunningBatch:
         """The prompts right-aligned in one forward (repeated prompts once, their rows copied): the hidden states,
         the new KV cache, and the shared rows (:meth:`_shared_prompt_rows`); the routes of recording rows kept."""
         n = len(seqs)
-        width = max(s.prompt_len for s in seqs)
+        width = max(s.fill_len for s in seqs)
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         pad = torch.empty(n, dtype=torch.long)
         for i, s in enumerate(seqs):
-            p = s.prompt_len
-            ids[i, width - p :] = torch.tensor(s.req.input_ids, dtype=torch.long)
+            p = s.fill_len
+            ids[i, width - p :] = torch.tensor(s.fill_ids, dtype=torch.long)
             pad[i] = width - p
         cols = self._arange[:width]
         positions = (cols[None, :] - pad[:, None]).clamp_(min=0)
@@ -155,15 +154,15 @@ class RunningBatch:
         kv.end = width
         for i, s in enumerate(seqs):
             if s.routes is not None:
-                s.routes.append(self._routes[i, width - s.prompt_len :].clone())
+                s.routes.append(self._routes[i, width - s.fill_len :].clone())
         return hidden, kv, first
 
     def _first_tokens(self, seqs: list[RunningRequest], hidden: torch.Tensor, version: str) -> list[int]:
-        """Prompt log-probs where asked, then each new request's first token; finished requests are handed to
-        ``finish``. Returns the indices of those that go on decoding."""
+        """Prompt log-probs where asked (once: not again after a retraction), then each request's next token;
+        finished requests are handed to ``finish``. Returns the indices of those that go on decoding."""
         width = hidden.shape[1]
         for i, s in enumerate(seqs):
-            if s.req.return_logprob and (s.req.logprob_start_len >= 0):
+            if s.req.return_logprob and s.req.logprob_start_len >= 0 and not s.num_retractions:
                 prompt_logprobs(s, hidden[i, width - s.prompt_len :], self._logits, self.vocab_size)
         last = self._logits(hidden[:, -1])
         meta = BatchSampling.build(seqs, self.vocab_size)
@@ -171,8 +170,9 @@ class RunningBatch:
         lp_pos = {row: j for j, row in enumerate(meta.lp_idx)}
         tok_list = tokens.tolist()
         keep: list[int] = []
+        produced = 0
         for i, s in enumerate(seqs):
-            s.cache_len = s.prompt_len
+            s.cache_len = s.fill_len
             j = lp_pos.get(i)
             if s.max_new == 0:
                 # Prompt-only request (teacher mode): like SGLang, report the next-token top
@@ -186,18 +186,19 @@ class RunningBatch:
                 continue
             reason = s.append(tok_list[i], lps[j] if j is not None else None,
                               tops[j] if (tops is not None and j is not None) else None, version, self.detok)
+            produced += 1
             if reason is not None:
                 self._finish(s, reason)
             else:
                 keep.append(i)
-        self.counters["generated_tokens"] += sum(1 for s in seqs if s.output_ids)
+        self.counters["generated_tokens"] += produced
         return keep
 
     def _merge(self, seqs: list[RunningRequest], keep: list[int], kv: BatchKVCache) -> None:
         """Rows ``keep`` of the prefilled ``seqs`` (their cache ``kv``) join the running batch, right-aligned."""
         new_rows = [seqs[i] for i in keep]
         new_part = (kv, None if len(keep) == len(seqs) else torch.tensor(keep, dtype=torch.long),
-                    max(s.prompt_len for s in new_rows))
+                    max(s.cache_len for s in new_rows))
         live = [i for i, s in enumerate(self.rows) if not s.done]
         if live:
             # Merging copies the running rows anyway: inert ones are dropped on the way.
@@ -312,9 +313,9 @@ class RunningBatch:
 
     # -- SGLang's log lines -------------------------------------------------------------------------
     def _log_prefill(self, seqs: list[RunningRequest], first: list[int] | None) -> None:
-        shared = 0 if first is None else sum(seqs[i].prompt_len for i in range(len(seqs)) if first[i] != i)
+        shared = 0 if first is None else sum(seqs[i].fill_len for i in range(len(seqs)) if first[i] != i)
         log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                 "#running-req: %d, #queue-req: %d", len(seqs), sum(s.prompt_len for s in seqs) - shared, shared,
+                 "#running-req: %d, #queue-req: %d", len(seqs), sum(s.fill_len for s in seqs) - shared, shared,
                  self.token_usage(), len(self.live_rows()), self._queued())
 
     def _log_decode(self, running: int) -> None:

@@ -164,9 +164,16 @@ class GenerationScheduler:
         return self.memory.state()
 
     def flush_cache(self) -> bool:
-        """There is no prefix cache to flush; True when nothing is running or waiting."""
+        """SGLang's answer to ``/flush_cache`` (there is no prefix cache to flush here): True when no request
+        runs and none waits — the waiting ones do not count while paused (SGLang's ``is_fully_idle(ignore_waiting=
+        paused)``), so a ``retract`` pause can flush and an ``in_place`` one cannot."""
         with self._cv:
-            return not self._waiting and not self._inflight
+            return not self._inflight and (self._paused or not self._waiting)
+
+    @property
+    def paused(self) -> bool:
+        with self._cv:
+            return self._paused
 
     def _queued(self) -> int:
         with self._cv:
@@ -299,9 +306,14 @@ class GenerationScheduler:
         return count + len(finished)
 
     def pause(self, mode: str = "abort") -> None:
-        """Stop scheduling. "abort": abort everything in flight; "in_place" / "retract": keep the
-        running requests (and their KV cache) where they are. New requests wait for resume().
-        Returns once the step in progress (if any) has finished."""
+        """Stop scheduling, as SGLang's ``/pause_generation`` modes do; new requests wait for :meth:`resume`.
+
+        ``abort``: every request in flight ends now (finish_reason abort). ``in_place``: the running requests
+        stay in the batch with their KV cache; after the resume they decode on from that cache, made under
+        the weights of before. ``retract``: the running requests go back to the head of the waiting queue
+        without their KV cache (:meth:`RunningRequest.retract`); after the resume a prefill of prompt + output
+        so far recomputes it under the weights of then. Returns once the step in progress has finished (and,
+        for abort and retract, the rows are out of the batch)."""
         if mode not in ("abort", "in_place", "retract"):
             raise ValueError(f"pause mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
         with self._cv:
@@ -309,6 +321,22 @@ class GenerationScheduler:
         if mode == "abort":
             self.abort(abort_all=True)
         self._wait_step_boundary()
+        if mode == "abort":
+            self._run_control(self.batch.reap_aborted)
+        elif mode == "retract":
+            self._run_control(self._retract_running)
+
+    def _retract_running(self) -> int:
+        """Take every running row out of the batch back to the head of the queue (scheduler thread)."""
+        self.batch.reap_aborted()
+        rows = [s for s in self.batch.take_rows() if not s.done]
+        for s in rows:
+            s.retract()
+        with self._cv:
+            for s in rows:
+                self._inflight.discard(s)
+            self._waiting.extendleft(reversed(rows))
+        return len(rows)
 
     def resume(self) -> None:
         with self._cv:
@@ -444,7 +472,7 @@ class GenerationScheduler:
         longest = 0
         while self._waiting and len(out) < room:
             s = self._waiting[0]
-            longest2 = max(longest, s.prompt_len)
+            longest2 = max(longest, s.fill_len)
             if out and longest2 * (len(out) + 1) > self.max_prefill_tokens:
                 break
             self._waiting.popleft()

@@ -45,6 +45,9 @@ FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
     "the operation will not be performed.)\n"
 )
+#: SGLang's answer (400, success false) to an update whose cache flush found requests still running.
+NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "
+               "Retract or finish them, then call /flush_cache.")
 ADMIN_PATHS = {
     "/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
     "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update", "/update_weight_version",
@@ -351,9 +354,19 @@ class EngineHTTPServer:
         except (ValueError, OSError, MemoryReleased) as exc:
             return _fail(f"Failed to update weights: {exc}")
         self.model_path = path
+        if not self._flushed_after_update(body):
+            return web.json_response({"success": False, "message": NOT_FLUSHED, "num_paused_requests": paused},
+                                     status=400)
         v = self.scheduler.weight_version
         return web.json_response({"success": True, "message": f"Succeeded to update model weights. Weight version updated to {v}.",
                                   "num_paused_requests": paused})
+
+    def _flushed_after_update(self, body: dict) -> bool:
+        """SGLang flushes the cache after an update (``flush_cache``, default true) and fails the call, the weights
+        updated, when requests still run. Only a paused engine can be in that state here: SGLang updates a
+        paused one at once (an ``in_place`` pause keeps its requests running), and an unpaused one only once
+        its requests are done, where this engine swaps the weights between two steps."""
+        return not (body.get("flush_cache", True) and self.scheduler.paused and not self.scheduler.flush_cache())
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         from slimectl.engines.weight_group import init_custom_process_group
@@ -418,6 +431,8 @@ class EngineHTTPServer:
             return _fail(f"Failed to update parameter online: {exc}")
         except Exception as exc:
             return _fail(f"Failed to receive weights: {exc}")
+        if not self._flushed_after_update(body):
+            return _fail(NOT_FLUSHED)
         v = self.scheduler.weight_version
         return web.json_response({"success": True, "message": f"Succeeded to update parameter online. Weight version updated to {v}."})
 

@@ -16,12 +16,13 @@ from slimectl.stages.sync.transport import WeightTransport
 class DiskTransport(WeightTransport):
     name = "disk"
 
-    async def push(self, clients: dict, source: WeightSource) -> int:
+    async def push(self, clients: dict, source: WeightSource, flush_cache: bool = True) -> int:
         if source.hf_dir is None or not source.hf_dir.is_dir():
             raise SlimectlError(f"weight version {source.version} has no HF directory on disk for the disk transport "
                                 f"({source.hf_dir}); publish weights/{source.version:06d} or use the distributed transport")
         path = str(source.hf_dir.resolve())
-        await asyncio.gather(*(c.update_weights_from_disk(path, weight_version=str(source.version))
+        version = str(source.version)
+        await asyncio.gather(*(c.update_weights_from_disk(path, weight_version=version, flush_cache=flush_cache)
                                for c in clients.values()))
         return sum(f.stat().st_size for f in source.hf_dir.glob("*.safetensors")) * len(clients) if clients else 0
 

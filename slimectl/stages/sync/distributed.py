@@ -155,7 +155,7 @@ class DistributedTransport(WeightTransport):
             t = t.detach().to(self.device).contiguous()
             dist.broadcast(t, src=0, group=self.pg)
 
-    async def push(self, clients: dict, source: WeightSource) -> int:
+    async def push(self, clients: dict, source: WeightSource, flush_cache: bool = True) -> int:
         from slimectl.backends.hf.dtypes import dtype_name
 
         if self.pg is None:
@@ -172,7 +172,7 @@ class DistributedTransport(WeightTransport):
                 shapes = [list(t.shape) for _, t in bucket]
                 version = str(source.version) if last else None
                 calls = [asyncio.ensure_future(c.update_weights_from_distributed(
-                    names, dtypes, shapes, self.group_name, weight_version=version, flush_cache=last))
+                    names, dtypes, shapes, self.group_name, weight_version=version, flush_cache=last and flush_cache))
                     for c in clients.values()]
                 sent = asyncio.ensure_future(asyncio.to_thread(self._broadcast, bucket))
                 # An engine that refuses the bucket never joins the broadcast: fail fast on it

@@ -72,7 +72,7 @@ async def _sync_engines(clients: dict, transport: WeightTransport, source: Weigh
         fault_point("sync.paused")
         t1 = time.perf_counter()
         with tracer.span("update", version=version):
-            moved = await transport.push(clients, source)
+            moved = await transport.push(clients, source, flush_cache=pause_mode != "in_place")
         phases["transfer"] = time.perf_counter() - t1
         fault_point("sync.pushed")
     except EngineError as exc:

@@ -21,7 +21,9 @@ class WeightTransport(ABC):
 
     ``connect`` is called once before the first ``push`` (a distributed transport builds its
     process group there and keeps it across pushes); ``close`` tears down what ``connect`` built.
-    ``push`` returns the number of bytes it moved.
+    ``push`` returns the number of bytes it moved. ``flush_cache`` is SGLang's flag of the update calls (the
+    engine flushes its cache once the weights are in, and fails the call when requests still run): false
+    under an ``in_place`` pause, whose requests run on.
     """
 
     name: str = ""
@@ -31,7 +33,7 @@ class WeightTransport(ABC):
         """Prepare the transport for ``clients`` ({url: EngineClient})."""
 
     @abstractmethod
-    async def push(self, clients: dict, source: WeightSource) -> int:
+    async def push(self, clients: dict, source: WeightSource, flush_cache: bool = True) -> int:
         """Load ``source`` into every engine; raise naming the engine on failure."""
 
     async def close(self, clients: dict) -> None:  # noqa: B027 - optional hook
