@@ -195,12 +195,14 @@ class RLSession:
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-rollout")
         follower = pool.submit(follow_rollouts, self.run, self.cfg, self.engines.urls, follower_stop,
                                lambda: self.synced)
+        tracer = self.run.tracer("train")
         try:
             for rid in range(start, self.cfg.rollout.num_rollout):
                 t0 = time.perf_counter()
                 try:
-                    art = self.run.rollouts.wait_for(rid, verify="full", poll=0.05,
-                                                     should_stop=lambda: stop.is_set() or follower.done())
+                    with tracer.span("wait:rollout", rollout=rid):
+                        art = self.run.rollouts.wait_for(rid, verify="full", poll=0.05,
+                                                         should_stop=lambda: stop.is_set() or follower.done())
                 except WaitTimeout:
                     if follower.done() and not stop.is_set():
                         follower.result()  # the follower's failure, raised here

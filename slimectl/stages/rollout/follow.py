@@ -34,7 +34,7 @@ from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample
 from slimectl.engines.pool import EnginePool
 from slimectl.stages.rollout.data import PromptSource
-from slimectl.stages.rollout.generate import GroupResult, default_generate, load_function, run_group
+from slimectl.stages.rollout.generate import GroupResult, default_generate, load_function, run_group, trace_groups
 from slimectl.stages.rollout.stage import (
     rollout_metrics,
     buffered_groups,
@@ -46,7 +46,6 @@ from slimectl.stages.rollout.stage import (
     group_supply,
     make_reward_fn,
     next_rollout_id,
-    oldest_version,
     prepared_prompts,
     publish_rollout,
     sampling_params,
@@ -181,6 +180,7 @@ class _Follower:
         self.run, self.cfg, self.rid, self.source, self.urls, self.tok = run, cfg, first, source, urls, tok
         self.lock, self.buffered, self.stop, self.newest_version = lock, buffered, stop, newest_version
         self.on_published = on_published
+        self.tracer = run.tracer("rollout")
         self.result = FollowResult()
         self.first_metrics = first_metrics
         """The dataset's counters (bad rows, prompts too long): in the first rollout this process publishes."""
@@ -211,7 +211,7 @@ class _Follower:
         r = self.cfg.rollout
         n, batch, ahead = r.num_rollout, r.batch_size, self.cfg.effective_max_staleness
         round_size = r.over_sampling_batch_size or batch
-        since, announced = time.time(), None
+        since, announced, waiting = time.time(), None, None
         served = _ServedVersion(pool)
         while self.rid < n and not self.stop.is_set():
             self.lock.check()
@@ -221,6 +221,9 @@ class _Follower:
             room = min(round_size, allowed) - len(stream.in_flight)
             if room > 0:
                 stream.start(supply(room))
+            if waiting is not None and stream.in_flight:  # the wait for newer weights is over
+                self.tracer.record("wait:weights", waiting, time.time(), rollout=self.rid, version=version)
+                waiting = None
             if len(stream.ready) >= batch:
                 await self._publish(stream, since)
                 since, announced = time.time(), None
@@ -229,10 +232,14 @@ class _Follower:
                 log.info("rollout %d waits for newer weights: the engines serve version %d and rollout.max_staleness "
                          "= %d", self.rid, version, ahead)
                 announced = version
+            if not stream.in_flight and waiting is None:
+                waiting = time.time()
             if stream.counts["dropped"] > MAX_DROPPED_ROUNDS * round_size:  # (counted since the last publish)
                 raise SlimectlError(f"rollout {self.rid}: the dynamic filter dropped {MAX_DROPPED_ROUNDS} rounds of "
                                     f"groups in a row; relax rollout.dynamic_filter")
             await stream.settle(POLL_S)
+        if waiting is not None:
+            self.tracer.record("wait:weights", waiting, time.time(), rollout=self.rid)
         self.result.complete = self.rid >= n
 
     async def _publish(self, stream: GroupStream, since: float) -> None:
@@ -241,7 +248,7 @@ class _Follower:
         samples = [s for g in kept for s in g.samples]
         for s in samples:
             s.rollout_id = rid
-        versions = [v for v in (oldest_version(s) for s in samples) if v is not None]
+        versions = [s.oldest_version for s in samples if isinstance(s.oldest_version, int)]
         opd_rkl = await teacher_log_probs(samples, r.teacher_urls, r.temperature, cfg.engine.token(), cfg) \
             if r.teacher_urls else None
         counts = {"dropped": stream.counts["dropped"], "aborted": stream.counts["aborted"]}
@@ -254,8 +261,10 @@ class _Follower:
         metrics.update({"rollout/partial_groups_buffered": len(carried), "rollout/groups_in_flight": len(stream.in_flight),
                         "rollout/weights_published": self.newest_version(), **self.first_metrics})
         self.first_metrics = {}
-        publish_rollout(self.run, cfg, rid, samples, metrics, [span for g in kept for span in g.spans], carried,
-                        self.source.state(), self.lock)
+        spans = [span for g in kept for span in g.spans]
+        self.tracer.record("rollout", since, time.time(), rollout=rid, samples=len(samples))
+        trace_groups(self.tracer, rid, spans)
+        publish_rollout(self.run, cfg, rid, samples, metrics, spans, carried, self.source.state(), self.lock)
         self.result.published.append(rid)
         self.rid += 1
         if self.on_published is not None:

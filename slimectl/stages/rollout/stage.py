@@ -324,12 +324,12 @@ def publish_rollout(run: RunDir, cfg: SlimectlConfig, rid: int, samples: list[Sa
                     overwrite: bool = False) -> None:
     """Publish ``rollouts/RID`` (samples, the prompt source's state after it, the groups a later rollout continues,
     metrics, per-sample spans) atomically, log its metrics line and warn about zero reward spread."""
-    versions = [v for v in (oldest_version(s) for s in samples) if v is not None]
+    versions = [v for s in samples for v in (s.oldest_version, s.newest_version) if isinstance(v, int)]
     meta = {
         "rollout_id": rid,
         "weight_version": metrics["rollout/weight_version"],
         "weight_version_min": min(versions) if versions else None,
-        "weight_version_max": max((v for v in (newest_version(s) for s in samples) if v is not None), default=None),
+        "weight_version_max": max(versions) if versions else None,
         "num_samples": len(samples),
         "num_groups": len({s.group_index for s in samples}),
         "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
@@ -355,27 +355,6 @@ def publish_rollout(run: RunDir, cfg: SlimectlConfig, rid: int, samples: list[Sa
     warning = zero_spread_warning(cfg, rid, groups_of(samples))
     if warning:
         log.warning("%s", warning)
-
-
-def _int_versions(s: Sample) -> list[int]:
-    out = []
-    for v in s.weight_versions:
-        try:
-            out.append(int(v))
-        except (TypeError, ValueError):
-            pass
-    return out
-
-
-def oldest_version(s: Sample) -> int | None:
-    """The oldest weight version that sampled a token of ``s`` (None: no integer version recorded)."""
-    v = _int_versions(s)
-    return min(v) if v else None
-
-
-def newest_version(s: Sample) -> int | None:
-    v = _int_versions(s)
-    return max(v) if v else None
 
 
 def groups_of(samples: list[Sample]) -> list[list[Sample]]:

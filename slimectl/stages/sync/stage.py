@@ -211,11 +211,13 @@ def follow_sync(run: RunDir, cfg: SlimectlConfig, transport: str | None = None, 
                 await asyncio.gather(*(c.continue_generation() for c in engines.clients.values()),
                                      return_exceptions=True)
                 served = await _served_versions(engines.clients)
+                tracer, waiting = run.tracer("sync"), time.time()
                 while not stop.is_set():
                     lock.check()
                     ids = run.weights.ids()
                     newest = ids[-1] if ids else None
                     if newest is not None and any(v != newest for v in served.values()):
+                        tracer.record("wait:weights", waiting, time.time(), version=newest)
                         try:
                             source = weight_source(run, cfg, newest)
                             res = await engines.push(source)
@@ -227,6 +229,7 @@ def follow_sync(run: RunDir, cfg: SlimectlConfig, transport: str | None = None, 
                             continue
                         served = {u: newest for u in served}
                         pushed.append(newest)
+                        waiting = time.time()
                         if on_synced is not None:
                             on_synced(res)
                     if newest is not None and newest >= cfg.rollout.num_rollout and \
