@@ -7,7 +7,7 @@ seeds), alternated ``--rounds`` times so a shared machine's drift hits every mod
 - step time: the median period of the loop (``perf/rl_step_time``: one trained rollout);
 - generated tokens/s: response tokens of the rollouts trained after the warm-up over the wall time they took;
 - the share of the loop's time the trainer waits for rollouts (``perf/rl_rollout_wait_time``) and, from
-  ``RUN/traces/rollout.jsonl`` when it exists, the share the generation waits (``wait:*`` spans);
+  ``RUN/traces/rollout.jsonl``, the share of the time in which no prompt group is generating;
 - peak RSS of the process tree (engines included), sampled every 50 ms;
 - reward per minute: the rise of the mean reward (last fifth of the rollouts minus the first fifth) per
   minute of wall time, and the mean reward over the run.
@@ -96,13 +96,18 @@ def figures(run: Path, warmup: int) -> dict:
 
 
 def generation_wait_share(run: Path) -> float | None:
-    """Of the rollout stage's traced time, the share in ``wait:*`` spans (None: no trace written)."""
+    """Of the rollout stage's traced time (its first span's start to its last one's end), the share in which
+    no prompt group was generating (the union of the ``generate`` spans); None: no trace written."""
     spans = jsonl(run / "traces" / "rollout.jsonl")
     if not spans:
         return None
     start, end = min(s["start"] for s in spans), max(s["end"] for s in spans)
-    waited = sum(s["end"] - s["start"] for s in spans if str(s.get("name", "")).startswith("wait:"))
-    return waited / (end - start) if end > start else 0.0
+    busy, reach = 0.0, start
+    for s in sorted((s for s in spans if s.get("name") == "generate"), key=lambda s: s["start"]):
+        lo, hi = max(s["start"], reach), s["end"]
+        if hi > lo:
+            busy, reach = busy + hi - lo, hi
+    return 1 - busy / (end - start) if end > start else 0.0
 
 
 def report(results: dict[str, list[dict]], a) -> None:
