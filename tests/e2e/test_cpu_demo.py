@@ -62,13 +62,16 @@ def test_the_demo_defaults_resolve_without_running(tmp_path, stage_forks):
 
 
 @pytest.mark.slow
-def test_the_demo_runs_rl_end_to_end_and_reward_rises(tmp_path, stage_forks):
+@pytest.mark.parametrize("mode", ["off", "fully_async"])
+def test_the_demo_runs_rl_end_to_end_and_reward_rises(tmp_path, stage_forks, mode):
     """README command 1's job (examples/cpu_demo.py with QUICK): SFT warm start, `slimectl rl` for
     QUICK_ROLLOUTS rollouts, eval, plot — and the mean reward of the last 20% of rollouts beats the
-    first 20% by 0.2. The script and each slimectl it runs ($SLIMECTL) are forked by the worker's fork
+    first 20% by 0.2; the same with rollout.async_mode = fully_async (generation beside training, stale
+    groups dropped). The script and each slimectl it runs ($SLIMECTL) are forked by the worker's fork
     server (their imports paid once), each a process of its own."""
     python, slimectl = (shlex.split(stage_forks.command(m)) for m in ("python", "slimectl"))
-    proc = subprocess.run([*python, str(DEMO), str(tmp_path / "demo"), *QUICK], capture_output=True, text=True,
+    args = [*QUICK, *(["--set", f"rollout.async_mode={mode}"] if mode != "off" else [])]
+    proc = subprocess.run([*python, str(DEMO), str(tmp_path / "demo"), *args], capture_output=True, text=True,
                           timeout=1500, env={**ENV, "SLIMECTL": shlex.join(slimectl)})  # ~210 s alone; more beside the other xdist worker
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunDir.open(tmp_path / "demo")
