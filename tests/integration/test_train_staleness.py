@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from slimectl.contract.metrics import read_metrics
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, write_samples
-from tests.helpers import slimectl_in_process
+from tests.helpers import scheduler_rollouts, slimectl_in_process
 
 STALE_GROUPS = (2, 3)
 DECOUPLED = ("algorithm.use_decoupled_loss=true", "algorithm.behav_imp_weight_cap=2.0")
@@ -24,36 +24,10 @@ DECOUPLED = ("algorithm.use_decoupled_loss=true", "algorithm.behav_imp_weight_ca
 
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory):
-    from slimectl.contract.samples import Sample, Status
-    from slimectl.engines.embedded.requests import GenRequest
-    from slimectl.engines.embedded.sampling_params import SamplingParams
-    from slimectl.engines.embedded.scheduler import GenerationScheduler
     from slimectl.fixtures.tiny_models import build_tiny_model
 
-    root = tmp_path_factory.mktemp("staleness")
-    model = build_tiny_model("qwen2", root / "model", seed=7, initializer_range=0.1)
-    scheduler = GenerationScheduler(str(model))
-    scheduler.start()
-    out = []
-    try:
-        for rid in range(2):
-            futs = [(g, g * 2 + j, [5 + rid, 6 + g, 7, 8]) for g in range(4) for j in range(2)]
-            futs = [(g, i, p, scheduler.submit(GenRequest(f"r{rid}-{i}", p, SamplingParams(
-                max_new_tokens=8, temperature=1.0, sampling_seed=1000 * rid + i), return_logprob=True)))
-                for g, i, p in futs]
-            samples = []
-            for g, i, prompt, fut in futs:
-                res = fut.result(timeout=120)
-                version = "0" if rid == 0 or g in STALE_GROUPS else "1"
-                s = Sample(group_index=g, index=i, rollout_id=rid, tokens=list(prompt), prompt="p")
-                s.append_response_tokens(res.output_ids, res.output_token_logprobs, True, {"weight_version": version})
-                s.status = Status.COMPLETED
-                s.reward = float(i % 2 == 0)  # one winner per group: non-zero advantages everywhere
-                samples.append(s)
-            out.append(samples)
-    finally:
-        scheduler.stop()
-    return model, out
+    model = build_tiny_model("qwen2", tmp_path_factory.mktemp("staleness") / "model", seed=7, initializer_range=0.1)
+    return model, scheduler_rollouts(model, 2, lambda rid, g: "0" if rid == 0 or g in STALE_GROUPS else "1")
 
 
 def train(tmp_path, model, rolls, *sets) -> RunDir:
