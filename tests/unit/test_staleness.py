@@ -65,7 +65,11 @@ def sample(group: int, versions: list[str], n: int = 3) -> Sample:
 
 def test_oldest_weight_version_reads_the_sample():
     assert oldest_weight_version(sample(0, ["4", "2", "3"])) == 2  # one version per generation call
-    assert oldest_weight_version(sample(0, ["3-incomplete", "5"])) == 5
+    spans = sample(0, ["4"])  # per-token spans (samples format 3) win: an in-flight update mid-response
+    spans.weight_version_spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3}]
+    assert oldest_weight_version(spans) == 3
+    # not integers (a half-applied update, another trainer's labels): unknown, trained as fresh
+    assert oldest_weight_version(sample(0, ["3-incomplete", "5"])) is None
     assert oldest_weight_version(sample(0, [])) is None and oldest_weight_version(sample(0, ["default"])) is None
 
 

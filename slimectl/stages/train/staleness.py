@@ -12,15 +12,10 @@ from slimectl.contract.samples import Sample
 
 
 def oldest_weight_version(sample: Sample) -> int | None:
-    """The oldest weight version the sample's tokens were sampled under: the smallest of its
-    ``weight_versions`` that is an integer (``"3-incomplete"`` is not); None when none is."""
-    versions = []
-    for v in sample.weight_versions:
-        try:
-            versions.append(int(v))
-        except ValueError:
-            continue
-    return min(versions, default=None)
+    """The oldest weight version the sample's tokens were sampled under (``Sample.oldest_version``: of its
+    per-token version spans, else of its ``weight_versions``); None when unknown or not an integer."""
+    v = sample.oldest_version
+    return v if isinstance(v, int) else None
 
 
 def drop_stale_samples(samples: Sequence[Sample], train_version: int,
