@@ -359,3 +359,40 @@ def assert_trained_once(run, n: int) -> None:
 async def zero_reward(args, sample):
     """Pure distillation: no task reward, only the teacher's log-probs shape the advantages."""
     return 0.0
+
+
+def scheduler_rollouts(model: Path, n_rollouts: int, version=lambda rid, group: "0") -> list[list]:
+    """``n_rollouts`` rollouts of 4 groups of 2 samples of 8 tokens from the embedded engine's scheduler on
+    ``model`` (prompt ``[5 + rid, 6 + group, 7, 8]``, seed ``1000 * rid + index``), each sample's weight
+    version ``version(rid, group)`` and reward 1 for even indices (each group has one winner: non-zero std)."""
+    from slimectl.contract.samples import Sample, Status
+    from slimectl.engines.embedded.requests import GenRequest
+    from slimectl.engines.embedded.sampling_params import SamplingParams
+    from slimectl.engines.embedded.scheduler import GenerationScheduler
+
+    scheduler = GenerationScheduler(str(model))
+    scheduler.start()
+    out = []
+    try:
+        for rid in range(n_rollouts):
+            futs = []
+            for g in range(4):
+                prompt = [5 + rid, 6 + g, 7, 8]
+                for j in range(2):
+                    idx = g * 2 + j
+                    futs.append((g, idx, prompt, scheduler.submit(GenRequest(f"r{rid}-{idx}", prompt, SamplingParams(
+                        max_new_tokens=8, temperature=1.0, sampling_seed=1000 * rid + idx),
+                        return_logprob=True))))
+            samples = []
+            for g, idx, prompt, fut in futs:
+                res = fut.result(timeout=120)
+                s = Sample(group_index=g, index=idx, rollout_id=rid, tokens=list(prompt), prompt="p")
+                s.append_response_tokens(res.output_ids, res.output_token_logprobs, True,
+                                         {"weight_version": version(rid, g)})
+                s.status = Status.COMPLETED
+                s.reward = float(idx % 2 == 0)
+                samples.append(s)
+            out.append(samples)
+    finally:
+        scheduler.stop()
+    return out

@@ -12,5 +12,6 @@ whitening), :mod:`.kl` (k1/k2/k3/low_var_kl), :mod:`.policy_loss` (PPO clip, cli
 clip, GSPO, CISPO, entropy, SFT), :mod:`.tis` (truncated importance sampling, the train/rollout mismatch metric),
 :mod:`.opd` (on-policy distillation shaping), :mod:`.reduce` (per-sample vs per-token reduction),
 :mod:`.gae` (PPO: token rewards, GAE advantages and returns), :mod:`.value_loss` (the critic's clipped
-value loss, explained variance, ``critic/*`` metrics).
+value loss, explained variance, ``critic/*`` metrics), :mod:`.staleness` (which groups of a rollout are too
+many weight versions old to train on).
 """

@@ -6,6 +6,7 @@ slime's ``policy_loss_function`` / ``sft_loss_function`` in one pure function::
     pg     *= opsm_keep                                                              # use_opsm
     pg     *= clamp(exp(trainer_old_lp - rollout_lp), tis_clip_low, tis_clip)      # use_tis (tis_mode
               (or the IcePop mask, or custom_tis_function(args, pg_loss=..., ...))   #  / custom hook)
+              (use_decoupled_loss: AReaL's behaviour weight = the IcePop mask on [0, behav_imp_weight_cap])
     loss    = reduce(pg)   (custom_pg_loss_reducer: its reducer)  (sft_loss: -reduce(log_probs))
     loss   -= entropy_coef * reduce(entropy)                                         # entropy_coef != 0
     loss   += kl_loss_coef * reduce(approx_kl(log_probs, ref_lp, kl_loss_type      # use_kl_loss
@@ -20,7 +21,7 @@ count (``loss_token_count`` per token) to stay in this module's mean-per-micro-b
 ``reduce`` is the configured reduction (``sample_mean`` or ``token_mean``, :mod:`.reduce`).
 Metrics (detached 0-dim tensors, slime's names under ``train/``): ``loss``, ``pg_loss``,
 ``entropy``, and as the inputs allow ``pg_clipfrac``, ``ppo_kl``, ``kl_loss``, ``tis``,
-``tis_clipfrac``, ``tis_abs``, ``opd_reverse_kl`` (student - teacher; the shaping itself is in
+``tis_clipfrac``, ``tis_abs``, ``behav_imp_weight`` (``use_decoupled_loss``), ``opd_reverse_kl`` (student - teacher; the shaping itself is in
 the advantages) and ``train_rollout_logprob_abs_diff``.
 
 The caller pads one row per sample (:class:`ObjectiveBatch`) and weights the result by the
@@ -63,8 +64,10 @@ if TYPE_CHECKING:
 
 def slime_args(cfg: "AlgorithmSection") -> SimpleNamespace:
     """The ``args`` namespace slime's hooks read: the section's keys under slime's names (they are the same),
-    with the resolved upper clip."""
-    return SimpleNamespace(**{**cfg.model_dump(), "eps_clip_high": cfg.effective_eps_clip_high})
+    with the resolved upper clip and TIS settings (``use_decoupled_loss`` resolved into them)."""
+    return SimpleNamespace(**{**cfg.model_dump(), "eps_clip_high": cfg.effective_eps_clip_high,
+                              "use_tis": cfg.effective_use_tis, "tis_mode": cfg.effective_tis_mode,
+                              "tis_clip": cfg.effective_tis_clip, "tis_clip_low": cfg.effective_tis_clip_low})
 
 
 @dataclass
@@ -150,6 +153,19 @@ def _custom_tis(cfg: "AlgorithmSection", batch: ObjectiveBatch, pg_tok: torch.Te
     return masked(from_concat(pg, resp, T), new_mask * mask)
 
 
+def _tis(cfg: "AlgorithmSection", batch: ObjectiveBatch, pg_tok: torch.Tensor, metrics: dict) -> torch.Tensor:
+    """``pg_tok`` times the TIS weights (``use_tis``, or the decoupled objective's behaviour weight, which is
+    TIS's mask mode capped above only); their metrics into ``metrics``."""
+    why = "use_decoupled_loss" if cfg.use_decoupled_loss else "use_tis"
+    tis = compute_tis_weights(_need(batch, "trainer_old_log_probs", why), _need(batch, "rollout_log_probs", why),
+                              batch.mask, tis_clip=cfg.effective_tis_clip, tis_clip_low=cfg.effective_tis_clip_low,
+                              mode=cfg.effective_tis_mode)
+    metrics.update({f"train/{k}": v for k, v in tis.metrics(cfg.reduction).items()})
+    if cfg.use_decoupled_loss:  # AReaL's behave_imp_weight: the weight's mean over the tokens the cap kept
+        metrics["train/behav_imp_weight"] = reduce_masked(tis.weights, batch.mask - tis.clipfrac, cfg.reduction)
+    return apply_tis(pg_tok, tis)
+
+
 def _custom_loss(cfg: "AlgorithmSection", batch: ObjectiveBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """slime's ``custom_loss``: ``fn(args, batch, logits, sum_of_sample_mean)`` with slime's batch keys
     (per-sample lists) plus ``cur_log_probs`` / ``entropy`` (the current policy's, with gradient)."""
@@ -191,12 +207,8 @@ def compute_objective(cfg: "AlgorithmSection", batch: ObjectiveBatch) -> tuple[t
             metrics["train/opsm_clipfrac"] = reduce_masked(opsm.dropped, mask, mode)
         if cfg.use_tis and cfg.custom_tis_function:
             pg_tok = _custom_tis(cfg, batch, pg_tok, metrics, mode)
-        elif cfg.use_tis:
-            tis = compute_tis_weights(_need(batch, "trainer_old_log_probs", "use_tis"),
-                                      _need(batch, "rollout_log_probs", "use_tis"), mask,
-                                      tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low, mode=cfg.tis_mode)
-            pg_tok = apply_tis(pg_tok, tis)
-            metrics.update({f"train/{k}": v for k, v in tis.metrics(mode).items()})
+        elif cfg.effective_use_tis:
+            pg_tok = _tis(cfg, batch, pg_tok, metrics)
         if cfg.custom_pg_loss_reducer:
             resp, total = batch.lengths()
             reducer = cfg.hooks["custom_pg_loss_reducer"](total, resp, to_list(mask, resp), mode == "token_mean")

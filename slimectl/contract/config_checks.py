@@ -13,7 +13,7 @@ import slimectl.contract.algorithm_names as algo_registry
 if TYPE_CHECKING:
     from slimectl.contract.config_schema import AlgorithmSection, SlimectlConfig
 
-__all__ = ["algorithm_conflict", "critic_layout_problem", "critic_problem"]
+__all__ = ["algorithm_conflict", "critic_layout_problem", "critic_problem", "off_policy_problem"]
 
 
 def algorithm_conflict(a: "AlgorithmSection") -> str | None:
@@ -34,6 +34,14 @@ def algorithm_conflict(a: "AlgorithmSection") -> str | None:
         return "algorithm.use_unbiased_kl: true needs algorithm.use_kl_loss: true (it reweights the KL loss)"
     if a.tis_clip_low > a.tis_clip:
         return f"algorithm.tis_clip_low = {a.tis_clip_low} is above algorithm.tis_clip = {a.tis_clip}"
+    if a.behav_imp_weight_cap is not None and not a.use_decoupled_loss:
+        return ("algorithm.behav_imp_weight_cap is set but algorithm.use_decoupled_loss is false; "
+                "set use_decoupled_loss: true")
+    if a.use_decoupled_loss and a.use_tis:
+        return ("algorithm.use_decoupled_loss and algorithm.use_tis are both set; the decoupled objective is TIS's "
+                "mask mode (tis_clip = behav_imp_weight_cap, tis_clip_low 0): set one of them")
+    if a.use_decoupled_loss and a.loss_type != "policy_loss":
+        return f"algorithm.use_decoupled_loss acts on the policy loss, but algorithm.loss_type = {a.loss_type}"
     if a.custom_tis_function and not a.use_tis:
         return "algorithm.custom_tis_function is set but algorithm.use_tis is false; set use_tis: true"
     if (a.loss_type == "custom_loss") != bool(a.custom_loss_function):
@@ -62,6 +70,14 @@ def critic_problem(cfg: "SlimectlConfig") -> str | None:
     if c.num_critic_only_steps and c.num_critic_only_steps >= cfg.rollout.num_rollout:
         return (f"critic.num_critic_only_steps = {c.num_critic_only_steps} must be below rollout.num_rollout = "
                 f"{cfg.rollout.num_rollout}, or the actor never trains")
+    return None
+
+
+def off_policy_problem(cfg: "SlimectlConfig") -> str | None:
+    """The off-policy correction against the train section (one line), else None."""
+    if cfg.algorithm.use_decoupled_loss and cfg.train.use_rollout_logprobs:
+        return ("algorithm.use_decoupled_loss needs train.use_rollout_logprobs: false (its proximal policy is the "
+                "trainer's recomputed log-probs; the rollout's are the behaviour policy it reweights)")
     return None
 
 

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 import slimectl.contract.algorithm_names as algo_registry
-from slimectl.contract.config_checks import algorithm_conflict, critic_problem
+from slimectl.contract.config_checks import algorithm_conflict, critic_problem, off_policy_problem
 from slimectl.contract.errors import ConfigError
 
 CONFIG_VERSION = 1
@@ -433,6 +433,14 @@ class AlgorithmSection(Section):
     """``module:function`` replacing the TIS weighting, slime's signature
     ``fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kw) -> (pg_loss, loss_masks, metrics)``
     (needs use_tis)."""
+    use_decoupled_loss: bool = False
+    """AReaL's decoupled PPO objective: the PPO ratio against the proximal policy (the trainer's log-probs before
+    the rollout's first update), times the behaviour weight ``exp(proximal - rollout)`` per token; tokens whose
+    weight exceeds behav_imp_weight_cap leave the loss. The same as use_tis with tis_mode mask, tis_clip_low 0
+    and tis_clip = the cap (docs/algorithms.md). Needs the rollout log-probs and train.use_rollout_logprobs false."""
+    behav_imp_weight_cap: Optional[float] = Field(default=None, gt=1)
+    """use_decoupled_loss: tokens whose behaviour weight is above this leave the loss (AReaL's
+    ``behav_imp_weight_cap``, > 1); unset: every token kept, the weight uncapped."""
     use_opsm: bool = False
     """Off-policy sequence masking: drop sequences with a negative advantage whose mean ``old_lp - lp``
     exceeds opsm_delta (slime ``--use-opsm``)."""
@@ -466,6 +474,28 @@ class AlgorithmSection(Section):
     def effective_eps_clip_high(self) -> float:
         """The upper clip: ``eps_clip_high``, or ``eps_clip`` when unset."""
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    @property
+    def effective_use_tis(self) -> bool:
+        """The loss is weighted by ``exp(trainer_old - rollout)`` per token: ``use_tis`` or ``use_decoupled_loss``."""
+        return self.use_tis or self.use_decoupled_loss
+
+    @property
+    def effective_tis_mode(self) -> str:
+        """``tis_mode``, or ``mask`` under ``use_decoupled_loss`` (AReaL drops the tokens above its cap)."""
+        return "mask" if self.use_decoupled_loss else self.tis_mode
+
+    @property
+    def effective_tis_clip(self) -> float:
+        """``tis_clip``, or under ``use_decoupled_loss`` ``behav_imp_weight_cap`` (unset: no cap, ``inf``)."""
+        if self.use_decoupled_loss:
+            return float("inf") if self.behav_imp_weight_cap is None else self.behav_imp_weight_cap
+        return self.tis_clip
+
+    @property
+    def effective_tis_clip_low(self) -> float:
+        """``tis_clip_low``, or 0 under ``use_decoupled_loss`` (AReaL caps the behaviour weight above only)."""
+        return 0.0 if self.use_decoupled_loss else self.tis_clip_low
 
     @property
     def effective_reward_normalization(self) -> str:
@@ -621,7 +651,7 @@ class SlimectlConfig(Section):
             raise ValueError(f"train.lr_warmup_steps ({t.lr_warmup_steps}) must be below the run's {steps} optimizer "
                              f"steps (rollout.num_rollout x train.num_steps_per_rollout) to decay the LR "
                              f"({t.lr_decay_style}); lower it or train longer")
-        problem = critic_problem(self)
+        problem = critic_problem(self) or off_policy_problem(self)
         if problem:
             raise ValueError(problem)
         if self.rollout.async_mode == "fully_async" and self.engine.offload_during_train:

@@ -254,8 +254,9 @@ class MegatronActor:
                 raise ValueError(f"sample {s.index}: loss_mask has {m.numel()} entries for {s.response_length} tokens")
         has_rollout_lp = all(s.rollout_log_probs is not None for s in samples)
         rollout_lp = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples] if has_rollout_lp else None
-        if (tcfg.use_rollout_logprobs or algo.use_tis) and not has_rollout_lp and not sft:
-            raise ValueError("use_rollout_logprobs / use_tis need every sample's rollout_log_probs")
+        if (tcfg.use_rollout_logprobs or algo.effective_use_tis) and not has_rollout_lp and not sft:
+            raise ValueError("train.use_rollout_logprobs / algorithm.use_tis / algorithm.use_decoupled_loss need every "
+                             "sample's rollout_log_probs")
         teacher_lp = None
         if algo.use_opd and not sft:
             missing = [s.index for s in samples if s.teacher_log_probs is None
@@ -287,7 +288,7 @@ class MegatronActor:
         # moved yet): no forward for them, ratio exactly 1, ppo_kl exactly 0 (as TRL with num_iterations=1).
         # Only later steps of the rollout get a recompute, before the first update — and every step when the
         # advantages need the old log-probs up front (KL reward, OPD).
-        need_old = not sft and (not tcfg.use_rollout_logprobs or algo.use_tis)
+        need_old = not sft and (not tcfg.use_rollout_logprobs or algo.effective_use_tis)
         adv_needs_old = need_old and not tcfg.use_rollout_logprobs and (algo.kl_coef != 0 or teacher_lp is not None)
         batch = RolloutBatch(samples=samples, sft=sft, batches=batches, layouts=layouts, masks=masks,
                              rollout_lp=rollout_lp, teacher_lp=teacher_lp, uses_ref=self.ref_model is not None,

@@ -20,6 +20,7 @@ from slimectl.contract.ranks import launch_rank
 from slimectl.stages.train.plan import initial_arch, resume_point
 from slimectl.stages.train.ppo import CriticFactory, build_critic, train_ppo_rollout
 from slimectl.stages.train.publish import publish
+from slimectl.stages.train.staleness import drop_stale_samples
 from slimectl.stages.train.writer import CheckpointWriter
 
 log = logging.getLogger("slimectl.train")
@@ -136,12 +137,15 @@ class Trainer:
                              f"once, in order)")
         self.lock.check()
         self.mid_rollout = True  # until this rollout is trained and its version counted (checkpoint_if_behind)
-        samples = read_samples(art.file(SAMPLES_FILE))
+        # at version rid (trained on rollouts 0 .. rid-1): stale groups dropped from the loss or kept, counted
+        samples, staleness = drop_stale_samples(read_samples(art.file(SAMPLES_FILE)), rid, self.cfg)
         if self.critic is not None:
             steps = train_ppo_rollout(self.actor, self.critic, self.cfg, rid, samples)
         else:
             steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key)
         release_free_memory()  # the step's activations (the next phases allocate other sizes)
+        for m in steps:
+            m.update(staleness)
         version = rid + 1
         interval = self.cfg.algorithm.ref_update_interval
         if interval and version % interval == 0:  # slime: (rollout_id + 1) % ref_update_interval == 0
