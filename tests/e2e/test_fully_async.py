@@ -41,6 +41,7 @@ def audit_fully_async(run, n: int, batch: int) -> None:
     carried = {s.group_index for s in read_samples(last.file(BUFFER_FILE))} if BUFFER_FILE in last.files else set()
     seen = set(flat) | carried
     assert seen == set(range(max(seen) + 1)), groups  # no prompt group lost (they are started in order)
+    check_staleness_bound(run, n)
     for kind in KINDS:
         store = run.artifacts(kind)
         for i in store.ids():
@@ -49,6 +50,21 @@ def audit_fully_async(run, n: int, batch: int) -> None:
     staging = run.path / ".staging"
     assert not staging.is_dir() or list(staging.iterdir()) == []
     assert not list((run.path / "locks").glob("*.lock"))
+
+
+def check_staleness_bound(run, n: int, bound: int = 1) -> None:
+    """No sample staler than the bound was trained on: the trainer dropped (masked out) exactly the groups
+    holding one, and its metrics say so rollout by rollout."""
+    from slimectl.contract.metrics import read_metrics
+
+    train = {r["train/rollout_id"]: r for r in read_metrics(run.metrics_path("train")) if "train/rollout_id" in r}
+    for rid in range(n):
+        samples = read_samples(run.rollouts.get(rid).file(SAMPLES_FILE))
+        staleness = {id(s): rid - s.oldest_version for s in samples}
+        stale_groups = {s.group_index for s in samples if staleness[id(s)] > bound}
+        assert train[rid]["rollout/stale_dropped"] == sum(s.group_index in stale_groups for s in samples), rid
+        assert train[rid]["train/staleness_max"] == max(staleness.values()), rid
+        assert min(staleness.values()) >= 0, rid
 
 
 def _start(forks, tmp_path, name: str, argv: list, fault: str | None):
