@@ -200,7 +200,7 @@ class RLSession:
             for rid in range(start, self.cfg.rollout.num_rollout):
                 t0 = time.perf_counter()
                 try:
-                    with tracer.span("wait:rollout", rollout=rid):
+                    with tracer.wait("rollout", rollout=rid):
                         art = self.run.rollouts.wait_for(rid, verify="full", poll=0.05,
                                                          should_stop=lambda: stop.is_set() or follower.done())
                 except WaitTimeout:

@@ -118,11 +118,15 @@ def embedded_threads(configured: int | None, env: dict[str, str], engines_here: 
         return int(configured)
     if env.get("OMP_NUM_THREADS"):
         return None
+    return max(1, (available_cpus() - 1) // max(1, engines_here))
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, (cpus - 1) // max(1, engines_here))
+        return os.cpu_count() or 1
 
 
 @dataclass
@@ -156,6 +160,8 @@ class EngineProcesses:
         self.weight_version = INITIAL_WEIGHT_VERSION
         self.python = python or sys.executable
         self.engine_indices = list(range(cfg.engine.num_engines)) if engine_indices is None else list(engine_indices)
+        self.engine_threads: dict[int, int | None] = {}
+        """Torch threads of each embedded engine launched here, by port (None: torch's own choice)."""
         self.supervisor = ProcessSupervisor()
         self.engines: list[ServedEngine] = []
         self.router: ServedEngine | None = None
@@ -327,6 +333,7 @@ class EngineProcesses:
                     "--weight-version", self.weight_version, "--max-running-requests", str(ec.max_batch_size),
                     "--parent-pid", str(os.getpid())]
             threads = embedded_threads(ec.num_threads, env, len(self.engine_indices))
+            self.engine_threads[port] = threads
             if threads:
                 argv += ["--num-threads", str(threads)]
             if self.token:

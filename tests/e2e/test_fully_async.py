@@ -74,18 +74,20 @@ def _start(forks, tmp_path, name: str, argv: list, fault: str | None):
 
 
 def test_three_followers_killed_at_their_fault_points_train_every_rollout_once(tmp_path, stage_forks):
-    """rollout --follow killed after publishing rollout 1 and again while writing the next, sync --follow
-    killed with the engine paused on new weights, train --follow killed after committing rollout 1; each
-    started again (the first clean start after each kill) and all three finish the run."""
+    """rollout --follow killed after publishing rollout 1, again while writing the next and again with it
+    renamed but not sealed; sync --follow killed with the engine paused on new weights, then paused before
+    any weight moved; train --follow killed after committing rollout 1, then with weights/N published but
+    not its checkpoint. Each is started again after each kill (clean after its last) and all three finish."""
     cfg = write_config(tmp_path, rollout=FULLY_ASYNC)
     assert slimectl_in_process("init", tmp_path / "run", "-c", cfg, "--tiny-model", "qwen2").returncode == 0
     run = RunDir.open(tmp_path / "run")
     serve, _ = start_serve(run)
     try:
         plans = {"rollout": (["rollout", "-r", run.path, "--follow"],
-                             ["rollout.follow_published:2", "rollout.files_written:1"]),
-                 "sync": (["sync", "-r", run.path, "--follow"], ["sync.pushed:2"]),
-                 "train": (["train", "-r", run.path, "--follow"], ["train.cursor_committed:2"])}
+                             ["rollout.follow_published:2", "rollout.files_written:1", "artifact.renamed:1"]),
+                 "sync": (["sync", "-r", run.path, "--follow"], ["sync.pushed:2", "sync.paused:1"]),
+                 "train": (["train", "-r", run.path, "--follow"],
+                           ["train.cursor_committed:2", "train.weights_published:1"])}
         procs = {name: _start(stage_forks, tmp_path, name, argv, faults.pop(0)) for name, (argv, faults) in plans.items()}
         deadline, done = time.monotonic() + 420, {}
         while len(done) < len(plans) and time.monotonic() < deadline:

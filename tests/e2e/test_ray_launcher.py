@@ -197,6 +197,15 @@ def test_rl_fully_async_on_ray_trains_each_rollout_once(tmp_path, cluster, forks
     run = RunDir.open(tmp_path / "run")
     audit_fully_async(run, 4, 2)
     assert run.engines.list() == []
+    # the trace's waits agree with the loop's metrics: the trainer's wait for each rollout
+    from slimectl.contract.trace import read_traces, wait_seconds
+
+    (train,) = [f for f in read_traces(run) if f.path.stem == "train"]
+    traced = wait_seconds(train.spans)["wait:rollout"]
+    measured = sum(r["perf/rl_rollout_wait_time"] for r in read_jsonl(run.metrics_path("rl")))
+    assert abs(traced - measured) <= 0.05 * 4 + 0.05 * measured, (traced, measured)
+    (rollout,) = [f for f in read_traces(run) if f.path.stem == "rollout"]
+    assert {s.name for s in rollout.spans} >= {"rollout", "generate", "reward", "publish"}
 
 
 def test_an_error_inside_an_actor_is_one_line(tmp_path, cluster, forks):

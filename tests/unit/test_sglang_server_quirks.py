@@ -355,3 +355,30 @@ def test_greedy_log_probs_are_those_of_the_unscaled_distribution():
     assert req["sampling_params"]["temperature"] == 0
     _, greedy = fixture("generate__ids_logprob_gen")
     assert all(-6 < lp < -5 for lp, _, _ in greedy["meta_info"]["output_token_logprobs"])
+
+
+def test_a_fully_async_trainer_takes_the_cores_its_engines_leave(run, monkeypatch):
+    """Beside embedded engines it started (fully_async), the trainer's torch threads are the CPUs less the
+    engines' threads (at least 1); engines on torch's own thread count, or none started here: unchanged."""
+    import torch
+
+    from slimectl.orchestration.local_launcher import share_cores_with_engines
+    from slimectl.stages.serve import EngineProcesses
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+        assert share_cores_with_engines({30000: 3, 30001: 2}) == 3 and torch.get_num_threads() == 3
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+        assert share_cores_with_engines({30000: 1}) == 1 and torch.get_num_threads() == 1
+        assert share_cores_with_engines({30000: 4}) == 1
+        torch.set_num_threads(2)
+        assert share_cores_with_engines({30000: None}) is None and share_cores_with_engines({}) is None
+        assert torch.get_num_threads() == 2
+        run, _ = run  # the launch records each embedded engine's threads
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        group = EngineProcesses(run, run.config())
+        group._launch_argv(0, 30000)
+        assert group.engine_threads == {30000: 1}
+    finally:
+        torch.set_num_threads(before)
