@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rl_vs_trl import TreeRSS, has_chat_template, prompts  # noqa: E402  (bench/ is not a package)
+from rl_vs_trl import TreeRSS, add_work_args, has_chat_template, prompts  # noqa: E402  (bench/ is not a package)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("off", "one_step_off", "fully_async")
@@ -131,15 +131,7 @@ def report(results: dict[str, list[dict]], a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="HF model directory (e.g. SmolLM2-135M-Instruct)")
-    ap.add_argument("--tiny-model", action="store_true", help="a tiny random qwen2 instead (smoke run)")
-    ap.add_argument("--rounds", type=int, default=1, help="rounds of the three modes (alternated)")
-    ap.add_argument("--steps", type=int, default=12, help="rollouts per run")
-    ap.add_argument("--warmup", type=int, default=2, help="rollouts dropped from each run's figures")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--samples", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-6)
+    add_work_args(ap, rounds=(1, "rounds of the three modes (alternated)"), steps=12, warmup=2)
     ap.add_argument("--reward", default="random", help="rollout.reward of every run (random: timing only)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     a = ap.parse_args()

@@ -94,6 +94,19 @@ def has_chat_template(model: Path) -> bool:
     return (model / "chat_template.jinja").exists() or (cfg.exists() and "chat_template" in json.loads(cfg.read_text()))
 
 
+def add_work_args(ap: argparse.ArgumentParser, rounds: tuple[int, str], steps: int, warmup: int) -> None:
+    """The options of the work a bench gives each side: the model, the rounds, the steps and the batch shape."""
+    ap.add_argument("--model", type=Path, help="HF model directory (e.g. SmolLM2-135M-Instruct)")
+    ap.add_argument("--tiny-model", action="store_true", help="a tiny random qwen2 instead (smoke run)")
+    ap.add_argument("--rounds", type=int, default=rounds[0], help=rounds[1])
+    ap.add_argument("--steps", type=int, default=steps, help="optimizer steps (rollouts) per run")
+    ap.add_argument("--warmup", type=int, default=warmup, help="steps dropped from each run's figures")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-6)
+
+
 # ----------------------------------------------------------------------------- slimectl rl
 def rl_argv(config: Path, run: Path, sets: list[str]) -> list[str]:
     """The `slimectl rl` command of one run: the bench's config, then each ``--set KEY=VALUE`` given."""
@@ -234,15 +247,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--trl-worker":
         return trl_worker(json.loads(sys.argv[2]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="HF model directory (e.g. SmolLM2-135M-Instruct)")
-    ap.add_argument("--tiny-model", action="store_true", help="a tiny random qwen2 instead (smoke run)")
-    ap.add_argument("--rounds", type=int, default=2, help="A B pairs (interleaved)")
-    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
-    ap.add_argument("--warmup", type=int, default=1, help="steps dropped from each run's median")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--samples", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-6)
+    add_work_args(ap, rounds=(2, "A B pairs (interleaved)"), steps=6, warmup=1)
     ap.add_argument("--micro-batch", type=int, default=None, help="slimectl's train.max_tokens_per_micro_batch")
     ap.add_argument("--trl-python", default=sys.executable, help="interpreter with trl installed")
     ap.add_argument("--trl-pythonpath", default="", help="prepended to the TRL worker's PYTHONPATH")

@@ -161,6 +161,7 @@ class RLSession:
             return self.run_fully_async(start, stop)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-rollout")
         ahead: Future | None = None
+        tracer = self.run.tracer("train")
         try:
             for rid in range(start, n_total):
                 if stop.is_set():
@@ -168,7 +169,8 @@ class RLSession:
                     _checkpoint_before_stopping(self.trainer)
                     break
                 t0 = time.perf_counter()
-                art = ahead.result() if ahead is not None else self.rollout(rid)
+                with tracer.wait("rollout", rollout=rid):  # the trainer waits for the rollout it trains next
+                    art = ahead.result() if ahead is not None else self.rollout(rid)
                 t_rollout = time.perf_counter() - t0
                 ahead = pool.submit(self.rollout, rid + 1) if one_step_off and rid + 1 < n_total else None
                 fault_point("rl.rollout_in_flight") if ahead is not None else None
