@@ -36,10 +36,26 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
-        """``batch_size: true`` is a mistake, not 1 (pydantic would take it as 1)."""
-        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
-            raise ValueError("must be a number, not true/false")
+        """``batch_size: true`` is a mistake, not 1 (pydantic would take it as 1). YAML reads a bare ``off``
+        (``on``) as false (true): a choice that offers "off" ("on") gets the word back
+        (``--set rollout.async_mode=off``)."""
+        if isinstance(value, bool):
+            annotation = cls.model_fields[info.field_name].annotation
+            if _is_number(annotation):
+                raise ValueError("must be a number, not true/false")
+            word = "on" if value else "off"
+            if word in _literal_choices(annotation):
+                return word
         return value
+
+
+def _literal_choices(annotation: Any) -> tuple:
+    """The choices of a ``Literal`` field (possibly Optional); () for any other type."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    if get_origin(annotation) in (Union, types.UnionType):
+        return tuple(c for a in get_args(annotation) for c in _literal_choices(a))
+    return ()
 
 
 def _is_number(annotation: Any) -> bool:

@@ -138,3 +138,35 @@ def _jsonl(path):
     import json
 
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_sigterm_stops_each_follower_cleanly_and_the_rerun_finishes(tmp_path, stage_forks):
+    """SIGTERM to `rollout --follow` (waiting for newer weights, two rollouts ahead) and to `sync --follow`
+    (waiting for the first weights/N): each stops at its next safe point, exits 143 with the command that
+    resumes it and leaves no lock; the three followers started again finish the run, every rollout once."""
+    n = 3
+    cfg = write_config(tmp_path, rollout={**FULLY_ASYNC, "num_rollout": n})
+    assert slimectl_in_process("init", tmp_path / "run", "-c", cfg, "--tiny-model", "qwen2").returncode == 0
+    run = RunDir.open(tmp_path / "run")
+    serve, _ = start_serve(run)
+    try:
+        rollout, _ = _start(stage_forks, tmp_path, "rollout", ["rollout", "-r", run.path, "--follow"], None)
+        sync, _ = _start(stage_forks, tmp_path, "sync", ["sync", "-r", run.path, "--follow"], None)
+        deadline = time.monotonic() + 120
+        while run.rollouts.ids() != [0, 1] and time.monotonic() < deadline:  # max_staleness 1: then it waits
+            time.sleep(0.2)
+        assert run.rollouts.ids() == [0, 1]
+        for name, proc in (("rollout", rollout), ("sync", sync)):
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 143, name
+            err = (tmp_path / f"{name}-clean.err").read_text()
+            assert f"interrupted; resume with: slimectl {name} -r {run.path} --follow" in err, err[-2000:]
+        assert not list((run.path / "locks").glob("*.lock")) and run.rollouts.ids() == [0, 1]
+        procs = [stage_forks.run([stage, "-r", run.path, "--follow"], tmp_path / f"{stage}-2.out",
+                                 tmp_path / f"{stage}-2.err") for stage in ("rollout", "sync", "train")]
+        for stage, proc in zip(("rollout", "sync", "train"), procs):
+            assert proc.wait(timeout=300) == 0, (stage, (tmp_path / f"{stage}-2.err").read_text()[-3000:])
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+    audit_fully_async(run, n, 2)

@@ -147,3 +147,17 @@ def test_the_loader_makes_paths_absolute_file_paths_against_the_file_set_paths_a
     cfg = load_config(p, ["model.ref_path=ref", "data.prompt_data=/abs/x.parquet"])
     assert cfg.model.ref_path == str(tmp_path / "ref") and cfg.data.prompt_data == "/abs/x.parquet"
     assert cfg.model.path == str(conf / "models" / "m")
+
+
+def test_a_bare_off_or_on_is_the_word_where_the_choice_offers_it(tmp_path):
+    """YAML reads `off`/`on` as false/true; a choice that offers "off"/"on" takes the word back, from a file or
+    from --set; elsewhere a boolean stays a boolean (and a wrong one is refused)."""
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  async_mode: off\nlogging:\n  progress: on\n")
+    cfg = load_config(p)
+    assert (cfg.rollout.async_mode, cfg.logging.progress) == ("off", "on")
+    cfg = load_config(None, ["rollout.async_mode=fully_async", "rollout.async_mode=off", "logging.progress=off"])
+    assert (cfg.rollout.async_mode, cfg.logging.progress) == ("off", "off")
+    with pytest.raises(ConfigError, match="rollout.async_mode"):
+        load_config(None, ["rollout.async_mode=on"])  # no "on" among its choices
+    assert load_config(None, ["logging.tensorboard=off"]).logging.tensorboard is False
