@@ -203,7 +203,7 @@ class RLSession:
                 t0 = time.perf_counter()
                 try:
                     with tracer.wait("rollout", rollout=rid):
-                        art = self.run.rollouts.wait_for(rid, verify="full", poll=0.05,
+                        art = self.run.rollouts.wait_for(rid, verify="full", poll=0.01,
                                                          should_stop=lambda: stop.is_set() or follower.done())
                 except WaitTimeout:
                     if follower.done() and not stop.is_set():

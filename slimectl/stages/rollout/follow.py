@@ -38,6 +38,7 @@ from slimectl.stages.rollout.generate import GroupResult, default_generate, load
 from slimectl.stages.rollout.stage import (
     rollout_metrics,
     buffered_groups,
+    StaleEngine,
     check_staleness,
     data_state_before,
     engine_urls_for,
@@ -55,7 +56,10 @@ from slimectl.stages.rollout.stage import (
 log = logging.getLogger("slimectl.rollout")
 
 POLL_S = 0.2
-"""Seconds between two looks at the newest published weights while generation waits for them."""
+"""Seconds between two looks at the newest published weights (and the engines' versions) while generation
+waits for them."""
+CALLER_POLL_S = 0.005
+"""The same when the caller says the version (``slimectl rl``: a variable of its own, cheap to read)."""
 MAX_DROPPED_ROUNDS = 16
 """Rounds of groups (``over_sampling_batch_size``) the dynamic filter may drop in a row before the follower gives up."""
 
@@ -166,7 +170,7 @@ def follow_rollouts(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | t
             source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=data_state_before(run, first))
             follower = _Follower(run, cfg, first, source, engine_urls_for(run, engine_urls), tok, lock,
                                  buffered_groups(run, first), stop or threading.Event(),
-                                 newest_version or (lambda: published_version(run)), on_published,
+                                 newest_version, on_published,
                                  {"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
             return asyncio.run(follower.follow())
 
@@ -175,10 +179,13 @@ class _Follower:
     """One follower's loop: start groups as the staleness bound allows, publish each full batch."""
 
     def __init__(self, run: RunDir, cfg: SlimectlConfig, first: int, source: PromptSource, urls: list[str], tok,
-                 lock, buffered: list[list[Sample]], stop: threading.Event, newest_version: Callable[[], int],
+                 lock, buffered: list[list[Sample]], stop: threading.Event, newest_version: Callable[[], int] | None,
                  on_published: Callable[[int], None] | None, first_metrics: dict):
         self.run, self.cfg, self.rid, self.source, self.urls, self.tok = run, cfg, first, source, urls, tok
-        self.lock, self.buffered, self.stop, self.newest_version = lock, buffered, stop, newest_version
+        self.lock, self.buffered, self.stop = lock, buffered, stop
+        self.given_version = newest_version
+        self.version = 0
+        """What the caller says the engines serve (None: the newest published weights, and what the engines report)."""
         self.on_published = on_published
         self.tracer = run.tracer("rollout")
         self.result = FollowResult()
@@ -192,7 +199,11 @@ class _Follower:
             versions = await pool.weight_versions()
             if not versions:
                 raise SlimectlError(f"none of the engines answered ({', '.join(self.urls)}); is `slimectl serve` running?")
-            check_staleness(self.run, cfg, versions)
+            try:
+                check_staleness(self.run, cfg, versions)
+            except StaleEngine as exc:  # a follower waits for the sync instead (the bound counts from what they serve)
+                log.info("%s; generation waits until they are synced (slimectl sync -r %s --follow)",
+                         str(exc).split("; sync it first")[0], self.run.path)
             gen = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else default_generate
             stream = GroupStream(args, sampling_params(cfg), gen, make_reward_fn(cfg, args), group_filter(r, args),
                                  self.buffered)
@@ -212,11 +223,10 @@ class _Follower:
         n, batch, ahead = r.num_rollout, r.batch_size, self.cfg.effective_max_staleness
         round_size = r.over_sampling_batch_size or batch
         since, announced, waiting = time.time(), None, None
-        served = _ServedVersion(pool)
+        served, poll = _ServedVersion(pool), CALLER_POLL_S if self.given_version else POLL_S
         while self.rid < n and not self.stop.is_set():
             self.lock.check()
-            # The bound counts from the weights the engines serve: published ones not synced yet do not count.
-            version = min(self.newest_version(), await served.get(default=self.newest_version()))
+            version = self.version = await self._serving(served)
             allowed = (version + ahead + 1 - self.rid) * batch - len(stream.ready)
             room = min(round_size, allowed) - len(stream.in_flight)
             if room > 0:
@@ -229,7 +239,7 @@ class _Follower:
                 since, announced = time.time(), None
                 continue
             if not stream.in_flight and announced != version:
-                log.info("rollout %d waits for newer weights: the engines serve version %d and rollout.max_staleness "
+                log.debug("rollout %d waits for newer weights: the engines serve version %d and rollout.max_staleness "
                          "= %d", self.rid, version, ahead)
                 announced = version
             if not stream.in_flight and waiting is None:
@@ -237,10 +247,18 @@ class _Follower:
             if stream.counts["dropped"] > MAX_DROPPED_ROUNDS * round_size:  # (counted since the last publish)
                 raise SlimectlError(f"rollout {self.rid}: the dynamic filter dropped {MAX_DROPPED_ROUNDS} rounds of "
                                     f"groups in a row; relax rollout.dynamic_filter")
-            await stream.settle(POLL_S)
+            await stream.settle(poll)
         if waiting is not None:
             self.tracer.record("wait:weights", waiting, time.time(), rollout=self.rid)
         self.result.complete = self.rid >= n
+
+    async def _serving(self, served: "_ServedVersion") -> int:
+        """The version the staleness bound counts from: the caller's, or the newest published weights as far as
+        every engine serves them (published ones not synced yet do not count)."""
+        if self.given_version is not None:
+            return self.given_version()
+        published = published_version(self.run)
+        return min(published, await served.get(default=published))
 
     async def _publish(self, stream: GroupStream, since: float) -> None:
         cfg, r, rid = self.cfg, self.cfg.rollout, self.rid
@@ -259,7 +277,7 @@ class _Follower:
             metrics["rollout/opd_reverse_kl"] = opd_rkl
         carried = stream.carried()
         metrics.update({"rollout/partial_groups_buffered": len(carried), "rollout/groups_in_flight": len(stream.in_flight),
-                        "rollout/weights_published": self.newest_version(), **self.first_metrics})
+                        "rollout/weights_served": self.version, **self.first_metrics})
         self.first_metrics = {}
         spans = [span for g in kept for span in g.spans]
         self.tracer.record("rollout", since, time.time(), rollout=rid, samples=len(samples))
