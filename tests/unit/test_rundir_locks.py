@@ -141,3 +141,18 @@ def test_a_creator_killed_while_writing_its_record_leaves_no_lock(tmp_path):
     os.utime(debris, (time.time() - 120, time.time() - 120))
     with StageLock(tmp_path, "rollout", stale_after=30, heartbeat_interval=10) as lock:
         assert lock.held and not debris.exists()
+
+
+def test_a_stage_cleaning_up_removes_a_dead_holders_lock_without_ever_holding_it(run_dir, monkeypatch):
+    """Every stage removes the locks of dead holders when it starts (RunDir.cleanup). It must not take them
+    to do so: a stage starting at that moment on the same run directory would find its lock held by the
+    cleaner and stop ("already running"), as a `rollout --follow` restarted beside a `sync --follow` did."""
+    locks = run_dir.path / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    p = start_holder(locks)  # a `train` holder, killed by kill -9
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    monkeypatch.setattr(StageLock, "acquire", lambda self, *a, **k: pytest.fail(f"took the {self.stage} lock"))
+    assert [stage for stage, _ in run_dir._remove_stale_locks()] == ["train"]
+    assert not (locks / "train.lock").exists()
+    assert StageLock(locks, "train").remove_stale({"token": "another"}) is False  # nothing left to remove

@@ -193,22 +193,28 @@ class StageLock:
             except OSError:
                 continue
 
-    def _steal(self, seen: dict[str, Any]) -> None:
+    def remove_stale(self, seen: dict[str, Any]) -> bool:
+        """Remove the lock file ``seen`` (a :meth:`holder` record judged stale) unless another lock replaced it
+        meanwhile; whether it was removed."""
+        return self._steal(seen)
+
+    def _steal(self, seen: dict[str, Any]) -> bool:
         aside = self.dir / f".stale-{self.stage}-{uuid.uuid4().hex[:12]}"
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
-            return  # someone else took it first
+            return False  # someone else took it first
         got = _read_lock(aside) or {}
         if got.get("token") == seen.get("token"):
             aside.unlink(missing_ok=True)
-            return
+            return True
         # We moved a *fresh* lock that replaced the stale one after we looked: put it back.
         try:
             os.link(aside, self.path)
         except FileExistsError:
             pass  # yet another lock exists now; the owner of the moved one will notice it lost
         aside.unlink(missing_ok=True)
+        return False
 
     def _start_heartbeat(self) -> None:
         self._stop.clear()

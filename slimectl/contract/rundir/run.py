@@ -292,17 +292,13 @@ class RunDir:
 
     def _remove_stale_locks(self) -> list[tuple[str, dict[str, Any]]]:
         """Lock files of dead holders (a kill -9 leaves its stages' locks behind): taken over the safe
-        way (:meth:`StageLock.acquire`'s rename) and released, so none is left for ``status`` to show."""
+        way (:meth:`StageLock.remove_stale`: the rename a takeover makes, never holding the lock, so a stage starting
+        meanwhile never finds its lock held by this cleanup), so none is left for ``status`` to show."""
         removed = []
         for f in sorted((self.path / "locks").glob("*.lock")):
             lock = StageLock(self.path / "locks", f.name[: -len(".lock")])
             info = lock.holder()
-            if info and info["stale"]:
-                try:
-                    lock.acquire()
-                except RunDirError:  # taken by a live process meanwhile
-                    continue
-                lock.release()
+            if info and info["stale"] and lock.remove_stale(info):
                 removed.append((lock.stage, info))
         return removed
 
