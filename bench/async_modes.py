@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rl_vs_trl import TreeRSS, add_work_args, has_chat_template, prompts  # noqa: E402  (bench/ is not a package)
+from rl_vs_trl import add_work_args, has_chat_template, prompts, run_rl_watched  # noqa: E402  (bench/ is not a package)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("off", "one_step_off", "fully_async")
@@ -63,15 +61,7 @@ def write_config(work: Path, model: Path, a, mode: str, seed: int) -> Path:
 def run_mode(work: Path, model: Path, a, mode: str, seed: int) -> dict:
     cfg = write_config(work, model, a, mode, seed)
     run = work / f"run-{mode}-{seed}"
-    argv = [sys.executable, "-m", "slimectl", "rl", "-c", str(cfg), "-r", str(run),
-            *(x for kv in a.set for x in ("--set", kv))]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
-    mem = TreeRSS(proc.pid)
-    out, _ = proc.communicate()
-    memory = mem.stop()
-    if proc.returncode != 0:
-        sys.exit(f"slimectl rl ({mode}) failed ({proc.returncode}):\n{out[-3000:]}")
+    memory = run_rl_watched(cfg, run, a.set, f"slimectl rl ({mode})")
     return {**figures(run, a.warmup), "tree_gb": memory["tree_gb"]}
 
 

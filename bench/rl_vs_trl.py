@@ -114,6 +114,18 @@ def rl_argv(config: Path, run: Path, sets: list[str]) -> list[str]:
             *(x for kv in sets for x in ("--set", kv))]
 
 
+def run_rl_watched(config: Path, run: Path, sets: list[str], what: str) -> dict:
+    """Run `slimectl rl` (:func:`rl_argv`) to the end with its process tree's peak RSS sampled; exits on failure."""
+    proc = subprocess.Popen(rl_argv(config, run, sets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+    mem = TreeRSS(proc.pid)
+    out, _ = proc.communicate()
+    memory = mem.stop()
+    if proc.returncode != 0:
+        sys.exit(f"{what} failed ({proc.returncode}):\n{out[-3000:]}")
+    return memory
+
+
 def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
     import yaml
 
@@ -131,14 +143,7 @@ def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
     path = work / "rl.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = work / f"run-{seed}"
-    proc = subprocess.Popen(rl_argv(path, run, a.set),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
-    mem = TreeRSS(proc.pid)
-    out, _ = proc.communicate()
-    memory = mem.stop()
-    if proc.returncode != 0:
-        sys.exit(f"slimectl rl failed ({proc.returncode}):\n{out[-3000:]}")
+    memory = run_rl_watched(path, run, a.set, "slimectl rl")
     rl = [json.loads(x) for x in (run / "metrics" / "rl.jsonl").read_text().splitlines()][a.warmup:]
     train = [json.loads(x) for x in (run / "metrics" / "train.jsonl").read_text().splitlines()][a.warmup:]
 
