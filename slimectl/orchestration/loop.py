@@ -193,10 +193,8 @@ class RLSession:
         from slimectl.contract.errors import WaitTimeout
         from slimectl.stages.rollout.follow import follow_rollouts
 
-        follower_stop = threading.Event()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-rollout")
-        follower = pool.submit(follow_rollouts, self.run, self.cfg, self.engines.urls, follower_stop,
-                               lambda: self.synced)
+        follower = pool.submit(follow_rollouts, self.run, self.cfg, self.engines.urls, stop, lambda: self.synced)
         tracer = self.run.tracer("train")
         try:
             for rid in range(start, self.cfg.rollout.num_rollout):
@@ -218,8 +216,7 @@ class RLSession:
             _checkpoint_before_stopping(self.trainer)
             raise
         finally:
-            stop.set()
-            follower_stop.set()
+            stop.set()  # (the follower's stop too)
             pool.shutdown(wait=True)
         if follower.exception() is not None:
             raise follower.exception()

@@ -38,8 +38,6 @@ from slimectl.stages.rollout.generate import GroupResult, default_generate, load
 from slimectl.stages.rollout.stage import (
     rollout_metrics,
     buffered_groups,
-    StaleEngine,
-    check_staleness,
     data_state_before,
     engine_urls_for,
     generation_context,
@@ -184,8 +182,9 @@ class _Follower:
         self.run, self.cfg, self.rid, self.source, self.urls, self.tok = run, cfg, first, source, urls, tok
         self.lock, self.buffered, self.stop = lock, buffered, stop
         self.given_version = newest_version
-        self.version = 0
         """What the caller says the engines serve (None: the newest published weights, and what the engines report)."""
+        self.version = 0
+        """The version the bound counted from at the last look."""
         self.on_published = on_published
         self.tracer = run.tracer("rollout")
         self.result = FollowResult()
@@ -199,16 +198,16 @@ class _Follower:
             versions = await pool.weight_versions()
             if not versions:
                 raise SlimectlError(f"none of the engines answered ({', '.join(self.urls)}); is `slimectl serve` running?")
-            try:
-                check_staleness(self.run, cfg, versions)
-            except StaleEngine as exc:  # a follower waits for the sync instead (the bound counts from what they serve)
-                log.info("%s; generation waits until they are synced (slimectl sync -r %s --follow)",
-                         str(exc).split("; sync it first")[0], self.run.path)
+            served = _ServedVersion(pool)
+            behind = published_version(self.run) - await self._serving(served)
+            if self.given_version is None and behind > cfg.effective_max_staleness:  # a follower waits, not refuses
+                log.info("the engines serve weights %d versions older than the newest weights/N; generation waits "
+                         "until they are synced (slimectl sync -r %s --follow)", behind, self.run.path)
             gen = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else default_generate
             stream = GroupStream(args, sampling_params(cfg), gen, make_reward_fn(cfg, args), group_filter(r, args),
                                  self.buffered)
             try:
-                await self._loop(stream, group_supply(r, self.rid, self.source, self.buffered), pool)
+                await self._loop(stream, group_supply(r, self.rid, self.source, self.buffered), served)
             finally:
                 await stream.close(pool)
         finally:
@@ -218,12 +217,12 @@ class _Follower:
             await pool.close()
         return self.result
 
-    async def _loop(self, stream: GroupStream, supply, pool: EnginePool) -> None:
+    async def _loop(self, stream: GroupStream, supply, served: "_ServedVersion") -> None:
         r = self.cfg.rollout
         n, batch, ahead = r.num_rollout, r.batch_size, self.cfg.effective_max_staleness
         round_size = r.over_sampling_batch_size or batch
-        since, announced, waiting = time.time(), None, None
-        served, poll = _ServedVersion(pool), CALLER_POLL_S if self.given_version else POLL_S
+        since, waiting = time.time(), None
+        poll = CALLER_POLL_S if self.given_version else POLL_S
         while self.rid < n and not self.stop.is_set():
             self.lock.check()
             version = self.version = await self._serving(served)
@@ -236,13 +235,11 @@ class _Follower:
                 waiting = None
             if len(stream.ready) >= batch:
                 await self._publish(stream, since)
-                since, announced = time.time(), None
+                since = time.time()
                 continue
-            if not stream.in_flight and announced != version:
-                log.debug("rollout %d waits for newer weights: the engines serve version %d and rollout.max_staleness "
-                         "= %d", self.rid, version, ahead)
-                announced = version
             if not stream.in_flight and waiting is None:
+                log.debug("rollout %d waits for newer weights: the engines serve version %d and rollout.max_staleness "
+                          "= %d", self.rid, version, ahead)
                 waiting = time.time()
             if stream.counts["dropped"] > MAX_DROPPED_ROUNDS * round_size:  # (counted since the last publish)
                 raise SlimectlError(f"rollout {self.rid}: the dynamic filter dropped {MAX_DROPPED_ROUNDS} rounds of "
@@ -272,7 +269,7 @@ class _Follower:
         counts = {"dropped": stream.counts["dropped"], "aborted": stream.counts["aborted"]}
         stream.counts = {"dropped": 0, "aborted": 0}
         metrics = rollout_metrics(samples, counts, time.time() - since, r.reward_key, [g.samples for g in kept],
-                           str(min(versions)) if versions else None)
+                                  str(min(versions)) if versions else None)
         if opd_rkl is not None:
             metrics["rollout/opd_reverse_kl"] = opd_rkl
         carried = stream.carried()
