@@ -182,7 +182,8 @@ def test_partial_rollout_continues_aborted_samples_aligned(tmp_path, setup, cli,
     run = make_run(tmp_path, setup, cli, "rollout.partial_rollout=true", "rollout.batch_size=1",
                    f"rollout.stop_token_ids={list(range(3, 40))}",
                    "rollout.over_sampling_batch_size=6", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=48",
-                   f"rollout.mask_offpolicy_in_partial_rollout={str(mask_offpolicy).lower()}")
+                   f"rollout.mask_offpolicy_in_partial_rollout={str(mask_offpolicy).lower()}",
+                   "rollout.num_rollout=20")  # room for the 4 + 12 rollouts below (the default 10 ended a slow run)
     # Whether a request aborted with the first done group already has tokens depends on when the engine
     # admitted it (requests reach it over HTTP a few ms apart); a rollout whose abort found none still
     # buffers its groups, and the next rollout (which takes those first) aborts others: up to 4 rollouts

@@ -213,8 +213,17 @@ def test_zero_spread_share_is_a_metric_and_all_zero_spread_is_warned_about():
     assert rollout_metrics([s for g in flat for s in g], {}, 1.0, None, flat, "0")["rollout/zero_std_group_frac"] == 1.0
     assert zero_spread_warning(c, 4, flat) == (
         "rollout 4: all 3 groups have zero reward spread (each group's samples got the same reward; rewards seen: 0, 1), "
-        "so group-relative advantages are 0 and grpo learns nothing from it; see what reward 'math' grades in "
-        "docs/rewards.md")
+        "so group-relative advantages are 0 and grpo learns nothing from it; rollout.dynamic_filter=nonzero_std keeps "
+        "only groups with spread (slime's dynamic sampling; set rollout.over_sampling_batch_size above batch_size), "
+        "or give harder prompts (docs/rewards.md)")
+    # nothing earned anything: the reward, not the prompts
+    assert zero_spread_warning(c, 4, groups([0.0, 0.0], [0.0, 0.0])).endswith(
+        "learns nothing from it; see what reward 'math' grades in docs/rewards.md")
+    # every sample solved its prompt, with the filter already on: harder prompts are what is left
+    solved = groups([1.0, 1.0], [1.0, 1.0])
+    assert zero_spread_warning(cfg(reward="math", n_samples_per_prompt=2, dynamic_filter="nonzero_std"), 4,
+                               solved).endswith("rewards seen: 1), so group-relative advantages are 0 and grpo learns "
+                                                "nothing from it; give harder prompts (docs/rewards.md)")
     assert zero_spread_warning(cfg(n_samples_per_prompt=1), 0, groups([0.0], [0.0])) is None  # no groups to compare
     # only where zero spread zeroes the advantages
     for algorithm in ({"use_opd": True}, {"reward_normalization": "none"}, {"advantage_estimator": "reinforce_plus_plus"}):

@@ -217,10 +217,15 @@ def zero_spread_warning(cfg: SlimectlConfig, rid: int, groups: list[list[Sample]
         return None
     values = sorted({s.reward_value(r.reward_key) for g in groups for s in g})
     shown = ", ".join(f"{v:g}" for v in values[:5]) + (", ..." if len(values) > 5 else "")
-    return (f"rollout {rid}: all {len(groups)} groups have zero reward spread (each group's samples got the same "
+    head = (f"rollout {rid}: all {len(groups)} groups have zero reward spread (each group's samples got the same "
             f"reward; rewards seen: {shown}), so group-relative advantages are 0 and "
-            f"{cfg.algorithm.advantage_estimator} learns nothing from it; see what reward {r.reward!r} grades in "
-            f"{DOCS_REWARDS}")
+            f"{cfg.algorithm.advantage_estimator} learns nothing from it; ")
+    if len(values) == 1 and values[0] <= 0:  # nothing earned anything: the reward grades what the model never writes
+        return head + f"see what reward {r.reward!r} grades in {DOCS_REWARDS}"
+    # prompts every sample solves (or none does): the model has outgrown them
+    advice = ("rollout.dynamic_filter=nonzero_std keeps only groups with spread (slime's dynamic sampling; set "
+              "rollout.over_sampling_batch_size above batch_size)" if r.dynamic_filter is None else "")
+    return head + (advice + ", or give harder prompts" if advice else "give harder prompts") + f" ({DOCS_REWARDS})"
 
 
 def rollout_metrics(samples: list[Sample], counts: dict[str, int], seconds: float, reward_key: str | None,
