@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -43,10 +42,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TASK = ROOT / "examples" / "real_model"
 sys.path.insert(0, str(TASK))
 import addition  # noqa: E402  (examples/real_model/addition.py: the task and its reward)
-
-
-def jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
 # ----------------------------------------------------------------------------- the held-out evaluation
@@ -107,6 +102,7 @@ def slimectl_config(work: Path, model: Path, a, seed: int) -> Path:
 
 def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
     """`slimectl rl` until its next step would overrun the budget; its curve and its newest weights."""
+    from slimectl.contract.metrics import read_metrics
     from slimectl.contract.rundir import RunDir
 
     run_path = work / f"slimectl-{seed}"
@@ -117,19 +113,19 @@ def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
     log = (work / f"slimectl-{seed}.log").open("w")
     started = time.time()
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    budget, seen, last_step = a.budget_min * 60, 0, math.inf
+    budget, metrics, last_step = a.budget_min * 60, run_path / "metrics" / "rl.jsonl", 0.0
     while proc.poll() is None:
-        recs = jsonl(run_path / "metrics" / "rl.jsonl")
-        if len(recs) > seen:
-            seen, last_step = len(recs), recs[-1]["perf/rl_step_time"]
-        if next_step_overruns(started, time.time(), last_step if seen else 0.0, budget):
+        recs = read_metrics(metrics)  # (a torn last line, still being written, is skipped)
+        if recs:
+            last_step = recs[-1]["perf/rl_step_time"]
+        if next_step_overruns(started, time.time(), last_step, budget):
             proc.send_signal(signal.SIGTERM)  # between two steps: nothing of a finished step is lost
             break
         time.sleep(0.2)
     stopped = time.time() - started
     proc.wait()
     log.close()
-    recs = jsonl(run_path / "metrics" / "rl.jsonl")
+    recs = read_metrics(metrics)
     if not recs:
         sys.exit(f"slimectl rl made no step in the budget; its log: {work / f'slimectl-{seed}.log'}")
     latest = RunDir(run_path).weights.latest()
@@ -206,6 +202,9 @@ def per_minute(curve: list[tuple[float, float]], minutes: int) -> list[float | N
     return [sum(b) / len(b) if b else None for b in bins]
 
 
+SMOOTH = 8  # steps in the plotted moving mean
+
+
 def smoothed(curve: list[tuple[float, float]], window: int) -> list[tuple[float, float]]:
     out = []
     for i in range(len(curve)):
@@ -226,13 +225,14 @@ def plot(results: dict, base: dict, path: Path, budget_min: float) -> None:
         for i, res in enumerate(runs):
             raw = [(t / 60, r) for t, r in res["curve"]]
             ax.scatter([t for t, _ in raw], [r for _, r in raw], s=6, alpha=0.25, color=colors[side])
-            ax.plot([t / 60 for t, _ in smoothed(res["curve"], 8)], [r for _, r in smoothed(res["curve"], 8)],
+            line = smoothed(res["curve"], SMOOTH)
+            ax.plot([t / 60 for t, _ in line], [r for _, r in line],
                     color=colors[side], linestyle="-" if i == 0 else "--",
                     label=f"{side} (seed {res['seed']}: {res['steps']} steps, held-out pass@1 "
                           f"{base['sampled']:.2f} -> {res['eval']['sampled']:.2f})")
     ax.set_xlim(0, budget_min)
     ax.set_xlabel("wall time since launch (min)")
-    ax.set_ylabel("reward per step (mean of 8 steps)")
+    ax.set_ylabel(f"reward per step (mean of {SMOOTH} steps)")
     ax.set_title("SmolLM2 learns a + b: slimectl rl vs TRL, same task, reward and budget")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -279,6 +279,9 @@ def main() -> None:
     a = ap.parse_args()
     if (a.model is None) == (not a.tiny_model):
         ap.error("give --model DIR or --tiny-model")
+    if a.model is not None and not (a.model / "config.json").is_file():
+        ap.error(f"--model {a.model}: no config.json there; give an HF model folder "
+                 "(slimectl init --pretrained smollm2-135m builds SmolLM2's)")
     work = Path(tempfile.mkdtemp(prefix="learn_vs_trl_"))
     out = a.out or work
     out.mkdir(parents=True, exist_ok=True)
@@ -311,5 +314,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    random.seed(0)
     main()

@@ -223,9 +223,10 @@ def zero_spread_warning(cfg: SlimectlConfig, rid: int, groups: list[list[Sample]
     if len(values) == 1 and values[0] <= 0:  # nothing earned anything: the reward grades what the model never writes
         return head + f"see what reward {r.reward!r} grades in {DOCS_REWARDS}"
     # prompts every sample solves (or none does): the model has outgrown them
-    advice = ("rollout.dynamic_filter=nonzero_std keeps only groups with spread (slime's dynamic sampling; set "
-              "rollout.over_sampling_batch_size above batch_size)" if r.dynamic_filter is None else "")
-    return head + (advice + ", or give harder prompts" if advice else "give harder prompts") + f" ({DOCS_REWARDS})"
+    if r.dynamic_filter is not None:
+        return head + f"give harder prompts ({DOCS_REWARDS})"
+    return head + ("rollout.dynamic_filter=nonzero_std keeps only groups with spread (slime's dynamic sampling; set "
+                   f"rollout.over_sampling_batch_size above batch_size), or give harder prompts ({DOCS_REWARDS})")
 
 
 def rollout_metrics(samples: list[Sample], counts: dict[str, int], seconds: float, reward_key: str | None,
