@@ -9,9 +9,10 @@ rate (constant, no warm-up), no KL, one optimizer step per rollout and the same 
 budget (``--budget-min``, counted from the launch of its process: start-up is part of what a user
 waits for) and runs back to back with the other, alone on the machine.
 
-A side stops when its next step would end after the budget (the bench predicts it from the last
-step: slimectl gets SIGTERM between two steps, TRL's trainer is told to stop), so the model a side
-ends with is the one of its last step finished within the budget. That model (slimectl: the newest
+A side stops when its next step could end after the budget (the bench predicts it with a margin:
+1.5 times the longest of its last 5 steps, since step times jitter; slimectl gets SIGTERM between two
+steps, TRL's trainer is told to stop), so the model a side ends with is the one of its last step
+finished within the budget. That model (slimectl: the newest
 ``weights/N``; TRL: ``save_model``) and the base model are scored on the held-out prompts by the same
 code (:func:`evaluate`: HF ``generate``, greedy and ``--eval-samples`` samples at the training
 temperature; pass@1 is the share of correct answers).
@@ -76,9 +77,17 @@ def evaluate(model_dir: Path, tokenizer_dir: Path, rows: list[dict], samples: in
 
 
 # ----------------------------------------------------------------------------- the budget
-def next_step_overruns(started: float, now: float, last_step_s: float, budget_s: float) -> bool:
-    """Whether a step as long as the last one, started now, would end after the budget."""
-    return now - started + last_step_s > budget_s
+STEP_MARGIN, RECENT_STEPS = 1.5, 5  # the next step is predicted as 1.5x the longest of the last 5
+
+
+def next_step_overruns(started: float, now: float, step_times: list[float], budget_s: float) -> bool:
+    """Whether the next step, started now, could end after the budget.
+
+    Step times jitter (a step is not as long as the one before it), so the prediction is
+    ``STEP_MARGIN`` times the longest of the last ``RECENT_STEPS`` steps.
+    """
+    predicted = STEP_MARGIN * max(step_times[-RECENT_STEPS:], default=0.0)
+    return now - started + predicted > budget_s
 
 
 # ----------------------------------------------------------------------------- slimectl rl
@@ -113,12 +122,11 @@ def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
     log = (work / f"slimectl-{seed}.log").open("w")
     started = time.time()
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    budget, metrics, last_step = a.budget_min * 60, run_path / "metrics" / "rl.jsonl", 0.0
+    budget, metrics = a.budget_min * 60, run_path / "metrics" / "rl.jsonl"
     while proc.poll() is None:
         recs = read_metrics(metrics)  # (a torn last line, still being written, is skipped)
-        if recs:
-            last_step = recs[-1]["perf/rl_step_time"]
-        if next_step_overruns(started, time.time(), last_step, budget):
+        step_times = [r["perf/rl_step_time"] for r in recs[-RECENT_STEPS:]]
+        if next_step_overruns(started, time.time(), step_times, budget):
             proc.send_signal(signal.SIGTERM)  # between two steps: nothing of a finished step is lost
             break
         time.sleep(0.2)
@@ -157,7 +165,7 @@ def trl_worker(spec: dict) -> None:
 
     class Budget(TrainerCallback):
         def __init__(self):
-            self.t = time.time()
+            self.t, self.step_times = time.time(), []
 
         def on_log(self, _args, state, control, logs=None, **_):
             if logs and "reward" in logs:
@@ -165,8 +173,9 @@ def trl_worker(spec: dict) -> None:
 
         def on_step_end(self, _args, state, control, **_):
             now = time.time()
-            last, self.t = now - self.t, now
-            if next_step_overruns(started, now, last, spec["budget_s"]):
+            self.step_times.append(now - self.t)
+            self.t = now
+            if next_step_overruns(started, now, self.step_times, spec["budget_s"]):
                 control.should_training_stop = True
 
     trainer.add_callback(Budget())

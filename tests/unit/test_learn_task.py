@@ -57,11 +57,15 @@ def test_the_data_files_are_what_addition_py_writes():
     assert addition.held_out_rows()[0]["input"][0] == {"role": "system", "content": addition.SYSTEM}
 
 
-def test_a_side_stops_when_its_next_step_would_overrun_the_budget():
+def test_a_side_stops_when_its_next_step_could_overrun_the_budget():
     b = bench()
-    assert not b.next_step_overruns(started=0.0, now=50.0, last_step_s=9.0, budget_s=60.0)
-    assert b.next_step_overruns(started=0.0, now=50.0, last_step_s=11.0, budget_s=60.0)
-    assert b.next_step_overruns(started=100.0, now=161.0, last_step_s=0.0, budget_s=60.0)
+    # the next step is predicted as 1.5x the longest of the last 5 steps
+    assert not b.next_step_overruns(started=0.0, now=50.0, step_times=[6.0, 6.6], budget_s=60.0)
+    assert b.next_step_overruns(started=0.0, now=50.0, step_times=[6.0, 6.8, 5.0], budget_s=60.0)
+    # a long step older than the last 5 no longer counts
+    assert not b.next_step_overruns(started=0.0, now=50.0, step_times=[9.0, 1, 1, 1, 1, 1], budget_s=60.0)
+    assert b.next_step_overruns(started=100.0, now=161.0, step_times=[], budget_s=60.0)
+    assert not b.next_step_overruns(started=100.0, now=150.0, step_times=[], budget_s=60.0)
 
 
 def test_reward_by_minute_averages_the_steps_that_ended_in_each_minute():
