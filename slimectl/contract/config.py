@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from slimectl.contract.dataspec import parse_data_spec
 from slimectl.contract.errors import ConfigError
-from slimectl.contract.config_schema import SECTIONS, STAGE_SECTIONS, SlimectlConfig
+from slimectl.contract.config_schema import SECTIONS, STAGE_SECTIONS, SlimectlConfig, section_type
 
 
 # --------------------------------------------------------------------------- loading
@@ -91,9 +91,9 @@ def _known_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
     for name, field in model_cls.model_fields.items():
         full = f"{prefix}{name}"
         keys.append(full)
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys.extend(_known_keys(ann, full + "."))
+        sub = section_type(field.annotation)
+        if sub is not None:
+            keys.extend(_known_keys(sub, full + "."))
     return keys
 
 
@@ -109,14 +109,14 @@ def _check_path_exists(parts: list[str], origin: str) -> None:
         if part not in cls.model_fields:
             raise ConfigError(f"{origin}: unknown config key {dotted!r}{_suggest(dotted)}")
         ann = cls.model_fields[part].annotation
-        is_section = isinstance(ann, type) and issubclass(ann, BaseModel)
+        sub = section_type(ann)
         last = i == len(parts) - 1
-        if not last and not is_section:
+        if not last and sub is None:
             raise ConfigError(f"{origin}: {dotted!r} is a value, not a section; cannot set {'.'.join(parts)!r}")
-        if last and is_section:
+        if last and sub is not None and sub is ann:  # (an optional section may be set whole: null turns it off)
             raise ConfigError(f"{origin}: {dotted!r} is a section; set one of its keys, e.g. {dotted}.KEY=VALUE")
-        if is_section:
-            cls = ann
+        if sub is not None:
+            cls = sub
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str], allowed_sections: tuple[str, ...] | None = None,

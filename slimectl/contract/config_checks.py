@@ -13,7 +13,7 @@ import slimectl.contract.algorithm_names as algo_registry
 if TYPE_CHECKING:
     from slimectl.contract.config_schema import AlgorithmSection, SlimectlConfig
 
-__all__ = ["algorithm_conflict", "critic_layout_problem", "critic_problem", "off_policy_problem"]
+__all__ = ["algorithm_conflict", "critic_layout_problem", "critic_problem", "lora_problem", "off_policy_problem"]
 
 
 def algorithm_conflict(a: "AlgorithmSection") -> str | None:
@@ -70,6 +70,23 @@ def critic_problem(cfg: "SlimectlConfig") -> str | None:
     if c.num_critic_only_steps and c.num_critic_only_steps >= cfg.rollout.num_rollout:
         return (f"critic.num_critic_only_steps = {c.num_critic_only_steps} must be below rollout.num_rollout = "
                 f"{cfg.rollout.num_rollout}, or the actor never trains")
+    return None
+
+
+def lora_problem(cfg: "SlimectlConfig") -> str | None:
+    """LoRA (``train.lora``, ``model.adapter_path``) against the rest of the config (one line), else None."""
+    lora = cfg.train.lora
+    if lora is None:
+        if cfg.model.adapter_path:
+            return (f"model.adapter_path = {cfg.model.adapter_path!r} needs train.lora (set its rank, alpha and "
+                    f"target_modules to the adapter's adapter_config.json)")
+        return None
+    if cfg.model.ref_path:
+        return ("model.ref_path is set with train.lora; a LoRA run's reference is its base with the adapters off "
+                "(model.path): unset model.ref_path")
+    if cfg.algorithm.ref_update_interval is not None:
+        return ("algorithm.ref_update_interval is set with train.lora; a LoRA run's reference is its base with the "
+                "adapters off and never moves: unset ref_update_interval")
     return None
 
 

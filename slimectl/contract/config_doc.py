@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from slimectl.contract.config_schema import SECTIONS, STAGE_SECTIONS, SlimectlConfig
+from slimectl.contract.config_schema import SECTIONS, STAGE_SECTIONS, SlimectlConfig, section_type
 
 #: Where the generated page lives in a source checkout.
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -86,8 +86,11 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             continue
-        rows.append(f"| `{prefix}{name}` | {_cell(_type_name(ann))} | {_cell(_default(field))} | "
-                    f"{_cell(_choices(field))} | {_cell(field.description)} |")
+        sub = section_type(ann)  # an optional nested section (train.lora): its row, then its keys'
+        rows.append(f"| `{prefix}{name}` | {_cell('mapping | null' if sub else _type_name(ann))} | "
+                    f"{_cell(_default(field))} | {_cell(_choices(field))} | {_cell(field.description)} |")
+        if sub is not None:
+            rows += _table(sub, f"{prefix}{name}.")[2:]
     return rows
 
 

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 import slimectl.contract.algorithm_names as algo_registry
-from slimectl.contract.config_checks import algorithm_conflict, critic_problem, off_policy_problem
+from slimectl.contract.config_checks import algorithm_conflict, critic_problem, lora_problem, off_policy_problem
 from slimectl.contract.errors import ConfigError
 
 CONFIG_VERSION = 1
@@ -58,6 +58,17 @@ def _literal_choices(annotation: Any) -> tuple:
     return ()
 
 
+def section_type(annotation: Any) -> type[BaseModel] | None:
+    """The section class a field holds (``Optional[LoraSection]`` too: an optional nested section), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (Union, types.UnionType):
+        inner = [a for a in get_args(annotation) if a is not type(None)]
+        if len(inner) == 1 and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
+            return inner[0]
+    return None
+
+
 def _is_number(annotation: Any) -> bool:
     """Whether a field holds an int or float (possibly Optional): a boolean there is refused."""
     if annotation in (int, float):
@@ -77,6 +88,10 @@ class ModelSection(Section):
     """Tokenizer directory, when it is not inside ``path``."""
     ref_path: Optional[str] = None
     """Reference model for the KL loss (default: ``path``)."""
+    adapter_path: Optional[str] = None
+    """A PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) trained on
+    ``path``, to start a LoRA run from instead of B = 0 (needs ``train.lora`` with the adapter's rank, alpha
+    and target modules)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Parameter dtype for training and engines (fp32 on CPU for exact logprob parity)."""
 
@@ -298,6 +313,51 @@ class EngineSection(Section):
     """Seconds one request to an engine may take."""
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers LoRA adapts, named as PEFT users write them (``all-linear``: every one)."""
+
+
+class LoraSection(Section):
+    """LoRA adapters trained instead of the full weights (PEFT's ``LoraConfig``): ``W x + alpha/rank * B A x``
+    on each target module, B zero at the start (step 0 is the base model), the base frozen."""
+
+    rank: int = Field(default=8, gt=0)
+    """Rank r of each adapter (PEFT's ``r``)."""
+    alpha: float = Field(default=16.0, gt=0)
+    """Scale numerator (PEFT's ``lora_alpha``): the adapter's output is scaled by alpha / rank."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on each adapter's input in training forwards (PEFT's ``lora_dropout``)."""
+    target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
+    """The layers adapted: a list of ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``,
+    ``up_proj``, ``down_proj``, or ``all-linear`` (all seven; the output layer never)."""
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _known_targets(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "all-linear":
+            value = [value]  # one module named alone
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("must name at least one module, or be all-linear")
+            for name in value:
+                if name not in LORA_TARGET_MODULES:
+                    raise ValueError(f"unknown target module {name!r}; choose from {', '.join(LORA_TARGET_MODULES)} "
+                                     f"or all-linear")
+        return value
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The target modules, ``all-linear`` resolved, in a fixed order."""
+        if self.target_modules == "all-linear":
+            return LORA_TARGET_MODULES
+        return tuple(m for m in LORA_TARGET_MODULES if m in self.target_modules)
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank."""
+        return self.alpha / self.rank
+
+
 class TrainSection(Section):
     """The Megatron actor."""
 
@@ -371,6 +431,9 @@ class TrainSection(Section):
     """Checkpoints kept (older ones are deleted; the initial checkpoint 0 is always kept); null keeps all."""
     seed: int = 1234
     """Seed of the actor's initialisation and dropout."""
+    lora: Optional[LoraSection] = None
+    """LoRA: train adapters on the frozen base instead of the full weights (``weights/N`` is then a PEFT
+    adapter); null trains every weight."""
 
     @property
     def world_size(self) -> int:
@@ -667,7 +730,7 @@ class SlimectlConfig(Section):
             raise ValueError(f"train.lr_warmup_steps ({t.lr_warmup_steps}) must be below the run's {steps} optimizer "
                              f"steps (rollout.num_rollout x train.num_steps_per_rollout) to decay the LR "
                              f"({t.lr_decay_style}); lower it or train longer")
-        problem = critic_problem(self) or off_policy_problem(self)
+        problem = critic_problem(self) or off_policy_problem(self) or lora_problem(self)
         if problem:
             raise ValueError(problem)
         if self.rollout.async_mode == "fully_async" and self.engine.offload_during_train:

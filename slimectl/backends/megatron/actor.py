@@ -83,6 +83,12 @@ class MegatronActor:
         gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True, ep=ep, aux_loss_coeff=aux)
         set_recompute(gpt, train, pp, moe=arch.is_moe)
         release_before_layers_backward(gpt)
+        # LoRA (train.lora): adapters on the frozen base; checkpoints and the optimizer hold the adapters only
+        self.lora = None
+        if train.lora is not None:
+            from slimectl.backends.megatron.lora import LoraModel
+
+            self.lora = LoraModel.attach(gpt, arch, train.lora, self.info.tp_rank, tp, train.seed)
         # MoE: routing statistics of the training forwards, the aux loss's scale per step
         self.moe = MoERouting(gpt, arch, aux) if arch.is_moe else None
         if arch.is_moe:
@@ -94,10 +100,13 @@ class MegatronActor:
                 if ".mlp.experts." in name:
                     p.allreduce = False
         self.model = MegatronModel(gpt, transformer_config(arch, tp, pp, dtype, ep=ep, aux_loss_coeff=aux), train,
-                                   total_steps, dtype, use_distributed_optimizer=train.use_distributed_optimizer)
+                                   total_steps, dtype, use_distributed_optimizer=train.use_distributed_optimizer,
+                                   state=self.lora)
         self.model.before_update = before_update
+        # the KL's reference: a frozen copy of the initial policy, or (LoRA) the base itself with the adapters off
+        self.uses_ref = bool(algo.use_kl_loss)
         self.ref_model = None
-        if algo.use_kl_loss:
+        if algo.use_kl_loss and self.lora is None:
             self.ref_model = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=False, ep=ep).eval()
             self.ref_model.requires_grad_(False)
             self._sync_ref()
@@ -158,6 +167,26 @@ class MegatronActor:
         extra = load_megatron_checkpoint(self.module, it_dir)
         self._after_load()
         return extra
+
+    def load_adapter(self, path) -> None:
+        """Start the LoRA adapters from a PEFT adapter directory (``model.adapter_path``), checked against
+        ``train.lora`` and this model first."""
+        from slimectl.backends.hf.peft_adapter import check_adapter_fits, read_adapter
+
+        cfg, tensors = read_adapter(path)
+        check_adapter_fits(cfg, self.train_cfg.lora, f"model.adapter_path {path}")
+        self.lora.load_peft(tensors, f"model.adapter_path {path}")
+
+    def iter_adapter_tensors(self):
+        """LoRA: (PEFT name, full tensor) of every adapter, on global rank 0 (collective, as :meth:`iter_hf_tensors`)."""
+        from slimectl.backends.megatron.checkpoint import pipeline_stages_to_rank0
+
+        own = self.lora.peft_tensors(self.model.tp_group)
+        if self.pp == 1:
+            return own
+        device = next(self.module.parameters()).device
+        return pipeline_stages_to_rank0(own, self.model.pp_group, send=self.info.tp_rank == 0 and self.model.dp_rank == 0,
+                                        device=device)
 
     def iter_hf_tensors(self):
         """Stream (HF name, full tensor) without holding a second copy of the model (for sync).
@@ -227,13 +256,20 @@ class MegatronActor:
     def compute_log_probs(self, samples: Sequence[Any], temperature: float = 1.0,
                           ref: bool = False) -> list[torch.Tensor]:
         """Per-sample response log-probs under the current (or reference) weights (on every rank)."""
-        model = self.ref_model if ref else self.module
         if self.replay is not None:
             self.replay.set_samples(samples)
         mbs = pack_samples(samples, self.train_cfg.max_tokens_per_micro_batch, share_prompts=self.share_prompts)
-        res = self.model.pp_share(self._layout_log_probs(
-            model, [(mb, [s.sample_index for s in mb.seqs]) for mb in mbs], temperature))
+        layout = [(mb, [s.sample_index for s in mb.seqs]) for mb in mbs]
+        lp = self._ref_log_probs(layout, temperature) if ref else self._layout_log_probs(self.module, layout, temperature)
+        res = self.model.pp_share(lp)
         return [res[i] for i in range(len(samples))]
+
+    def _ref_log_probs(self, layout: Layout, temperature: float) -> dict[int, torch.Tensor]:
+        """The reference's log-probs of a layout: the frozen copy's, or the base's (the adapters off) under LoRA."""
+        if self.lora is None:
+            return self._layout_log_probs(self.ref_model, layout, temperature)
+        with self.lora.disabled():
+            return self._layout_log_probs(self.module, layout, temperature)
 
     # ------------------------------------------------------------------ training
     def train_on_samples(self, samples: Sequence[Any], rollout_temperature: float = 1.0,
@@ -291,7 +327,7 @@ class MegatronActor:
         need_old = not sft and (not tcfg.use_rollout_logprobs or algo.effective_use_tis)
         adv_needs_old = need_old and not tcfg.use_rollout_logprobs and (algo.kl_coef != 0 or teacher_lp is not None)
         batch = RolloutBatch(samples=samples, sft=sft, batches=batches, layouts=layouts, masks=masks,
-                             rollout_lp=rollout_lp, teacher_lp=teacher_lp, uses_ref=self.ref_model is not None,
+                             rollout_lp=rollout_lp, teacher_lp=teacher_lp, uses_ref=self.uses_ref,
                              need_old=need_old, use_rollout_logprobs=tcfg.use_rollout_logprobs)
         self._no_grad_log_probs(batch, [need_old and (k > 0 or adv_needs_old) for k in range(len(layouts))],
                                 rollout_temperature)
@@ -312,20 +348,19 @@ class MegatronActor:
                     t = time.perf_counter()
                     old_lp.update(self._layout_log_probs(self.module, layout, temperature))
                     t_old += time.perf_counter() - t
-                if self.ref_model is not None:
+                if self.uses_ref:
                     t = time.perf_counter()
-                    ref_lp.update(self._layout_log_probs(self.ref_model, layout, temperature))
+                    ref_lp.update(self._ref_log_probs(layout, temperature))
                     t_ref += time.perf_counter() - t
         old_lp, ref_lp = self.model.pp_share((self.model.dp_merge(old_lp), self.model.dp_merge(ref_lp)))
         self.module.train()
         batch.old_lp = [old_lp.get(i) for i in range(n)]
         batch.ref_lp = [ref_lp.get(i) for i in range(n)]
-        if any(recompute) or self.ref_model is not None:
-            self.tracer.record("log_probs", started, time.time(), recomputed=sum(recompute),
-                               reference=self.ref_model is not None)
+        if any(recompute) or self.uses_ref:
+            self.tracer.record("log_probs", started, time.time(), recomputed=sum(recompute), reference=self.uses_ref)
         # slime's names: the rollout's no-grad passes, reported with its first step
         batch.timings["perf/log_probs_time"] = t_old
-        if self.ref_model is not None:
+        if self.uses_ref:
             batch.timings["perf/ref_log_probs_time"] = t_ref
 
     def train_steps(self, batch: RolloutBatch, advantages: torch.Tensor | None,
@@ -471,11 +506,26 @@ class MegatronActor:
 
         state = {**self.model.training_state(), "rng_state": self._rng_object(rng_states()),
                  "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.step, "actor_step": self.step,
-                 "expert_parallel": self.ep, **copy.deepcopy(extra or {})}
+                 "expert_parallel": self.ep, "lora": self._lora_shape(), **copy.deepcopy(extra or {})}
         if self.saves_reference:  # updated by ref_update_interval: no longer the initial policy
             state["ref_model"] = self.ref_model.sharded_state_dict(prefix=REF_PREFIX)
             state["ref_saved"] = True
         return state
+
+    def _lora_shape(self) -> dict[str, Any] | None:
+        """What a checkpoint's adapters are (None: a full-weight checkpoint); a resume must match it."""
+        lora = self.train_cfg.lora
+        return None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.modules)}
+
+    def _check_lora_shape(self, it_dir, common: dict[str, Any]) -> None:
+        saved, now = common.get("lora"), self._lora_shape()
+        if saved != now:
+            from slimectl.contract.errors import SlimectlError
+
+            def say(x):
+                return "full weights" if x is None else f"LoRA {x}"
+            raise SlimectlError(f"{it_dir} holds {say(saved)} but train.lora is {say(now)}: resume with the run's "
+                                f"train.lora, or start a new run")
 
     def save_state(self, it_dir, extra: dict[str, Any] | None = None) -> None:
         """Save :meth:`state_to_save` now (collective)."""
@@ -495,6 +545,7 @@ class MegatronActor:
         from megatron.core import dist_checkpointing
 
         common = dist_checkpointing.load_common_state_dict(str(it_dir))
+        self._check_lora_shape(it_dir, common)
         # (the expert-parallel size too: Megatron's expert RNG stream is seeded per expert-parallel rank)
         same_layout = (list(common.get("parallel_layout") or []) == self.model.layout
                        and int(common.get("expert_parallel", 1)) == self.ep)
@@ -520,4 +571,4 @@ class MegatronActor:
         # (ref_update_interval: loaded above).
         return {k: v for k, v in common.items()
                 if k not in ("model", "optimizer", "rng_state", "parallel_layout", "opt_param_scheduler", "ref_model",
-                             "ref_saved", "expert_parallel")}
+                             "ref_saved", "expert_parallel", "lora")}

@@ -342,7 +342,8 @@ def _save_failure(it_dir: str | Path, exc, seen: list[BaseException]) -> Slimect
 
 
 def _sharded_state_dict(model) -> dict[str, Any]:
-    return model.sharded_state_dict(prefix="")
+    """The model's own sharded state: its LoRA adapters (``.lora.``, saved by the adapters themselves) left out."""
+    return {k: v for k, v in model.sharded_state_dict(prefix="").items() if ".lora." not in k}
 
 
 def save_megatron_checkpoint(model, root: str | Path, iteration: int | str, arch: ModelArch, padded_vocab: int,
@@ -486,7 +487,7 @@ def load_megatron_checkpoint(model, it_dir: str | Path, strict: bool = True) -> 
     state = {"model": _sharded_state_dict(model)}
     loaded = dist_checkpointing.load(state, str(it_dir))
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state") and ".lora." not in k]
     if strict and (missing or unexpected):
         raise MegatronCheckpointError(
             f"{it_dir}: checkpoint/model mismatch (missing {missing[:3]}, unexpected {list(unexpected)[:3]})"

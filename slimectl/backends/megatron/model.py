@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -21,13 +21,38 @@ from slimectl.backends.megatron.checkpoint import fill_empty_adam_state
 from slimectl.backends.megatron.lr_schedule import lr_scheduler
 
 
+class ModelState(Protocol):
+    """What a checkpoint holds of the module (the whole module; a LoRA run: its adapters only)."""
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """torch_dist sharded tensors of the live parameters (the optimizer's state is keyed by them)."""
+
+    def load_state_dict(self, loaded: dict[str, Any]) -> list[str]:
+        """Copy what a load of :meth:`sharded_state_dict` returned into the module; returns missing keys."""
+
+
+class WholeModule:
+    """The module's every parameter (megatron-core's own sharded state)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        return self.module.sharded_state_dict(prefix="")
+
+    def load_state_dict(self, loaded: dict[str, Any]) -> list[str]:
+        missing, _ = self.module.load_state_dict(loaded, strict=False)
+        return list(missing)
+
+
 class MegatronModel:
     """``module`` wrapped for training (see the module docstring). ``train``: the section whose optimizer and
     LR keys apply (``lr``, ``min_lr``, ``lr_warmup_steps``, ``lr_decay_style``, ``weight_decay``, Adam's betas
-    and eps, ``clip_grad``); ``total_steps``: the LR schedule's horizon in optimizer steps."""
+    and eps, ``clip_grad``); ``total_steps``: the LR schedule's horizon in optimizer steps; ``state``: what its
+    checkpoints hold (default: the whole module). Only parameters that require grad are trained."""
 
     def __init__(self, module, config, train, total_steps: int | None, dtype: str = "fp32",
-                 use_distributed_optimizer: bool = False):
+                 use_distributed_optimizer: bool = False, state: ModelState | None = None):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -41,6 +66,7 @@ class MegatronModel:
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=use_distributed_optimizer)
         self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=module)
+        self.state = state or WholeModule(module)
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
             adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
@@ -154,7 +180,7 @@ class MegatronModel:
         background writer may write them until the next :meth:`optimizer_step`, which waits for it), the LR
         schedule's position and the layout copied."""
         fill_empty_adam_state(self.optimizer)
-        msd = self.module.sharded_state_dict(prefix="")
+        msd = self.state.sharded_state_dict()
         return {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
                 "opt_param_scheduler": copy.deepcopy(self.scheduler.state_dict()), "parallel_layout": self.layout}
 
@@ -171,10 +197,10 @@ class MegatronModel:
         fill_empty_adam_state(self.optimizer)
         if common is None:
             common = dist_checkpointing.load_common_state_dict(str(it_dir))
-        msd = self.module.sharded_state_dict(prefix="")
+        msd = self.state.sharded_state_dict()
         request = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True), **(more or {})}
         loaded = dist_checkpointing.load(request, str(it_dir))
-        missing, _ = self.module.load_state_dict(loaded["model"], strict=False)
+        missing = self.state.load_state_dict(loaded["model"])
         opt_sd = loaded["optimizer"]
         if isinstance(opt_sd, dict) and isinstance(opt_sd.get("state"), dict) and "common_step" not in opt_sd["state"]:
             # megatron-core saves the shared Adam step only when it is non-zero (`if step:`): a checkpoint of a

@@ -260,9 +260,9 @@ def update_expert_bias(model) -> None:
 
 
 def named_weights(model) -> list:
-    """(local name, tensor) of every tensor HF stores: the parameters, and the routers' expert_bias
+    """(local name, tensor) of every tensor HF stores: the parameters (not LoRA's adapters), and the routers' expert_bias
     buffers (GLM-4.5's e_score_correction_bias: not a parameter, megatron-core updates it itself)."""
-    out = list(model.named_parameters())
+    out = [(n, p) for n, p in model.named_parameters() if ".lora." not in n]  # (LoRA adapters are not HF's)
     out += [(n, b) for n, b in model.named_buffers() if n.endswith(_EXPERT_BIAS) and b is not None]
     return out
 
