@@ -22,12 +22,17 @@ from slimectl.commands._options import force_option, resolve_run_dir, run_dir_op
 @run_dir_option
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), help="Output dtype (default: the checkpoint's).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard, e.g. 500MB.")
+@click.option("--merge", is_flag=True,
+              help="A LoRA run's checkpoint: write its base with the adapter merged in (full HF weights) instead "
+                   "of the PEFT adapter.")
 @force_option("Replace an existing output.")
 @click.pass_context
 def export_cmd(ctx: click.Context, checkpoint: str | None, checkpoint_id: int | None, iteration: int | None,
-               out_dir: str | None, run_dir: str | None, dtype: str | None, max_shard_size: str, force: bool) -> None:
+               out_dir: str | None, run_dir: str | None, dtype: str | None, max_shard_size: str, merge: bool,
+               force: bool) -> None:
     """Export a torch_dist checkpoint (saved at any TP/PP, by convert or train) to an HF directory
-    that AutoModelForCausalLM.from_pretrained loads unchanged (config and tokenizer included).
+    that AutoModelForCausalLM.from_pretrained loads unchanged (config and tokenizer included); a
+    LoRA run's checkpoint exports as a PEFT adapter (PeftModel.from_pretrained), or merged with --merge.
     Prints the output directory.
 
     \b
@@ -36,6 +41,7 @@ def export_cmd(ctx: click.Context, checkpoint: str | None, checkpoint_id: int | 
       slimectl export -r runs/a --id 20 --out qwen-trained
       slimectl export --checkpoint runs/a/checkpoints/000020
       slimectl export --checkpoint ckpt/qwen --out qwen-hf
+      slimectl export -r runs/lora --merge       # a LoRA run: base + adapter -> full HF weights
     """
     from slimectl.stages.export import export_megatron_to_hf
 
@@ -44,5 +50,5 @@ def export_cmd(ctx: click.Context, checkpoint: str | None, checkpoint_id: int | 
         run = None  # an explicit checkpoint wins over a run dir inherited from the root/env
     result = export_megatron_to_hf(checkpoint, out_dir, iteration=iteration, dtype=dtype,
                                    max_shard_size=max_shard_size, force=force, run_dir=run,
-                                   checkpoint_id=checkpoint_id)
+                                   checkpoint_id=checkpoint_id, merge=merge)
     click.echo(str(result.out))

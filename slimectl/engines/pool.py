@@ -22,6 +22,10 @@ from slimectl.engines.client import EngineClient, EngineError
 
 log = logging.getLogger("slimectl.rollout")  # its users' logger: the rollout's (and the harness's) engine failures
 
+POLICY_ADAPTER = "policy"
+"""The name a LoRA run's engines hold its adapter under (``/load_lora_adapter``'s ``lora_name``) and every
+rollout request asks for (``lora_path`` in ``/generate``)."""
+
 
 class EnginePool:
     """``registry`` (the run's :class:`~slimectl.contract.rundir.registry.EngineRegistry`) lets the
@@ -29,12 +33,15 @@ class EnginePool:
     answering. Each engine's failure is reported once, however many requests were in flight."""
 
     def __init__(self, urls: list[str], token: str | None = None, concurrency_per_engine: int = 64,
-                 timeout: float = 600.0, registry=None, router: str | None = None, connections=None):
+                 timeout: float = 600.0, registry=None, router: str | None = None, connections=None,
+                 lora_path: str | None = None):
         """``connections``: a :class:`~slimectl.engines.client.KeptConnections` whose sessions the
-        clients use (kept open after :meth:`close`); None: each client opens and closes its own."""
+        clients use (kept open after :meth:`close`); None: each client opens and closes its own.
+        ``lora_path``: the adapter every ``/generate`` asks for (a LoRA run's :data:`POLICY_ADAPTER`)."""
         if not urls:
             raise SlimectlError("no engines registered; start them with `slimectl serve -r RUN` or pass --engine-url")
         self.router = router.rstrip("/") if router else None
+        self.lora_path = lora_path
 
         def session(url: str):
             return connections.session(url) if connections is not None else None
@@ -93,6 +100,8 @@ class EnginePool:
     async def generate(self, **body: Any) -> dict[str, Any]:
         """POST /generate through the router when there is one, else on the least-loaded live
         engine; fail over on connection errors."""
+        if self.lora_path is not None:
+            body.setdefault("lora_path", self.lora_path)
         if self.router is not None:
             router = self.router
             try:

@@ -174,7 +174,13 @@ class InProcessTrainer:
                 for item in tensors:  # not `yield from`: closing this generator must leave the pass open
                     yield item
 
-            return WeightSource.from_tensors(version, passes)
+            lora = self.cfg.train.lora
+            adapter = None
+            if lora is not None:
+                from slimectl.backends.hf.peft_adapter import adapter_config
+
+                adapter = adapter_config(lora, self.cfg.model.path)
+            return WeightSource.from_tensors(version, passes, adapter=adapter)
         if version == 0 and not self.run.weights.exists(0):
             return WeightSource.from_dir(0, self.cfg.model.path)
         if not self.run.weights.exists(version):  # publishing is collective over the trainer ranks

@@ -153,12 +153,13 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
                           iteration: int | None = None, dtype: str | None = None,
                           max_shard_size: str | int = "5GB", force: bool = False,
                           run_dir: str | Path | None = None, progress: str = "auto",
-                          checkpoint_id: int | None = None) -> ExportResult:
+                          checkpoint_id: int | None = None, merge: bool = False) -> ExportResult:
     """Export a checkpoint (convert's or train's, saved at any TP/PP) to an HF safetensors directory, in one process.
 
     With ``run_dir`` and no ``checkpoint``, the newest READY checkpoint of the run is used (or
     ``checkpoint_id``); with a run and no ``out``, the result goes to ``RUN/exports/ID`` (refused
-    when it exists, unless ``force``). ``iteration`` picks an iteration of a plain Megatron root.
+    when it exists, unless ``force``). ``iteration`` picks an iteration of a plain Megatron root. A LoRA run's
+    checkpoint exports as its PEFT adapter, or with ``merge`` as the base (``model.path``) with it merged in.
     """
     from slimectl.contract.logs import progress as bar
     from slimectl.contract.rundir.artifacts import format_id
@@ -182,6 +183,9 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
                                                                              iteration)
     meta, it_dir, it, arch = _read_meta_and_arch(checkpoint, megatron_iteration, read_checkpoint_meta, arch_from_meta)
     checkpoint = it_dir.parent  # the root, also when given the torch_dist directory inside it
+    if merge and not meta.get("lora"):
+        raise UsageError(f"--merge merges a LoRA adapter into its base, but {checkpoint} holds full weights; "
+                         f"leave --merge out")
     src_dtype = meta.get("dtype", "fp32")
     dtype = dtype or src_dtype
     if out is None:
@@ -200,10 +204,13 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
         try:
             if info.world_size != 1:
                 raise UsageError("export runs in a single process; do not launch it under torchrun")
-            model = build_gpt_model(arch, meta["padded_vocab_size"], tp=1, pp=1, dtype=src_dtype, init=False)
-            load_megatron_checkpoint(model, it_dir)
+            if meta.get("lora"):
+                write = _lora_writer(meta["lora"], it_dir, arch, merge, shard_bytes, dtype)
+            else:
+                model = build_gpt_model(arch, meta["padded_vocab_size"], tp=1, pp=1, dtype=src_dtype, init=False)
+                load_megatron_checkpoint(model, it_dir)
 
-            def write(dest: Path) -> dict:
+            def write_full(dest: Path) -> dict:
                 # one tick per HF tensor written (a fused Megatron parameter gives several)
                 with bar(mode=progress, desc="export", unit=" tensors") as pbar:
                     def tensors():
@@ -216,6 +223,8 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
                 _set_config_dtype(dest, dtype)
                 return index
 
+            if not meta.get("lora"):
+                write = write_full
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = _run_staging(run, out) if in_run else out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
             try:
@@ -233,6 +242,35 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
             return ExportResult(dest, it, len(index["weight_map"]), files)
         finally:
             shutdown_parallel()
+
+
+def _lora_writer(cfg: dict, it_dir: Path, arch, merge: bool, shard_bytes: int, dtype: str):
+    """What writes a LoRA checkpoint's export: its PEFT adapter, or (``merge``) its base with the adapter merged
+    in (the base: the adapter config's ``base_model_name_or_path``, the run's model.path)."""
+    from slimectl.backends.hf.checkpoint import HFCheckpoint, write_safetensors_sharded
+    from slimectl.backends.hf.dtypes import torch_dtype
+    from slimectl.backends.hf.peft_adapter import ADAPTER_WEIGHTS, merged_tensors, write_adapter
+    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
+    from slimectl.backends.megatron.lora import read_checkpoint_adapters
+
+    tensors = read_checkpoint_adapters(it_dir, arch, cfg)
+    base = cfg.get("base_model_name_or_path")
+    if merge and not (base and (Path(base) / "config.json").is_file()):
+        raise UsageError(f"--merge needs the LoRA run's base model, {base!r}, which is not a model directory here; "
+                         f"copy the base there (the run's model.path) or export the adapter without --merge")
+
+    def write(dest: Path) -> dict:
+        if not merge:
+            write_adapter(tensors.items(), dest, cfg)
+            return {"weight_map": {k: ADAPTER_WEIGHTS for k in tensors}}
+        with HFCheckpoint(base) as hf:
+            index = write_safetensors_sharded(merged_tensors(hf, cfg, tensors), dest, shard_bytes,
+                                              dtype=torch_dtype(dtype))
+        copy_hf_aux_files(base, dest)
+        _set_config_dtype(dest, dtype)
+        return index
+
+    return write
 
 
 def _run_staging(run, out: Path) -> Path:

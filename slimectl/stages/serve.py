@@ -166,6 +166,7 @@ class EngineProcesses:
         self.engines: list[ServedEngine] = []
         self.router: ServedEngine | None = None
         self.token = cfg.engine.token()
+        self.adapter_dir: str | None = None  # a LoRA run: the adapter launched engines load over model.path
 
     @property
     def urls(self) -> list[str]:
@@ -181,7 +182,11 @@ class EngineProcesses:
             raise UsageError("--weight-version/--initial apply to engines serve launches; external engines "
                              "(--engine-url) report their own version: sync them with `slimectl sync`")
         if self.backend != "external":
+            if self.cfg.train.lora is not None:
+                publish_initial_adapter(self.run, self.cfg)
             self.model_path, self.weight_version = self._resolve_weights()
+            if self.cfg.train.lora is not None:  # engines load the base, then the version's adapter over it
+                self.adapter_dir, self.model_path = self.model_path, self.explicit_model_path or self.cfg.model.path
             if not self.model_path or not Path(self.model_path).is_dir():
                 raise UsageError(f"model.path = {self.model_path}: no such model directory for the engines")
             if not self.token and ec.host not in ("127.0.0.1", "localhost", "::1"):
@@ -221,6 +226,8 @@ class EngineProcesses:
                 launched = [(i, proc.url, proc.pid) for i, proc in launched]
                 self.supervisor.wait_all_healthy([u for _, u, _ in launched], timeout=ec.startup_timeout_s,
                                                  interval=0.25)
+                if self.adapter_dir is not None:
+                    self._load_adapter([u for _, u, _ in launched])
                 for i, url, pid in launched:
                     self._register(f"engine-{i}", url, pid, self.weight_version)
                 if router_python:
@@ -275,6 +282,26 @@ class EngineProcesses:
             extra={"workers": urls, "log": str(router.log_path)}))
         self.router = ServedEngine(rec.id, url, "sglang-router", router.pid)
         log.info("router %s ready at %s in front of %s", rec.id, url, ", ".join(urls))
+
+    def _load_adapter(self, urls: list[str]) -> None:
+        """A LoRA run: every launched engine loads the version's adapter as :data:`POLICY_ADAPTER`."""
+        import asyncio
+
+        from slimectl.engines.client import EngineClient, EngineError
+        from slimectl.engines.pool import POLICY_ADAPTER
+
+        async def load(url: str) -> None:
+            async with EngineClient(url, token=self.token, timeout=self.cfg.engine.startup_timeout_s) as c:
+                await c.load_lora_adapter(POLICY_ADAPTER, self.adapter_dir, weight_version=self.weight_version)
+
+        async def load_all() -> None:
+            await asyncio.gather(*(load(u) for u in urls))
+
+        try:
+            asyncio.run(load_all())
+        except EngineError as exc:
+            raise SlimectlError(f"the engines could not load the LoRA adapter {self.adapter_dir}: {exc}") from None
+        log.info("engines serve %s with the adapter %s", self.model_path, self.adapter_dir)
 
     def _resolve_weights(self) -> tuple[str | None, str]:
         """(the model directory launched engines load, its weight version)."""
@@ -351,6 +378,11 @@ class EngineProcesses:
                 k.strip("-").replace("-", "_") == "enable_return_routed_experts" for k in extra):
             # SGLang answers return_routed_experts only when started with this flag (routing replay, R3)
             extra["enable_return_routed_experts"] = True
+        lora = self.cfg.train.lora
+        if lora is not None:  # SGLang serves adapters only when started for them (/load_lora_adapter after)
+            for k, v in (("enable_lora", True), ("max_lora_rank", lora.rank), ("max_loras_per_batch", 1),
+                         ("lora_target_modules", list(lora.modules))):
+                extra.setdefault(k, v)
         spec = SGLangLaunchSpec(model_path=str(self.model_path), port=port, host=ec.host, tp_size=ec.tp_size,
                                 mem_fraction_static=ec.mem_fraction_static, dtype=dtype, gpu_ids=gpus,
                                 weight_version=self.weight_version, admin_api_key=self.token,
@@ -400,6 +432,31 @@ class EngineProcesses:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def publish_initial_adapter(run: RunDir, cfg: SlimectlConfig) -> None:
+    """A LoRA run's ``weights/0``: the adapter its engines serve before any training (``model.adapter_path``'s, or
+    one that changes nothing: A and B zero), published once (by whichever process gets there first)."""
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.hf.peft_adapter import adapter_config, check_adapter_fits, read_adapter, write_adapter, \
+        zero_adapter
+    from slimectl.contract.errors import ArtifactExists
+
+    if run.weights.exists(0):
+        return
+    lora = cfg.train.lora
+    if cfg.model.adapter_path:
+        conf, tensors = read_adapter(cfg.model.adapter_path)
+        check_adapter_fits(conf, lora, f"model.adapter_path {cfg.model.adapter_path}")
+    else:
+        conf, tensors = adapter_config(lora, cfg.model.path), zero_adapter(arch_from_dir(cfg.model.path), lora)
+    try:
+        with run.weights.publish(0, meta={"source": "serve", "weight_version": 0, "format": "peft_lora"},
+                                 stage="serve") as staging:
+            write_adapter(tensors.items(), staging, conf)
+    except ArtifactExists:
+        return  # another stage published it meanwhile
+    log.info("published weights/000000: the initial LoRA adapter (%s)", cfg.model.adapter_path or "B = 0")
 
 
 def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),

@@ -22,6 +22,37 @@ _UNSUPPORTED = {"use_rslora": False, "use_dora": False, "bias": "none", "modules
                 "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": False}
 
 
+#: PEFT module -> its path in an HF Llama-family layer
+HF_MODULES = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+              "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+              "down_proj": "mlp.down_proj"}
+PEFT_PREFIX = "base_model.model.model.layers."
+
+
+def peft_name(layer: int, module: str, which: str) -> str:
+    """The PEFT key of layer ``layer``'s ``module`` adapter matrix ``which`` (``A`` or ``B``)."""
+    return f"{PEFT_PREFIX}{layer}.{HF_MODULES[module]}.lora_{which}.weight"
+
+
+def module_shapes(arch, module: str) -> tuple[int, int]:
+    """(out, in) of HF module ``module`` of ``arch`` (a ``ModelArch``)."""
+    h, f, d = arch.hidden_size, arch.mlp_intermediate_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}[module]
+
+
+def zero_adapter(arch, lora) -> dict[str, torch.Tensor]:
+    """An adapter that changes nothing (A and B zero): a LoRA run's engines serve it before any training."""
+    out = {}
+    for layer in range(arch.num_layers):
+        for m in lora.modules:
+            o, i = module_shapes(arch, m)
+            out[peft_name(layer, m, "A")] = torch.zeros(lora.rank, i)
+            out[peft_name(layer, m, "B")] = torch.zeros(o, lora.rank)
+    return out
+
+
 def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
@@ -91,3 +122,25 @@ def check_adapter_fits(cfg: dict[str, Any], lora, where: str) -> None:
     diff = [f"{k} {have[k]!r} (train.lora.{k} = {want[k]!r})" for k in want if have[k] != want[k]]
     if diff:
         raise SlimectlError(f"{where}: the adapter has {'; '.join(diff)}; set train.lora to the adapter's values")
+
+
+def merged_tensors(base, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]):
+    """(HF name, tensor) of base checkpoint ``base`` (an ``HFCheckpoint``) with adapter ``tensors`` merged in:
+    ``W + lora_alpha/r * B @ A`` on each adapted module (computed in fp32, returned in the base's dtype)."""
+    scale = float(cfg["lora_alpha"]) / int(cfg["r"])
+    prefix, used = "base_model.model.", set()
+    for name, w in base.iter_tensors():
+        stem = name[: -len(".weight")] if name.endswith(".weight") else None
+        a_key, b_key = f"{prefix}{stem}.lora_A.weight", f"{prefix}{stem}.lora_B.weight"
+        if stem is not None and a_key in tensors:
+            a, b = tensors[a_key].float(), tensors[b_key].float()
+            if tuple(w.shape) != (b.shape[0], a.shape[1]):
+                raise SlimectlError(f"{name}: the adapter's B @ A is {[b.shape[0], a.shape[1]]}, the base's weight "
+                                    f"{list(w.shape)}; merge the adapter into the model it was trained on")
+            w = (w.float() + scale * (b @ a)).to(w.dtype)
+            used.update((a_key, b_key))
+        yield name, w
+    left = sorted(set(tensors) - used)
+    if left:
+        raise SlimectlError(f"the adapter's {left[0]} has no weight in the base model ({len(left)} unmatched); "
+                            f"merge the adapter into the model it was trained on")

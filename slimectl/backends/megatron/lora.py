@@ -28,36 +28,17 @@ from dataclasses import dataclass
 import torch
 
 from slimectl.backends.hf.arch import ModelArch
+from slimectl.backends.hf.peft_adapter import HF_MODULES, module_shapes, peft_name
 from slimectl.contract.errors import SlimectlError
 
-#: PEFT module -> (the Megatron linear holding it, its HF module path)
-MODULES = {
-    "q_proj": ("self_attention.linear_qkv", "self_attn.q_proj"),
-    "k_proj": ("self_attention.linear_qkv", "self_attn.k_proj"),
-    "v_proj": ("self_attention.linear_qkv", "self_attn.v_proj"),
-    "o_proj": ("self_attention.linear_proj", "self_attn.o_proj"),
-    "gate_proj": ("mlp.linear_fc1", "mlp.gate_proj"),
-    "up_proj": ("mlp.linear_fc1", "mlp.up_proj"),
-    "down_proj": ("mlp.linear_fc2", "mlp.down_proj"),
-}
+#: PEFT module -> the Megatron linear holding it
+LINEAR_OF = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
+             "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
+             "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}
 #: The projections each linear fuses, in its layout's order.
 FUSED = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"), "self_attention.linear_proj": ("o_proj",),
          "mlp.linear_fc1": ("gate_proj", "up_proj"), "mlp.linear_fc2": ("down_proj",)}
 ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
-PEFT_PREFIX = "base_model.model.model.layers."
-
-
-def peft_name(layer: int, module: str, which: str) -> str:
-    """The PEFT key of layer ``layer``'s ``module`` adapter matrix ``which`` (``A`` or ``B``)."""
-    return f"{PEFT_PREFIX}{layer}.{MODULES[module][1]}.lora_{which}.weight"
-
-
-def module_shapes(arch: ModelArch, module: str) -> tuple[int, int]:
-    """(out, in) of an HF module of ``arch``."""
-    h, f, d = arch.hidden_size, arch.mlp_intermediate_size, arch.head_dim
-    q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}[module]
 
 
 def check_lora_targets(arch: ModelArch, modules: tuple[str, ...]) -> None:
@@ -133,7 +114,7 @@ def _requires_grad(_module, _inputs, output):
 def _kaiming_uniform(shape: tuple[int, int], seed: int, layer: int, module: str) -> torch.Tensor:
     """PEFT's A init (``kaiming_uniform_(a=sqrt(5))``: U(-1/sqrt(in), 1/sqrt(in))), the full tensor from a
     generator of its own (the same at every TP size and on every rank)."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 101 + list(MODULES).index(module))
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 101 + list(HF_MODULES).index(module))
     bound = 1.0 / math.sqrt(shape[1])
     return (torch.rand(shape, generator=gen) * 2 - 1) * bound
 
@@ -170,7 +151,7 @@ class LoraModel:
         modules = lora.modules
         check_lora_targets(arch, modules)
         gpt.requires_grad_(False)
-        linears = sorted({MODULES[m][0] for m in modules}, key=list(FUSED).index)
+        linears = sorted({LINEAR_OF[m] for m in modules}, key=list(FUSED).index)
         items = []
         for layer in gpt.decoder.layers:
             i = layer.layer_number - 1
@@ -265,3 +246,23 @@ class LoraModel:
         with torch.no_grad():
             for p, local in plan:
                 p.copy_(local)
+
+
+def read_checkpoint_adapters(it_dir, arch: ModelArch, cfg: dict) -> dict[str, torch.Tensor]:
+    """The full adapter tensors a LoRA run's torch_dist checkpoint holds (saved at any TP/PP), by PEFT name;
+    ``cfg``: the adapter config its metadata records. One process, Megatron's parallel state set up."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint
+
+    from slimectl.backends.megatron.safe_loading import install_safe_loading
+
+    install_safe_loading()
+    request = {}
+    for layer in range(arch.num_layers):
+        for m in cfg["target_modules"]:
+            out, inp = module_shapes(arch, m)
+            for which, shape in (("A", (cfg["r"], inp)), ("B", (out, cfg["r"]))):
+                name = peft_name(layer, m, which)
+                request[name] = make_sharded_tensor_for_checkpoint(torch.empty(shape), name)
+    loaded = dist_checkpointing.load({"model": request}, str(it_dir))
+    return dict(loaded["model"])

@@ -81,14 +81,15 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
 async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list[str], tok,
                       version: int) -> tuple[dict[str, dict[str, float]], dict[str, list[list[Sample]]]]:
     from slimectl.contract.logs import progress
-    from slimectl.engines.pool import EnginePool
+    from slimectl.engines.pool import POLICY_ADAPTER, EnginePool
     from slimectl.stages.rollout.generate import default_generate, load_function, run_group
     from slimectl.rewards import close_shared_remotes
     from slimectl.stages.rollout.stage import sampling_params, make_reward_fn
 
     r = cfg.rollout
     pool = EnginePool(urls, token=cfg.engine.token(),
-                      concurrency_per_engine=r.concurrency_per_engine, timeout=cfg.engine.request_timeout_s)
+                      concurrency_per_engine=r.concurrency_per_engine, timeout=cfg.engine.request_timeout_s,
+                      lora_path=POLICY_ADAPTER if cfg.train.lora is not None else None)
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=None,
                            rollout_max_response_len=r.eval_max_response_len or r.max_response_len,
                            n_samples_per_prompt=r.eval_n_samples, reward_key=r.reward_key, mask_offpolicy=False)

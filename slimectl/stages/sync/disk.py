@@ -1,4 +1,5 @@
-"""Disk transport: every engine loads the published HF safetensors of a version itself.
+"""Disk transport: every engine loads the published HF safetensors of a version itself (a LoRA run's: its
+adapter, with ``/load_lora_adapter``).
 
 The directory must be readable by the engines at the same path (one machine, or a shared
 filesystem); ``/update_weights_from_disk`` carries the weight version.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from slimectl.contract.errors import SlimectlError
+from slimectl.engines.pool import POLICY_ADAPTER
 from slimectl.stages.sync.source import WeightSource
 from slimectl.stages.sync.transport import WeightTransport
 
@@ -22,6 +24,10 @@ class DiskTransport(WeightTransport):
                                 f"({source.hf_dir}); publish weights/{source.version:06d} or use the distributed transport")
         path = str(source.hf_dir.resolve())
         version = str(source.version)
+        if source.adapter is not None:  # a LoRA run: the adapter, over the base the engines serve
+            await asyncio.gather(*(c.load_lora_adapter(POLICY_ADAPTER, path, weight_version=version)
+                                   for c in clients.values()))
+            return sum(f.stat().st_size for f in source.hf_dir.glob("*.safetensors")) * len(clients)
         await asyncio.gather(*(c.update_weights_from_disk(path, weight_version=version, flush_cache=flush_cache)
                                for c in clients.values()))
         return sum(f.stat().st_size for f in source.hf_dir.glob("*.safetensors")) * len(clients) if clients else 0

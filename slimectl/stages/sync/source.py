@@ -16,26 +16,36 @@ class WeightSource:
     ``hf_dir`` is an HF model directory holding exactly these weights (what the disk transport
     hands to engines); ``iter_tensors()`` yields ``(hf_name, tensor)`` for the distributed
     transport and for verification — read lazily from ``hf_dir``, or streamed from a live
-    trainer (``from_tensors``).
+    trainer (``from_tensors``). A LoRA run's version is an adapter: ``adapter`` is its ``adapter_config.json``
+    (``hf_dir`` a PEFT adapter directory, the tensors PEFT-named), and engines load it over their base.
     """
 
     version: int
     hf_dir: Path | None = None
     _iter: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None
     _get: Callable[[str], torch.Tensor] | None = None
+    adapter: dict | None = None
 
     @classmethod
     def from_dir(cls, version: int, hf_dir: str | Path) -> "WeightSource":
-        return cls(version, Path(hf_dir))
+        from slimectl.backends.hf.peft_adapter import is_adapter_dir, read_adapter_config
+
+        adapter = read_adapter_config(hf_dir) if is_adapter_dir(hf_dir) else None
+        return cls(version, Path(hf_dir), adapter=adapter)
 
     @classmethod
     def from_tensors(cls, version: int, iter_fn: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-                     hf_dir: str | Path | None = None) -> "WeightSource":
-        return cls(version, Path(hf_dir) if hf_dir is not None else None, iter_fn)
+                     hf_dir: str | Path | None = None, adapter: dict | None = None) -> "WeightSource":
+        return cls(version, Path(hf_dir) if hf_dir is not None else None, iter_fn, adapter=adapter)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._iter is not None:
             yield from self._iter()
+            return
+        if self.adapter is not None:
+            from slimectl.backends.hf.peft_adapter import read_adapter
+
+            yield from read_adapter(self.hf_dir)[1].items()
             return
         with self._checkpoint() as ckpt:
             yield from ckpt.iter_tensors()

@@ -68,15 +68,22 @@ def publish(run: RunDir, actor, cfg: SlimectlConfig, rid: int, version: int, che
 
 def publish_weights(run: RunDir, actor, cfg: SlimectlConfig, rid: int, version: int, rank0: bool) -> None:
     """``weights/VERSION``: the actor's HF tensors (collective under TP/PP; written by rank 0) and the HF
-    config and tokenizer files of ``model.path``."""
+    config and tokenizer files of ``model.path``; a LoRA run's: the PEFT adapter of ``model.path``."""
     from slimectl.backends.hf.checkpoint import write_safetensors_sharded
+    from slimectl.backends.hf.peft_adapter import adapter_config, write_adapter
 
-    tensors = actor.iter_hf_tensors()  # collective under TP/PP; views of the parameters on rank 0
+    lora = cfg.train.lora
+    # collective under TP/PP; views of the parameters on rank 0 (LoRA: the adapters, a PEFT adapter directory)
+    tensors = actor.iter_adapter_tensors() if lora is not None else actor.iter_hf_tensors()
     if rank0:
-        with run.weights.publish(version, meta={"source": "train", "rollout_id": rid, "weight_version": version},
-                                 stage="train", overwrite=True) as staging:
-            write_safetensors_sharded(tensors, staging)
-            copy_hf_aux_files(cfg.model.path, staging)
+        meta = {"source": "train", "rollout_id": rid, "weight_version": version,
+                **({"format": "peft_lora"} if lora is not None else {})}
+        with run.weights.publish(version, meta=meta, stage="train", overwrite=True) as staging:
+            if lora is not None:
+                write_adapter(tensors, staging, adapter_config(lora, cfg.model.path))
+            else:
+                write_safetensors_sharded(tensors, staging)
+                copy_hf_aux_files(cfg.model.path, staging)
     else:
         for _ in tensors:
             pass
@@ -97,6 +104,10 @@ def publish_checkpoint(run: RunDir, actor, cfg: SlimectlConfig, meta: dict, vers
     t = cfg.train
     info = checkpoint_meta(actor.arch, actor.padded_vocab, cfg.model.dtype, iteration=actor.step,
                            saved_with={"tp": t.tp, "pp": t.pp, "dp": t.dp, **({"ep": t.ep} if t.ep > 1 else {})})
+    if t.lora is not None:  # the checkpoint holds the adapters only: export reads them back with this
+        from slimectl.backends.hf.peft_adapter import adapter_config
+
+        info["lora"] = adapter_config(t.lora, cfg.model.path)
     critic_state = critic.state_to_save() if critic is not None else None
 
     def job() -> None:

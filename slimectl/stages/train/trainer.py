@@ -82,6 +82,8 @@ class Trainer:
             self.actor.load_checkpoint(init_dir)
         else:
             self.actor.load_hf(cfg.model.path)
+        if cfg.model.adapter_path:  # LoRA from an existing adapter (on resume, the checkpoint's replace it)
+            self.actor.load_adapter(cfg.model.adapter_path)
         last, next_id = resume_point(run)
         self.critic = None
         if cfg.algorithm.advantage_estimator == "ppo":
@@ -123,7 +125,8 @@ class Trainer:
         return self.next_rollout
 
     def iter_hf_tensors(self):
-        return self.actor.iter_hf_tensors()
+        """What a distributed sync moves: the HF tensors, or (LoRA) the PEFT-named adapters."""
+        return self.actor.iter_adapter_tensors() if self.cfg.train.lora is not None else self.actor.iter_hf_tensors()
 
     def train_rollout(self, rid: int, art, metrics, publish_weights: bool = True, last: bool = False) -> list[dict]:
         """Train on rollout ``rid`` (its READY artifact), publish at the save interval, commit the cursor
