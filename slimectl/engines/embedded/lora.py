@@ -164,18 +164,16 @@ class LoraAdapters:
         targets, exclude = config.get("target_modules"), config.get("exclude_modules")
         if not targets:
             raise ValueError(f"{where}: target_modules is empty; name the linear modules the adapter trains")
-        tensors: dict[str, tuple[str, str, tuple[int, int]]] = {}
-        for name in names:
-            tensors[name] = self._tensor_shape(name, r, targets, exclude, where)
-        want = [m for m in self.linears if _matches(m, targets, exclude)]
-        if not want:
-            raise ValueError(f"{where}: target_modules {targets!r} names no linear module of the served model's "
-                             f"decoder (its linears end in {sorted({m.rsplit('.', 1)[-1] for m in self.linears})})")
         if isinstance(targets, (list, tuple)):
             for t in targets:
                 if not any(m == t or m.endswith(f".{t}") for m in self.linears):
                     raise ValueError(f"{where}: target module {t!r} is not a linear module of the served model's "
                                      f"decoder; drop it from target_modules")
+        want = [m for m in self.linears if _matches(m, targets, exclude)]
+        if not want:
+            raise ValueError(f"{where}: target_modules {targets!r} names no linear module of the served model's "
+                             f"decoder (its linears end in {sorted({m.rsplit('.', 1)[-1] for m in self.linears})})")
+        tensors = {name: self._tensor_shape(name, r, targets, exclude, where) for name in names}
         have = {(m, ab) for m, ab, _ in tensors.values()}
         for m in want:
             for ab in ("A", "B"):
