@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import threading
 import time
 import urllib.error
@@ -15,7 +14,7 @@ import warnings
 
 import pytest
 
-from tests.helpers import free_port, start_engine, wait_healthy
+from tests.helpers import free_port, start_engine, stop_engine, wait_healthy
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -69,11 +68,7 @@ def engine(models, tmp_path_factory):
         proc.kill()
         raise AssertionError(log.read_text()[-3000:])
     yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_engine(proc)
 
 
 def call(url, path, body, token=TOKEN, timeout=60):
