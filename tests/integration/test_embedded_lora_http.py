@@ -145,7 +145,7 @@ def test_unknown_names_and_bad_adapters_are_400_in_one_line(engine, models):
     assert status == 400 and "lora_path 'nope' is not a loaded LoRA adapter (loaded: ['keep'])" in message
     assert "\n" not in message
     status, body = call(engine, "/load_lora_adapter", {"lora_name": "keep", "lora_path": str(models["bin"])})
-    assert status == 400 and body["success"] is False and "adapter_model.bin, a pickle" in body["error_message"]
+    assert status == 400 and body["success"] is False and "adapter_model.bin is pickle, never loaded" in body["error_message"]
     assert "\n" not in body["error_message"] and body["loaded_adapters"] == {"keep": str(models["a"])}
     status, body = call(engine, "/unload_lora_adapter", {"lora_name": "nope"})
     assert status == 400 and body["error_message"] == "LoRA adapter 'nope' is not loaded (loaded: ['keep'])"

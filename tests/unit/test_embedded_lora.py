@@ -281,13 +281,14 @@ BAD = {
                                             "module 'model.layers.7.self_attn."),
     "wrong shape (r)": (dict(config=lambda c: c.update(r=2)), "has shape [4, 64], the served model needs [2, 64]"),
     "a module without lora_B": (dict(tensors=_drop_first_b), "no lora_B weight for module"),
-    "rslora": (dict(config=lambda c: c.update(use_rslora=True)), "rank-stabilised scaling (use_rslora)"),
-    "dora": (dict(config=lambda c: c.update(use_dora=True)), "DoRA (use_dora) is not supported"),
-    "bias": (dict(config=lambda c: c.update(bias="all")), "trained biases (bias) is not supported"),
-    "modules_to_save": (dict(config=lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save"),
+    "rslora": (dict(config=lambda c: c.update(use_rslora=True)), "use_rslora = True is not supported (plain LoRA only)"),
+    "dora": (dict(config=lambda c: c.update(use_dora=True)), "use_dora = True is not supported"),
+    "bias": (dict(config=lambda c: c.update(bias="all")), "bias = 'all' is not supported"),
+    "modules_to_save": (dict(config=lambda c: c.update(modules_to_save=["lm_head"])),
+                        "modules_to_save = ['lm_head'] is not supported"),
     "lm_head target": (dict(config=lambda c: c.update(target_modules=["lm_head"])),
                        "target module 'lm_head' is not a linear module"),
-    "not lora": (dict(config=lambda c: c.update(peft_type="IA3")), "serves LoRA adapters only"),
+    "not lora": (dict(config=lambda c: c.update(peft_type="IA3")), "only LoRA adapters are supported"),
 }
 
 
@@ -304,9 +305,9 @@ def test_a_bad_adapter_is_refused_in_one_line_and_changes_nothing(engine, models
     elif case == "missing weights file":
         path = _variant(models["attn"], tmp_path / "bad")
         (path / "adapter_model.safetensors").unlink()
-        message = "has no adapter_model.safetensors"
+        message = "no adapter_model.safetensors"
     elif case == "a .bin adapter":
-        path, message = models["bin"], "holds adapter_model.bin, a pickle the engine never loads"
+        path, message = models["bin"], "adapter_model.bin is pickle, never loaded"
     else:
         path, message = tmp_path / "nothing", "is not a directory"
     for name in ("good", "other"):  # neither a replace nor a new name goes through

@@ -2,7 +2,8 @@
 of the untouched base weights, and applied unmerged, per row of a batch.
 
 An adapter comes from a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``, as
-``PeftModel.save_pretrained`` writes it; a pickled ``.bin`` is refused, never unpickled) or from tensors received over
+``PeftModel.save_pretrained`` writes it, read by :mod:`slimectl.backends.hf.peft_adapter`: a pickled ``.bin`` is
+refused, never unpickled) or from tensors received over
 a weight-update group under the same PEFT names (``base_model.model.<module>.lora_A.weight`` [r, in] and
 ``...lora_B.weight`` [out, r]). Everything is checked against the served model before anything changes: plain LoRA
 only (no rsLoRA, DoRA, bias, modules_to_save, per-module rank or alpha patterns ...), every target an ``nn.Linear``
@@ -17,7 +18,6 @@ removals and the forwards all run on the scheduler thread, so an adapter is repl
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,15 +27,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "FROM_DISTRIBUTED", "AdapterShape", "LoraAdapter", "LoraAdapters"]
+from slimectl.backends.hf.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter
+from slimectl.contract.errors import SlimectlError
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+__all__ = ["FROM_DISTRIBUTED", "AdapterShape", "LoraAdapter", "LoraAdapters"]
+
 #: The ``lora_path`` reported for an adapter received over a weight-update group (SGLang says ``__tensor__`` for one
 #: loaded from tensors).
 FROM_DISTRIBUTED = "__distributed__"
 
-_PEFT_NAME = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight")
+#: A LoRA weight's PEFT name (the adapter's own name, ``.default``, when PEFT saved it with one).
+_PEFT_NAME = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight")
 
 #: PEFT config keys this engine does not implement: key -> (the values that mean "off", what it is).
 _UNSUPPORTED: dict[str, tuple[tuple, str]] = {
@@ -209,35 +211,20 @@ class LoraAdapters:
 
     # -- reading -----------------------------------------------------------------------------------
     def read_dir(self, name: str, path: str) -> LoraAdapter:
-        """The adapter of a PEFT directory, checked in full (ValueError naming the problem; nothing installed)."""
-        from safetensors import safe_open
-
+        """The adapter of a PEFT directory (read by :func:`~slimectl.backends.hf.peft_adapter.read_adapter`:
+        safetensors only), checked in full (ValueError naming the problem; nothing installed)."""
         check_adapter_name(name)
-        where = f"LoRA adapter {path!r}"
-        root = Path(path) if isinstance(path, str) and path else None
-        if root is None or not root.is_dir():
+        if not isinstance(path, str) or not path or not Path(path).is_dir():
             raise ValueError(f"lora_path {path!r} is not a directory; send the PEFT adapter directory "
                              f"({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS})")
-        config = _read_config(root, where)
-        weights = root / ADAPTER_WEIGHTS
-        if not weights.is_file():
-            if (root / "adapter_model.bin").is_file():
-                raise ValueError(f"{where} holds adapter_model.bin, a pickle the engine never loads; save it with "
-                                 f"save_pretrained(..., safe_serialization=True) to get {ADAPTER_WEIGHTS}")
-            raise ValueError(f"{where} has no {ADAPTER_WEIGHTS}; save the adapter with PEFT's save_pretrained")
         try:
-            with safe_open(str(weights), framework="pt") as f:
-                names = list(f.keys())
-                shape = self.check(config, names, where)
-                for n in names:
-                    sl = f.get_slice(n)
-                    self._check_tensor(n, sl.get_shape(), _safetensors_dtype(sl.get_dtype()), shape.tensors[n][2],
-                                       where)
-                tensors = {n: f.get_tensor(n) for n in names}
-        except ValueError:
-            raise
-        except Exception as exc:  # a truncated or malformed file
-            raise ValueError(f"{where}: cannot read {ADAPTER_WEIGHTS} ({type(exc).__name__}: {exc})") from None
+            config, tensors = read_adapter(path)
+        except SlimectlError as exc:
+            raise ValueError(str(exc)) from None
+        where = f"LoRA adapter {path!r}"
+        shape = self.check(config, list(tensors), where)
+        for n, t in tensors.items():
+            self._check_tensor(n, t.shape, t.dtype, shape.tensors[n][2], where)
         return self._assemble(name, str(path), shape, tensors)
 
     def receive(self, name: str, config: dict, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -324,24 +311,3 @@ class LoraAdapters:
                 delta = F.linear(F.linear(x.index_select(0, idx), a), b) * adapter.scale
                 output = output.index_add(0, idx, delta)
         return output
-
-
-def _read_config(root: Path, where: str) -> dict:
-    path = root / ADAPTER_CONFIG
-    if not path.is_file():
-        raise ValueError(f"{where} has no {ADAPTER_CONFIG}; send a PEFT adapter directory (save_pretrained)")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{where}: cannot read {ADAPTER_CONFIG} ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{where}: {ADAPTER_CONFIG} must hold a JSON object")
-    return config
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def _safetensors_dtype(code: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype code (integer and other codes read as int64: not floating)."""
-    return _SAFETENSORS_DTYPES.get(code, torch.int64)
