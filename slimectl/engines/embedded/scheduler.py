@@ -458,7 +458,8 @@ class GenerationScheduler:
     def _unload_adapter(self, name: str) -> dict[str, str]:
         with self._cv:
             if not isinstance(name, str) or name not in self.adapters.adapters:
-                raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self.adapters.adapters) or 'none'})")
+                loaded = sorted(self.adapters.adapters) or "none"
+                raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
             users = sum(1 for s in (*self._waiting, *self._inflight) if s.req.lora_name == name and not s.done)
             if users:
                 raise EngineBusy(f"cannot unload LoRA adapter {name!r}: {users} request(s) running or waiting use it; "
