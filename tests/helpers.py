@@ -247,6 +247,16 @@ def start_engine(model: Path, log: Path, *args: str, env: dict[str, str] | None 
     return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
 
 
+def stop_engine(proc: subprocess.Popen, timeout: float = 15) -> None:
+    """SIGTERM an engine started by :func:`start_engine`, SIGKILL if it is not gone within ``timeout`` s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
 def load_tensors(scheduler, named_tensors, weight_version: str | None = None) -> None:
     """Copy (HF name, tensor) pairs into an in-process embedded engine's weights between its scheduler steps,
     through the path a distributed update takes (``receive_weights``: every name and shape checked first,

@@ -284,3 +284,29 @@ class EngineClient:
 
     async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
         return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    # ------------------------------------------------------------------ LoRA adapters
+    async def load_lora_adapter(self, lora_name: str, lora_path: str,
+                                weight_version: str | None = None) -> dict[str, Any]:
+        """``/load_lora_adapter``: serve the PEFT adapter directory ``lora_path`` as ``lora_name`` (the embedded
+        engine replaces an adapter of that name; SGLang refuses it). Answers ``{success, error_message,
+        loaded_adapters}``."""
+        body: dict[str, Any] = {"lora_name": lora_name, "lora_path": lora_path}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self.request("POST", "/load_lora_adapter", body)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return await self.request("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def load_lora_adapter_from_distributed(self, lora_name: str, config: dict[str, Any], names: list[str],
+                                                 dtypes: list[str], shapes: list[list[int]], group_name: str,
+                                                 weight_version: str | None = None) -> dict[str, Any]:
+        """The embedded engine's ``/load_lora_adapter_from_distributed``: the adapter's PEFT-named tensors arrive
+        over the weight-update group ``group_name`` (the trainer broadcasts them in ``names`` order while this
+        call waits); ``config`` is its adapter_config.json."""
+        body: dict[str, Any] = {"lora_name": lora_name, "config": config, "names": names, "dtypes": dtypes,
+                                "shapes": shapes, "group_name": group_name}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self.request("POST", "/load_lora_adapter_from_distributed", body)

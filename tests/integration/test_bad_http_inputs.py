@@ -122,6 +122,22 @@ ENGINE = [
      400, ["between begin_weight_update() and end_weight_update()"]),
     ("destroy-unknown-group", "POST", "/destroy_weights_update_group", {"group_name": "nope"}, OK, 400,
      ["does not exist"]),
+    ("gen-lora-unknown", "POST", "/generate", {"input_ids": [1], "lora_path": "nope"}, OK, 400,
+     ["lora_path 'nope' is not a loaded LoRA adapter", "POST /load_lora_adapter"]),
+    ("gen-lora-count", "POST", "/generate", {"input_ids": [[1], [2]], "lora_path": ["a"]}, OK, 400,
+     ["lora_path has 1 entries for 2 inputs"]),
+    ("gen-lora-number", "POST", "/generate", {"input_ids": [1], "lora_path": 7}, OK, 400, ["lora_path must be"]),
+    ("lora-load-no-path", "POST", "/load_lora_adapter", {"lora_name": "a"}, OK, 400, ["lora_name and lora_path"]),
+    ("lora-load-missing-dir", "POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/nonexistent/adapter"},
+     OK, 400, ["/nonexistent/adapter", "is not a directory"]),
+    ("lora-load-not-an-adapter", "POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "{BADMODEL}"}, OK, 400,
+     ["no adapter_config.json"]),
+    ("lora-load-no-token", "POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"}, NONE, 401,
+     ["admin token"]),
+    ("lora-unload-unknown", "POST", "/unload_lora_adapter", {"lora_name": "nope"}, OK, 400,
+     ["LoRA adapter 'nope' is not loaded"]),
+    ("lora-dist-unknown-group", "POST", "/load_lora_adapter_from_distributed", {"lora_name": "a", "group_name": "nope"},
+     OK, 400, ["group 'nope' not in", "/init_weights_update_group"]),
 ]
 
 HARNESS = [
@@ -371,7 +387,7 @@ def message_of(answer) -> str:
     if isinstance(answer, dict):
         if isinstance(answer.get("error"), dict):
             return str(answer["error"].get("message"))
-        for key in ("message", "detail"):
+        for key in ("message", "error_message", "detail"):
             if key in answer:
                 return str(answer[key])
     return str(answer)

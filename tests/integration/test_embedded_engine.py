@@ -7,14 +7,13 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, free_port, start_engine, wait_healthy
+from tests.helpers import ROOT, free_port, start_engine, stop_engine, wait_healthy
 
 pytestmark = pytest.mark.xdist_group("embedded_engine")  # xdist: one worker, fixtures built once
 
@@ -54,11 +53,7 @@ def engine(models, engine_log):
         raise AssertionError(log.read_text()[-3000:])
     ENGINE.update(proc=proc, log=log)
     yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_engine(proc)
     assert proc.returncode is not None
 
 

@@ -56,8 +56,9 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenRequest], b
         raise BadRequest("return_routed_experts must be true or false")
     if not isinstance(routes_start, int) or isinstance(routes_start, bool) or routes_start < 0:
         raise BadRequest(f"routed_experts_start_len must be a non-negative integer, got {routes_start!r}")
+    loras = _lora_names(body.get("lora_path"), len(items))
     reqs = []
-    for item, p, rid in zip(items, sps, rids):
+    for item, p, rid, lora in zip(items, sps, rids, loras):
         if text is not None:
             if not isinstance(item, str):
                 raise BadRequest("'text' must be a string or a list of strings")
@@ -77,8 +78,26 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenRequest], b
         reqs.append(GenRequest(rid=str(rid), input_ids=list(input_ids), params=params,
                                return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
                                top_logprobs_num=top_n, return_routed_experts=want_routes,
-                               routed_experts_start_len=routes_start))
+                               routed_experts_start_len=routes_start, lora_name=lora))
     return reqs, batched
+
+
+def _lora_names(lora_path, n: int) -> list[str | None]:
+    """SGLang's ``lora_path`` of /generate for ``n`` inputs: absent or null (the base model), one adapter name for
+    all of them, or a list of one name (or null) per input."""
+    if lora_path is None or isinstance(lora_path, str):
+        names = [lora_path] * n
+    elif isinstance(lora_path, list):
+        if len(lora_path) != n:
+            raise BadRequest(f"lora_path has {len(lora_path)} entries for {n} inputs; send one per input "
+                             f"(null for the base model) or a single name")
+        names = lora_path
+    else:
+        raise BadRequest(f"lora_path must be a loaded LoRA adapter's name, a list of them, or null; got {lora_path!r}")
+    for name in names:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise BadRequest(f"lora_path entries must be adapter names or null, got {name!r}")
+    return list(names)
 
 
 def generate_response(res: GenResult, req: GenRequest, body: dict[str, Any], t0: float, tokenizer) -> dict[str, Any]:

@@ -11,6 +11,8 @@ them. The embedded engine does the same with host memory:
   parameters again *without their values*, as SGLang does: the trainer pushes weights right after
   resuming (``/update_weights_from_disk`` or ``/update_weights_from_distributed``), and until a full
   set has landed the engine refuses to generate rather than sample from garbage.
+  The LoRA adapters on top of the weights are unloaded with them (freed): load them again after the
+  resume and the weight update (``/load_lora_adapter``); until then a request naming one is refused.
 - ``kv_cache``: the engine allocates its KV cache per running batch and frees it when the batch
   drains, so an idle engine holds none; releasing drops whatever an idle batch still holds and
   refuses to allocate a new one (no generation) until resumed.
@@ -143,19 +145,23 @@ class MemoryOccupancy:
             self._counts["releases"] += 1
         return new
 
-    def free(self, tags: frozenset[str], new: frozenset[str], drop_kv_cache: Callable[[], int]) -> dict:
+    def free(self, tags: frozenset[str], new: frozenset[str], drop_kv_cache: Callable[[], int],
+             drop_adapters: Callable[[], int] = lambda: 0) -> dict:
         """Free what :meth:`mark_released` recorded: the KV cache (``drop_kv_cache()``: its bytes) and the newly
-        released weights, then hand the free heap back to the OS. Returns the bytes freed and the RSS before
-        and after."""
+        released weights with every LoRA adapter on them (``drop_adapters()``: unloaded, their bytes; they are
+        loaded again after the resume and the weight update), then hand the free heap back to the OS. Returns the
+        bytes freed and the RSS before and after."""
         rss0 = rss_bytes()
         kv = drop_kv_cache() if KV_CACHE in tags else 0
         weights = self.weights.release() if WEIGHTS in new else 0
+        lora = drop_adapters() if WEIGHTS in new else 0
         release_free_memory()
         rss1 = rss_bytes()
-        log.info("Released memory occupation (tags %s): weights %.1f MB, KV cache %.1f MB; RSS %.1f -> %.1f MB",
-                 ",".join(sorted(tags - {CUDA_GRAPH})) or "cuda_graph", weights / 2**20, kv / 2**20, rss0 / 2**20,
-                 rss1 / 2**20)
-        return {"weights_bytes": weights, "kv_cache_bytes": kv, "rss_before": rss0, "rss_after": rss1}
+        log.info("Released memory occupation (tags %s): weights %.1f MB, LoRA adapters %.1f MB (unloaded), KV cache "
+                 "%.1f MB; RSS %.1f -> %.1f MB", ",".join(sorted(tags - {CUDA_GRAPH})) or "cuda_graph",
+                 weights / 2**20, lora / 2**20, kv / 2**20, rss0 / 2**20, rss1 / 2**20)
+        return {"weights_bytes": weights, "lora_bytes": lora, "kv_cache_bytes": kv, "rss_before": rss0,
+                "rss_after": rss1}
 
     def resume(self, tags: frozenset[str]) -> dict:
         """Take the memory of ``tags`` back. Resumed weights hold no valid values: generation is refused until a

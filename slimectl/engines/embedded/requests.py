@@ -36,6 +36,8 @@ class GenRequest:
     # of prompt + output except the last, from position routed_experts_start_len on.
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # The LoRA adapter this request generates with (SGLang's lora_path: a loaded adapter's name); None: the base.
+    lora_name: str | None = None
 
 
 @dataclass

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from slimectl.engines.embedded.kv_cache import BatchKVCache
+from slimectl.engines.embedded.lora import LoraAdapters
 from slimectl.engines.embedded.model import LoadedModel
 from slimectl.engines.embedded.requests import ABORT_REASON, RunningRequest
 from slimectl.engines.embedded.sampling import BatchSampling, prompt_logprobs, sample_next_tokens
@@ -35,8 +36,9 @@ class RunningBatch:
     compacts them away."""
 
     def __init__(self, m: LoadedModel, max_batch_size: int, finish: Callable[[RunningRequest, dict], None],
-                 queued: Callable[[], int], decode_log_interval: int):
+                 queued: Callable[[], int], decode_log_interval: int, adapters: LoraAdapters):
         self.decoder, self.lm_head, self.detok = m.decoder, m.lm_head, m.detok
+        self.adapters = adapters  # the LoRA adapters; each row's request names its own (or none)
         self.num_layers, self.vocab_size, self.pad_token_id = m.num_layers, m.vocab_size, m.pad_token_id
         self.token_capacity = max_batch_size * m.max_context  # token usage's denominator, as SGLang's
         self._finish, self._queued = finish, queued
@@ -73,12 +75,14 @@ class RunningBatch:
         return sum(r.cache_len for r in self.live_rows()) / self.token_capacity
 
     # -- the model ------------------------------------------------------------------------------
-    def _forward(self, input_ids, position_ids, mask, kv, rows=None) -> torch.Tensor:
-        capture = rows is not None and any(s.routes is not None and not s.done for s in rows)
+    def _forward(self, input_ids, position_ids, mask, kv, rows: list[RunningRequest]) -> torch.Tensor:
+        """The decoder over ``rows`` (one per batch row: each with its own LoRA adapter, or the base model)."""
+        capture = any(s.routes is not None and not s.done for s in rows)
         self._route_buf = [] if capture else None
         try:
-            out = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                               cache=kv, use_cache=True)
+            with self.adapters.rows([None if s.done else s.req.lora_name for s in rows]):
+                out = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                   cache=kv, use_cache=True)
             if capture:
                 # [batch * seq, topk] per MoE layer -> [batch, seq, moe_layers, topk]
                 b, t = input_ids.shape
@@ -98,13 +102,14 @@ class RunningBatch:
     # -- prefill --------------------------------------------------------------------------------
     @staticmethod
     def _shared_prompt_rows(seqs: list[RunningRequest]) -> list[int] | None:
-        """For each new request, the first of them with the same tokens to prefill — when some repeat and none
-        asks for what one row per request gives (prompt log-probs, recorded routes); else None."""
+        """For each new request, the first of them with the same tokens to prefill under the same LoRA adapter —
+        when some repeat and none asks for what one row per request gives (prompt log-probs, recorded routes);
+        else None."""
         if len(seqs) < 2 or any(s.routes is not None or (s.req.return_logprob and s.req.logprob_start_len >= 0)
                                 for s in seqs):
             return None
-        seen: dict[tuple[int, ...], int] = {}
-        first = [seen.setdefault(tuple(s.fill_ids), i) for i, s in enumerate(seqs)]
+        seen: dict[tuple, int] = {}
+        first = [seen.setdefault((s.req.lora_name, *s.fill_ids), i) for i, s in enumerate(seqs)]
         return first if len(seen) < len(seqs) else None
 
     def prefill(self, seqs: list[RunningRequest], version: str) -> None:

@@ -56,7 +56,8 @@ from typing import Any
 
 import torch
 
-from slimectl.engines.embedded.memory import MemoryOccupancy, parse_tags
+from slimectl.engines.embedded.lora import LoraAdapters
+from slimectl.engines.embedded.memory import EngineBusy, MemoryOccupancy, parse_tags
 from slimectl.engines.embedded.model import load_model, model_dtype
 from slimectl.engines.embedded.requests import ABORT_REASON, GenRequest, RunningRequest
 from slimectl.engines.embedded.running_batch import RunningBatch
@@ -114,10 +115,11 @@ class GenerationScheduler:
 
         self.weights = ServedWeights(m.model, m.config, m.params, weight_version)
         self.memory = MemoryOccupancy(self.weights)
+        self.adapters = LoraAdapters(m.model, m.decoder)
         if decode_log_interval is None:
             decode_log_interval = int(os.environ.get(DECODE_LOG_INTERVAL_ENV) or DEFAULT_DECODE_LOG_INTERVAL)
         self.batch = RunningBatch(m, max_batch_size, finish=self._finish, queued=self._queued,
-                                  decode_log_interval=max(1, int(decode_log_interval)))
+                                  decode_log_interval=max(1, int(decode_log_interval)), adapters=self.adapters)
 
     # -------------------------------------------------------------------------------- info
     @property
@@ -228,6 +230,7 @@ class GenerationScheduler:
             if self._stopping:
                 raise RuntimeError("the scheduler is stopped")
             self.memory.raise_if_unservable()  # again, atomically with a release (which checks the queue under _cv)
+            self._check_lora_name(req.lora_name)  # again, atomically with an unload (which counts users under _cv)
             self._waiting.append(seq)
             self._cv.notify_all()
         return seq.future
@@ -268,7 +271,13 @@ class GenerationScheduler:
         start = req.routed_experts_start_len
         if not is_int(start) or start < 0:
             raise ValueError(f"routed_experts_start_len must be a non-negative integer, got {start!r}")
+        self._check_lora_name(req.lora_name)
         return max_new
+
+    def _check_lora_name(self, name) -> None:
+        """ValueError unless ``name`` is None (the base model) or a loaded adapter's name (naming the loaded ones)."""
+        if name is not None and (not isinstance(name, str) or name not in self.adapters.adapters):
+            raise ValueError(self.adapters.unknown_name_message(name))
 
     def _on_future_done(self, seq: RunningRequest, fut: concurrent.futures.Future) -> None:
         # A caller cancelled its future: stop spending compute on it.
@@ -393,7 +402,8 @@ class GenerationScheduler:
         self.batch.reap_aborted()  # aborted rows end now, not at the next step
         with self._cv:
             new = self.memory.mark_released(tags, busy=len(self._waiting) + len(self._inflight))
-        return self.memory.free(tags, new, drop_kv_cache=self.batch.drop_kv_cache)
+        return self.memory.free(tags, new, drop_kv_cache=self.batch.drop_kv_cache,
+                                drop_adapters=self.adapters.release_all)
 
     def resume_memory_occupation(self, tags=None) -> dict:
         """SGLang's ``/resume_memory_occupation``: take the memory of ``tags`` (None: all) back.
@@ -401,6 +411,62 @@ class GenerationScheduler:
         tags = parse_tags(tags) if not isinstance(tags, frozenset) else tags
         with self.memory.lock:
             return self._run_control(lambda: self.memory.resume(tags))
+
+    # -------------------------------------------------------------------------------- LoRA adapters
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded adapters: name -> lora_path (SGLang's ``loaded_adapters``)."""
+        return {n: a.source for n, a in dict(self.adapters.adapters).items()}
+
+    def load_lora_adapter(self, name: str, path: str, weight_version: str | None = None) -> dict[str, str]:
+        """Read the PEFT adapter directory ``path`` and serve it as ``name`` from the next step on (an adapter of
+        that name is replaced, between two steps; running requests that use it go on with the new one), with the
+        weight version label ``weight_version`` when given. Checked in full first (ValueError, nothing changed).
+        Returns the loaded adapters."""
+        if weight_version is not None:
+            ServedWeights.check_version(weight_version)
+        adapter = self.adapters.read_dir(name, path)
+        with self.memory.lock:
+            self.memory.require_weights_resident("load a LoRA adapter")
+            return self._run_control(lambda: self._install_adapter(adapter, weight_version))
+
+    def receive_lora_adapter(self, name: str, config: dict, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                             recv, weight_version: str | None = None) -> dict[str, str]:
+        """The adapter ``name`` from PEFT-named tensors ``specs`` that ``recv(tensor)`` (a collective receive)
+        fills, with its PEFT ``config``: checked before the first receive (ValueError, nothing received), then
+        installed as :meth:`load_lora_adapter` does. Returns the loaded adapters."""
+        if weight_version is not None:
+            ServedWeights.check_version(weight_version)
+        with self.memory.lock:
+            self.memory.require_weights_resident("receive a LoRA adapter")
+            adapter = self.adapters.receive(name, config, specs, recv)
+            return self._run_control(lambda: self._install_adapter(adapter, weight_version))
+
+    def _install_adapter(self, adapter, weight_version: str | None) -> dict[str, str]:
+        self.adapters.install(adapter)
+        if weight_version is not None:
+            self.weights.version = weight_version
+        log.info("LoRA adapter %r loaded from %s (r %d, alpha %g, %d modules)%s", adapter.name, adapter.source,
+                 adapter.r, adapter.alpha, len(adapter.weights),
+                 f"; weight version {weight_version}" if weight_version is not None else "")
+        return self.adapters.loaded()
+
+    def unload_lora_adapter(self, name: str) -> dict[str, str]:
+        """Stop serving adapter ``name`` between two steps; refused (ValueError) when no adapter has that name or
+        requests running or waiting use it. Returns the loaded adapters."""
+        return self._run_control(lambda: self._unload_adapter(name))
+
+    def _unload_adapter(self, name: str) -> dict[str, str]:
+        with self._cv:
+            if not isinstance(name, str) or name not in self.adapters.adapters:
+                loaded = sorted(self.adapters.adapters) or "none"
+                raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
+            users = sum(1 for s in (*self._waiting, *self._inflight) if s.req.lora_name == name and not s.done)
+            if users:
+                raise EngineBusy(f"cannot unload LoRA adapter {name!r}: {users} request(s) running or waiting use it; "
+                                 f"wait for them, or POST /abort_request first")
+            self.adapters.remove(name)
+        log.info("LoRA adapter %r unloaded", name)
+        return self.adapters.loaded()
 
     def _run_control(self, fn):
         """Run ``fn`` on the scheduler thread between two steps (inline when no thread runs)."""

@@ -54,6 +54,7 @@ ADMIN_PATHS = {
     "/pause_generation", "/continue_generation", "/abort_request", "/flush_cache",
     "/release_memory_occupation", "/resume_memory_occupation",
     "/get_weights_by_name",  # reads the weights out: not for anyone who can reach the port
+    "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_distributed",
 }
 
 
@@ -81,6 +82,12 @@ def _err(status: int, message: str) -> web.Response:
 
 def _fail(message: str, status: int = 400) -> web.Response:
     return web.json_response({"success": False, "message": message}, status=status)
+
+
+def _lora_answer(loaded: dict[str, str], error: str | None = None) -> web.Response:
+    """SGLang's LoRAUpdateOutput: success, error_message, loaded_adapters (name -> lora_path); 400 on failure."""
+    return web.json_response({"success": error is None, "error_message": error, "loaded_adapters": loaded},
+                             status=200 if error is None else 400)
 
 
 class EngineHTTPServer:
@@ -133,6 +140,9 @@ class EngineHTTPServer:
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/release_memory_occupation", self.release_memory_occupation)
         r.add_post("/resume_memory_occupation", self.resume_memory_occupation)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
+        r.add_post("/load_lora_adapter_from_distributed", self.load_lora_adapter_from_distributed)
 
     # ------------------------------------------------------------------ plumbing
     @web.middleware
@@ -398,11 +408,18 @@ class EngineHTTPServer:
         self.in_weight_update = False
         return web.json_response({"success": True, "message": "Success"})
 
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+    def _receiver(self, group_name: str):
+        """``recv(tensor)``: the next tensor the trainer (rank 0) broadcasts over group ``group_name``."""
         import torch.distributed as dist
 
-        from slimectl.engines.weight_group import DTYPES
+        pg = self.groups[group_name]
 
+        def recv(t):
+            dist.broadcast(t, src=0, group=pg)
+
+        return recv
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         if not self.in_weight_update:
             return _fail("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
@@ -410,21 +427,11 @@ class EngineHTTPServer:
         if name not in self.groups:
             return _fail(f"Failed to receive weights: Group {name} not in {sorted(self.groups)}. "
                          f"Please call `init_weights_update_group` first.")
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes)):
-            return _fail("names, dtypes and shapes must be lists of the same length")
-        if any(d not in DTYPES for d in dtypes):
-            return _fail(f"unsupported dtype in {sorted(set(dtypes) - set(DTYPES))}")
-        pg = self.groups[name]
         try:
-            specs = [(str(n), DTYPES[d], tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
-        except (TypeError, ValueError):
-            return _fail("every shape must be a list of integers")
-
-        def recv(t):
-            dist.broadcast(t, src=0, group=pg)
-
+            specs = _tensor_specs(body)
+        except ValueError as exc:
+            return _fail(str(exc))
+        recv = self._receiver(name)
         try:
             await self._in_thread(self.scheduler.receive_weights, specs, recv, body.get("weight_version"))
         except ValueError as exc:
@@ -435,6 +442,54 @@ class EngineHTTPServer:
             return _fail(NOT_FLUSHED)
         v = self.scheduler.weight_version
         return web.json_response({"success": True, "message": f"Succeeded to update parameter online. Weight version updated to {v}."})
+
+    # ------------------------------------------------------------------ LoRA adapters
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's ``/load_lora_adapter`` {lora_name, lora_path} (a PEFT adapter directory), plus an optional
+        ``weight_version`` (the served version label, as /update_weights_from_disk sets it). Unlike SGLang, loading
+        a name already loaded REPLACES that adapter, between two scheduler steps (running requests that use it go
+        on with the new one): that is how a trainer publishes each new version of its adapter."""
+        body = await self._json(request, allow_empty=False)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return _lora_answer(self.scheduler.lora_adapters(), "lora_name and lora_path must be non-empty strings")
+        return await self._lora_update(self.scheduler.load_lora_adapter, name, path, body.get("weight_version"))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's ``/unload_lora_adapter`` {lora_name}; refused while requests running or waiting use it."""
+        body = await self._json(request, allow_empty=False)
+        return await self._lora_update(self.scheduler.unload_lora_adapter, body.get("lora_name"))
+
+    async def load_lora_adapter_from_distributed(self, request: web.Request) -> web.Response:
+        """slimectl's own: {lora_name, config (the adapter_config.json dict), names, dtypes, shapes (the PEFT-named
+        tensors, in the order the trainer broadcasts them), group_name, weight_version (optional)}: the adapter
+        received over the weight-update group as /update_weights_from_distributed receives weights, checked as a
+        disk adapter is (before the first receive) and loaded (or replaced) under ``lora_name``."""
+        body = await self._json(request, allow_empty=False)
+        name, config = body.get("lora_name"), body.get("config")
+        group = body.get("group_name", "weight_update_group")
+        loaded = self.scheduler.lora_adapters()
+        if group not in self.groups:
+            return _lora_answer(loaded, f"Failed to receive the LoRA adapter: group {group!r} not in "
+                                        f"{sorted(self.groups)}; call /init_weights_update_group first")
+        if not isinstance(config, dict):
+            return _lora_answer(loaded, "config must be the adapter's adapter_config.json, as a JSON object")
+        try:
+            specs = _tensor_specs(body)
+        except ValueError as exc:
+            return _lora_answer(loaded, str(exc))
+        return await self._lora_update(self.scheduler.receive_lora_adapter, name, config, specs,
+                                       self._receiver(group), body.get("weight_version"))
+
+    async def _lora_update(self, fn, *args) -> web.Response:
+        try:
+            loaded = await self._in_thread(fn, *args)
+        except (ValueError, MemoryReleased) as exc:  # checked before anything changed
+            return _lora_answer(self.scheduler.lora_adapters(), str(exc))
+        except Exception as exc:  # a receive that failed midway: nothing installed either
+            return _lora_answer(self.scheduler.lora_adapters(), f"Failed to load the LoRA adapter: "
+                                                                f"{type(exc).__name__}: {exc}")
+        return _lora_answer(loaded)
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         from slimectl.engines.weight_group import destroy_group
@@ -459,6 +514,23 @@ class EngineHTTPServer:
 
     def shutdown(self) -> None:
         self.scheduler.stop()
+
+
+def _tensor_specs(body: dict) -> list[tuple[str, Any, tuple[int, ...]]]:
+    """The (name, torch dtype, shape) of each tensor a distributed update announces (``names``, ``dtypes``,
+    ``shapes``); ValueError naming what is malformed."""
+    from slimectl.engines.weight_group import DTYPES
+
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)):
+        raise ValueError("names, dtypes and shapes must be lists of the same length")
+    if any(not isinstance(d, str) or d not in DTYPES for d in dtypes):
+        raise ValueError(f"unsupported dtype in {sorted({str(d) for d in dtypes} - set(DTYPES))}")
+    try:
+        return [(str(n), DTYPES[d], tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
+    except (TypeError, ValueError):
+        raise ValueError("every shape must be a list of integers") from None
 
 
 async def _watch_parent(pid: int, stop: asyncio.Event, interval: float = 0.5) -> None:
