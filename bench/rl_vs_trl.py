@@ -47,7 +47,7 @@ class TreeRSS:
 
         self.proc = psutil.Process(pid)
         self.per_proc: dict[str, int] = {}
-        self.tree = 0
+        self.tree = self.root = 0  # (root: the process itself, without its children)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -68,6 +68,8 @@ class TreeRSS:
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
                 total += rss
+                if p.pid == self.proc.pid:
+                    self.root = max(self.root, rss)
                 key = f"{p.pid} {name}"
                 self.per_proc[key] = max(self.per_proc.get(key, 0), rss)
             self.tree = max(self.tree, total)
@@ -77,7 +79,7 @@ class TreeRSS:
         self._stop.set()
         self._thread.join()
         top = sorted(self.per_proc.items(), key=lambda kv: -kv[1])[:3]
-        return {"tree_gb": self.tree / 2**30, "per_process_gb": {k: v / 2**30 for k, v in top}}
+        return {"tree_gb": self.tree / 2**30, "root_gb": self.root / 2**30, "per_process_gb": {k: v / 2**30 for k, v in top}}
 
 
 def prompts(n: int, seed: int) -> list[dict]:
@@ -126,7 +128,8 @@ def run_rl_watched(config: Path, run: Path, sets: list[str], what: str) -> dict:
     return memory
 
 
-def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
+def run_slimectl(work: Path, model: Path, a, seed: int, sets: list[str] | None = None) -> dict:
+    """slimectl's side of one round (``sets``: overrides on top of ``a.set``); its figures and memory."""
     import yaml
 
     data = work / "prompts.jsonl"
@@ -143,7 +146,7 @@ def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
     path = work / "rl.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = work / f"run-{seed}"
-    memory = run_rl_watched(path, run, a.set, "slimectl rl")
+    memory = run_rl_watched(path, run, a.set + list(sets or []), "slimectl rl")
     rl = [json.loads(x) for x in (run / "metrics" / "rl.jsonl").read_text().splitlines()][a.warmup:]
     train = [json.loads(x) for x in (run / "metrics" / "train.jsonl").read_text().splitlines()][a.warmup:]
 
@@ -157,7 +160,7 @@ def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
     phases.update({k.split("/")[1]: med(train, k) for k in ("perf/log_probs_time", "perf/actor_train_time",
                                                            "perf/save_time", "perf/update_weights_time")})
     return {"step_s": step, "phases_s": phases, "tokens_per_s": a.prompts * a.samples * a.new_tokens / step,
-            **memory}
+            "run": str(run), **memory}
 
 
 # ----------------------------------------------------------------------------- TRL (a worker process)
@@ -183,7 +186,14 @@ def trl_worker(spec: dict) -> None:
         beta=0.0, use_vllm=False, report_to="none", num_generations=spec["samples"], per_device_train_batch_size=n,
         gradient_accumulation_steps=1, max_steps=spec["steps"], logging_steps=1, save_strategy="no", seed=spec["seed"],
         num_iterations=1)
-    trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows))
+    peft_config = None
+    if spec.get("lora"):  # bench/lora.py: a PEFT LoRA of the same rank (peft installed next to trl)
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=spec["lora"]["rank"], lora_alpha=spec["lora"]["alpha"], target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+                          peft_config=peft_config)
     gen = {"s": 0.0}
     model = trainer.model
     original = model.generate
@@ -213,10 +223,11 @@ def trl_worker(spec: dict) -> None:
     print("RESULT " + json.dumps(steps), flush=True)
 
 
-def run_trl(work: Path, model: Path, a, seed: int) -> dict:
+def run_trl(work: Path, model: Path, a, seed: int, lora: dict | None = None) -> dict:
+    """TRL's side of one round (``lora``: {rank, alpha}: a PEFT LoRA instead of full training)."""
     spec = {"model": str(model), "prompts": prompts(a.prompts * a.steps, seed), "prompts_per_step": a.prompts,
             "samples": a.samples, "new_tokens": a.new_tokens, "lr": a.lr, "steps": a.steps, "seed": seed,
-            "chat": has_chat_template(model), "out": str(work / f"trl-{seed}")}
+            "chat": has_chat_template(model), "out": str(work / f"trl-{seed}"), "lora": lora}
     env = {**os.environ, "PYTHONPATH": ":".join(p for p in (a.trl_pythonpath, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen([a.trl_python, __file__, "--trl-worker", json.dumps(spec)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)

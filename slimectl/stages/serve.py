@@ -438,8 +438,8 @@ def publish_initial_adapter(run: RunDir, cfg: SlimectlConfig) -> None:
     """A LoRA run's ``weights/0``: the adapter its engines serve before any training (``model.adapter_path``'s, or
     one that changes nothing: A and B zero), published once (by whichever process gets there first)."""
     from slimectl.backends.hf.arch import arch_from_dir
-    from slimectl.backends.hf.peft_adapter import adapter_config, check_adapter_fits, read_adapter, write_adapter, \
-        zero_adapter
+    from slimectl.backends.hf.peft_adapter import adapter_config, check_adapter_fits, check_adapter_shapes, \
+        read_adapter, write_adapter, zero_adapter
     from slimectl.contract.errors import ArtifactExists
 
     if run.weights.exists(0):
@@ -447,7 +447,9 @@ def publish_initial_adapter(run: RunDir, cfg: SlimectlConfig) -> None:
     lora = cfg.train.lora
     if cfg.model.adapter_path:
         conf, tensors = read_adapter(cfg.model.adapter_path)
-        check_adapter_fits(conf, lora, f"model.adapter_path {cfg.model.adapter_path}")
+        where = f"model.adapter_path {cfg.model.adapter_path}"
+        check_adapter_fits(conf, lora, where)
+        check_adapter_shapes(tensors, arch_from_dir(cfg.model.path), lora, where)
     else:
         conf, tensors = adapter_config(lora, cfg.model.path), zero_adapter(arch_from_dir(cfg.model.path), lora)
     try:

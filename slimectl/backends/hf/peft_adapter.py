@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from slimectl.contract.errors import SlimectlError
+from slimectl.contract.errors import UsageError
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 #: Options of a PEFT LoRA config this project does not implement: refused when set.
@@ -53,6 +53,20 @@ def zero_adapter(arch, lora) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_adapter_shapes(tensors: dict[str, torch.Tensor], arch, lora, where: str) -> None:
+    """Every tensor ``train.lora`` implies on ``arch``, at its shape, and no other (an adapter of another base
+    model, or of other layers, is refused in one line)."""
+    want = {k: tuple(v.shape) for k, v in zero_adapter(arch, lora).items()}
+    have = {k: tuple(v.shape) for k, v in tensors.items()}
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    wrong = [k for k in want if k in have and have[k] != want[k]]
+    if missing or extra or wrong:
+        what = (f"{wrong[0]} is {list(have[wrong[0]])}, this base's is {list(want[wrong[0]])}" if wrong else
+                f"it lacks {missing[0]}" if missing else f"{extra[0]} is not in this base")
+        raise UsageError(f"{where}: the adapter does not fit model.path ({what}); use an adapter trained on "
+                         f"model.path with train.lora's rank and target modules")
+
+
 def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
@@ -80,17 +94,17 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     cfg_file = p / ADAPTER_CONFIG
     if not cfg_file.is_file():
-        raise SlimectlError(f"{p}: not a PEFT adapter directory (no {ADAPTER_CONFIG}); point at the directory "
+        raise UsageError(f"{p}: not a PEFT adapter directory (no {ADAPTER_CONFIG}); point at the directory "
                             f"PeftModel.save_pretrained wrote")
     try:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
-        raise SlimectlError(f"{cfg_file}: unreadable ({e}); write it again with PeftModel.save_pretrained") from None
+        raise UsageError(f"{cfg_file}: unreadable ({e}); write it again with PeftModel.save_pretrained") from None
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise SlimectlError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r}; only LoRA adapters are supported")
+        raise UsageError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r}; only LoRA adapters are supported")
     for key, plain in _UNSUPPORTED.items():
         if cfg.get(key) not in (None, plain):
-            raise SlimectlError(f"{cfg_file}: {key} = {cfg[key]!r} is not supported (plain LoRA only); "
+            raise UsageError(f"{cfg_file}: {key} = {cfg[key]!r} is not supported (plain LoRA only); "
                                 f"train the adapter without it")
     return cfg
 
@@ -104,11 +118,11 @@ def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     if not weights.is_file():
         hint = " (adapter_model.bin is pickle, never loaded: save with safe_serialization)" \
             if (p / "adapter_model.bin").exists() else ""
-        raise SlimectlError(f"{p}: no {ADAPTER_WEIGHTS}{hint}")
+        raise UsageError(f"{p}: no {ADAPTER_WEIGHTS}{hint}")
     try:
         tensors = load_file(str(weights))
     except Exception as e:  # safetensors raises its own error types
-        raise SlimectlError(f"{weights}: not a readable safetensors file ({e})") from None
+        raise UsageError(f"{weights}: not a readable safetensors file ({e})") from None
     # PEFT may save names with the adapter's name (".lora_A.default.weight") when asked: take both
     return cfg, {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
 
@@ -116,12 +130,15 @@ def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tens
 def check_adapter_fits(cfg: dict[str, Any], lora, where: str) -> None:
     """An adapter's config against ``train.lora``: rank, alpha and target modules must agree."""
     targets = cfg.get("target_modules")
-    targets = sorted(targets) if isinstance(targets, list) else targets
+    if targets == "all-linear":
+        targets = list(HF_MODULES)
+    # (PEFT saves all-linear as the module paths it found: "model.layers.1.self_attn.q_proj")
+    targets = sorted({t.rsplit(".", 1)[-1] for t in targets}) if isinstance(targets, list) else targets
     have = {"rank": cfg.get("r"), "alpha": float(cfg.get("lora_alpha", 0)), "target_modules": targets}
     want = {"rank": lora.rank, "alpha": float(lora.alpha), "target_modules": sorted(lora.modules)}
     diff = [f"{k} {have[k]!r} (train.lora.{k} = {want[k]!r})" for k in want if have[k] != want[k]]
     if diff:
-        raise SlimectlError(f"{where}: the adapter has {'; '.join(diff)}; set train.lora to the adapter's values")
+        raise UsageError(f"{where}: the adapter has {'; '.join(diff)}; set train.lora to the adapter's values")
 
 
 def merged_tensors(base, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]):
@@ -135,12 +152,12 @@ def merged_tensors(base, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]):
         if stem is not None and a_key in tensors:
             a, b = tensors[a_key].float(), tensors[b_key].float()
             if tuple(w.shape) != (b.shape[0], a.shape[1]):
-                raise SlimectlError(f"{name}: the adapter's B @ A is {[b.shape[0], a.shape[1]]}, the base's weight "
+                raise UsageError(f"{name}: the adapter's B @ A is {[b.shape[0], a.shape[1]]}, the base's weight "
                                     f"{list(w.shape)}; merge the adapter into the model it was trained on")
             w = (w.float() + scale * (b @ a)).to(w.dtype)
             used.update((a_key, b_key))
         yield name, w
     left = sorted(set(tensors) - used)
     if left:
-        raise SlimectlError(f"the adapter's {left[0]} has no weight in the base model ({len(left)} unmatched); "
+        raise UsageError(f"the adapter's {left[0]} has no weight in the base model ({len(left)} unmatched); "
                             f"merge the adapter into the model it was trained on")

@@ -29,7 +29,7 @@ import torch
 
 from slimectl.backends.hf.arch import ModelArch
 from slimectl.backends.hf.peft_adapter import HF_MODULES, module_shapes, peft_name
-from slimectl.contract.errors import SlimectlError
+from slimectl.contract.errors import UsageError
 
 #: PEFT module -> the Megatron linear holding it
 LINEAR_OF = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
@@ -45,7 +45,7 @@ def check_lora_targets(arch: ModelArch, modules: tuple[str, ...]) -> None:
     """MoE layers' MLPs are experts: LoRA there is not supported (one line naming the fix)."""
     mlp = [m for m in modules if m in ("gate_proj", "up_proj", "down_proj")]
     if arch.is_moe and mlp:
-        raise SlimectlError(f"train.lora.target_modules: {', '.join(mlp)} of an MoE model are its experts, which "
+        raise UsageError(f"train.lora.target_modules: {', '.join(mlp)} of an MoE model are its experts, which "
                             f"LoRA does not adapt here; target the attention only: [q_proj, k_proj, v_proj, o_proj]")
 
 
@@ -234,14 +234,15 @@ class LoraModel:
         plan = []
         for name, p, dim in self._matrices():
             if name not in tensors:
-                raise SlimectlError(f"{where}: the adapter has no {name}; it was trained with other target modules "
-                                    f"or another model: use an adapter of model.path with train.lora's targets")
+                raise UsageError(f"{where}: the adapter does not fit model.path (it lacks {name}); use an adapter "
+                                 f"trained on model.path with train.lora's rank and target modules")
             t = tensors[name]
             local = t.chunk(self.tp, dim=dim)[self.tp_rank] if dim is not None else t
             if tuple(local.shape) != tuple(p.shape):
-                raise SlimectlError(f"{where}: {name} is {list(t.shape)}, this model's is "
-                                    f"{list(p.shape) if dim is None else 'a shard of another shape'}; the adapter "
-                                    f"belongs to another base model or rank (train.lora.rank = {self.lora.rank})")
+                mine = list(p.shape) if dim is None else "a shard of another shape"
+                raise UsageError(f"{where}: the adapter does not fit model.path ({name} is {list(t.shape)}, this "
+                                 f"model's is {mine}); use an adapter trained on model.path with train.lora's rank "
+                                 f"and target modules")
             plan.append((p, local))
         with torch.no_grad():
             for p, local in plan:

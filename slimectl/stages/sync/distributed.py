@@ -160,6 +160,8 @@ class DistributedTransport(WeightTransport):
 
         if self.pg is None:
             await self.connect(clients)
+        if source.adapter is not None:
+            return await self._push_adapter(clients, source)
         await asyncio.gather(*(c.begin_weight_update() for c in clients.values()))
         from slimectl.contract.logs import progress
 
@@ -188,6 +190,26 @@ class DistributedTransport(WeightTransport):
             bar.close()
             await asyncio.gather(*(c.end_weight_update() for c in clients.values()), return_exceptions=True)
         return moved
+
+    async def _push_adapter(self, clients: dict, source: WeightSource) -> int:
+        """A LoRA run's version: its adapters (megabytes) in one broadcast, each engine receiving them as
+        :data:`POLICY_ADAPTER` (``/load_lora_adapter_from_distributed``, which carries the version)."""
+        from slimectl.backends.hf.dtypes import dtype_name
+        from slimectl.engines.pool import POLICY_ADAPTER
+
+        tensors = list(source.iter_tensors())
+        names, dtypes = [n for n, _ in tensors], [dtype_name(t.dtype) for _, t in tensors]
+        shapes = [list(t.shape) for _, t in tensors]
+        calls = [asyncio.ensure_future(c.load_lora_adapter_from_distributed(
+            POLICY_ADAPTER, source.adapter, names, dtypes, shapes, self.group_name, weight_version=str(source.version)))
+            for c in clients.values()]
+        sent = asyncio.ensure_future(asyncio.to_thread(self._broadcast, tensors))
+        done, _ = await asyncio.wait([*calls, sent], return_when=asyncio.FIRST_EXCEPTION)
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()
+        await asyncio.gather(*calls, sent)
+        return sum(t.numel() * t.element_size() for _, t in tensors) * (self.world_size - 1)
 
     async def close(self, clients: dict) -> None:
         from slimectl.engines.weight_group import destroy_group
