@@ -24,6 +24,13 @@ class EngineError(HttpError):
     """An engine could not be reached (``status`` None) or refused a request (``status`` set)."""
 
 
+def _check_success(answer: Any, url: str) -> None:
+    """SGLang answers some refusals with ``{"success": false, "error_message": ...}``: an error here."""
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise EngineError(f"engine {url}: {answer.get('error_message') or answer.get('message') or answer}", status=400,
+                          url=url)
+
+
 def new_session(keepalive_timeout: float | None = None) -> aiohttp.ClientSession:
     """An HTTP session for engines: no cap on concurrent connections (the pool bounds them)."""
     kw = {} if keepalive_timeout is None else {"keepalive_timeout": keepalive_timeout}
@@ -298,6 +305,23 @@ class EngineClient:
 
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         return await self.request("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def swap_lora_adapter(self, lora_name: str, lora_path: str, weight_version: str) -> None:
+        """Serve ``lora_path`` as ``lora_name`` at ``weight_version``, on either engine: the embedded engine replaces
+        the adapter in one call (the version with it); SGLang refuses a name it holds and takes no version there,
+        so it gets unload (when it holds the name), load, then ``/update_weight_version``."""
+        info = await self.get_server_info()
+        if isinstance(info, dict) and info.get("backend") == "embedded":
+            _check_success(await self.load_lora_adapter(lora_name, lora_path, weight_version=weight_version), self.url)
+            return
+        try:
+            await self.unload_lora_adapter(lora_name)
+        except EngineError as exc:
+            if exc.status is None:  # not there at all; a refusal means it held no adapter of that name
+                raise
+        _check_success(await self.load_lora_adapter(lora_name, lora_path), self.url)
+        await self.request("POST", "/update_weight_version", {"new_version": weight_version,
+                                                              "abort_all_requests": False})
 
     async def load_lora_adapter_from_distributed(self, lora_name: str, config: dict[str, Any], names: list[str],
                                                  dtypes: list[str], shapes: list[list[int]], group_name: str,

@@ -292,7 +292,7 @@ class EngineProcesses:
 
         async def load(url: str) -> None:
             async with EngineClient(url, token=self.token, timeout=self.cfg.engine.startup_timeout_s) as c:
-                await c.load_lora_adapter(POLICY_ADAPTER, self.adapter_dir, weight_version=self.weight_version)
+                await c.swap_lora_adapter(POLICY_ADAPTER, self.adapter_dir, self.weight_version)
 
         async def load_all() -> None:
             await asyncio.gather(*(load(u) for u in urls))
@@ -383,6 +383,8 @@ class EngineProcesses:
             for k, v in (("enable_lora", True), ("max_lora_rank", lora.rank), ("max_loras_per_batch", 1),
                          ("lora_target_modules", list(lora.modules))):
                 extra.setdefault(k, v)
+            if str(extra.get("device", "")) == "cpu":
+                extra.setdefault("lora_backend", "torch_native")  # SGLang's other LoRA backends are GPU kernels
         spec = SGLangLaunchSpec(model_path=str(self.model_path), port=port, host=ec.host, tp_size=ec.tp_size,
                                 mem_fraction_static=ec.mem_fraction_static, dtype=dtype, gpu_ids=gpus,
                                 weight_version=self.weight_version, admin_api_key=self.token,

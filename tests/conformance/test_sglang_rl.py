@@ -50,3 +50,28 @@ def test_rl_two_rollouts_on_real_sglang(tmp_path, sglang_python, figures):
     assert len(diffs) == 2 and max(diffs) < 1e-5
     assert [r["step"] for r in read_jsonl(run.metrics_path("sync"))] == [0, 1, 2]
     assert run.engines.list() == [] and sglang_pids(run) == []  # rl stopped its engine
+
+
+def test_lora_rl_two_rollouts_on_real_sglang(tmp_path, sglang_python, figures):
+    """The same with train.lora: serve starts SGLang with LoRA enabled (torch_native backend on CPU) and loads
+    weights/0 as 'policy'; the sync unloads and loads each weights/N adapter and sets the version; SGLang's
+    log-probs of rollout 1 (on the trained adapter) equal the trainer's."""
+    import yaml
+
+    cfg = write_config(tmp_path, rollout={"num_rollout": 2}, train={"lr": 1e-2, "lora": {"rank": 4, "alpha": 8}},
+                       engine={"backend": "sglang", "sglang_python": sglang_python,
+                               "sglang_args": yaml.safe_load(CPU_ARGS), "startup_timeout_s": START_TIMEOUT})
+    t0 = time.monotonic()
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2", env=sglang_env(sglang_python))
+    figures["lora_rl_wall_s"] = round(time.monotonic() - t0, 1)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = RunDir.open(tmp_path / "run")
+    assert_trained_once(run, 2)
+    log = (run.path / "logs" / "engine-0.log").read_text()
+    assert "enable_lora=True" in log and "lora_backend='torch_native'" in log  # SGLang's own ServerArgs line
+    assert [run.rollouts.get(i).meta["weight_version"] for i in range(2)] == ["0", "1"]
+    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in read_jsonl(run.metrics_path("train"))]
+    figures["lora_rl_train_rollout_logprob_abs_diff"] = [f"{d:.1e}" for d in diffs]
+    assert len(diffs) == 2 and max(diffs) < 1e-5
+    assert run.weights.get(2).meta["format"] == "peft_lora"
+    assert run.engines.list() == [] and sglang_pids(run) == []

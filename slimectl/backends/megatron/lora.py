@@ -107,6 +107,13 @@ class LinearAdapters(torch.nn.Module):
         return out + self.delta(inputs[0]).to(out.dtype), bias
 
 
+def _release_after_training_layer(layer, _inputs, _output):
+    if layer.training:
+        from slimectl.backends.host_memory import release_free_memory
+
+        release_free_memory()
+
+
 def _requires_grad(_module, _inputs, output):
     return output.requires_grad_(True) if not output.requires_grad else output
 
@@ -160,6 +167,10 @@ class LoraModel:
                 adapters = LinearAdapters(path, i, arch, lora, modules, tp_rank, tp, seed)
                 linear.add_module("lora", adapters)
                 items.append(Adapted(adapters, i, linear.register_forward_hook(adapters.hook)))
+        for layer in gpt.decoder.layers:
+            # A LoRA step's peak is the frozen base plus the heap the layers' temporaries leave behind: freed
+            # blocks go back to the OS after each layer of a training forward (and of its recompute)
+            layer.register_forward_hook(_release_after_training_layer)
         if getattr(gpt, "embedding", None) is not None:
             # The frozen embedding's output does not require grad, so a recomputed layer (an autograd Function
             # over its inputs) would have no backward: the adapters inside it get their gradient through this.

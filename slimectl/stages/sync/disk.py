@@ -25,7 +25,7 @@ class DiskTransport(WeightTransport):
         path = str(source.hf_dir.resolve())
         version = str(source.version)
         if source.adapter is not None:  # a LoRA run: the adapter, over the base the engines serve
-            await asyncio.gather(*(c.load_lora_adapter(POLICY_ADAPTER, path, weight_version=version)
+            await asyncio.gather(*(c.swap_lora_adapter(POLICY_ADAPTER, path, version)
                                    for c in clients.values()))
             return sum(f.stat().st_size for f in source.hf_dir.glob("*.safetensors")) * len(clients)
         await asyncio.gather(*(c.update_weights_from_disk(path, weight_version=version, flush_cache=flush_cache)
