@@ -38,9 +38,10 @@ def case(tmp_path_factory):
     return d, model_dir, samples
 
 
-def run_check(case, tp: int = 1, pp: int = 1, ranks=None, targets: str = "all-linear") -> dict:
+def run_check(case, tp: int = 1, pp: int = 1, dp: int = 1, ranks=None, targets: str = "all-linear") -> dict:
+    """The check at TP x PP x DP (DP: the ranks beyond TP x PP)."""
     d, model_dir, _ = case
-    out = d / f"out_tp{tp}_pp{pp}_{targets.replace(',', '+')}"
+    out = d / f"out_tp{tp}_pp{pp}_dp{dp}_{targets.replace(',', '+')}"
     args = [str(SCRIPT), str(model_dir), str(d / "samples.json"), str(out), str(tp), str(pp), targets]
     proc = run_script_in_process(*args) if ranks is None else ranks.run(*args)
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -63,7 +64,7 @@ def max_diff(xs, ys) -> float:
     return max(float((torch.tensor(x) - torch.tensor(y)).abs().max()) for x, y in zip(xs, ys))
 
 
-@pytest.mark.parametrize("axis", ["tp", "pp"])
+@pytest.mark.parametrize("axis", ["tp", "pp", "dp"])
 def test_a_lora_step_on_two_ranks_equals_one_rank(case, one, axis, two_ranks):
     two = run_check(case, ranks=two_ranks, **{axis: 2})
     # (TP: the frozen base takes megatron's frozen-weight matmul, whose rounding differs from the base actor's
@@ -79,8 +80,10 @@ def test_a_lora_step_on_two_ranks_equals_one_rank(case, one, axis, two_ranks):
 
     a1, a2 = (load_file(str(r["_out"] / "adapter" / "adapter_model.safetensors")) for r in (one, two))
     assert a1.keys() == a2.keys() and max(float((a1[k] - a2[k]).abs().max()) for k in a1) <= 1e-5
-    # every rank holds its share of the adapters; the TP-split ones are halves
-    assert two["trainable"] < one["trainable"] if axis == "tp" else two["trainable"] == one["trainable"] // 2
+    # every rank holds its share of the adapters (TP: the split ones are halves; PP: its layers; DP: all)
+    want = {"tp": lambda n: n < one["trainable"], "pp": lambda n: n == one["trainable"] // 2,
+            "dp": lambda n: n == one["trainable"]}[axis]
+    assert want(two["trainable"]), two["trainable"]
     assert two["resumed_lp_diff"] == 0.0 and no_perf(two["resumed"]) == no_perf(two["straight"])
 
 
