@@ -217,6 +217,10 @@ class EngineSection(Section):
 
     backend: Literal["embedded", "sglang", "external"] = "embedded"
     """embedded: our CPU engine (default); sglang: real SGLang servers; external: ``urls``."""
+    lora_merged: Optional[bool] = None
+    """A LoRA run (``train.lora``): true gives the engines full weights, the base with the adapter merged in, at
+    every sync (rollouts then ask for no adapter); false has them serve the adapter itself. null: true for SGLang on
+    CPU (``sglang_args.device: cpu``: its LoRA layers need a GPU), false otherwise."""
     num_engines: int = Field(default=1, gt=0)
     """How many engines ``serve`` (or ``rl``) starts."""
     host: str = "127.0.0.1"
@@ -751,6 +755,21 @@ class SlimectlConfig(Section):
         """``rollout.stale_samples``, or drop under fully_async and keep otherwise."""
         r = self.rollout
         return r.stale_samples or ("drop" if r.async_mode == "fully_async" else "keep")
+
+    @property
+    def effective_lora_merged(self) -> bool:
+        """A LoRA run whose engines get merged full weights (``engine.lora_merged``, resolved)."""
+        if self.train.lora is None:
+            return False
+        e = self.engine
+        if e.lora_merged is not None:
+            return e.lora_merged
+        return e.backend == "sglang" and str(e.sglang_args.get("device", "")) == "cpu"
+
+    @property
+    def serves_lora_adapter(self) -> bool:
+        """A LoRA run whose engines hold the adapter (every rollout request asks for it)."""
+        return self.train.lora is not None and not self.effective_lora_merged
 
     @property
     def effective_pause_mode(self) -> str:

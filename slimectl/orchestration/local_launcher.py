@@ -191,13 +191,15 @@ class InProcessTrainer:
     def sync(self, version: int) -> tuple[dict[str, float], float]:
         """Load weight version ``version`` into every engine; its sync metrics and seconds."""
         from slimectl.stages.sync import sync_engines
+        from slimectl.stages.sync.stage import merge_base
 
         s = self.cfg.sync
         with self.run.stage_log("sync"):
             try:
                 res = self.loop.run_until_complete(sync_engines(self.clients, self.transport, self._source(version),
                                                                 self.cfg.effective_pause_mode, s.verify,
-                                                                tracer=self.run.tracer("sync")))
+                                                                tracer=self.run.tracer("sync"),
+                                                                merge_into=merge_base(self.cfg)))
             finally:
                 if not self.disk:
                     self._finish_passes()

@@ -167,6 +167,7 @@ class EngineProcesses:
         self.router: ServedEngine | None = None
         self.token = cfg.engine.token()
         self.adapter_dir: str | None = None  # a LoRA run: the adapter launched engines load over model.path
+        self.merged_dir: Path | None = None  # engine.lora_merged: the merged model they start from
 
     @property
     def urls(self) -> list[str]:
@@ -187,6 +188,8 @@ class EngineProcesses:
             self.model_path, self.weight_version = self._resolve_weights()
             if self.cfg.train.lora is not None:  # engines load the base, then the version's adapter over it
                 self.adapter_dir, self.model_path = self.model_path, self.explicit_model_path or self.cfg.model.path
+                if self.cfg.effective_lora_merged:  # ...or the base with it merged in (engine.lora_merged)
+                    self.model_path, self.adapter_dir = self._merged_model(self.adapter_dir), None
             if not self.model_path or not Path(self.model_path).is_dir():
                 raise UsageError(f"model.path = {self.model_path}: no such model directory for the engines")
             if not self.token and ec.host not in ("127.0.0.1", "localhost", "::1"):
@@ -228,6 +231,8 @@ class EngineProcesses:
                                                  interval=0.25)
                 if self.adapter_dir is not None:
                     self._load_adapter([u for _, u, _ in launched])
+                if self.merged_dir is not None:
+                    shutil.rmtree(self.merged_dir, ignore_errors=True)
                 for i, url, pid in launched:
                     self._register(f"engine-{i}", url, pid, self.weight_version)
                 if router_python:
@@ -282,6 +287,26 @@ class EngineProcesses:
             extra={"workers": urls, "log": str(router.log_path)}))
         self.router = ServedEngine(rec.id, url, "sglang-router", router.pid)
         log.info("router %s ready at %s in front of %s", rec.id, url, ", ".join(urls))
+
+    def _merged_model(self, adapter_dir: str) -> str:
+        """engine.lora_merged: the model directory engines start from: the base at version 0 (its adapter changes
+        nothing) unless model.adapter_path gave one, else the base with the version's adapter merged in (in the
+        run's .staging, removed once the engines have loaded it)."""
+        import uuid
+
+        from slimectl.backends.hf.peft_adapter import read_adapter, write_merged_model
+        from slimectl.contract.rundir.artifacts import WRITER_FILE, writer_info
+        from slimectl.contract.rundir.atomic import atomic_write_json
+
+        if self.weight_version == INITIAL_WEIGHT_VERSION and not self.cfg.model.adapter_path:
+            return self.model_path
+        conf, tensors = read_adapter(adapter_dir)
+        self.merged_dir = self.run.path / ".staging" / f"merged.{self.weight_version}.{uuid.uuid4().hex}"
+        self.merged_dir.mkdir(parents=True)
+        atomic_write_json(self.merged_dir / WRITER_FILE, writer_info("serve"))
+        log.info("engines get the base with the adapter of weight version %s merged in (engine.lora_merged)",
+                 self.weight_version)
+        return str(write_merged_model(self.model_path, conf, tensors, self.merged_dir))
 
     def _load_adapter(self, urls: list[str]) -> None:
         """A LoRA run: every launched engine loads the version's adapter as :data:`POLICY_ADAPTER`."""
@@ -379,7 +404,7 @@ class EngineProcesses:
             # SGLang answers return_routed_experts only when started with this flag (routing replay, R3)
             extra["enable_return_routed_experts"] = True
         lora = self.cfg.train.lora
-        if lora is not None:  # SGLang serves adapters only when started for them (/load_lora_adapter after)
+        if lora is not None and not self.cfg.effective_lora_merged:  # SGLang serves adapters only when started for them
             for k, v in (("enable_lora", True), ("max_lora_rank", lora.rank), ("max_loras_per_batch", 1),
                          ("lora_target_modules", list(lora.modules))):
                 extra.setdefault(k, v)

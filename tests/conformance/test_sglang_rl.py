@@ -53,9 +53,10 @@ def test_rl_two_rollouts_on_real_sglang(tmp_path, sglang_python, figures):
 
 
 def test_lora_rl_two_rollouts_on_real_sglang(tmp_path, sglang_python, figures):
-    """The same with train.lora: serve starts SGLang with LoRA enabled (torch_native backend on CPU) and loads
-    weights/0 as 'policy'; the sync unloads and loads each weights/N adapter and sets the version; SGLang's
-    log-probs of rollout 1 (on the trained adapter) equal the trainer's."""
+    """The same with train.lora. SGLang 0.5.23's LoRA layers cannot run on CPU (they allocate pinned memory:
+    "pin_memory=True requires a CUDA or other accelerator backend"), so engine.lora_merged resolves to true
+    there: the engine starts on the base and each sync gives it the base with weights/N's adapter merged in;
+    SGLang's log-probs of rollout 1 (on the merged adapter of version 1) equal the LoRA trainer's."""
     import yaml
 
     cfg = write_config(tmp_path, rollout={"num_rollout": 2}, train={"lr": 1e-2, "lora": {"rank": 4, "alpha": 8}},
@@ -68,7 +69,8 @@ def test_lora_rl_two_rollouts_on_real_sglang(tmp_path, sglang_python, figures):
     run = RunDir.open(tmp_path / "run")
     assert_trained_once(run, 2)
     log = (run.path / "logs" / "engine-0.log").read_text()
-    assert "enable_lora=True" in log and "lora_backend='torch_native'" in log  # SGLang's own ServerArgs line
+    assert "launch_server" in log and "--enable-lora" not in log  # (its argv line) no LoRA layers: merged weights
+    assert not list((run.path / ".staging").glob("merged.*"))  # each merged model removed once loaded
     assert [run.rollouts.get(i).meta["weight_version"] for i in range(2)] == ["0", "1"]
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in read_jsonl(run.metrics_path("train"))]
     figures["lora_rl_train_rollout_logprob_abs_diff"] = [f"{d:.1e}" for d in diffs]

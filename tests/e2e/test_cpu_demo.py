@@ -38,11 +38,14 @@ DEMO = ROOT / "examples" / "cpu_demo.py"
 QUICK: list[str] = []
 QUICK_ROLLOUTS = 400
 QUICK_EVALS = [100, 200, 300, 400]
-# The demo with LoRA adapters instead of full training (docs/lora.md): rank 16, alpha 32, a 10x larger peak lr
-# with 80 warm-up steps (without the warm-up the adapters climb within the first 20% of rollouts, and the rise
-# measured first-20% to last-20% was +0.21/+0.205 at lr 3e-3, +0.18/+0.12 at 1.5e-3, seeds 0/1).
+# The demo with LoRA adapters instead of full training (docs/lora.md): rank 16, alpha 32, a 5x larger lr. The rise
+# (first 20% of rollouts to the last 20%) measured on 2026-12-03, seeds 0/1/2, one run each: lr 3e-3 -> 5e-4
+# linear +0.210/+0.205/+0.130; the same with 80 warm-up steps +0.186/+0.143/+0.123; lr 1.5e-3 +0.176/+0.123
+# (seeds 0/1); lr 6e-3 seeds 0 and 1 collapsed to reward 0, seed 2 +0.304; 200 rollouts at 3e-3
+# +0.224/+0.198/+0.138. The adapters plateau near 0.62-0.66 within ~150 rollouts, so the rise depends on where
+# the seed's warm start begins (0.27-0.49). The test runs seed 0 (+0.210: a thin margin, see docs/lora.md).
 LORA = ["--set", "train.lora.rank=16", "--set", "train.lora.alpha=32", "--set", "train.lr=3e-3",
-        "--set", "train.min_lr=5e-4", "--set", "train.lr_warmup_steps=80"]
+        "--set", "train.min_lr=5e-4"]
 
 
 def test_the_demo_defaults_resolve_without_running(tmp_path, stage_forks):

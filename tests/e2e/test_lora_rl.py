@@ -200,3 +200,20 @@ def test_bad_lora_input_is_one_line_and_exit_2(tmp_path, case):
             "other_base": "does not fit model.path"}[case] in lines[0]
     if (tmp_path / "run").exists():
         assert engine_pids(RunDir.open(tmp_path / "run")) == []
+
+
+def test_engines_given_merged_weights(lora_run, tmp_path):
+    """engine.lora_merged (what SGLang on CPU gets, tests/conformance): the engine serves the base, each sync
+    gives it the base with the adapter merged in (disk: a merged model in .staging, removed after), rollouts ask
+    for no adapter, and the trainer's log-probs still equal the engine's."""
+    run, _ = lora_run
+    for transport in ("disk", "distributed"):
+        cfg = lora_config(tmp_path, engine={"lora_merged": True}, sync={"transport": transport})
+        res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / transport, "--tiny-model", "qwen2")
+        assert res.returncode == 0, res.stderr[-3000:]
+        merged = RunDir.open(tmp_path / transport)
+        for m in read_jsonl(merged.metrics_path("train")):
+            assert m["train/train_rollout_logprob_abs_diff"] <= 1e-4, (transport, m)
+        assert not list((merged.path / ".staging").glob("merged.*"))
+        assert merged.weights.get(2).files["adapter_model.safetensors"]["sha256"] == \
+            run.weights.get(2).files["adapter_model.safetensors"]["sha256"]

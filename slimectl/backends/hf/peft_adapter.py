@@ -161,3 +161,20 @@ def merged_tensors(base, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]):
     if left:
         raise UsageError(f"the adapter's {left[0]} has no weight in the base model ({len(left)} unmatched); "
                             f"merge the adapter into the model it was trained on")
+
+
+def write_merged_model(base_dir: str | Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor],
+                       out_dir: str | Path) -> Path:
+    """``out_dir``: the HF model ``base_dir`` with the adapter merged in (its safetensors, and the base's config and
+    tokenizer files): what an engine that cannot serve adapters loads instead (SGLang on CPU)."""
+    import shutil
+
+    from slimectl.backends.hf.checkpoint import HFCheckpoint, write_safetensors_sharded
+
+    out = Path(out_dir)
+    with HFCheckpoint(base_dir) as hf:
+        write_safetensors_sharded(merged_tensors(hf, cfg, tensors), out)
+    for f in Path(base_dir).iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy2(f, out / f.name)
+    return out

@@ -89,7 +89,7 @@ async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list
     r = cfg.rollout
     pool = EnginePool(urls, token=cfg.engine.token(),
                       concurrency_per_engine=r.concurrency_per_engine, timeout=cfg.engine.request_timeout_s,
-                      lora_path=POLICY_ADAPTER if cfg.train.lora is not None else None)
+                      lora_path=POLICY_ADAPTER if cfg.serves_lora_adapter else None)
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=None,
                            rollout_max_response_len=r.eval_max_response_len or r.max_response_len,
                            n_samples_per_prompt=r.eval_n_samples, reward_key=r.reward_key, mask_offpolicy=False)

@@ -425,7 +425,7 @@ def generation_context(run: RunDir, cfg: SlimectlConfig, rid: int, urls: list[st
     pool = EnginePool(urls, token=cfg.engine.token(), concurrency_per_engine=r.concurrency_per_engine,
                       timeout=cfg.engine.request_timeout_s, registry=run.engines,
                       router=run.live_router(urls),  # serve's sglang-router in front of exactly these engines
-                      connections=connections, lora_path=POLICY_ADAPTER if cfg.train.lora is not None else None)
+                      connections=connections, lora_path=POLICY_ADAPTER if cfg.serves_lora_adapter else None)
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=rid,
                            rollout_max_response_len=r.max_response_len, n_samples_per_prompt=r.n_samples_per_prompt,
                            reward_key=r.reward_key, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,

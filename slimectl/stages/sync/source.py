@@ -67,3 +67,21 @@ class WeightSource:
         if self.hf_dir is None:
             raise ValueError(f"weight version {self.version} has neither a directory nor a tensor stream")
         return HFCheckpoint(str(self.hf_dir))
+
+
+def merged_source(source: WeightSource, base: str | Path, staging: Path | None):
+    """A LoRA version as full weights: ``base`` with ``source``'s adapter merged in, for engines that are not
+    serving adapters (``engine.lora_merged``). ``staging``: a directory to write the merged model into (the disk
+    transport loads it from there; removed by the caller), None: a tensor stream (the distributed transport)."""
+    from slimectl.backends.hf.checkpoint import HFCheckpoint
+    from slimectl.backends.hf.peft_adapter import merged_tensors, write_merged_model
+
+    tensors = dict(source.iter_tensors())  # the adapters: megabytes
+    if staging is not None:
+        return WeightSource.from_dir(source.version, write_merged_model(base, source.adapter, tensors, staging))
+
+    def stream():
+        with HFCheckpoint(str(base)) as hf:
+            yield from merged_tensors(hf, source.adapter, tensors)
+
+    return WeightSource.from_tensors(source.version, stream)
