@@ -136,9 +136,12 @@ def run_slimectl(work: Path, model: Path, a, seed: int) -> dict:
     recs = read_metrics(metrics)
     if not recs:
         sys.exit(f"slimectl rl made no step in the budget; its log: {work / f'slimectl-{seed}.log'}")
-    latest = RunDir(run_path).weights.latest()
+    # The weights of the curve's last step: a step the signal ended after its weights/N but before its metrics
+    # line was not in the curve, so its weights are not the side's result either (weights/N = N steps trained).
+    weights = RunDir(run_path).weights
+    final = weights.get(len(recs)) if weights.exists(len(recs)) else weights.latest()
     return {"curve": [(r["time"] - started, r["rl/reward_mean"]) for r in recs], "stopped_s": stopped,
-            "steps": len(recs), "model": str(latest.path), "weight_version": latest.id}
+            "steps": len(recs), "model": str(final.path), "weight_version": final.id}
 
 
 # ----------------------------------------------------------------------------- TRL (a worker process)

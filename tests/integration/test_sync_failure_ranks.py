@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent('''
         if rank == 0:
             calls = []
 
-            async def sync_engines(clients, transport, source, pause_mode, verify, tracer):
+            async def sync_engines(clients, transport, source, pause_mode, verify, tracer, merge_into=None):
                 calls.append(1)
                 if len(calls) == 1:
                     for k, (name, t) in enumerate(source.iter_tensors()):
@@ -64,7 +64,8 @@ SCRIPT = textwrap.dedent('''
             t.run = types.SimpleNamespace(stage_log=lambda name: contextlib.nullcontext(),
                                           tracer=lambda stage: NULL_TRACER)
             t.cfg = types.SimpleNamespace(sync=types.SimpleNamespace(pause_mode="abort", verify=False),
-                                          effective_pause_mode="abort")
+                                          effective_pause_mode="abort", train=types.SimpleNamespace(lora=None),
+                                          effective_lora_merged=False)
             t.disk, t.trainer, t.clients, t.transport, t._open_passes = False, Tensors(), {}, None, []
             t.followers = Followers(group)
             t.loop = asyncio.new_event_loop()
