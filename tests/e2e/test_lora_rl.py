@@ -217,3 +217,23 @@ def test_engines_given_merged_weights(lora_run, tmp_path):
         assert not list((merged.path / ".staging").glob("merged.*"))
         assert merged.weights.get(2).files["adapter_model.safetensors"]["sha256"] == \
             run.weights.get(2).files["adapter_model.safetensors"]["sha256"]
+
+
+def test_lora_on_a_bf16_base_trains_checkpoints_and_resumes(tmp_path):
+    """model.dtype bf16 (a bf16 base, as LoRA runs on GPUs): the adapters take the base's dtype, Megatron's
+    optimizer keeps their fp32 main copies, and the checkpoint (adapters, fp32 main copies, Adam) saves and
+    resumes — a LoRA run on a bf16 base once failed in its first matmul and then in its checkpoint."""
+    from safetensors.torch import load_file
+
+    cfg = lora_config(tmp_path, model={"dtype": "bf16"}, train={"save_interval": 1})
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = RunDir.open(tmp_path / "run")
+    adapter = load_file(str(run.weights.get(2).path / "adapter_model.safetensors"))
+    assert adapter and all(t.dtype == torch.bfloat16 for t in adapter.values())
+    assert max(float(t.float().abs().max()) for k, t in adapter.items() if "lora_B" in k) > 0  # B moved from 0
+    for m in read_jsonl(run.metrics_path("train")):
+        assert m["train/train_rollout_logprob_abs_diff"] <= 0.1, m  # bf16 trainer against a bf16 engine
+    res = slimectl_in_process("rl", "-r", tmp_path / "run", "--set", "rollout.num_rollout=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert RunDir.open(tmp_path / "run").cursor("train").read().consumed == [0, 1, 2]

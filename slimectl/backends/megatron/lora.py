@@ -53,7 +53,7 @@ class LinearAdapters(torch.nn.Module):
     """The adapters of one Megatron linear (one per fused projection targeted); see the module docstring."""
 
     def __init__(self, linear_path: str, layer: int, arch: ModelArch, lora, modules: tuple[str, ...],
-                 tp_rank: int, tp: int, seed: int):
+                 tp_rank: int, tp: int, seed: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -72,7 +72,8 @@ class LinearAdapters(torch.nn.Module):
             a = _kaiming_uniform((lora.rank, inp), seed, layer, m)
             a = a.chunk(tp, dim=1)[tp_rank] if self.row else a
             b = torch.zeros(out if self.row else out // tp, lora.rank)
-            self.A[m], self.B[m] = torch.nn.Parameter(a.contiguous()), torch.nn.Parameter(b)
+            # the base's dtype: under bf16 Megatron's optimizer keeps fp32 main copies of them as of the base
+            self.A[m], self.B[m] = (torch.nn.Parameter(t.to(dtype).contiguous()) for t in (a, b))
             if tp > 1:  # which of them are split (grad norms count the replicated ones once)
                 sharded, dim = (self.A[m], 1) if self.row else (self.B[m], 0)
                 set_tensor_model_parallel_attributes(sharded, True, dim, 1)
@@ -164,7 +165,7 @@ class LoraModel:
             i = layer.layer_number - 1
             for path in linears:
                 linear = layer.get_submodule(path)
-                adapters = LinearAdapters(path, i, arch, lora, modules, tp_rank, tp, seed)
+                adapters = LinearAdapters(path, i, arch, lora, modules, tp_rank, tp, seed, linear.weight.dtype)
                 linear.add_module("lora", adapters)
                 items.append(Adapted(adapters, i, linear.register_forward_hook(adapters.hook)))
         for layer in gpt.decoder.layers:
