@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from slimectl.stages.rollout.eval import pass_at_k
 from slimectl.contract.rundir import RunDir
@@ -236,6 +237,30 @@ def assert_traces_agree_with_metrics(run: RunDir, rollouts: int) -> None:
                  and s.start <= p.start <= p.end <= s.end]
         assert sorted(p.name for p in parts) == ["continue", "pause", "update"], s
         assert all(p.args["version"] == s.args["version"] for p in parts)
+
+
+def test_a_bf16_model_trains_checkpoints_and_resumes_bit_exactly(tmp_path):
+    """model.dtype bf16 (what GPU runs use): every parameter is bf16 (the local spec's norms too, as Megatron-LM's
+    Float16Module makes them), the checkpoint holds the optimizer's fp32 main copies and Adam state, and 2
+    rollouts then a resume to 3 end on the weights of 3 in one go, bit for bit. (An fp32 norm among the bf16
+    parameters broke every bf16 checkpoint.)"""
+    from safetensors.torch import load_file
+
+    cfg = write_config(tmp_path, model={"dtype": "bf16"}, train={"save_interval": 1})
+    for name, first in (("straight", 3), ("resumed", 2)):
+        res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / name, "--tiny-model", "qwen2",
+                                  "--set", f"rollout.num_rollout={first}")
+        assert res.returncode == 0, res.stderr[-3000:]
+    res = slimectl_in_process("rl", "-r", tmp_path / "resumed", "--set", "rollout.num_rollout=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = [RunDir.open(tmp_path / name) for name in ("straight", "resumed")]
+    weights = [load_file(str(next(r.weights.get(3).path.glob("*.safetensors")))) for r in runs]
+    assert weights[0] and all(t.dtype == torch.bfloat16 for t in weights[0].values())
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    first = load_file(str(next(runs[0].weights.get(2).path.glob("*.safetensors"))))
+    assert any(not torch.equal(first[k], weights[0][k]) for k in first)  # training moved them
+    for m in read_jsonl(runs[0].metrics_path("train")):
+        assert m["train/train_rollout_logprob_abs_diff"] <= 0.05, m  # the bf16 trainer against the bf16 engine
 
 
 def test_pass_at_k_hand_computed():

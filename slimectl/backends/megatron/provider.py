@@ -221,7 +221,23 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
         rotary_base=arch.rope_theta,
         rotary_percent=arch.rotary_percent,
     )
+    _params_to_dtype(model, cfg.params_dtype)
     return model
+
+
+def _params_to_dtype(model, dtype) -> None:
+    """Every fp32 parameter in ``dtype`` (bf16/fp16 models), as Megatron-LM's ``Float16Module`` casts the model:
+    the local spec's norms (torch's RMSNorm) are built in fp32 whatever ``params_dtype`` says. HF's bf16 models
+    hold their norms in bf16 too, and Megatron's mixed-precision optimizer maps a checkpoint's optimizer state
+    only onto its float16 parameters (an fp32 norm among them broke every bf16 checkpoint). Buffers (the
+    routers' fp32 expert_bias) stay as they are."""
+    import torch
+
+    if dtype == torch.float32:
+        return
+    for p in model.parameters():
+        if p.dtype == torch.float32:
+            p.data = p.data.to(dtype)
 
 
 def _local_layer_spec(spec, core_attention, moe: bool) -> None:
