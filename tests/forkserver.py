@@ -91,6 +91,12 @@ def _child(job: dict, fds: list[int]) -> None:
         sys.stderr = open(2, "w", closefd=False)
         os.environ.clear()
         os.environ.update(job["env"])
+        # a fresh interpreter would run slimectl's import-time defaults (MKL_CBWR) in this environment: run them
+        # again, so a forked engine or stage computes as the product's own process does (MKL reads MKL_CBWR at
+        # its first call, which is still to come: the server touched no tensor)
+        import slimectl
+
+        slimectl.apply_numeric_env()
         os.chdir(job["cwd"])
         # $PYTHONPATH as a fresh interpreter reads it: its entries first on sys.path, after the script's dir
         extra = [os.path.abspath(p) for p in job["env"].get("PYTHONPATH", "").split(os.pathsep) if p]

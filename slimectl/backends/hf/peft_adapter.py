@@ -110,8 +110,12 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
 
 
 def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config, tensors by PEFT name) of adapter directory ``path``."""
-    from safetensors.torch import load_file
+    """(config, tensors by PEFT name) of adapter directory ``path``.
+
+    The tensors are read into memory torch's allocator owns (:class:`SafetensorsFile`: ``pread``, no memory map), so
+    an adapter read from disk lies at the same alignment as one received over a weight-update group, and compute on
+    it cannot depend on where the file's header put its bytes (docs/testing.md, "What is bit-exact")."""
+    from slimectl.backends.hf.checkpoint import SafetensorsFile
 
     cfg, p = read_adapter_config(path), Path(path)
     weights = p / ADAPTER_WEIGHTS
@@ -120,9 +124,15 @@ def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tens
             if (p / "adapter_model.bin").exists() else ""
         raise UsageError(f"{p}: no {ADAPTER_WEIGHTS}{hint}")
     try:
-        tensors = load_file(str(weights))
-    except Exception as e:  # safetensors raises its own error types
+        f = SafetensorsFile(weights)
+    except Exception as e:  # a truncated or damaged file: HFCheckpointError naming it
+        raise UsageError(str(e)) from None
+    try:
+        tensors = {name: f.read(name) for name in f.keys()}
+    except OSError as e:
         raise UsageError(f"{weights}: not a readable safetensors file ({e})") from None
+    finally:
+        f.close()
     # PEFT may save names with the adapter's name (".lora_A.default.weight") when asked: take both
     return cfg, {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
 

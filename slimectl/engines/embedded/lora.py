@@ -249,7 +249,10 @@ class LoraAdapters:
         for n, t in tensors.items():
             module, ab, _ = shape.tensors[n]
             device = self.linears[module].weight.device
-            parts.setdefault(module, {})[ab] = t.to(device=device, dtype=self.dtype).contiguous()
+            # always a copy of its own: fresh, allocator-aligned memory whichever way the tensor arrived (a view into
+            # a file's bytes would put the adapter at another alignment than one received: other bits from MKL)
+            parts.setdefault(module, {})[ab] = t.to(device=device, dtype=self.dtype, copy=True,
+                                                    memory_format=torch.contiguous_format)
         weights = {m: (p["A"], p["B"]) for m, p in parts.items()}
         return LoraAdapter(name, source, shape.r, shape.alpha, weights)
 

@@ -54,6 +54,7 @@ def load_model(model_path: str, dtype: torch.dtype, max_context: int | None = No
         raise ValueError(f"model {model_path!r} uses {sorted(set(layer_types))} attention layers; "
                          f"the embedded engine supports full attention only")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+    own_memory(model)
     model.eval()
     model.requires_grad_(False)
     vocab_size = int(config.vocab_size)
@@ -71,6 +72,31 @@ def load_model(model_path: str, dtype: torch.dtype, max_context: int | None = No
         pad_token_id=int(pad) if pad is not None and 0 <= int(pad) < vocab_size else 0,
         params=dict(model.named_parameters(remove_duplicate=False)),
     )
+
+
+def own_memory(model) -> int:
+    """Move every parameter and buffer of ``model`` into memory torch's allocator owns; returns the bytes moved.
+
+    transformers leaves a loaded model's tensors in a copy-on-write map of its safetensors file, each at the offset
+    the file's header gives it (8-byte aligned: ``model.safetensors`` of a tiny Llama puts them at 40 mod 64). MKL's
+    kernels pick their code path by the operands' alignment, so with its reproducible mode off (``MKL_CBWR`` unset
+    or overridden) the same weights at another alignment give other bits: an engine started from one file would
+    differ from one started from another file with the same tensors, or from itself after a memory release and
+    reallocation (fresh, 64-byte-aligned storage). Copies of their own make the served bits independent of the
+    files' layout (docs/testing.md, "What is bit-exact"). Tied weights stay one parameter."""
+    moved, seen = 0, {}
+    with torch.no_grad():
+        for p in {id(p): p for p in model.parameters()}.values():
+            p.data = p.data.clone(memory_format=torch.contiguous_format)
+            moved += p.numel() * p.element_size()
+        for module in model.modules():
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    if id(b) not in seen:  # a buffer shared by several modules stays shared
+                        seen[id(b)] = b.clone(memory_format=torch.contiguous_format)
+                        moved += b.numel() * b.element_size()
+                    module._buffers[name] = seen[id(b)]
+    return moved
 
 
 def _eos_ids(config, model, tokenizer) -> frozenset[int]:
