@@ -1,4 +1,14 @@
-"""``slimectl init``: resolve a config and freeze it into a new run directory."""
+"""``slimectl init``: resolve a config and freeze it into a new run directory.
+
+The config comes from a YAML file, ``--set`` overrides, a model built offline (``--tiny-model``,
+``--pretrained``: :mod:`slimectl.fixtures`), or a slime launch script (``--from-slime``), translated by
+the modules beside this one:
+
+- :mod:`~slimectl.stages.init.slime_launch` — :func:`~slimectl.stages.init.slime_launch.translate_slime_script`:
+  a script's argv to config data, then the GPU layout;
+- :mod:`~slimectl.stages.init.slime_flags` — the flag table: what each of slime's ``train.py`` flags becomes;
+- :mod:`~slimectl.stages.init.slime_script` — the bash read, never run: variables, ``source``, the launch line.
+"""
 
 from __future__ import annotations
 
@@ -55,12 +65,12 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
              check: Callable[[SlimectlConfig], None] | None = None) -> InitResult:
     """Resolve the config, optionally build a tiny offline model into the run (or a real pretrained
     one into the shared cache, ``slimectl.fixtures.pretrained``), and freeze it. ``from_slime``: the
-    config comes from a slime launch script (``slimectl.contract.slime_launch``); what it could not
+    config comes from a slime launch script (``slimectl.stages.init.slime_launch``); what it could not
     map is in the result's ``translation``. ``check(cfg)``: the caller's checks of the resolved config,
     run before anything is written (dry run included)."""
     translation = None
     if from_slime is not None:
-        from slimectl.contract.slime_launch import translate_slime_script
+        from slimectl.stages.init.slime_launch import translate_slime_script
 
         translation = translate_slime_script(from_slime)
         cfg = load_config(config_path, overrides, base=translation.data,
