@@ -132,7 +132,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="async_modes_"))
     model = a.model
     if a.tiny_model:
-        from slimectl.fixtures.tiny_models import build_tiny_model
+        from slimectl.starter_models.tiny_models import build_tiny_model
 
         model = build_tiny_model("qwen2", work / "tiny-qwen2", seed=0)
     results: dict[str, list[dict]] = {m: [] for m in MODES}

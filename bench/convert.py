@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--family", default="llama")
     ap.add_argument("--experts", type=int, default=8, help="experts per layer (--family qwen3-moe)")
     args = ap.parse_args()
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
     from slimectl.backends.hf.arch import arch_from_dir
 
     work = Path(tempfile.mkdtemp(prefix="slimectl-bench-convert-"))

@@ -92,7 +92,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
     from slimectl.backends.megatron.parallel import free_port
 
     torch.set_num_threads(args.threads)

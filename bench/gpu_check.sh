@@ -213,7 +213,7 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 step 180 build-model "$PYTHON" -c "
-from slimectl.fixtures.tiny_models import build_tiny_model
+from slimectl.starter_models.tiny_models import build_tiny_model
 build_tiny_model('qwen2', '$WORK/model', hidden_size=$HIDDEN, num_layers=$LAYERS, num_heads=$HEADS,
                  num_kv_heads=$KV, intermediate_size=$FFN, dtype='$MODEL_DTYPE', seed=0)
 " || die "could not build the model" 1

@@ -299,7 +299,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model = a.model
     if a.tiny_model:
-        from slimectl.fixtures.tiny_models import build_tiny_model
+        from slimectl.starter_models.tiny_models import build_tiny_model
 
         model = build_tiny_model("qwen2", work / "tiny-qwen2", seed=0)
     held_out = addition.held_out_rows()

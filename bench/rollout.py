@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=64)
     args = ap.parse_args()
     from slimectl.engines.client import EngineClient
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
     from slimectl.stages.init import init_run
     from slimectl.backends.megatron.parallel import free_port
     from slimectl.stages.rollout.stage import run_rollout

@@ -74,7 +74,7 @@ def main() -> None:
     from slimectl.contract.config_schema import SyncSection
     from slimectl.engines.client import EngineClient
     from slimectl.engines.weight_group import init_custom_process_group
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
     from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
     from slimectl.backends.hf.checkpoint import write_safetensors_sharded
     from slimectl.stages.sync import WeightSource, sync_engines

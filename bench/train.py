@@ -71,7 +71,7 @@ def main() -> None:
     import torch
 
     from slimectl.contract.config_schema import SlimectlConfig
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
     from slimectl.backends.hf.arch import arch_from_dir
     from slimectl.backends.megatron import cpu_compat
     from slimectl.backends.megatron.actor import MegatronActor

@@ -44,7 +44,7 @@ def main() -> None:
     from slimectl.backends.megatron.actor import MegatronActor
     from slimectl.contract.config_schema import AlgorithmSection, TrainSection
     from slimectl.contract.samples import Sample
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_cpu_"))
     with warnings.catch_warnings():

@@ -195,7 +195,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_memph_"))
     model = a.model
     if a.tiny:
-        from slimectl.fixtures.tiny_models import build_tiny_model
+        from slimectl.starter_models.tiny_models import build_tiny_model
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -67,7 +67,7 @@ def main() -> None:
 
     from slimectl.contract.rundir import RunDir
     from slimectl.contract.samples import SAMPLES_FILE, Sample, write_samples
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_save_"))
     with warnings.catch_warnings():

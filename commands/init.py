@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from slimectl.commands._options import dry_run_option, overrides_option, resolve_run_dir
-from slimectl.fixtures.pretrained import PRETRAINED  # light: no torch
-from slimectl.fixtures.tiny_models import FAMILIES as TINY_FAMILIES  # light: no torch
+from slimectl.starter_models.pretrained import PRETRAINED  # light: no torch
+from slimectl.starter_models.tiny_models import FAMILIES as TINY_FAMILIES  # light: no torch
 
 PRETRAINED_NAMES = tuple(PRETRAINED)
 

@@ -12,8 +12,8 @@ from slimectl.commands._options import (
     resolve_run_dir,
     run_dir_option,
 )
-from slimectl.fixtures.pretrained import PRETRAINED  # light: no torch
-from slimectl.fixtures.tiny_models import FAMILIES as TINY_FAMILIES  # light: no torch
+from slimectl.starter_models.pretrained import PRETRAINED  # light: no torch
+from slimectl.starter_models.tiny_models import FAMILIES as TINY_FAMILIES  # light: no torch
 
 PRETRAINED_NAMES = tuple(PRETRAINED)
 

@@ -33,13 +33,13 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"backends/megatron": ("contract", "algorithms", "backends/hf", "backends/host_memory"),
      "engines": ("contract", "web", "backends/hf", "backends/host_memory"),
      "rewards": ("contract", "web"),
-     "fixtures": ("contract", "backends/hf")},
+     "starter_models": ("contract", "backends/hf")},
     {"agents": ("contract", "web", "engines"),
      "services": ("contract", "web")},
     {"stages/convert": ("contract", "backends/hf", "backends/megatron"),
      "stages/export": ("contract", "backends/hf", "backends/megatron"),
      "stages/extend": ("contract",),
-     "stages/init": ("contract", "fixtures"),
+     "stages/init": ("contract", "starter_models"),
      "stages/plot": ("contract",),
      "stages/rollout": ("contract", "web", "backends/hf", "engines", "rewards"),
      "stages/serve": ("contract", "backends/hf", "engines"),
@@ -49,9 +49,9 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
      "stages/train": ("contract", "algorithms", "backends/hf", "backends/host_memory", "backends/megatron")},
     {"orchestration": ("contract", "backends/hf", "backends/megatron", "engines", "stages/init", "stages/rollout",
                        "stages/serve", "stages/sync", "stages/train")},
-    {"commands": ("contract", "fixtures", "agents", "services", "stages/convert", "stages/export", "stages/extend",
-                  "stages/init", "stages/plot", "stages/rollout", "stages/serve", "stages/status", "stages/sync",
-                  "stages/trace", "stages/train", "orchestration")},
+    {"commands": ("contract", "starter_models", "agents", "services", "stages/convert", "stages/export",
+                  "stages/extend", "stages/init", "stages/plot", "stages/rollout", "stages/serve", "stages/status",
+                  "stages/sync", "stages/trace", "stages/train", "orchestration")},
 )
 MAP: dict[str, tuple[str, ...]] = {part: allowed for layer in LAYERS for part, allowed in layer.items()}
 LAYER: dict[str, int] = {part: i for i, layer in enumerate(LAYERS) for part in layer}
@@ -218,7 +218,7 @@ def _algorithms_breach(imp: Import) -> bool:
 RULES: tuple[Rule, ...] = (
     Rule("layers", "a part imports only parts of lower layers (the table): the contract at the "
          "bottom, commands at the top", lambda imp: imp.source is not None, _lower_layer_only,
-         ("slimectl/fixtures/breach.py", "from slimectl.agents.harness import Harness\n")),
+         ("slimectl/starter_models/breach.py", "from slimectl.agents.harness import Harness\n")),
     Rule("contract-imports-no-part", "the contract imports no other part of the library",
          _from("contract"), lambda imp: imp.target not in (None, "contract"),
          ("slimectl/contract/breach.py", "from slimectl.web.errors import HttpError\n")),
@@ -232,8 +232,8 @@ RULES: tuple[Rule, ...] = (
          "dataclasses, types, collections)", _from("algorithms"), _algorithms_breach,
          ("slimectl/algorithms/breach.py", "import numpy as np\nimport os\n")),
     Rule("backends-know-no-stage", "backends import no stage, orchestration, engine, agent, service, reward or "
-         "fixture", _from("backends/*"),
-         _to("stages/*", "orchestration", "engines", "agents", "services", "rewards", "fixtures"),
+         "starter model", _from("backends/*"),
+         _to("stages/*", "orchestration", "engines", "agents", "services", "rewards", "starter_models"),
          ("slimectl/backends/megatron/breach.py", "from slimectl.engines.client import EngineClient\n")),
     Rule("hf-imports-no-megatron", "backends/hf imports neither megatron nor the Megatron backend",
          _from("backends/hf"), _to("backends/megatron", packages=("megatron",)),

@@ -28,7 +28,7 @@ class Section(BaseModel):
     """Base for every config section: unknown keys fail, assignments are re-validated.
 
     The docstring under each field is its description (``Field.description``), which
-    ``docs/config.md`` is generated from (``python -m slimectl.contract.config_doc``)."""
+    ``docs/config.md`` is generated from (``python scripts/config_doc.py``)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, use_attribute_docstrings=True,
                               allow_inf_nan=False)

@@ -173,7 +173,7 @@ def _other_base_adapter(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

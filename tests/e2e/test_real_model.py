@@ -20,7 +20,7 @@ import pytest
 
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
-from slimectl.fixtures import pretrained
+from slimectl.starter_models import pretrained
 from tests.helpers import ROOT, post, slimectl_in_process, start_serve
 
 # under pytest-xdist one worker runs the module: one build of the cached model at a time
@@ -123,7 +123,7 @@ def test_a_build_killed_half_way_leaves_no_model_folder(smollm2, tmp_path, monke
     (cache / "wheels").mkdir(parents=True)
     wheel = cache / "wheels" / pretrained._find_wheel(spec).name
     wheel.symlink_to(pretrained._find_wheel(spec))
-    proc = subprocess.Popen([sys.executable, "-c", "from slimectl.fixtures.pretrained import ensure_pretrained; "
+    proc = subprocess.Popen([sys.executable, "-c", "from slimectl.starter_models.pretrained import ensure_pretrained; "
                              f"ensure_pretrained({NAME!r})"], env={**ENV, "SLIMECTL_CACHE": str(cache)}, cwd=ROOT)
     models = cache / "models"
     deadline = time.monotonic() + 120

@@ -286,7 +286,7 @@ def test_on_policy_distillation_takes_teacher_log_probs_and_shapes_advantages(tm
     the policy loss of the first (on-policy) step is exactly the reverse-KL estimate:
     A_t = -(lp_s - lp_t). One rollout is all the checks read (tests/e2e/test_opd_demo.py serves the
     teacher with `slimectl serve` and trains for many)."""
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     teacher_model = build_tiny_model("qwen2", tmp_path / "teacher-model", seed=3, initializer_range=0.2)
     proc, teacher_url = start_engine(teacher_model, tmp_path / "teacher.log")

@@ -290,7 +290,7 @@ def servers(tmp_path_factory):
 
     from slimectl.agents.harness import Harness
     from slimectl.engines.embedded.server import EngineHTTPServer
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
     from slimectl.services.buffer_state import RolloutBuffer
     from slimectl.services.rollout_buffer import BufferServer
     from slimectl.engines.pool import EnginePool

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.xdist_group("checkpoint_safety")  # xdist: one worker, 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("ckpt")
     model = build_tiny_model("llama", root / "llama")

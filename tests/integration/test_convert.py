@@ -29,7 +29,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("hf")
     out = {}

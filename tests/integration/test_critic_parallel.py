@@ -26,7 +26,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

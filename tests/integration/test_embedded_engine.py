@@ -26,7 +26,7 @@ ENGINE: dict = {}  # the module's engine process and log, so a hung call can ask
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("engine-models")
     return {

@@ -45,7 +45,7 @@ def _adapter(base, out, targets, seed, **save):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("lora-http")
     with warnings.catch_warnings():

@@ -27,7 +27,7 @@ def param_bytes(params: dict[str, torch.nn.Parameter]) -> int:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     with warnings.catch_warnings():  # the tokenizer has fewer tokens than the (padded) embedding rows
         warnings.simplefilter("ignore")

@@ -34,7 +34,7 @@ def _samples(rid: int) -> list[Sample]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A run trained on two rollouts: checkpoints/000001..2 and weights/000001..2 written by `train`."""
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("export")
     model = build_tiny_model("qwen2", root / "model", seed=3, initializer_range=0.1)

@@ -25,7 +25,7 @@ MOE_LOGITS = SCRIPTS / "moe_logits.py"
 
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory) -> Path:
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     # initializer_range 0.3: routing, bias and expert mistakes show in the logits
     return build_tiny_model("glm4-moe", tmp_path_factory.mktemp("hf") / "glm", initializer_range=0.3, seed=3)
@@ -165,7 +165,7 @@ def test_disk_sync_of_the_exported_weights_gives_transformers_greedy_tokens(glm,
     from slimectl.engines.embedded.sampling_params import SamplingParams
 
     from slimectl.engines.embedded.scheduler import GenerationScheduler
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     other = build_tiny_model("glm4-moe", tmp_path / "other")
     ref = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()

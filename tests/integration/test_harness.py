@@ -70,7 +70,7 @@ def make_eos_reachable(model_dir: Path, tok, question: str) -> None:
 def world(tmp_path_factory, cli_module):
     from transformers import AutoTokenizer
 
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("harness")
     model = build_tiny_model("qwen2", root / "model", seed=7, tie_word_embeddings=False, initializer_range=0.3)

@@ -28,7 +28,7 @@ def weights(tmp_path_factory):
     """Two weight sets of one tiny Qwen2 (the second a perturbed copy) and an HF model of each (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("inflight")
     # large enough that 900 tokens take a while (the update lands mid-request), with peaked distributions

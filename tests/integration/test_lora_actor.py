@@ -22,7 +22,7 @@ REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.2, 0.9]
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     d = tmp_path_factory.mktemp("lora_actor")
     with warnings.catch_warnings():

@@ -31,7 +31,7 @@ MOE_LOGITS = SCRIPTS / "moe_logits.py"
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> Path:
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     # initializer_range 0.3: routing and expert mistakes show in the logits (scale ~9)
     return build_tiny_model("qwen3-moe", tmp_path_factory.mktemp("hf") / "moe", initializer_range=0.3, seed=3,

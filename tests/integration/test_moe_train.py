@@ -31,7 +31,7 @@ def result(proc) -> dict:
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> Path:
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     return build_tiny_model("qwen3-moe", tmp_path_factory.mktemp("hf") / "moe", initializer_range=0.3, seed=3,
                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -116,7 +116,7 @@ def test_expert_parallel_sizes_that_cannot_work_are_refused_in_one_line(tmp_path
     from slimectl.backends.megatron.provider import check_expert_parallel
     from slimectl.contract.config import build_config
     from slimectl.contract.errors import ConfigError
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     with pytest.raises(ConfigError, match=r"train.ep \(2\) must divide train.dp \(1\)"):
         build_config({"train": {"ep": 2}})

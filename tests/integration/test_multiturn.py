@@ -59,7 +59,7 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 400}
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from slimectl.fixtures.tiny_models import build_tokenizer
+    from slimectl.starter_models.tiny_models import build_tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     build_tokenizer(d)
@@ -296,7 +296,7 @@ def memorise_transcripts(model_dir: Path, steps: int = 100):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("multiturn")
     model_dir = build_tiny_model("qwen2", root / "model", seed=3)  # max_position_embeddings 512

@@ -27,7 +27,7 @@ PPO = ("algorithm.advantage_estimator=ppo", "critic.lr=1e-2")
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory):
     from slimectl.contract.samples import Sample, Status
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("ppo")
     model = build_tiny_model("qwen2", root / "model", seed=7, initializer_range=0.1)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.xdist_group("rollout")  # xdist: one worker, fixtures b
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("rollout")
     model = build_tiny_model("qwen2", root / "model", seed=5)

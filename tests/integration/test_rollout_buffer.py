@@ -89,7 +89,7 @@ def serve(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_model_config(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     return build_tiny_model("qwen2", tmp_path_factory.mktemp("buffer") / "model", seed=3) / "config.json"
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.xdist_group("rollout_joints")  # xdist: one worker, fix
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("joints")
     model = build_tiny_model("qwen2", root / "model", seed=5)

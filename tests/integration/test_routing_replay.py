@@ -25,7 +25,7 @@ def result(proc) -> dict:
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     return build_tiny_model("qwen3-moe", tmp_path_factory.mktemp("hf") / "moe", seed=3)
 

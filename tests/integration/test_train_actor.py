@@ -39,7 +39,7 @@ def result(tmp_path_factory):
     from slimectl.engines.embedded.requests import GenRequest
     from slimectl.engines.embedded.sampling_params import SamplingParams
     from slimectl.engines.embedded.scheduler import GenerationScheduler
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     d = tmp_path_factory.mktemp("train_actor")
     with warnings.catch_warnings():

@@ -25,7 +25,7 @@ LENGTHS = [20, 31, 20, 12, 31]  # packed together: equal lengths batched, differ
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     return build_tiny_model("qwen2", tmp_path_factory.mktemp("recompute") / "m", hidden_size=64, num_layers=2,
                             num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=VOCAB,

@@ -45,7 +45,7 @@ with run.lock("train") as lock:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("trainmem")
     model = build_tiny_model("qwen2", root / "model", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -27,7 +27,7 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("bgsave")
     return build_tiny_model("qwen2", root / "model", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

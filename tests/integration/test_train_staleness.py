@@ -24,7 +24,7 @@ DECOUPLED = ("algorithm.use_decoupled_loss=true", "algorithm.behav_imp_weight_ca
 
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     model = build_tiny_model("qwen2", tmp_path_factory.mktemp("staleness") / "model", seed=7, initializer_range=0.1)
     return model, scheduler_rollouts(model, 2, lambda rid, g: "0" if rid == 0 or g in STALE_GROUPS else "1")

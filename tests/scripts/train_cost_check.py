@@ -56,7 +56,7 @@ def main() -> None:
     from slimectl.backends.megatron.parallel import init_parallel, shutdown_parallel
     from slimectl.backends.megatron.provider import build_gpt_model
     from slimectl.contract.samples import Sample
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -492,7 +492,7 @@ def _live_lock_record() -> dict:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
     from slimectl.stages.init import init_run
 
     t = tmp_path_factory.mktemp("bad-inputs")

@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     return build_tiny_model("llama", tmp_path_factory.mktemp("m") / "llama")
 

@@ -8,7 +8,7 @@ from slimectl.contract.config import apply_overrides, load_config
 from slimectl.contract.config_checks import critic_layout_problem
 from slimectl.contract.config_schema import STAGE_SECTIONS
 from slimectl.contract.errors import ConfigError
-from slimectl.contract.slime_launch import translate_slime_args
+from slimectl.stages.init.slime_launch import translate_slime_args
 from tests.helpers import slimectl_in_process
 
 def error(*overrides: str) -> str:

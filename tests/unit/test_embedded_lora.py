@@ -25,7 +25,7 @@ from slimectl.engines.embedded.memory import EngineBusy, MemoryReleased  # noqa:
 from slimectl.engines.embedded.requests import GenRequest  # noqa: E402
 from slimectl.engines.embedded.sampling_params import SamplingParams  # noqa: E402
 from slimectl.engines.embedded.scheduler import GenerationScheduler  # noqa: E402
-from slimectl.fixtures.tiny_models import build_tiny_model  # noqa: E402
+from slimectl.starter_models.tiny_models import build_tiny_model  # noqa: E402
 
 MODEL_KW = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                 vocab_size=512, initializer_range=0.1)

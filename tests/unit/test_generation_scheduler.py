@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from slimectl.engines.embedded.requests import GenRequest  # noqa: E402
 from slimectl.engines.embedded.sampling_params import SamplingParams  # noqa: E402
 from slimectl.engines.embedded.scheduler import GenerationScheduler  # noqa: E402
-from slimectl.fixtures.tiny_models import build_tiny_model  # noqa: E402
+from slimectl.starter_models.tiny_models import build_tiny_model  # noqa: E402
 from tests.helpers import load_tensors  # noqa: E402
 
 # A larger init than the default 0.02 gives peaked next-token distributions, so greedy picks and

@@ -38,7 +38,7 @@ def test_errors_list_the_valid_sizes():
 
 @pytest.fixture(scope="module")
 def nine_heads(tmp_path_factory):
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     return build_tiny_model("llama", tmp_path_factory.mktemp("m9") / "m9", hidden_size=72, num_heads=9, num_kv_heads=3,
                             intermediate_size=96, num_layers=3, vocab_size=300)

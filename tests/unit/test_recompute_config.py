@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from slimectl.contract.config_schema import TrainSection
-from slimectl.contract.slime_launch import translate_slime_args
+from slimectl.stages.init.slime_launch import translate_slime_args
 
 
 def test_slime_full_recompute_maps_to_train_recompute():

@@ -65,7 +65,7 @@ def test_rl_refuses_an_expert_parallel_size_before_writing_or_launching_anything
 
 
 def test_rl_pretrained_sets_the_model_like_init(cli, tmp_path, fake_model):
-    from slimectl.fixtures.pretrained import model_dir
+    from slimectl.starter_models.pretrained import model_dir
 
     env = {"SLIMECTL_CACHE": str(tmp_path / "cache")}
     cfg = tmp_path / "c.yaml"

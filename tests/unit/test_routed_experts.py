@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from slimectl.fixtures.tiny_models import build_tiny_model
+from slimectl.starter_models.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ def test_parquet_dataset(tmp_path):
 
 
 def test_chat_template_and_length_filter(tmp_path):
-    from slimectl.fixtures.tiny_models import build_tokenizer
+    from slimectl.starter_models.tiny_models import build_tokenizer
 
     tok = build_tokenizer(tmp_path / "tok")
     p = write_jsonl(tmp_path / "d.jsonl", [{"input": "short"}, {"input": "long " * 200},

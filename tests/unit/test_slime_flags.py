@@ -1,10 +1,10 @@
-"""The flag table of ``init --from-slime`` (slimectl.contract.slime_flags): every key it names is a
+"""The flag table of ``init --from-slime`` (slimectl.stages.init.slime_flags): every key it names is a
 schema key, and each flag has one entry."""
 
 from __future__ import annotations
 
 from slimectl.contract.config_schema import SlimectlConfig
-from slimectl.contract.slime_flags import FLAGS, PREFIXES, Flag, Translator, flag_spec
+from slimectl.stages.init.slime_flags import FLAGS, PREFIXES, Flag, Translator, flag_spec
 
 
 def test_every_key_the_table_sets_is_a_schema_key_or_reported_as_missing():

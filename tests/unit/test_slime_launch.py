@@ -1,4 +1,4 @@
-"""slime launch scripts -> slimectl config (slimectl.contract.slime_launch), on scripts written in the
+"""slime launch scripts -> slimectl config (slimectl.stages.init.slime_launch), on scripts written in the
 style of slime's scripts/run-*.sh (tests/data/slime_scripts)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from slimectl.contract.config import build_config
 from slimectl.contract.errors import ConfigError
 from slimectl.contract.rundir import RunDir
-from slimectl.contract.slime_launch import (SLIME_DEFAULTS, parse_launch_script, translate_slime_args,
-                                            translate_slime_script)
+from slimectl.stages.init.slime_launch import (SLIME_DEFAULTS, parse_launch_script, translate_slime_args,
+                                               translate_slime_script)
 from tests.helpers import ROOT
 
 SCRIPTS = ROOT / "tests" / "data" / "slime_scripts"

@@ -1,4 +1,4 @@
-"""Tests for slimectl.fixtures.tiny_models: offline tiny Llama / Qwen2 / Qwen3 checkpoints."""
+"""Tests for slimectl.starter_models.tiny_models: offline tiny Llama / Qwen2 / Qwen3 checkpoints."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from slimectl.fixtures.tiny_models import (
+from slimectl.starter_models.tiny_models import (
     EOS_TOKEN,
     FAMILIES,
     FIXTURE_FILE,
@@ -200,7 +200,7 @@ def test_import_does_not_import_torch():
     pythonpath = [str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in pythonpath if p)}
     code = (
-        "import sys, slimectl.fixtures.tiny_models; "
+        "import sys, slimectl.starter_models.tiny_models; "
         "heavy = [m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

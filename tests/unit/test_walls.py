@@ -184,7 +184,7 @@ def test_wheel_installs_commands_inside_the_slimectl_namespace(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"slimectl"}, tops
     assert "slimectl/commands/cli.py" in names and "slimectl/contract/rundir/artifacts.py" in names
-    assert "slimectl/fixtures/tiny_models.py" in names
+    assert "slimectl/starter_models/tiny_models.py" in names
     # every library package folder is listed in setup.cfg
     for pkg in [p.parent for p in LIB.rglob("__init__.py")]:
         rel = pkg.relative_to(ROOT).as_posix()

@@ -5,7 +5,7 @@ One entry per flag: the dotted key(s) it sets and how its value converts, or why
 value or on another flag have a small rule of their own. Flags named by prefix (``--sglang-*``,
 ``--router-*``, ``--wandb-*``) come after the exact names; any other flag is "not mapped".
 :class:`Translator` holds what the entries write: the config data and the report's lists.
-:mod:`slimectl.contract.slime_launch` applies the table to a script's argv, then sets the GPU layout.
+:mod:`slimectl.stages.init.slime_launch` applies the table to a script's argv, then sets the GPU layout.
 """
 
 from __future__ import annotations

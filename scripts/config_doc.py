@@ -1,10 +1,11 @@
 """``docs/config.md``, generated from the config schema (:mod:`slimectl.contract.config_schema`).
 
 One table per section: key, type, default, choices (or allowed range) and description (the
-docstring under each field). Regenerate after changing the schema::
+docstring under each field). A script of the checkout, not of the library: regenerate after
+changing the schema, from the top of the checkout::
 
-    python -m slimectl.contract.config_doc            # writes docs/config.md
-    python -m slimectl.contract.config_doc --check    # exit 1 when docs/config.md is out of date
+    python scripts/config_doc.py            # writes docs/config.md
+    python scripts/config_doc.py --check    # exit 1 when docs/config.md is out of date
 
 ``tests/unit/test_config_doc.py`` fails when the file drifts from the schema.
 """
@@ -25,8 +26,8 @@ from pydantic_core import PydanticUndefined
 from slimectl.contract.config_schema import SECTIONS, STAGE_SECTIONS, SlimectlConfig, section_type
 
 #: Where the generated page lives in a source checkout.
-DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
-REGENERATE = "python -m slimectl.contract.config_doc"
+DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+REGENERATE = "python scripts/config_doc.py"
 
 _BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
 
@@ -122,7 +123,7 @@ def render_config_doc() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m slimectl.contract.config_doc",
+    ap = argparse.ArgumentParser(prog=REGENERATE,
                                  description="Write (or --check) docs/config.md from the config schema.")
     ap.add_argument("path", nargs="?", default=str(DOC_PATH), help="output file (default: %(default)s)")
     ap.add_argument("--check", action="store_true", help="exit 1 when the file differs from the schema")

@@ -3,14 +3,14 @@
 ``slimectl init RUN --from-slime run-qwen3-4B.sh`` reads the bash script a slime user already has:
 its array and scalar variables (``ROLLOUT_ARGS=( --rollout-batch-size 32 ... )``, ``MODEL=/root/x``),
 ``source``d model files it can find, and the ``python3 train.py ${ROLLOUT_ARGS[@]} ...`` line (also
-behind ``ray job submit ... --``). Each flag, by the flag table of :mod:`slimectl.contract.slime_flags`,
+behind ``ray job submit ... --``). Each flag, by the flag table of :mod:`slimectl.stages.init.slime_flags`,
 maps to a slimectl key (``rollout.batch_size``), is dropped on purpose with the reason (model
 architecture comes from ``model.path``'s config.json; Megatron performance knobs), or is listed as
 not mapped with why; the GPU layout flags then set ``train.dp``/``ep`` and the engines. Where slime's default differs from
 slimectl's (``kl_loss_type: k1``, no chat template, no shuffle, one sample per prompt, Megatron's
 Adam betas and weight decay), the slime default is written, so the run trains what slime would.
 
-The bash is read, never run, by :mod:`slimectl.contract.slime_script`; flags whose value needs a
+The bash is read, never run, by :mod:`slimectl.stages.init.slime_script`; flags whose value needs a
 ``$(...)`` command substitution are reported.
 """
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slimectl.contract.slime_flags import Translator, flag_spec
-from slimectl.contract.slime_script import parse_launch_script
+from slimectl.stages.init.slime_flags import Translator, flag_spec
+from slimectl.stages.init.slime_script import parse_launch_script
 
 __all__ = ["SlimeTranslation", "parse_launch_script", "translate_slime_args", "translate_slime_script"]
 
@@ -86,7 +86,7 @@ SLIME_DEFAULTS: dict[str, Any] = {
 
 def translate_slime_args(argv: list[str], script_name: str = "train.py") -> SlimeTranslation:
     """Map slime's ``train.py`` argv to slimectl config data (not yet validated): the slime defaults,
-    then each flag by :data:`slimectl.contract.slime_flags.FLAGS`, then the GPU layout."""
+    then each flag by :data:`slimectl.stages.init.slime_flags.FLAGS`, then the GPU layout."""
     from slimectl.contract.config_schema import SlimectlConfig
 
     flags, stray = _group_flags(argv)

@@ -3,7 +3,7 @@ and the argv of its ``train.py``/``train_async.py`` command.
 
 Nothing here runs the script: it is tokenized with :mod:`shlex` and variables are expanded from the
 assignments it holds (``$(...)`` command substitutions are not run; ``$(dirname ${BASH_SOURCE...})``
-is read as the script's folder). :mod:`slimectl.contract.slime_launch` maps the argv to config keys.
+is read as the script's folder). :mod:`slimectl.stages.init.slime_launch` maps the argv to config keys.
 """
 
 from __future__ import annotations

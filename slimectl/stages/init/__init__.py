@@ -1,4 +1,14 @@
-"""``slimectl init``: resolve a config and freeze it into a new run directory."""
+"""``slimectl init``: resolve a config and freeze it into a new run directory.
+
+The config comes from a YAML file, ``--set`` overrides, a model built offline (``--tiny-model``,
+``--pretrained``: :mod:`slimectl.starter_models`), or a slime launch script (``--from-slime``), translated by
+the modules beside this one:
+
+- :mod:`~slimectl.stages.init.slime_launch` — :func:`~slimectl.stages.init.slime_launch.translate_slime_script`:
+  a script's argv to config data, then the GPU layout;
+- :mod:`~slimectl.stages.init.slime_flags` — the flag table: what each of slime's ``train.py`` flags becomes;
+- :mod:`~slimectl.stages.init.slime_script` — the bash read, never run: variables, ``source``, the launch line.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +38,7 @@ class InitResult:
 
 def _check_inputs(cfg: SlimectlConfig) -> None:
     if cfg.model.path is None:
-        from slimectl.fixtures.tiny_models import FAMILIES as TINY_FAMILIES
+        from slimectl.starter_models.tiny_models import FAMILIES as TINY_FAMILIES
 
         raise ConfigError(f"model.path is not set; set it in the config (an HF model directory) or pass "
                           f"--tiny-model {'|'.join(TINY_FAMILIES)}")
@@ -54,13 +64,13 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
              pretrained: str | None = None, from_slime: str | Path | None = None,
              check: Callable[[SlimectlConfig], None] | None = None) -> InitResult:
     """Resolve the config, optionally build a tiny offline model into the run (or a real pretrained
-    one into the shared cache, ``slimectl.fixtures.pretrained``), and freeze it. ``from_slime``: the
-    config comes from a slime launch script (``slimectl.contract.slime_launch``); what it could not
+    one into the shared cache, ``slimectl.starter_models.pretrained``), and freeze it. ``from_slime``: the
+    config comes from a slime launch script (``slimectl.stages.init.slime_launch``); what it could not
     map is in the result's ``translation``. ``check(cfg)``: the caller's checks of the resolved config,
     run before anything is written (dry run included)."""
     translation = None
     if from_slime is not None:
-        from slimectl.contract.slime_launch import translate_slime_script
+        from slimectl.stages.init.slime_launch import translate_slime_script
 
         translation = translate_slime_script(from_slime)
         cfg = load_config(config_path, overrides, base=translation.data,
@@ -69,7 +79,7 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
         cfg = load_config(config_path, overrides)
     run = RunDir(run_path)
     if pretrained is not None:
-        from slimectl.fixtures.pretrained import model_dir
+        from slimectl.starter_models.pretrained import model_dir
 
         if tiny_model is not None:
             raise ConfigError(f"--pretrained {pretrained} conflicts with --tiny-model {tiny_model}; use one of them")
@@ -78,7 +88,7 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
             raise ConfigError(f"--pretrained {pretrained} conflicts with model.path = {cfg.model.path}; use one of them")
         cfg.model.path = str(target)
     if tiny_model is not None:
-        from slimectl.fixtures.tiny_models import FAMILIES
+        from slimectl.starter_models.tiny_models import FAMILIES
 
         if tiny_model not in FAMILIES:
             raise ConfigError(f"--tiny-model {tiny_model!r}: expected one of {', '.join(FAMILIES)}")
@@ -91,7 +101,7 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
         return InitResult(cfg, None, "dry-run", translation)
     with StageLog() as stage_log:  # held until the run directory exists
         if tiny_model is not None:
-            from slimectl.fixtures.tiny_models import build_tiny_model
+            from slimectl.starter_models.tiny_models import build_tiny_model
 
             # Refuse early (before building anything) when the directory is not ours to fill.
             if not run.initialized:
@@ -107,7 +117,7 @@ def init_run(run_path: str | Path, config_path: str | Path | None = None, overri
                 shutil.rmtree(target, ignore_errors=True)
                 os.rename(tmp, target)
         if pretrained is not None:
-            from slimectl.fixtures.pretrained import ensure_pretrained
+            from slimectl.starter_models.pretrained import ensure_pretrained
 
             if not run.initialized:
                 RunDir.create_check(run.path)
