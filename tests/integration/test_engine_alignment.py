@@ -60,7 +60,7 @@ def rewrite_shifted(src: Path, dst: Path) -> None:
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """Two model dirs and two adapter dirs: the same tensors, the second of each at another alignment."""
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
     from tests.integration.test_embedded_lora_http import _adapter
 
     root = tmp_path_factory.mktemp("alignment")
@@ -104,7 +104,7 @@ def test_the_engine_and_the_adapter_reader_hold_aligned_copies_not_the_file(layo
 
 def test_tied_embeddings_stay_one_parameter(tmp_path):
     from slimectl.engines.embedded.model import load_model, own_memory
-    from slimectl.fixtures.tiny_models import build_tiny_model
+    from slimectl.starter_models.tiny_models import build_tiny_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
