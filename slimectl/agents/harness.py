@@ -132,7 +132,8 @@ class Harness:
         self._publish_lock = asyncio.Lock()
         self._tok_thread = None  # created on first use (see _off_loop)
         self.max_body_bytes = max_body_bytes
-        self.app = make_app(Guard(REPLIES, log, max_body_bytes, self.api_key, needs_token=lambda path: path != "/health"))
+        self.app = make_app(Guard(REPLIES, log, max_body_bytes, self.api_key,
+                                  needs_token=lambda path: path != "/health"))
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/v1/models", self.models)

@@ -1,4 +1,4 @@
-"""The agent harness's trajectory recorder: each request's prompt tokens and reply into a session's token-exact segments.
+"""The agent harness's trajectory recorder: each request's prompt and reply into a session's token-exact segments.
 
 The token list is the source of truth (see :mod:`slimectl.agents.harness`): when a request's rendered
 prompt extends a segment's text, only the new text is tokenized and appended (loss mask 0, log-prob 0)

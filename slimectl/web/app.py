@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
 from aiohttp import web
@@ -66,7 +66,8 @@ class Replies:
 
 @dataclass(frozen=True)
 class Guard:
-    """The application's middleware (:meth:`middleware`): token, then the handler, every failure answered through ``replies``.
+    """The application's middleware (:meth:`middleware`): the token, then the handler; every failure answered
+    through ``replies``.
 
     ``needs_token(path)``: whether ``path`` needs the token (when one is set). ``as_refusal(exc)``: the
     server's own exceptions that are refusals (None for a bug). ``on_refused(refused)``: told of every
@@ -78,7 +79,7 @@ class Guard:
     token: str | None = None
     needs_token: Callable[[str], bool] = lambda path: True
     as_refusal: Callable[[Exception], Refused | None] = lambda exc: None
-    on_refused: Callable[[Refused], None] | None = field(default=None)
+    on_refused: Callable[[Refused], None] | None = None
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):

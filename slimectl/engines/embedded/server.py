@@ -582,10 +582,9 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.ready_file, "w") as f:
                 f.write(f"{engine.host} {engine.port}\n")
         stop = asyncio.Event()
-        watch = asyncio.get_running_loop().create_task(_watch_parent(args.parent_pid, stop)) if args.parent_pid else None
+        if args.parent_pid:
+            asyncio.get_running_loop().create_task(_watch_parent(args.parent_pid, stop))
         await until_stopped(stop)
-        if watch is not None:
-            watch.cancel()
         log.info("shutting down")
         await app_runner.cleanup()
 
