@@ -41,13 +41,12 @@ from typing import Any, Callable, Protocol
 from aiohttp import web
 
 from slimectl.agents.harness_recorder import Prompt, TrajectoryRecorder
-from slimectl.agents.harness_requests import (SESSION_HEADER, ChatRequest, FinishRequest, HarnessError, Refused,
-                                              session_id)
+from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, FinishRequest, HarnessError, session_id
 from slimectl.agents.harness_sessions import Session, export_jsonl, samples_from_sessions
 from slimectl.contract.errors import ArtifactExists, LockHeld, SlimectlError, UsageError
 from slimectl.contract.rundir.atomic import atomic_write_text
 from slimectl.engines.client import EngineError
-from slimectl.web.app import Guard, Replies, make_app, parse_body, read_object, validate
+from slimectl.web.app import Guard, Refused, Replies, make_app, parse_body, read_object, validate
 from slimectl.web.server import http_url, serving, until_stopped
 
 log = logging.getLogger("slimectl.harness")
@@ -185,6 +184,7 @@ class Harness:
     # ------------------------------------------------------------------ chat completions
     async def chat_completions(self, request: web.Request) -> web.Response:
         body = await read_object(request, allow_empty=False)
+        # the session first, then the body's fields: the first fault of a request is the one answered
         sid = session_id(request.match_info.get("session_id"), request.headers.get(SESSION_HEADER), body.get("user"))
         req = validate(ChatRequest, body)
         params = req.sampling_params(self.default_max_tokens)
