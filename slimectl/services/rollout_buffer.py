@@ -27,10 +27,10 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from slimectl.contract.errors import SlimectlError, UsageError
-from slimectl.contract.signals import set_on_signals
+from slimectl.contract.errors import UsageError
 from slimectl.services.buffer_state import DEFAULT_LEASE_TIMEOUT_S, Rejected, RolloutBuffer, is_index, only_keys
-from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, start_site
+from slimectl.web.app import Guard, Refused, Replies, make_app, read_json, read_object
+from slimectl.web.server import http_url, serving, start_site, until_stopped
 
 log = logging.getLogger("slimectl.buffer")
 
@@ -39,6 +39,13 @@ DEFAULT_MAX_BODY_MB = 64.0
 TOKEN_ENV = "SLIMECTL_BUFFER_TOKEN"
 OPEN_PATHS = frozenset({"/health", "/stats"})
 """With a token set, every other endpoint needs ``Authorization: Bearer TOKEN``."""
+REPLIES = Replies("buffer", lambda refused: {"success": False, "message": refused.message},
+                  unauthorized="this endpoint needs the buffer's token (Authorization: Bearer ...)",
+                  too_large_hint="send fewer trajectories per request")
+
+
+def _as_refusal(exc: Exception) -> Refused | None:
+    return Refused(exc.status, exc.message, exc.reason) if isinstance(exc, Rejected) else None
 
 
 class BufferServer:
@@ -54,7 +61,8 @@ class BufferServer:
         self.host, self.port = host, port
         self.token = token
         self.max_body_bytes = max_body_bytes
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
+        self.app = make_app(Guard(REPLIES, log, max_body_bytes, token, needs_token=lambda path: path not in OPEN_PATHS,
+                                  as_refusal=_as_refusal, on_refused=self._count))
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/stats", self.stats)
@@ -68,48 +76,13 @@ class BufferServer:
         r.add_post("/ack", self.ack)
         r.add_post("/release", self.release)
 
-    @web.middleware
-    async def _middleware(self, request: web.Request, handler):
-        try:
-            if self.token and request.path not in OPEN_PATHS:
-                if not bearer_matches(request, self.token):
-                    raise Rejected(401, "unauthorized", "this endpoint needs the buffer's token (Authorization: Bearer ...)")
-            return await handler(request)
-        except Rejected as exc:
-            self.buffer.count_rejection(exc.reason, exc.message)
-            return web.json_response({"success": False, "message": exc.message}, status=exc.status)
-        except web.HTTPRequestEntityTooLarge:
-            message = f"request body is larger than the buffer's limit of {self.max_body_bytes} bytes; send fewer trajectories per request"
-            self.buffer.count_rejection("too_large", message)
-            return web.json_response({"success": False, "message": message}, status=413)
-        except web.HTTPNotFound:
-            return web.json_response({"success": False, "message": f"no endpoint {request.path}"}, status=404)
-        except web.HTTPMethodNotAllowed:
-            return web.json_response({"success": False, "message": f"{request.method} is not allowed on {request.path}"},
-                                     status=405)
-        except Exception as exc:  # keep serving; report the failure to this one client
-            log.exception("request %s failed", request.path)
-            return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"}, status=500)
-
-    @staticmethod
-    async def _body(request: web.Request) -> Any:
-        """The request's JSON (None when empty); NaN and Infinity are refused (they are not JSON)."""
-        try:
-            return await request_json(request, allow_nan=False)
-        except InvalidJSON as exc:
-            raise Rejected(400, "invalid_json", str(exc)) from None
-
-    async def _object(self, request: web.Request) -> dict[str, Any]:
-        body = await self._body(request)
-        if body is None:
-            return {}
-        if not isinstance(body, dict):
-            raise Rejected(400, "bad_request", "request body must be a JSON object")
-        return body
+    def _count(self, refused: Refused) -> None:
+        """Every refusal (unauthorised and oversized ones too) is counted in /stats, by reason."""
+        self.buffer.count_rejection(refused.reason, refused.message)
 
     async def _trajectories(self, request: web.Request) -> list[Any]:
         """``{"trajectories": [...]}``, a JSON list of samples, or one sample object."""
-        body = await self._body(request)
+        body = await read_json(request, allow_nan=False)  # NaN and Infinity are not JSON
         if isinstance(body, dict) and "trajectories" in body:
             only_keys(body, {"trajectories"}, request.path)
             body = body["trajectories"]
@@ -133,7 +106,7 @@ class BufferServer:
         return self._ok(self.buffer.stats())
 
     async def start_task(self, request: web.Request) -> web.Response:
-        return self._ok(self.buffer.start_task(await self._object(request)))
+        return self._ok(self.buffer.start_task(await read_object(request, allow_nan=False)))
 
     async def get_task(self, request: web.Request) -> web.Response:
         return self._ok(self.buffer.task(request.match_info["task_id"]))
@@ -165,17 +138,17 @@ class BufferServer:
         return self._take(q.get("size"), q.get("min"), q.get("partial", "false"))
 
     async def get_rollout_data(self, request: web.Request) -> web.Response:
-        body = await self._object(request)
+        body = await read_object(request, allow_nan=False)
         only_keys(body, {"size", "min", "partial"}, "POST /get_rollout_data")
         return self._take(body.get("size"), body.get("min"), body.get("partial", False))
 
     async def ack(self, request: web.Request) -> web.Response:
-        body = await self._object(request)
+        body = await read_object(request, allow_nan=False)
         only_keys(body, {"lease"}, "POST /ack")
         return web.json_response(self.buffer.ack(body.get("lease")))
 
     async def release(self, request: web.Request) -> web.Response:
-        body = await self._object(request)
+        body = await read_object(request, allow_nan=False)
         only_keys(body, {"lease"}, "POST /release")
         return web.json_response(self.buffer.release(body.get("lease")))
 
@@ -210,18 +183,13 @@ def serve_buffer(directory: str | Path, n_samples_per_prompt: int, host: str = "
     server = BufferServer(buffer, host, port, token or None, int(max_body_mb * 2**20))
 
     async def run() -> None:
-        try:
-            runner = await server.start()
-        except OSError as exc:
-            raise SlimectlError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port") from None
-        log.info("rollout buffer %s serving %s at %s (n_samples_per_prompt %d, lease timeout %g s%s)", buffer.buffer_id,
-                 buffer.dir, server.url, buffer.n, buffer.lease_timeout_s, ", token required" if token else "")
-        announce(server.url)
-        stop = asyncio.Event()
-        with set_on_signals(stop):
-            await stop.wait()
-        log.info("rollout buffer shutting down")
-        await runner.cleanup()
+        async with serving(server.app, host, port) as server.port:
+            log.info("rollout buffer %s serving %s at %s (n_samples_per_prompt %d, lease timeout %g s%s)",
+                     buffer.buffer_id, buffer.dir, server.url, buffer.n, buffer.lease_timeout_s,
+                     ", token required" if token else "")
+            announce(server.url)
+            await until_stopped()
+            log.info("rollout buffer shutting down")
 
     try:
         asyncio.run(run())

@@ -1,38 +1,21 @@
-"""Plumbing shared by slimectl's aiohttp servers (embedded engine, agent harness, rollout buffer).
+"""Binding and running slimectl's aiohttp servers (embedded engine, agent harness, rollout buffer).
 
-Each server keeps its own routes, error shapes and auth; what is the same everywhere lives here:
-starting the site (port 0 picks a free port), the URL it answers on, reading a JSON body, and
-checking a bearer token.
+Starting the site (port 0 picks a free port; a port bound earlier, :func:`reserve_port`), the URL it
+answers on, and serving until SIGINT/SIGTERM (:func:`serving`, :func:`until_stopped`). The application
+itself (token, body limit, error replies, bodies) is :mod:`slimectl.web.app`.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
+import asyncio
 import socket
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 from aiohttp import web
 
-
-class InvalidJSON(ValueError):
-    """The request body is not JSON (the message says why, for a 400 reply)."""
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-async def request_json(request: web.Request, allow_nan: bool = True) -> Any:
-    """The request body parsed as JSON; ``None`` when the body is empty. ``allow_nan=False``
-    refuses the ``NaN``/``Infinity`` tokens Python's parser otherwise accepts."""
-    raw = await request.read()
-    if not raw.strip():
-        return None
-    try:
-        return json.loads(raw) if allow_nan else json.loads(raw, parse_constant=_refuse_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidJSON(f"request body is not valid JSON ({exc})") from None
+from slimectl.contract.errors import UsageError
+from slimectl.contract.signals import set_on_signals
 
 
 async def start_site(app: web.Application, host: str, port: int,
@@ -41,10 +24,14 @@ async def start_site(app: web.Application, host: str, port: int,
     ``sock``: a socket :func:`reserve_port` bound to that address earlier, served as it is."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    if sock is not None:
-        await web.SockSite(runner, sock).start()
-        return runner, sock.getsockname()[1]
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    try:
+        if sock is not None:
+            await web.SockSite(runner, sock).start()
+            return runner, sock.getsockname()[1]
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     return runner, (runner.addresses[0][1] if port == 0 else port)
 
 
@@ -68,7 +55,23 @@ def http_url(host: str, port: int) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-def bearer_matches(request: web.Request, token: str) -> bool:
-    """Whether the request carries ``Authorization: Bearer TOKEN`` (compared in constant time)."""
-    auth = request.headers.get("Authorization", "")
-    return hmac.compare_digest(auth.encode(), f"Bearer {token}".encode())
+@asynccontextmanager
+async def serving(app: web.Application, host: str, port: int,
+                  sock: socket.socket | None = None) -> AsyncIterator[int]:
+    """Serve ``app`` (:func:`start_site`) inside the block, which gets the bound port; a port that cannot be
+    bound is a :class:`~slimectl.contract.errors.UsageError` naming ``--port``."""
+    try:
+        runner, bound = await start_site(app, host, port, sock)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port") from None
+    try:
+        yield bound
+    finally:
+        await runner.cleanup()
+
+
+async def until_stopped(stop: asyncio.Event | None = None) -> None:
+    """Return on SIGINT/SIGTERM, or once ``stop`` is set."""
+    stop = stop or asyncio.Event()
+    with set_on_signals(stop):
+        await stop.wait()

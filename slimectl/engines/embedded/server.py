@@ -35,8 +35,8 @@ from slimectl.contract.rundir.atomic import atomic_write_text, process_alive
 from slimectl.engines.embedded.generate_protocol import BadRequest, generate_response, parse_generate
 from slimectl.engines.embedded.memory import EngineBusy, MemoryReleased, parse_tags
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV, NONCE_FIELD
-from slimectl.contract.signals import set_on_signals
-from slimectl.web.server import InvalidJSON, bearer_matches, http_url, request_json, reserve_port, start_site
+from slimectl.web.app import Guard, Refused, Replies, make_app, read_object
+from slimectl.web.server import http_url, reserve_port, start_site, until_stopped
 
 log = logging.getLogger("slimectl.engine")
 
@@ -76,8 +76,26 @@ MAX_BODY_BYTES = 64 * 2**20
 """The largest request body the engine reads (a bigger one is answered 413, as the buffer does)."""
 
 
-def _err(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
+def _sglang_error(refused: Refused) -> dict[str, Any]:
+    """SGLang's error bodies: FastAPI's ``{"detail": ...}`` for routing, ``{"error": {"message": ...}}`` else."""
+    if refused.status in (404, 405):
+        return {"detail": refused.message}
+    return {"error": {"message": refused.message}}
+
+
+REPLIES = Replies("engine", _sglang_error,
+                  unauthorized="Unauthorized: this endpoint needs the engine's admin token (Authorization: Bearer ...)",
+                  too_large_hint="send fewer or shorter prompts per request",
+                  not_found="Not Found", not_allowed="Method Not Allowed")
+
+
+def _as_refusal(exc: Exception) -> Refused | None:
+    """The engine's own refusals: a bad request or a busy engine (400), released memory (503: until fixed)."""
+    if isinstance(exc, (BadRequest, EngineBusy)):
+        return Refused(400, str(exc))
+    if isinstance(exc, MemoryReleased):
+        return Refused(503, str(exc))
+    return None
 
 
 def _fail(message: str, status: int = 400) -> web.Response:
@@ -116,7 +134,8 @@ class EngineHTTPServer:
         self.started = time.time()
         self.dtype = dtype
         self.max_body_bytes = max_body_bytes
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
+        self.app = make_app(Guard(REPLIES, log, max_body_bytes, admin_token, needs_token=ADMIN_PATHS.__contains__,
+                                  as_refusal=_as_refusal))
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
@@ -145,44 +164,6 @@ class EngineHTTPServer:
         r.add_post("/load_lora_adapter_from_distributed", self.load_lora_adapter_from_distributed)
 
     # ------------------------------------------------------------------ plumbing
-    @web.middleware
-    async def _middleware(self, request: web.Request, handler):
-        if self.admin_token and request.path in ADMIN_PATHS:
-            if not bearer_matches(request, self.admin_token):
-                return _err(401, "Unauthorized: this endpoint needs the engine's admin token (Authorization: Bearer ...)")
-        try:
-            return await handler(request)
-        except web.HTTPNotFound:
-            return web.json_response({"detail": "Not Found"}, status=404)
-        except web.HTTPMethodNotAllowed:
-            return web.json_response({"detail": "Method Not Allowed"}, status=405)
-        except web.HTTPRequestEntityTooLarge:  # an HTTPException: without this it would be a 500
-            return _err(413, f"request body is larger than the engine's limit of {self.max_body_bytes} bytes; "
-                             f"send fewer or shorter prompts per request")
-        except BadRequest as exc:
-            return _err(400, str(exc))
-        except Exception as exc:  # keep serving; report the failure to this one client
-            if isinstance(exc, MemoryReleased):  # released (or resumed, not reloaded): unavailable until fixed
-                return _err(503, str(exc))
-            if isinstance(exc, EngineBusy):
-                return _err(400, str(exc))
-            log.exception("request %s failed", request.path)
-            return _err(500, f"{type(exc).__name__}: {exc}")
-
-    @staticmethod
-    async def _json(request: web.Request, allow_empty: bool = True) -> dict[str, Any]:
-        try:
-            body = await request_json(request)
-        except InvalidJSON as exc:
-            raise BadRequest(str(exc)) from None
-        if body is None:
-            if allow_empty:
-                return {}
-            raise BadRequest("request body is empty; send a JSON object")
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        return body
-
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
@@ -200,7 +181,7 @@ class EngineHTTPServer:
         try:
             await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit(req)), timeout=60)
         except Exception as exc:
-            return _err(503, f"health generate failed: {exc}")
+            raise Refused(503, f"health generate failed: {exc}") from None
         return web.Response(status=200)
 
     def _model_info(self) -> dict[str, Any]:
@@ -260,7 +241,7 @@ class EngineHTTPServer:
     # ------------------------------------------------------------------ generate
     async def generate(self, request: web.Request) -> web.Response:
         t0 = time.perf_counter()
-        body = await self._json(request, allow_empty=False)
+        body = await read_object(request, allow_empty=False)
         fault_point("engine.generate")
         reqs, batched = parse_generate(body, self.tokenizer)
         futures = []
@@ -286,7 +267,7 @@ class EngineHTTPServer:
                             content_type="text/plain")
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = await read_object(request)
         if body.get("abort_all"):
             self.scheduler.abort(abort_all=True)
         elif body.get("rid") is not None:
@@ -296,7 +277,7 @@ class EngineHTTPServer:
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = await read_object(request)
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode {mode!r}: expected abort, retract or in_place")
@@ -304,12 +285,12 @@ class EngineHTTPServer:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await self._json(request)
+        await read_object(request)
         self.scheduler.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def _memory_call(self, request: web.Request, fn) -> web.Response:
-        body = await self._json(request)
+        body = await read_object(request)
         try:
             tags = parse_tags(body.get("tags"))
         except ValueError as exc:
@@ -326,7 +307,7 @@ class EngineHTTPServer:
         return await self._memory_call(request, self.scheduler.resume_memory_occupation)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = await read_object(request)
         new = body.get("new_version")
         if not isinstance(new, str) or not new:
             raise BadRequest("new_version must be a non-empty string")
@@ -336,7 +317,7 @@ class EngineHTTPServer:
         return web.json_response({"success": True, "message": f"Weight version updated to {new}", "new_version": new})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = await read_object(request)
         name = body.get("name")
         try:
             truncate = int(body.get("truncate_size", 100))
@@ -351,7 +332,7 @@ class EngineHTTPServer:
         return web.json_response(values)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = await read_object(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             return _fail("model_path must be a non-empty string")
@@ -381,7 +362,7 @@ class EngineHTTPServer:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         from slimectl.engines.weight_group import init_custom_process_group
 
-        body = await self._json(request)
+        body = await read_object(request)
         try:
             addr, port = str(body["master_address"]), int(body["master_port"])
             rank, world = int(body["rank_offset"]), int(body["world_size"])
@@ -399,12 +380,12 @@ class EngineHTTPServer:
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
-        await self._json(request)
+        await read_object(request)
         self.in_weight_update = True
         return web.json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
-        await self._json(request)
+        await read_object(request)
         self.in_weight_update = False
         return web.json_response({"success": True, "message": "Success"})
 
@@ -420,7 +401,7 @@ class EngineHTTPServer:
         return recv
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = await read_object(request)
         if not self.in_weight_update:
             return _fail("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
         name = body.get("group_name", "weight_update_group")
@@ -449,7 +430,7 @@ class EngineHTTPServer:
         ``weight_version`` (the served version label, as /update_weights_from_disk sets it). Unlike SGLang, loading
         a name already loaded REPLACES that adapter, between two scheduler steps (running requests that use it go
         on with the new one): that is how a trainer publishes each new version of its adapter."""
-        body = await self._json(request, allow_empty=False)
+        body = await read_object(request, allow_empty=False)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             return _lora_answer(self.scheduler.lora_adapters(), "lora_name and lora_path must be non-empty strings")
@@ -457,7 +438,7 @@ class EngineHTTPServer:
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
         """SGLang's ``/unload_lora_adapter`` {lora_name}; refused while requests running or waiting use it."""
-        body = await self._json(request, allow_empty=False)
+        body = await read_object(request, allow_empty=False)
         return await self._lora_update(self.scheduler.unload_lora_adapter, body.get("lora_name"))
 
     async def load_lora_adapter_from_distributed(self, request: web.Request) -> web.Response:
@@ -465,7 +446,7 @@ class EngineHTTPServer:
         tensors, in the order the trainer broadcasts them), group_name, weight_version (optional)}: the adapter
         received over the weight-update group as /update_weights_from_distributed receives weights, checked as a
         disk adapter is (before the first receive) and loaded (or replaced) under ``lora_name``."""
-        body = await self._json(request, allow_empty=False)
+        body = await read_object(request, allow_empty=False)
         name, config = body.get("lora_name"), body.get("config")
         group = body.get("group_name", "weight_update_group")
         loaded = self.scheduler.lora_adapters()
@@ -494,7 +475,7 @@ class EngineHTTPServer:
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         from slimectl.engines.weight_group import destroy_group
 
-        body = await self._json(request)
+        body = await read_object(request)
         name = body.get("group_name", "weight_update_group")
         pg = self.groups.pop(name, None)
         if pg is None:
@@ -601,10 +582,9 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.ready_file, "w") as f:
                 f.write(f"{engine.host} {engine.port}\n")
         stop = asyncio.Event()
-        with set_on_signals(stop):
-            if args.parent_pid:
-                asyncio.get_running_loop().create_task(_watch_parent(args.parent_pid, stop))
-            await stop.wait()
+        if args.parent_pid:
+            asyncio.get_running_loop().create_task(_watch_parent(args.parent_pid, stop))
+        await until_stopped(stop)
         log.info("shutting down")
         await app_runner.cleanup()
 
