@@ -31,6 +31,9 @@ COMMANDS: dict[str, str] = {
     "harness": "slimectl.commands.harness:harness_cmd",
 }
 
+#: Commands left out of the help and the completions: what the ranks of a relaunched command run.
+HIDDEN_COMMANDS: dict[str, str] = {"_rank": "slimectl.commands.rank:rank_cmd"}
+
 DEBUG_ENV = "SLIMECTL_DEBUG"
 
 
@@ -76,19 +79,22 @@ def debug_enabled() -> bool:
 class LazyGroup(click.Group):
     """A group whose subcommands are imported on first use, in table order."""
 
-    def __init__(self, *args: Any, lazy_commands: dict[str, str] | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, lazy_commands: dict[str, str] | None = None,
+                 hidden_commands: dict[str, str] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.lazy_commands = dict(lazy_commands or {})
+        self.hidden_commands = dict(hidden_commands or {})
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(self.lazy_commands) + [c for c in super().list_commands(ctx) if c not in self.lazy_commands]
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in self.lazy_commands:
-            module_name, attr = self.lazy_commands[cmd_name].split(":")
+        target = self.lazy_commands.get(cmd_name) or self.hidden_commands.get(cmd_name)
+        if target:
+            module_name, attr = target.split(":")
             cmd = getattr(importlib.import_module(module_name), attr)
             if not isinstance(cmd, click.Command):
-                raise TypeError(f"{self.lazy_commands[cmd_name]} is not a click command")
+                raise TypeError(f"{target} is not a click command")
             return cmd
         return super().get_command(ctx, cmd_name)
 
@@ -124,6 +130,7 @@ class LazyGroup(click.Group):
 @click.group(
     cls=LazyGroup,
     lazy_commands=COMMANDS,
+    hidden_commands=HIDDEN_COMMANDS,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.option(

@@ -33,9 +33,9 @@ def convert_cmd(ctx: click.Context, hf_dir: str | None, out_dir: str | None, run
       slimectl convert -r runs/a            # the run's model.path -> RUN/checkpoints/000000
     """
     from slimectl.contract.errors import UsageError
-    from slimectl.contract.ranks import launch_rank, under_torchrun
-    from slimectl.orchestration.torchrun import argv_from_params, relaunch_under_torchrun
-    from slimectl.stages.convert import check_convert_inputs, convert_hf_to_megatron
+    from slimectl.contract.ranks import under_torchrun
+    from slimectl.orchestration.torchrun import relaunch_stage
+    from slimectl.stages.convert import check_convert_inputs
 
     run = resolve_run_dir(ctx, run_dir)
     if out_dir is None and run is None:
@@ -48,15 +48,22 @@ def convert_cmd(ctx: click.Context, hf_dir: str | None, out_dir: str | None, run
         from slimectl.contract.rundir import RunDir
 
         hf_dir = RunDir.open(run).config().model.path
+    call = dict(hf_dir=str(hf_dir), out_dir=out_dir, tp=tp, pp=pp, dtype=dtype, force=force,
+                run_dir=str(run) if out_dir is None else None)
     if tp * pp > 1 and not under_torchrun():
-        check_convert_inputs(hf_dir, out_dir, tp, pp, dtype, force, run if out_dir is None else None)
-        argv = argv_from_params(ctx.command.params, {**ctx.params, "hf_dir": str(hf_dir),
-                                                     "run_dir": str(run) if out_dir is None else None})
-        code = relaunch_under_torchrun(tp * pp, ["convert", *argv])
+        check_convert_inputs(hf_dir, out_dir, tp, pp, dtype, force, call["run_dir"])
+        code = relaunch_stage("convert", tp * pp, None, call)  # every rank: this call
         if code:
             ctx.exit(code)
         return
-    result = convert_hf_to_megatron(hf_dir, out_dir, tp=tp, pp=pp, dtype=dtype, force=force,
-                                    run_dir=run if out_dir is None else None)
+    convert_here(None, None, **call)
+
+
+def convert_here(run, cfg, *, hf_dir: str, out_dir: str | None, run_dir: str | None, **kw) -> None:
+    """Convert in this process (the only one, or one rank of torchrun's); rank 0 prints the checkpoint's path."""
+    from slimectl.contract.ranks import launch_rank
+    from slimectl.stages.convert import convert_hf_to_megatron
+
+    result = convert_hf_to_megatron(hf_dir, out_dir, run_dir=run_dir, **kw)
     if launch_rank() == 0:
         click.echo(str(result.out))

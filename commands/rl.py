@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 
 from slimectl.commands._options import (
-    AppState,
     dry_run_option,
     engine_urls_option,
     overrides_option,
@@ -59,20 +58,25 @@ def rl_cmd(ctx: click.Context, config_path: str | None, run_dir: str | None, ove
     """
     from slimectl.orchestration.rl_process import run_rl_process
 
-    def rank_argv(run_path) -> list[str]:  # every torchrun rank gets this command's own options
-        from slimectl.orchestration.torchrun_trainer import rank_argv
-
-        state = ctx.find_object(AppState)
-        return rank_argv(ctx.command.params, ctx.params, run_path, state.verbosity if state else 0)
-
     out = run_rl_process(
         resolve_run_dir(ctx, run_dir), config_path, overrides, tiny_model=tiny_model, pretrained=pretrained,
-        dry_run=dry_run, engine_urls=engine_urls, launcher=launcher, address=address, colocate=colocate,
-        rank_argv=rank_argv)
+        dry_run=dry_run, engine_urls=engine_urls, launcher=launcher, address=address, colocate=colocate)
+    report(out)
+
+
+def rl_rank(run, cfg, engine_urls: list[str] | tuple[str, ...] = ()) -> None:
+    """One rank of an ``rl`` relaunched under torchrun (``slimectl _rank rl RUN``)."""
+    from slimectl.orchestration.rl_process import run_rl_rank
+
+    report(run_rl_rank(run, cfg, engine_urls))
+
+
+def report(out) -> None:
+    """Print how this ``rl`` process ended (the dry run's config, or what was trained), or exit with its code."""
     if out.dry_run_yaml is not None:
         click.echo(out.dry_run_yaml, nl=False)
     elif out.exit_code:
-        ctx.exit(out.exit_code)
+        click.get_current_context().exit(out.exit_code)
     elif out.result is not None:
         from slimectl.commands._stage import format_ids
 

@@ -39,9 +39,9 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     With train.tp*pp*dp > 1 it relaunches itself under torchrun (8 ranks per node on 2 nodes for
     dp=16 above); launching `torchrun ... -m slimectl train` yourself works as well.
     """
-    from slimectl.commands._stage import format_ids, open_stage
-    from slimectl.contract.ranks import launch_rank, under_torchrun
-    from slimectl.orchestration.torchrun import argv_from_params, check_node_options, relaunch_under_torchrun
+    from slimectl.commands._stage import open_stage
+    from slimectl.contract.ranks import under_torchrun
+    from slimectl.orchestration.torchrun import check_node_options, relaunch_stage
     from slimectl.stages.train.plan import plan_training
 
     opened = open_stage(ctx, "train", run_dir, overrides, dry_run)
@@ -51,18 +51,27 @@ def train_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     world = cfg.train.world_size
     if nnodes > 1 and world % nnodes:
         raise click.UsageError(f"--nnodes {nnodes} must divide train.tp*pp*dp = {world} (ranks per node)")
+    call = dict(rollout_id=rollout_id, follow=follow, max_rollouts=max_rollouts, allow_empty=allow_empty,
+                wait_timeout=wait_timeout)
     if world > 1 and not under_torchrun():
         check_node_options(nnodes, node_rank, master_addr, master_port)
         # Fail here, in a second, not on every rank after building the actor.
         plan_training(run, cfg, rollout_id, follow, max_rollouts, allow_empty, check_published=node_rank == 0)
-        argv = argv_from_params(ctx.command.params, {**ctx.params, "run_dir": str(run.path)})
-        code = relaunch_under_torchrun(world // nnodes, ["train", *argv], nnodes, node_rank, master_addr, master_port)
+        # every rank: the config open_stage saved as RUN/configs/train.yaml, and this call
+        code = relaunch_stage("train", world // nnodes, run.path, call, cfg.fingerprint(), nnodes, node_rank,
+                              master_addr, master_port)
         if code:
             ctx.exit(code)
         return
+    train_here(run, cfg, **call)
+
+
+def train_here(run, cfg, **call) -> None:
+    """Train in this process (the only one, or one rank of torchrun's); rank 0 prints what it trained."""
+    from slimectl.commands._stage import format_ids
+    from slimectl.contract.ranks import launch_rank
     from slimectl.stages.train.stage import run_train  # (torch and megatron: only where the trainer runs)
 
-    result = run_train(run, cfg, rollout_id, follow=follow, max_rollouts=max_rollouts, allow_empty=allow_empty,
-                       wait_timeout=wait_timeout)
+    result = run_train(run, cfg, **call)
     if launch_rank() == 0:
         click.echo(f"trained rollouts {format_ids(result.trained)}; weight version {result.weight_version}")

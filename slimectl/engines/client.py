@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 
+from slimectl.contract.loop_bridge import LoopBridge
 from slimectl.web.client import decode_body
 from slimectl.web.errors import HttpError, refusal_message
 from slimectl.web.retry import exponential_backoff, retry_call_async
@@ -42,22 +43,25 @@ async def _gather_quietly(aws) -> None:
 
 
 class KeptConnections:
-    """An event loop and one HTTP session per engine URL, kept by a process that talks to the same
-    engines again and again (``slimectl rl``: a rollout per step), so a rollout reuses the previous
-    one's keep-alive connections instead of opening one per request (64 a rollout in the CPU demo:
-    connecting was ~15 % of the rollout's CPU time, on both ends).
+    """One HTTP session per engine URL, kept by a process that talks to the same engines again and
+    again (``slimectl rl``: a rollout per step), so a rollout reuses the previous one's keep-alive
+    connections instead of opening one per request (64 a rollout in the CPU demo: connecting was
+    ~15 % of the rollout's CPU time, on both ends).
 
-    ``run(coro)`` runs a coroutine on the kept loop (one at a time, from any one thread at a time);
-    :meth:`session` (called inside it) gives the URL's session. A connection idle longer than
-    ``keepalive_timeout`` (below uvicorn's 5 s, SGLang's server) is not reused but reopened, so a
+    ``run(coro)`` runs a coroutine on ``bridge``'s loop (the process's one
+    :class:`~slimectl.contract.loop_bridge.LoopBridge`; default: one of its own, closed with it), from
+    any thread; :meth:`session` (called inside it) gives the URL's session. A connection idle longer
+    than ``keepalive_timeout`` (below uvicorn's 5 s, SGLang's server) is not reused but reopened, so a
     request never goes out on a connection the engine already closed for idleness."""
 
     KEEPALIVE_S = 4.0
 
-    def __init__(self, keepalive_timeout: float = KEEPALIVE_S):
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, keepalive_timeout: float = KEEPALIVE_S, bridge: LoopBridge | None = None):
+        self.bridge = bridge or LoopBridge()
+        self._own_bridge = bridge is None
         self.keepalive_timeout = keepalive_timeout
         self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._closed = False
 
     def session(self, url: str) -> aiohttp.ClientSession:
         url = url.rstrip("/")
@@ -67,38 +71,28 @@ class KeptConnections:
         return s
 
     def run(self, coro):
-        """Run ``coro`` to completion on the kept loop, as ``asyncio.run`` would (tasks it leaves
-        behind, or all of it when interrupted, are cancelled before this returns). First the loop
-        takes in what happened while it was idle (an engine closing a kept connection), so no
-        request picks that connection."""
+        """Run ``coro`` to completion on the loop, as ``asyncio.run`` would (tasks it leaves behind, or
+        all of it when interrupted, are cancelled before this returns). First the loop takes in what
+        happened before (an engine closing a kept connection), so no request picks that connection."""
         async def settled():
             for _ in range(3):  # readable EOF -> the transport closes -> connection_lost
                 await asyncio.sleep(0)
             return await coro
 
-        try:
-            return self.loop.run_until_complete(settled())
-        finally:
-            self._cancel_leftovers()
-
-    def _cancel_leftovers(self) -> None:
-        tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            self.loop.run_until_complete(_gather_quietly(tasks))
+        return self.bridge.run(settled())
 
     def close(self) -> None:
-        """Close the sessions and the loop (idempotent)."""
-        if self.loop.is_closed():
+        """Close the sessions, and the bridge when it is this object's own (idempotent)."""
+        if self._closed:
             return
+        self._closed = True
         sessions, self._sessions = list(self._sessions.values()), {}
         try:
-            self.loop.run_until_complete(_gather_quietly([s.close() for s in sessions]))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            if sessions:
+                self.bridge.run(_gather_quietly([s.close() for s in sessions]))
         finally:
-            self.loop.close()
+            if self._own_bridge:
+                self.bridge.close()
 
 
 class EngineClient:

@@ -18,8 +18,9 @@ class TrainerHandle(Protocol):
     weight_version: int
     """The version the trainer's weights are: trained on rollouts 0 .. version-1."""
 
-    def connect(self, loop, clients: dict) -> None:
-        """Open the weight transport to the engines' ``clients`` (run on ``loop``) and the train metrics."""
+    def connect(self, bridge, clients: dict) -> None:
+        """Open the weight transport to the engines' ``clients`` (run on the session's
+        :class:`~slimectl.contract.loop_bridge.LoopBridge`) and the train metrics."""
 
     def train(self, rid: int, art, last: bool) -> list[dict]:
         """Train on rollout ``rid`` (its READY artifact) exactly once; one metrics dict per optimizer step."""

@@ -17,6 +17,7 @@ from contextlib import ExitStack
 
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import LockHeld, SlimectlError
+from slimectl.contract.loop_bridge import LoopBridge
 from slimectl.contract.rundir import RunDir
 from slimectl.orchestration.trainer_ranks import Followers
 
@@ -108,8 +109,8 @@ def share_cores_with_engines(engine_threads: dict) -> int | None:
     return threads
 
 
-def open_engine_clients(cfg: SlimectlConfig, urls, loop, stack: ExitStack) -> dict:
-    """{url: EngineClient} for ``urls``, closed (on ``loop``) when ``stack`` unwinds."""
+def open_engine_clients(cfg: SlimectlConfig, urls, bridge: LoopBridge, stack: ExitStack) -> dict:
+    """{url: EngineClient} for ``urls``, closed (on ``bridge``'s loop) when ``stack`` unwinds."""
     from slimectl.engines.client import EngineClient
 
     token = cfg.engine.token()
@@ -118,7 +119,7 @@ def open_engine_clients(cfg: SlimectlConfig, urls, loop, stack: ExitStack) -> di
     async def close_clients() -> None:
         await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
 
-    stack.callback(lambda: loop.run_until_complete(close_clients()))
+    stack.callback(lambda: bridge.run(close_clients()))
     return clients
 
 
@@ -141,26 +142,26 @@ class InProcessTrainer:
         self.trainer = Trainer(run, cfg, stack.enter_context(run.lock("train")), critic_factory=critic_factory)
         stack.callback(self.trainer.close)  # a checkpoint still being written is published before the lock goes
         self.followers = followers or Followers()
-        self.loop = self.clients = self.transport = self.metrics = None
+        self.bridge = self.clients = self.transport = self.metrics = None
         self._open_passes: list = []  # the passes over the live tensors of the sync under way
 
     @property
     def weight_version(self) -> int:
         return self.trainer.weight_version
 
-    def connect(self, loop, clients: dict) -> None:
-        """Open the train metrics and the weight transport to ``clients`` (run on ``loop``)."""
+    def connect(self, bridge: LoopBridge, clients: dict) -> None:
+        """Open the train metrics and the weight transport to ``clients`` (run on ``bridge``'s loop)."""
         from slimectl.contract.metrics import MetricsWriter
         from slimectl.stages.sync.transport import make_transport
 
-        self.loop, self.clients = loop, clients
+        self.bridge, self.clients = bridge, clients
         transport = make_transport(self.cfg.sync.transport, self.cfg.sync)
-        self.stack.callback(lambda: loop.run_until_complete(transport.close(clients)))
+        self.stack.callback(lambda: bridge.run(transport.close(clients)))
         tb = self.run.tensorboard_dir("train") if self.cfg.logging.tensorboard else None
         self.metrics = self.stack.enter_context(MetricsWriter(
             self.run.metrics_path("train"), tb, resume_step=self.trainer.actor.step,
             reason=f"resumed at rollout {self.trainer.next_rollout}"))
-        loop.run_until_complete(transport.connect(clients))
+        bridge.run(transport.connect(clients))
         self.transport = transport
 
     def _source(self, version: int):
@@ -196,10 +197,9 @@ class InProcessTrainer:
         s = self.cfg.sync
         with self.run.stage_log("sync"):
             try:
-                res = self.loop.run_until_complete(sync_engines(self.clients, self.transport, self._source(version),
-                                                                self.cfg.effective_pause_mode, s.verify,
-                                                                tracer=self.run.tracer("sync"),
-                                                                merge_into=merge_base(self.cfg)))
+                res = self.bridge.run(sync_engines(self.clients, self.transport, self._source(version),
+                                                   self.cfg.effective_pause_mode, s.verify, tracer=self.run.tracer("sync"),
+                                                   merge_into=merge_base(self.cfg)))
             finally:
                 if not self.disk:
                     self._finish_passes()

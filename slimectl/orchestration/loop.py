@@ -15,6 +15,11 @@ Loop, for rollout ids from the train cursor to ``rollout.num_rollout``:
   versions ahead of the weights the engines were last synced to; this thread trains each rollout as it is
   published and syncs the new weights while requests are in flight (``sync.pause_mode``: retract).
 
+One event loop serves the whole process: the session's
+:class:`~slimectl.contract.loop_bridge.LoopBridge`, which runs the engine clients, the weight transport,
+every rollout (this thread's, the one-step-off thread's, the follower's) and eval, each thread handing it
+its coroutines.
+
 Engines: the registered ones when a ``slimectl serve`` is running for this run directory;
 otherwise ``rl`` starts its own (they die with it, even after ``kill -9``). Before the first
 rollout the actor's current weights are synced, so a rerun after a crash continues on the
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.faults import fault_point
+from slimectl.contract.loop_bridge import LoopBridge
 from slimectl.contract.rundir import RunDir
 from slimectl.orchestration.handles import EnginesInUse, Launcher, TrainerHandle
 
@@ -117,15 +123,17 @@ class RLSession:
 
         self.run, self.cfg, self.trainer, self.engines, self.critical, self.result = \
             run, cfg, trainer, engines, critical, result
-        self.loop = asyncio.new_event_loop()
-        stack.callback(self.loop.close)
-        self.clients = open_engine_clients(cfg, engines.urls, self.loop, stack)
+        # The process's one event loop: the clients, the transport, every rollout (this thread's, the one-step-off
+        # thread's, the fully async follower's) and eval run on it, handed over through this bridge.
+        self.bridge = LoopBridge()
+        stack.callback(self.bridge.close)
+        self.clients = open_engine_clients(cfg, engines.urls, self.bridge, stack)
         tb = (lambda s: run.tensorboard_dir(s)) if cfg.logging.tensorboard else (lambda s: None)
         self.sync_metrics = stack.enter_context(MetricsWriter(run.metrics_path("sync"), tb("sync")))
         self.rl_metrics = stack.enter_context(MetricsWriter(run.metrics_path("rl"), tb("rl")))
-        # One loop and one keep-alive session per engine for every rollout of this process (each
-        # rollout runs on one thread at a time: this one, or the one-step-off rollout thread).
-        self.kept = KeptConnections()
+        # One keep-alive session per engine for every rollout of this process (on this thread, or the
+        # one-step-off rollout thread).
+        self.kept = KeptConnections(bridge=self.bridge)
         stack.callback(self.kept.close)  # (after the rollout thread is shut down)
         self.synced = 0
         """The weight version the engines were last synced to (fully_async: the staleness bound counts from it)."""
@@ -154,8 +162,8 @@ class RLSession:
         n_total = self.cfg.rollout.num_rollout
         one_step_off = self.cfg.rollout.async_mode == "one_step_off"
         with self.critical():
-            self.trainer.connect(self.loop, self.clients)
-        self.loop.run_until_complete(resume_released_engines(self.clients))  # left released by a run killed in training
+            self.trainer.connect(self.bridge, self.clients)
+        self.bridge.run(resume_released_engines(self.clients))  # left released by a run killed in training
         self.sync(self.trainer.weight_version)
         if self.cfg.rollout.async_mode == "fully_async":
             return self.run_fully_async(start, stop)
@@ -183,7 +191,7 @@ class RLSession:
             if ahead is not None and not ahead.done():
                 for c in self.clients.values():  # unblock the rollout still in flight
                     try:
-                        self.loop.run_until_complete(c.abort_request(abort_all=True))
+                        self.bridge.run(c.abort_request(abort_all=True))
                     except Exception:
                         pass
             pool.shutdown(wait=True, cancel_futures=True)
@@ -194,7 +202,8 @@ class RLSession:
         from slimectl.stages.rollout.follow import follow_rollouts
 
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimectl-rollout")
-        follower = pool.submit(follow_rollouts, self.run, self.cfg, self.engines.urls, stop, lambda: self.synced)
+        follower = pool.submit(follow_rollouts, self.run, self.cfg, self.engines.urls, stop, lambda: self.synced,
+                               bridge=self.bridge)
         tracer = self.run.tracer("train")
         try:
             for rid in range(start, self.cfg.rollout.num_rollout):
@@ -227,12 +236,12 @@ class RLSession:
         t1 = time.perf_counter()
         offload = self.cfg.engine.offload_during_train and ahead is None
         if offload:
-            release_engines(self.loop, self.clients)
+            release_engines(self.bridge, self.clients)
         try:
             steps = self.trainer.train(rid, art, last=rid == n_total - 1)
         except BaseException:
             if offload:  # engines that outlive this run (a `serve`'s) take their memory back for the rerun's sync
-                _resume_quietly(self.loop, self.clients)
+                _resume_quietly(self.bridge, self.clients)
             raise
         t_train = time.perf_counter() - t1
         self.result.trained.append(rid)
@@ -241,10 +250,10 @@ class RLSession:
             ahead.result()  # drain: rollout rid+1 finishes on weights rid before they change
         t_drain = time.perf_counter() - t2
         if offload:
-            resume_engines(self.loop, self.clients, ["weights"])
+            resume_engines(self.bridge, self.clients, ["weights"])
         t_sync = self.sync(rid + 1)
         if offload:
-            resume_engines(self.loop, self.clients, ["kv_cache"])
+            resume_engines(self.bridge, self.clients, ["kv_cache"])
         self.result.weight_version = rid + 1
         t_eval = self.evaluate(rid)
         total = time.perf_counter() - t0
@@ -268,7 +277,7 @@ class RLSession:
         from slimectl.stages.rollout.eval import run_eval
 
         t = time.perf_counter()
-        run_eval(self.run, cfg, rid + 1, self.engines.urls)
+        run_eval(self.run, cfg, rid + 1, self.engines.urls, bridge=self.bridge)
         return time.perf_counter() - t
 
 
@@ -288,13 +297,13 @@ async def _gather(coros) -> list:
     return await asyncio.gather(*coros)
 
 
-def release_engines(loop, clients: dict) -> None:
+def release_engines(bridge: LoopBridge, clients: dict) -> None:
     """Colocated training: every engine frees its memory (weights and KV cache) for the trainer."""
-    loop.run_until_complete(_gather([c.release_memory_occupation() for c in clients.values()]))
+    bridge.run(_gather([c.release_memory_occupation() for c in clients.values()]))
 
 
-def resume_engines(loop, clients: dict, tags: list[str]) -> None:
-    loop.run_until_complete(_gather([c.resume_memory_occupation(tags) for c in clients.values()]))
+def resume_engines(bridge: LoopBridge, clients: dict, tags: list[str]) -> None:
+    bridge.run(_gather([c.resume_memory_occupation(tags) for c in clients.values()]))
 
 
 async def resume_released_engines(clients: dict) -> list[str]:
@@ -316,10 +325,10 @@ async def resume_released_engines(clients: dict) -> list[str]:
     return resumed
 
 
-def _resume_quietly(loop, clients: dict) -> None:
+def _resume_quietly(bridge: LoopBridge, clients: dict) -> None:
     """Best effort, on the way out after a failed or stopped training: every engine takes its memory back
     (its weights stay unloaded until the next sync pushes them)."""
     try:
-        resume_engines(loop, clients, None)
+        resume_engines(bridge, clients, None)
     except Exception as exc:
         log.warning("could not resume the engines' memory (%s); POST /resume_memory_occupation to each", exc)

@@ -32,7 +32,6 @@ filesystem on a multi-node cluster).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
@@ -202,9 +201,11 @@ class TrainerWorker:
             log.info("sync.master_addr %s is loopback but engines are remote: using this node's %s",
                      sync.master_addr, addr)
             self.trainer.cfg = self.cfg.model_copy(update={"sync": sync.model_copy(update={"master_addr": addr})})
-        loop = asyncio.new_event_loop()
-        self.stack.callback(loop.close)
-        self.trainer.connect(loop, open_engine_clients(self.cfg, urls, loop, self.stack))
+        from slimectl.contract.loop_bridge import LoopBridge
+
+        bridge = LoopBridge()  # this worker's one loop: the transport's and the clients'
+        self.stack.callback(bridge.close)
+        self.trainer.connect(bridge, open_engine_clients(self.cfg, urls, bridge, self.stack))
 
     def sync(self, version: int) -> tuple[dict[str, float], float]:
         return self.trainer.sync(version)
@@ -276,7 +277,7 @@ class RayTrainer:
                 self.launcher.get(done, "trainer")  # raises what failed there (a follower returns only at stop)
         return self.launcher.get(ref, "trainer")
 
-    def connect(self, loop, clients: dict) -> None:
+    def connect(self, bridge, clients: dict) -> None:
         self._call("connect", list(clients))  # only rank 0 sends weights
 
     def sync(self, version: int) -> tuple[dict[str, float], float]:

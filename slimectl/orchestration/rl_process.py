@@ -3,14 +3,16 @@
 The ``rl`` command is a thin adapter over :func:`run_rl_process`, which also works from Python.
 A process is in one of four roles:
 
-- a trainer rank > 0 under torchrun: it follows rank 0's trainer calls and returns (no lock, no
-  engine, nothing written);
+- a trainer rank under torchrun (:func:`run_rl_rank`): rank 0 runs the loop with a trainer whose
+  calls the other ranks follow; ranks > 0 follow them and return (no lock, no engine, nothing
+  written). Relaunched by ``rl`` itself, a rank runs with the config the launcher saved
+  (``RUN/configs/rl.yaml``: ``slimectl _rank rl RUN``); under a torchrun of the user's, each rank
+  resolves it from its own options;
 - ``dry_run``: the resolved config, nothing written;
 - the launching ``rl`` of a trainer with ``train.tp*pp*dp > 1`` (local launcher): it checks that no
-  other ``rl`` holds the run, relaunches itself under torchrun with ``rank_argv(run_path)`` and
-  reports torchrun's exit code or the signal rank 0 stopped on;
-- otherwise (one process, or rank 0 of the relaunched job): the loop, with the first SIGINT/SIGTERM
-  stopping every stage cleanly.
+  other ``rl`` holds the run, relaunches itself under torchrun (the run, its saved config and
+  ``engine_urls``) and reports torchrun's exit code or the signal rank 0 stopped on;
+- otherwise (one process): the loop, with the first SIGINT/SIGTERM stopping every stage cleanly.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from slimectl.contract.signals import InterruptOnSignal, StageInterrupted
 
@@ -41,26 +42,19 @@ def run_rl_process(run_path: str | Path | None, config_path: str | Path | None =
                    overrides: list[str] | tuple[str, ...] = (), *, tiny_model: str | None = None,
                    pretrained: str | None = None, dry_run: bool = False,
                    engine_urls: list[str] | tuple[str, ...] = (), launcher: str = "local",
-                   address: str | None = None, colocate: bool | None = None,
-                   rank_argv: Callable[[Path], list[str]] | None = None) -> RlProcessOutcome:
-    """Run this process's part of ``slimectl rl`` (see the module docstring).
-
-    ``rank_argv(run_path)`` gives the ``slimectl`` arguments every torchrun rank is started with
-    (the CLI builds them from click's own parameters); it is needed only when the trainer has
-    several ranks. Raises :class:`StageInterrupted` when a signal stopped the run."""
+                   address: str | None = None, colocate: bool | None = None) -> RlProcessOutcome:
+    """Run this process's part of ``slimectl rl`` (see the module docstring). Raises
+    :class:`StageInterrupted` when a signal stopped the run."""
+    from slimectl.contract.ranks import launch_rank, under_torchrun
     from slimectl.orchestration.loop import make_launcher
     from slimectl.orchestration.preflight import prepare_rl
-    from slimectl.contract.ranks import launch_rank, under_torchrun
 
     placer = make_launcher(launcher, address, colocate)
     torchrun_rank = launcher == "local" and under_torchrun()
-    if torchrun_rank:
-        from slimectl.orchestration import torchrun_trainer as tt
+    if torchrun_rank and launch_rank() > 0:  # a torchrun of the user's: rank 0's config, read without writing
+        from slimectl.orchestration.torchrun_trainer import follower_config
 
-        if launch_rank() > 0:  # a trainer rank > 0: rank 0 runs the loop, this one follows its trainer calls
-            tt.follow_as_rank(*tt.follower_config(run_path, overrides))
-            return RlProcessOutcome()
-        tt.write_status(pid=os.getpid())
+        return run_rl_rank(*follower_config(run_path, overrides), engine_urls)
     run, cfg = prepare_rl(config_path, run_path, overrides, tiny_model, dry_run, pretrained)
     if run is None:
         return RlProcessOutcome(dry_run_yaml=cfg.to_yaml())
@@ -71,28 +65,47 @@ def run_rl_process(run_path: str | Path | None, config_path: str | Path | None =
         problem = critic_layout_problem(cfg)
         if problem:
             raise ConfigError(problem)
-
-    if launcher == "local" and not torchrun_rank:
+    if torchrun_rank:
+        return run_rl_rank(run, cfg, engine_urls)
+    if launcher == "local" and cfg.train.world_size > 1:
+        # the trainer's ranks under torchrun: rank 0 runs this command's loop, the others follow
+        from slimectl.orchestration.torchrun import rank_argv
         from slimectl.orchestration.torchrun_trainer import relaunch_rl
 
-        world = cfg.train.world_size
-        if world > 1:  # the trainer's ranks under torchrun: rank 0 runs this command's loop, the others follow
-            if rank_argv is None:
-                raise ValueError("run_rl_process: a trainer of several ranks needs rank_argv to relaunch under torchrun")
-            with run.lock("rl"):
-                pass  # fail here, in a second, when another rl runs, not on every rank
-            res = relaunch_rl(world, rank_argv(run.path))
-            if res.signal is not None:
-                raise StageInterrupted(res.signal)
-            return RlProcessOutcome(exit_code=res.code)
+        with run.lock("rl"):
+            pass  # fail here, in a second, when another rl runs, not on every rank
+        # every rank: the config prepare_rl saved as RUN/configs/rl.yaml, and the engines given
+        res = relaunch_rl(cfg.train.world_size,
+                          rank_argv("rl", run.path, {"engine_urls": list(engine_urls)}, cfg.fingerprint()))
+        if res.signal is not None:
+            raise StageInterrupted(res.signal)
+        return RlProcessOutcome(exit_code=res.code)
+    return _loop(run, cfg, engine_urls, placer)
 
+
+def run_rl_rank(run, cfg, engine_urls: list[str] | tuple[str, ...] = ()) -> RlProcessOutcome:
+    """One rank of a trainer under torchrun: ranks > 0 follow rank 0's trainer calls; rank 0 runs the loop."""
+    from slimectl.contract.ranks import launch_rank
+    from slimectl.orchestration import torchrun_trainer as tt
+
+    if launch_rank() > 0:  # rank 0 runs the loop, this one follows its trainer calls
+        tt.follow_as_rank(run, cfg)
+        return RlProcessOutcome()
+    tt.write_status(pid=os.getpid())
+    tt.check_world(cfg)
+    return _loop(run, cfg, engine_urls, None, torchrun=True)
+
+
+def _loop(run, cfg, engine_urls, placer, torchrun: bool = False) -> RlProcessOutcome:
+    """The loop in this process (one process, or rank 0 of torchrun's), the first SIGINT/SIGTERM stopping it."""
     from slimectl.orchestration.loop import run_rl
 
     # The first SIGINT/SIGTERM stops every stage cleanly; the CLI prints the command that resumes
     # the run and exits 128 + the signal.
     signals = InterruptOnSignal(threading.Event()).install()
-    if torchrun_rank:
-        tt.check_world(cfg)
+    if torchrun:
+        from slimectl.orchestration import torchrun_trainer as tt
+
         placer = tt.TorchrunLauncher(critical=signals.deferred)
     try:
         res = run_rl(run, cfg, engine_urls, stop=signals.stop, critical=signals.deferred, launcher=placer)
@@ -103,7 +116,7 @@ def run_rl_process(run_path: str | Path | None, config_path: str | Path | None =
             raise
         res = None  # whatever the interrupt broke on its way out
     if res is None or signals.signal is not None:
-        if torchrun_rank and tt.reports_to_launcher():
+        if torchrun and tt.reports_to_launcher():
             tt.write_status(signal=signals.signal or signal.SIGINT)  # the launching rl reports it and exits 128+N
             return RlProcessOutcome()
         raise StageInterrupted(signals.signal)

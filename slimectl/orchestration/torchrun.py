@@ -1,11 +1,13 @@
-"""Relaunching a command under torchrun: its argv rebuilt from the command's own parameters.
+"""Relaunching a command under torchrun: every rank starts from the run, not from the command's options.
 
-A multi-rank ``convert``/``train`` starts ``python -m torch.distributed.run ... -m slimectl CMD ARGV``
-with the very options it was given. ARGV is not written by hand: :func:`argv_from_params` walks
-the command's parameter objects (click's, duck-typed: this library never imports click) and emits
-every non-default value in the option's own spelling, so an option added to the command later
-is passed to every rank without anyone remembering to. The ranks import the slimectl this process
-runs, never a ``slimectl/`` folder in the working directory (:func:`child_env`).
+A multi-rank ``convert``/``train``/``rl`` starts ``python -m torch.distributed.run ... -m slimectl _rank
+STAGE [RUN] --call JSON`` (:func:`rank_argv`). A rank takes what it runs from the launching command's
+own resolution, never from its command line: the stage's effective config as the launcher saved it
+(``RUN/configs/STAGE.yaml``; :func:`rank_config` checks that it is still the config the launcher
+resolved) and the keyword arguments of the stage's library call (``--call``: the ids, flags and paths
+that are not config, as JSON). The hidden ``_rank`` command (``slimectl/commands/rank.py``) runs the
+stage's own code with them. The ranks import the slimectl this process runs, never a ``slimectl/``
+folder in the working directory (:func:`child_env`).
 
 The launching process only builds a command line and waits: nothing here imports torch (a
 relaunching ``train``/``rl`` would pay ~3 CPU-s for it, on top of torchrun's own import);
@@ -14,73 +16,68 @@ tests/unit/test_import_cost.py checks it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
-from typing import Any, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
 
 from slimectl.contract.errors import UsageError
 from slimectl.contract.net import free_port
 
+if TYPE_CHECKING:
+    from slimectl.contract.config_schema import SlimectlConfig
+    from slimectl.contract.rundir import RunDir
+
 log = logging.getLogger("slimectl.torchrun")
 
-
-def _spelling(param: Any) -> str:
-    """The option's long name when it has one (``--max-rollouts``), else its first name (``-r``)."""
-    longs = [o for o in param.opts if o.startswith("--")]
-    return longs[0] if longs else param.opts[0]
+RANK_COMMAND = "_rank"
+"""The hidden ``slimectl`` command every relaunched rank runs (``slimectl/commands/rank.py``)."""
 
 
-def _text(value: Any) -> str:
-    return repr(value) if isinstance(value, float) else str(value)
+def log_verbosity() -> int:
+    """The ``-v``/``-q`` count that gives the ranks this process's log level (``setup_logging``'s inverse)."""
+    level = logging.getLogger("slimectl").getEffectiveLevel()
+    if level <= logging.DEBUG:
+        return 1
+    return 0 if level <= logging.INFO else -1 if level <= logging.WARNING else -2
 
 
-def argv_from_params(params: Iterable[Any], values: Mapping[str, Any]) -> list[str]:
-    """The command-line arguments that parse back into ``values``.
+def rank_argv(stage: str, run_path: str | Path | None, call: Mapping[str, Any],
+              fingerprint: str | None = None) -> list[str]:
+    """The ``slimectl`` arguments of every rank of a relaunched ``STAGE``: ``[-v|-q...] _rank STAGE [RUN]
+    --call JSON [--config-sha SHA]``. ``call`` holds the keyword arguments of the stage's call (plain JSON
+    values); with ``fingerprint`` (the launcher's ``cfg.fingerprint()``) the ranks read the config the
+    launcher saved as ``RUN/configs/STAGE.yaml`` and refuse any other."""
+    v = log_verbosity()
+    argv = ["-v"] * v if v > 0 else ["-q"] * -v
+    argv += [RANK_COMMAND, stage, *([str(run_path)] if run_path is not None else [])]
+    argv += ["--call", json.dumps(dict(call), sort_keys=True)]
+    return argv + (["--config-sha", fingerprint] if fingerprint else [])
 
-    ``params`` are a command's parameter objects (click's ``ctx.command.params``: each with
-    ``name``, ``opts``, ``secondary_opts``, ``default``, ``is_flag``, ``multiple``, ``count``,
-    ``nargs``, ``param_type_name``); ``values`` are the parsed values (``ctx.params``, with any
-    replaced). Options equal to their default are left out; flags are emitted bare (``--x``, or
-    the ``--no-x`` side of a ``--x/--no-x`` pair), repeatable options once per value, counted
-    options once per count; arguments follow the options, after ``--``.
-    """
-    argv: list[str] = []
-    positional: list[str] = []
-    for p in params:
-        if p.name not in values:
-            continue  # not exposed (--help)
-        value = values[p.name]
-        if p.param_type_name == "argument":
-            items = value if (p.multiple or p.nargs != 1) and isinstance(value, (list, tuple)) else [value]
-            positional += [_text(v) for v in items if v is not None]
-            continue
-        if p.param_type_name != "option":
-            continue
-        default = p.default() if callable(p.default) else p.default
-        if value is None or value == default or (p.multiple and not value):
-            continue
-        opt = _spelling(p)
-        if getattr(p, "count", False):
-            argv += [opt] * int(value)
-        elif p.is_flag:
-            if value is False:
-                if not p.secondary_opts:
-                    continue  # a plain flag left off
-                argv.append(p.secondary_opts[0])
-            elif value is True or value == p.flag_value:
-                argv.append(opt)
-            else:
-                raise ValueError(f"option {opt}: flag value {value!r} cannot be spelled on a command line")
-        elif p.multiple:
-            for v in value:
-                argv += [opt, *(map(_text, v) if p.nargs != 1 else [_text(v)])]
-        elif p.nargs != 1:
-            argv += [opt, *map(_text, value)]
-        else:
-            argv += [opt, _text(value)]
-    return argv + (["--", *positional] if positional else [])
+
+def rank_config(stage: str, run_path: str | Path, fingerprint: str) -> tuple[RunDir, SlimectlConfig]:
+    """A relaunched rank's run and config: ``RUN/configs/STAGE.yaml`` as its launcher saved it, refused (one
+    line) when it is not the config that launcher resolved (another ``slimectl STAGE`` saved its own since)."""
+    from slimectl.contract.rundir import RunDir
+
+    run = RunDir.open(run_path)
+    cfg = run.saved_stage_config(stage)
+    if cfg.fingerprint() != fingerprint:
+        raise UsageError(f"{run.path / 'configs' / f'{stage}.yaml'} is not the config this rank's `slimectl {stage}` "
+                         f"resolved (another `slimectl {stage}` on the run saved its own since); run it again")
+    return run, cfg
+
+
+def relaunch_stage(stage: str, nproc: int, run_path: str | Path | None, call: Mapping[str, Any],
+                   fingerprint: str | None = None, nnodes: int = 1, node_rank: int = 0,
+                   master_addr: str | None = None, master_port: int | None = None) -> int:
+    """Run ``STAGE`` on ``nproc`` ranks of this node under torchrun (:func:`rank_argv`,
+    :func:`relaunch_under_torchrun`); return torchrun's exit code."""
+    return relaunch_under_torchrun(nproc, rank_argv(stage, run_path, call, fingerprint), nnodes, node_rank,
+                                   master_addr, master_port)
 
 
 def check_node_options(nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None,

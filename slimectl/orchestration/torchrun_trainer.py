@@ -1,7 +1,8 @@
 """``slimectl rl`` with a trainer of several ranks under torchrun (the local launcher, no Ray).
 
 With ``train.tp*pp*dp = N > 1`` the local ``rl`` relaunches itself under torchrun with N ranks on
-this node (:func:`relaunch_rl`), every option it was given passed on (:func:`rank_argv`):
+this node (:func:`relaunch_rl`); every rank runs ``slimectl _rank rl RUN`` with the config the launching ``rl``
+saved as ``RUN/configs/rl.yaml`` and the engines it was given (:func:`slimectl.orchestration.torchrun.rank_argv`):
 
 - rank 0 runs the whole loop exactly as a one-rank ``rl`` does (locks, engines, rollouts, eval,
   syncs, metrics), with :class:`TorchrunLauncher`: its trainer is
@@ -33,7 +34,7 @@ import subprocess
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import UsageError
@@ -59,23 +60,6 @@ def check_world(cfg: SlimectlConfig) -> None:
 
 
 # ------------------------------------------------------------------------------ the relaunch
-def rank_argv(params: Iterable[Any], values: Mapping[str, Any], run_path: str | Path, verbosity: int = 0) -> list[str]:
-    """The command line every rank runs: ``[-v|-q...] rl ARGV``, ARGV the options this ``rl`` was
-    given (:func:`~slimectl.orchestration.torchrun.argv_from_params`) on the run it resolved.
-
-    The parent has initialized (or resumed) the run already: ``--config``, ``--tiny-model`` and
-    ``--pretrained`` are not passed on, nor, with ``--config``, the ``--set`` overrides that init
-    froze into the run's config (they would apply twice); every other option reaches every rank."""
-    from slimectl.orchestration.torchrun import argv_from_params
-
-    vals = dict(values)
-    if vals.get("config_path") is not None:
-        vals["overrides"] = ()
-    vals.update(config_path=None, tiny_model=None, pretrained=None, run_dir=str(run_path), dry_run=False)
-    root = ["-v"] * verbosity if verbosity > 0 else ["-q"] * -verbosity
-    return [*root, "rl", *argv_from_params(params, vals)]
-
-
 @dataclass
 class RelaunchResult:
     code: int
@@ -118,7 +102,7 @@ def _die_with_parent() -> None:
 
 
 def relaunch_rl(nproc: int, argv: list[str]) -> RelaunchResult:
-    """Run ``python -m slimectl ARGV`` under torchrun with ``nproc`` ranks on this node and wait.
+    """Run ``python -m slimectl ARGV`` (a rank's, :func:`~slimectl.orchestration.torchrun.rank_argv`) under torchrun with ``nproc`` ranks on this node and wait.
 
     torchrun runs in a session of its own, so a Ctrl-C in the terminal reaches this process only:
     the first SIGINT/SIGTERM is forwarded to rank 0 (to torchrun while rank 0 has not started), later

@@ -17,6 +17,7 @@ import time
 
 import psutil
 import pytest
+from click.testing import CliRunner
 
 from slimectl.contract.errors import UsageError
 from slimectl.contract.rundir import RunDir
@@ -160,28 +161,41 @@ def test_rl_at_tp2_under_torchrun_stops_on_sigterm_resumes_and_matches_one_rank(
 # ----------------------------------------------------------------------------- cheap: the ranks' command line
 
 
-def test_every_rank_gets_the_options_of_the_launching_rl(tmp_path):
-    """The ranks run `rl` on the run the launcher resolved with its options (verbosity, --engine-url,
-    --set): the config, --tiny-model and the --set that init froze into the run are not passed again."""
+def test_every_rank_gets_the_run_and_options_of_the_launching_rl(tmp_path, monkeypatch, fake_model):
+    """The ranks run `_rank rl RUN` with the launcher's verbosity and --engine-url, and the config it saved as
+    RUN/configs/rl.yaml (its --set included: neither the config file, --tiny-model nor --set is passed again);
+    a rank of an earlier launch refuses a config saved since."""
     from slimectl.commands.cli import cli
-    from slimectl.commands.rl import rl_cmd
-    from slimectl.orchestration.torchrun_trainer import rank_argv
+    from slimectl.orchestration import rl_process, torchrun_trainer
+    from slimectl.orchestration.torchrun_trainer import RelaunchResult
 
-    def ranks(*argv: str, verbosity: int = 0) -> tuple[list[str], dict]:
-        ctx = rl_cmd.make_context("rl", list(argv))
-        out = rank_argv(ctx.command.params, ctx.params, tmp_path / "run", verbosity)
-        root = cli.make_context("slimectl", list(out), resilient_parsing=True)  # as a rank parses it
-        assert root.params["verbose"] - root.params["quiet"] == verbosity
-        return out, rl_cmd.make_context("rl", out[out.index("rl") + 1:]).params
+    launched, ran = [], []
+    monkeypatch.setattr(torchrun_trainer, "relaunch_rl", lambda nproc, argv: launched.append(argv) or RelaunchResult(0, None))
+    monkeypatch.setattr(rl_process, "run_rl_rank", lambda run, cfg, urls: ran.append((run, cfg, urls))
+                        or rl_process.RlProcessOutcome())
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"model:\n  path: {fake_model}\ndata:\n  prompt_data: null\n")
 
-    out, got = ranks("-c", "cfg.yaml", "--tiny-model", "qwen2", "--set", "train.dp=2", "--engine-url", "http://e:1",
-                     "--engine-url", "http://e:2", verbosity=2)
-    assert out[:3] == ["-v", "-v", "rl"]
-    assert got["run_dir"] == str(tmp_path / "run") and got["engine_urls"] == ("http://e:1", "http://e:2")
-    assert got["config_path"] is None and got["tiny_model"] is None and got["overrides"] == ()
-    out, got = ranks("-r", "elsewhere", "--set", "train.dp=2", "--set", "train.lr=1e-4", verbosity=-1)
-    assert out[:2] == ["-q", "rl"]
-    assert got["overrides"] == ("train.dp=2", "train.lr=1e-4") and got["run_dir"] == str(tmp_path / "run")
+    def invoke(*argv: str, code: int = 0) -> str:
+        res = CliRunner().invoke(cli, list(argv), catch_exceptions=False)
+        assert res.exit_code == code, res.output
+        return res.output
+
+    run_path = tmp_path / "run"
+    invoke("-vv", "rl", "-c", str(cfg_file), "-r", str(run_path), "--set", "train.dp=2",
+           "--engine-url", "http://e:1", "--engine-url", "http://e:2")
+    assert launched[-1][:4] == ["-v", "_rank", "rl", str(run_path)]
+    invoke(*launched[-1])  # as each rank runs it
+    run, cfg, urls = ran[-1]
+    assert run.path.resolve() == run_path.resolve() and cfg.train.dp == 2 and urls == ["http://e:1", "http://e:2"]
+    assert cfg == RunDir.open(run_path).stage_config("rl")  # --set frozen into the run by init: not applied twice
+    invoke("-q", "rl", "-r", str(run_path), "--set", "train.lr=1e-4")
+    assert launched[-1][:4] == ["-q", "_rank", "rl", str(run_path)] and "--set" not in launched[-1]
+    out = invoke(*launched[0], code=2)  # the first launch's ranks: RUN/configs/rl.yaml is the second's now
+    assert "is not the config this rank's `slimectl rl` resolved" in out
+    invoke(*launched[-1])
+    run, cfg, urls = ran[-1]
+    assert (cfg.train.dp, cfg.train.lr, urls) == (2, 1e-4, [])
 
 
 def test_a_torchrun_job_of_the_wrong_size_is_refused_in_one_line(monkeypatch):

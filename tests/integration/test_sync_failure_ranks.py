@@ -39,6 +39,7 @@ SCRIPT = textwrap.dedent('''
                                 timeout=timedelta(seconds=20))
         import slimectl.stages.sync as sync_pkg
         from slimectl.contract.errors import SlimectlError
+        from slimectl.contract.loop_bridge import LoopBridge
         from slimectl.contract.trace import NULL_TRACER
         from slimectl.orchestration.local_launcher import InProcessTrainer
         from slimectl.orchestration.trainer_ranks import Followers, control_group, follow_rank0
@@ -68,7 +69,7 @@ SCRIPT = textwrap.dedent('''
                                           effective_lora_merged=False)
             t.disk, t.trainer, t.clients, t.transport, t._open_passes = False, Tensors(), {}, None, []
             t.followers = Followers(group)
-            t.loop = asyncio.new_event_loop()
+            t.bridge = LoopBridge()  # rl's one loop: the push (and the pass over the tensors) runs on its thread
             try:
                 t.sync(1)
                 result["first"] = "no error"
@@ -76,6 +77,7 @@ SCRIPT = textwrap.dedent('''
                 result["first"] = str(exc)
             result["second"] = t.sync(2)[0]
             t.stop()
+            t.bridge.close()
         else:
             result["operations"] = follow_rank0(None, Tensors(), group, disk=False)
         x = torch.tensor([float(rank + 1)])

@@ -97,5 +97,7 @@ def test_a_torchrun_relaunch_does_not_import_torch_in_the_launching_process(four
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.splitlines()[-1])
     assert got["codes"] == [0, 0], res.stderr[-3000:]
-    assert got["launched"] == [["slimectl", "train", "--run-dir", run, "--follow"], ["slimectl", "rl", "--run-dir", run]]
+    launched = [c[:4] for c in got["launched"]]  # then --call JSON --config-sha SHA
+    assert launched == [["slimectl", "_rank", "train", run], ["slimectl", "_rank", "rl", run]]
+    assert json.loads(got["launched"][0][got["launched"][0].index("--call") + 1])["follow"] is True
     assert got["imported"] == []

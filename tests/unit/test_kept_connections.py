@@ -115,4 +115,4 @@ def test_run_cancels_what_the_coroutine_left_behind_and_close_is_idempotent():
     assert left[0].cancelled()
     kept.close()
     kept.close()
-    assert kept.loop.is_closed()
+    assert kept.bridge.loop.is_closed()  # its own bridge, closed with it

@@ -86,9 +86,10 @@ def test_rl_pretrained_sets_the_model_like_init(cli, tmp_path, fake_model):
     assert res.exit_code == 2 and _last(res) == "Error: --pretrained smollm2-135m needs --config (it sets the model of a new run)"
 
 
-def test_the_rl_process_runs_from_python_without_click(tmp_path, nine_heads):
+def test_the_rl_process_runs_from_python_without_click(tmp_path, nine_heads, monkeypatch):
     """`slimectl rl` is a thin adapter over run_rl_process: from Python, a dry run gives the resolved
-    config and writes nothing; a trainer of several ranks without rank_argv cannot be relaunched."""
+    config and writes nothing; a trainer of several ranks relaunches itself from the run it initialized."""
+    from slimectl.orchestration import torchrun_trainer
     from slimectl.orchestration.rl_process import run_rl_process
 
     cfg = tmp_path / "c.yaml"
@@ -97,5 +98,11 @@ def test_the_rl_process_runs_from_python_without_click(tmp_path, nine_heads):
     resolved = yaml.safe_load(out.dry_run_yaml)
     assert (resolved["name"], resolved["train"]["tp"], resolved["train"]["lr"]) == ("py", 3, 2e-5)
     assert out.result is None and out.exit_code == 0 and not (tmp_path / "run").exists()
-    with pytest.raises(ValueError, match="needs rank_argv"):
-        run_rl_process(tmp_path / "run", cfg, ["data.prompt_data=null"])
+    launched = []
+    monkeypatch.setattr(torchrun_trainer, "relaunch_rl",
+                        lambda n, argv: launched.append((n, argv)) or torchrun_trainer.RelaunchResult(0, None))
+    out = run_rl_process(tmp_path / "run", cfg, ["data.prompt_data=null"])
+    assert out.exit_code == 0 and out.result is None
+    ((n, argv),) = launched
+    assert n == 3 and argv[argv.index("_rank"):][:3] == ["_rank", "rl", str(tmp_path / "run")]
+    assert (tmp_path / "run" / "configs" / "rl.yaml").is_file()

@@ -1,4 +1,4 @@
-"""The CLI stays thin: torchrun argv rebuilt from click's own parameters, cheap checks before the actor, rl's init-or-resume in the library."""
+"""The CLI stays thin: torchrun ranks started from the run (the saved config, the call), cheap checks before the actor, rl's init-or-resume in the library."""
 
 from __future__ import annotations
 
@@ -6,82 +6,65 @@ import subprocess
 import sys
 import time
 
-import click
 import pytest
 
 from tests.helpers import ROOT
-from slimectl.orchestration.torchrun import argv_from_params
 
 
-def non_default_args(command: click.Command) -> list[str]:
-    """A command line giving every option of ``command`` a value that is not its default."""
-    args: list[str] = []
-    for p in command.params:
-        if not isinstance(p, click.Option) or p.hidden or p.name == "help":
-            continue
-        opt = p.opts[0]
-        if p.is_flag:
-            args.append(p.secondary_opts[0] if p.secondary_opts and p.default else opt)
-            continue
-        t = p.type
-        if isinstance(t, click.Choice):
-            values = [c for c in t.choices if c != p.default][:2]
-        elif isinstance(t, click.IntRange):
-            low = t.min if t.min is not None else 0
-            high = t.max if t.max is not None else low + 10
-            values = [v for v in (low + 2, low + 1, high) if v != p.default and low <= v <= high][:2]
-        elif isinstance(t, click.types.IntParamType):
-            values = [7, 8]
-        elif isinstance(t, click.types.FloatParamType):
-            values = [2.5, 1e-05]
-        else:
-            values = ["a=b c", "x/y"]
-        for v in values[:2] if p.multiple else values[:1]:
-            args += [opt, str(v)]
-    return args
+def relaunched(monkeypatch, cli, *args: str) -> tuple[list[str], list[dict]]:
+    """``slimectl ARGS`` (a command that relaunches itself), then the argv of its ranks run as a rank runs it:
+    the ranks' ``slimectl`` argv and each ``STAGE_here(run, cfg, **call)`` made (the launcher's own, then the rank's)."""
+    from slimectl.commands import convert, train
+    from slimectl.orchestration import torchrun
+    from slimectl.stages.train import plan
+
+    launched, made = [], []
+    monkeypatch.setattr(torchrun, "relaunch_under_torchrun", lambda nproc, argv, *a: launched.append(argv) or 0)
+    monkeypatch.setattr(plan, "plan_training", lambda *a, **kw: None)
+    monkeypatch.setattr("slimectl.stages.convert.check_convert_inputs", lambda *a, **kw: None)
+    for module, name in ((train, "train_here"), (convert, "convert_here")):
+        monkeypatch.setattr(module, name, lambda run, cfg, **call: made.append(dict(call, run=run, cfg=cfg)))
+    res = cli(*args)
+    assert res.exit_code == 0, res.output
+    assert len(launched) == 1 and not made
+    res = cli(*launched[0])
+    assert res.exit_code == 0, res.output
+    return launched[0], made
 
 
-def parse(command: click.Command, args: list[str]) -> dict:
-    with command.make_context(command.name, list(args), resilient_parsing=False) as ctx:
-        return dict(ctx.params)
+def test_the_ranks_of_train_make_the_call_of_one_process(monkeypatch, cli, run_dir):
+    """A relaunched `train` starts its ranks from the run: the config it saved as RUN/configs/train.yaml (with
+    its --set) and the call one process would make, every option included."""
+    opts = ["--id", "0", "--follow", "--max-rollouts", "3", "--wait-timeout", "2.5", "--allow-empty"]
+    argv, made = relaunched(monkeypatch, cli, "train", "-r", run_dir.path, *opts, "--set", "train.dp=2",
+                            "--set", "train.lr=3e-05")
+    assert argv[:3] == ["_rank", "train", str(run_dir.path)] and "--config-sha" in argv
+    (rank,) = made
+    assert rank["run"].path == run_dir.path
+    assert (rank["cfg"].train.dp, rank["cfg"].train.lr) == (2, 3e-05)
+    assert rank["cfg"] == run_dir.stage_config("train", ["train.dp=2", "train.lr=3e-05"])
+    res = cli("train", "-r", run_dir.path, *opts)  # one process: the same call
+    assert res.exit_code == 0, res.output
+    one = made[-1]
+    assert {k: v for k, v in one.items() if k not in ("run", "cfg")} == \
+        {k: v for k, v in rank.items() if k not in ("run", "cfg")} == \
+        dict(rollout_id=0, follow=True, max_rollouts=3, wait_timeout=2.5, allow_empty=True)
 
 
-@pytest.mark.parametrize("name", ["train", "convert"])
-def test_every_option_survives_the_torchrun_relaunch(name):
-    """parse -> argv -> parse gives the same params, for an invocation that sets every option: a new
-    option of the command can never be dropped on the ranks."""
-    from slimectl.commands.cli import COMMANDS
-    import importlib
-
-    module, attr = COMMANDS[name].split(":")
-    command = getattr(importlib.import_module(module), attr)
-    args = non_default_args(command)
-    params = parse(command, args)
-    defaults = parse(command, [])
-    unset = sorted(k for k, v in params.items() if v == defaults[k] and k != "help")
-    assert not unset, f"the test did not set {unset}"
-    cmd = command.make_context(command.name, list(args))
-    argv = argv_from_params(cmd.command.params, cmd.params)
-    assert parse(command, argv) == params
-    assert argv_from_params(command.params, defaults) == []  # defaults are left out
+def test_a_rank_refuses_a_config_saved_since_its_launch(monkeypatch, cli, run_dir):
+    """Another `train` with other --set saved RUN/configs/train.yaml before the ranks read it: one line, exit 2."""
+    argv, _ = relaunched(monkeypatch, cli, "train", "-r", run_dir.path, "--set", "train.dp=2")
+    run_dir.save_stage_config("train", run_dir.stage_config("train", ["train.dp=2", "train.lr=1e-3"]))
+    res = cli(*argv)
+    assert res.exit_code == 2 and "is not the config this rank's `slimectl train` resolved" in res.output
 
 
-def test_argv_spells_flags_pairs_repeats_counts_and_arguments():
-    @click.command()
-    @click.option("-v", "--verbose", count=True)
-    @click.option("--color/--no-color", default=True)
-    @click.option("--tag", multiple=True)
-    @click.option("--lr", type=float, default=0.1)
-    @click.argument("paths", nargs=-1)
-    def cmd(**kw):
-        pass
-
-    ctx = cmd.make_context("cmd", ["-vv", "--no-color", "--tag", "a", "--tag", "-b", "--lr", "0.30000000000000004",
-                                   "p1", "--", "-p2"])
-    argv = argv_from_params(cmd.params, ctx.params)
-    assert argv == ["--verbose", "--verbose", "--no-color", "--tag", "a", "--tag", "-b", "--lr",
-                    "0.30000000000000004", "--", "p1", "-p2"]
-    assert parse(cmd, argv) == ctx.params
+def test_the_ranks_of_convert_make_the_call_of_one_process(monkeypatch, cli, tmp_path):
+    argv, made = relaunched(monkeypatch, cli, "convert", "--hf", tmp_path / "hf", "--out", tmp_path / "out", "--tp", "2",
+                            "--pp", "2", "--dtype", "bf16", "--force")
+    assert argv[:2] == ["_rank", "convert"] and "--config-sha" not in argv
+    assert made == [dict(hf_dir=str(tmp_path / "hf"), out_dir=str(tmp_path / "out"), tp=2, pp=2, dtype="bf16",
+                         force=True, run_dir=None, run=None, cfg=None)]
 
 
 def test_train_with_a_wrong_id_fails_in_seconds_before_building_the_actor(tmp_path, run_dir):

@@ -192,6 +192,15 @@ class RunDir:
         atomic_write_text(p, f"# effective config of the last `slimectl {stage}` run ({utcnow()})\n" + config.to_yaml())
         return p
 
+    def saved_stage_config(self, stage: str) -> SlimectlConfig:
+        """The config :meth:`save_stage_config` last saved for ``stage`` (what its relaunched ranks run with)."""
+        from slimectl.contract.config import load_yaml_file
+
+        p = self.path / "configs" / f"{stage}.yaml"
+        if not p.is_file():
+            raise RunDirInputError(f"{p} is missing: `slimectl {stage}` saves it before it launches its ranks")
+        return build_config(load_yaml_file(p), origin=f"saved config {p}")
+
     # ------------------------------------------------------------------ parts
     def artifacts(self, kind: str) -> ArtifactStore:
         return ArtifactStore(self.path, kind, self.path / STAGING)

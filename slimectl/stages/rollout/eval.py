@@ -44,8 +44,9 @@ def dataset_metrics(groups: list[list[Sample]], ks: list[int], reward_key: str |
     return out
 
 
-def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[str]) -> dict[str, float]:
-    """Evaluate the engines' current weights (weight version ``version``) on every eval dataset."""
+def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[str], bridge=None) -> dict[str, float]:
+    """Evaluate the engines' current weights (weight version ``version``) on every eval dataset (on ``bridge``, a
+    :class:`~slimectl.contract.loop_bridge.LoopBridge`: ``slimectl rl``'s one loop; None: ``asyncio.run``)."""
     with run.stage_log("eval"):
         from slimectl.contract.logs import quiet_hf_progress
         from slimectl.contract.metrics import MetricsWriter
@@ -62,7 +63,8 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
             rows, _ = load_prompt_rows(cfg, spec, key=f"data.eval_data.{name}")
             rows, _ = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
             datasets[name] = rows
-        results, samples = asyncio.run(_eval_async(cfg, datasets, engine_urls, tok, version))
+        work = _eval_async(cfg, datasets, engine_urls, tok, version)
+        results, samples = bridge.run(work) if bridge is not None else asyncio.run(work)
         flat = {f"eval/{name}/{k}": v for name, m in results.items() for k, v in m.items()}
         with run.evals.publish(version, meta={"weight_version": version, "datasets": sorted(results)}, stage="eval",
                                overwrite=True) as staging:

@@ -148,12 +148,14 @@ class GroupStream:
 
 def follow_rollouts(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
                     stop: threading.Event | None = None, newest_version: Callable[[], int] | None = None,
-                    skip_bad_rows: bool | None = None, on_published: Callable[[int], None] | None = None) -> FollowResult:
+                    skip_bad_rows: bool | None = None, on_published: Callable[[int], None] | None = None,
+                    bridge=None) -> FollowResult:
     """Publish rollouts from the next id until ``rollout.num_rollout`` are published (or ``stop`` is set).
 
     ``newest_version()``: the weight version the staleness bound counts from (default: the newest
     published ``weights/N``; ``slimectl rl`` passes the version its engines were last synced to).
-    ``on_published(rid)`` is called after each rollout is published."""
+    ``on_published(rid)`` is called after each rollout is published. ``bridge``: the
+    :class:`~slimectl.contract.loop_bridge.LoopBridge` to run on (``slimectl rl``'s one loop); None: ``asyncio.run``."""
     with run.stage_log("rollout"):
         if cfg.data.prompt_data is None:
             raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
@@ -170,7 +172,7 @@ def follow_rollouts(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | t
                                  buffered_groups(run, first), stop or threading.Event(),
                                  newest_version, on_published,
                                  {"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
-            return asyncio.run(follower.follow())
+            return bridge.run(follower.follow()) if bridge is not None else asyncio.run(follower.follow())
 
 
 class _Follower:
