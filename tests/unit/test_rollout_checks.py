@@ -14,8 +14,8 @@ from slimectl.contract.rundir import EngineRecord
 from slimectl.contract.samples import Sample
 from slimectl.rewards import RewardConfigError, needs_label
 from slimectl.stages.rollout.data import DatasetError, load_prompts
-from slimectl.stages.rollout.stage import (StaleEngine, rollout_metrics, check_staleness, max_staleness, run_rollout,
-                                           zero_spread_warning)
+from slimectl.stages.rollout.publish import rollout_metrics, zero_spread_warning
+from slimectl.stages.rollout.stage import StaleEngine, check_staleness, max_staleness, run_rollout
 
 
 def jsonl(path, rows) -> str:
