@@ -164,17 +164,14 @@ class RolloutProducer:
         return self
 
     def _args(self) -> SimpleNamespace:
-        """What the generate, reward and filter functions get (slime's names)."""
-        cfg, r = self.cfg, self.cfg.rollout
-        if self.evaluating:
-            return SimpleNamespace(pool=self.pool, config=cfg, tokenizer=self.tokenizer, engine_urls=self.urls,
-                                   rollout_id=None, rollout_max_response_len=r.eval_max_response_len or r.max_response_len,
-                                   n_samples_per_prompt=r.eval_n_samples, reward_key=r.reward_key, mask_offpolicy=False)
-        return SimpleNamespace(pool=self.pool, config=cfg, tokenizer=self.tokenizer, engine_urls=self.urls,
-                               rollout_id=self.rollout_id, rollout_max_response_len=r.max_response_len,
-                               n_samples_per_prompt=r.n_samples_per_prompt, reward_key=r.reward_key,
-                               mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
-                               return_routed_experts=r.return_routed_experts or cfg.train.use_rollout_routing_replay)
+        """What the generate, reward and filter functions get (slime's names); eval's are ``rollout.eval_*``."""
+        cfg, r, evaluating = self.cfg, self.cfg.rollout, self.evaluating
+        return SimpleNamespace(
+            pool=self.pool, config=cfg, tokenizer=self.tokenizer, engine_urls=self.urls, rollout_id=self.rollout_id,
+            rollout_max_response_len=self.params["max_new_tokens"],
+            n_samples_per_prompt=r.eval_n_samples if evaluating else r.n_samples_per_prompt, reward_key=r.reward_key,
+            mask_offpolicy=not evaluating and r.mask_offpolicy_in_partial_rollout,
+            return_routed_experts=not evaluating and (r.return_routed_experts or cfg.train.use_rollout_routing_replay))
 
     async def __aexit__(self, *exc: object) -> None:
         from slimectl.rewards import close_shared_remotes
