@@ -30,7 +30,7 @@ def group_indices(run) -> list[list[int]]:
 def audit_fully_async(run, n: int, batch: int) -> None:
     """Every rollout trained once; each prompt group in one rollout only and none skipped (the groups past the
     last rollout are the ones its buffer carries); every artifact whole; no debris, lock or engine left."""
-    from slimectl.stages.rollout.stage import BUFFER_FILE
+    from slimectl.stages.rollout.prompts import BUFFER_FILE
 
     assert_trained_once(run, n)
     groups = group_indices(run)

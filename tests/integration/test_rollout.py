@@ -254,23 +254,23 @@ def test_a_process_prepares_the_dataset_once_and_again_when_the_file_changes(tmp
     tokenized once (it was re-tokenized every rollout), and prepared again when the file changes."""
     import os
 
-    from slimectl.stages.rollout import stage
+    from slimectl.stages.rollout import prompts
 
     data = tmp_path / "data.jsonl"
     data.write_text(setup["data"].read_text())
     run = make_run(tmp_path, setup, cli, f"data.prompt_data={data}")
     cfg = run.config()
     calls = []
-    real = stage.tokenize_prompts
-    monkeypatch.setattr(stage, "tokenize_prompts", lambda *a, **k: calls.append(1) or real(*a, **k))
-    first = stage.prepared_prompts(cfg, None)
-    again = stage.prepared_prompts(cfg, None)
+    real = prompts.tokenize_prompts
+    monkeypatch.setattr(prompts, "tokenize_prompts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = prompts.prepared_prompts(cfg, None)
+    again = prompts.prepared_prompts(cfg, None)
     assert again is first and len(calls) == 1 and len(first[0]) == 12
     assert first[0][3].prompt_ids and first[0][3].prompt_text.endswith("\n")  # chat-templated, tokenized
     with data.open("a") as f:  # the file changes: prepared again, with the new row
         f.write(json.dumps({"input": "What is 1 + 1?", "label": "2"}) + "\n")
     st = data.stat()
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
-    changed = stage.prepared_prompts(cfg, None)
+    changed = prompts.prepared_prompts(cfg, None)
     assert len(calls) == 2 and len(changed[0]) == 13
-    assert stage.prepared_prompts(cfg, True) is not changed and len(calls) == 3  # another option, another key
+    assert prompts.prepared_prompts(cfg, True) is not changed and len(calls) == 3  # another option, another key

@@ -14,8 +14,8 @@ from slimectl.contract.rundir import EngineRecord
 from slimectl.contract.samples import Sample
 from slimectl.rewards import RewardConfigError, needs_label
 from slimectl.stages.rollout.data import DatasetError, load_prompts
-from slimectl.stages.rollout.stage import (StaleEngine, rollout_metrics, check_staleness, max_staleness, run_rollout,
-                                           zero_spread_warning)
+from slimectl.stages.rollout.publish import rollout_metrics, zero_spread_warning
+from slimectl.stages.rollout.stage import StaleEngine, check_staleness, max_staleness, run_rollout
 
 
 def jsonl(path, rows) -> str:
@@ -232,3 +232,46 @@ def test_zero_spread_share_is_a_metric_and_all_zero_spread_is_warned_about():
     assert zero_spread_warning(build_config({"rollout": {"n_samples_per_prompt": 2},
                                              "algorithm": {"advantage_estimator": "gspo"}}), 4, flat).startswith(
         "rollout 4: all 3 groups have zero reward spread")
+
+
+# ------------------------------------------------------------------------ one rollout producer
+
+def test_one_place_builds_the_engine_pool_and_the_sampling_parameters_of_rollouts():
+    """The one-shot rollout, --follow and eval take their pool, ``args`` and sampling parameters from
+    ``RolloutProducer``: no other module of stages/rollout builds a pool or sampling parameters."""
+    import ast
+    from pathlib import Path
+
+    import slimectl.stages.rollout as pkg
+
+    builders = {"EnginePool", "sampling_params", "SimpleNamespace"}
+    found = set()
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in builders:
+                found.add((path.name, node.func.id))
+    assert {name for name, _ in found} == {"producer.py"}, found
+
+
+def test_the_producer_gives_eval_its_own_sample_count_length_and_temperature(run_dir):
+    import asyncio
+
+    from slimectl.stages.rollout.producer import RolloutProducer
+
+    c = run_dir.stage_config("rollout", ["rollout.max_response_len=7", "rollout.temperature=0.9", "rollout.n_samples_per_prompt=4",
+                                         "rollout.eval_n_samples=2", "rollout.eval_max_response_len=5",
+                                         "rollout.eval_temperature=0.3", "rollout.mask_offpolicy_in_partial_rollout=true"])
+
+    async def opened(producer):
+        async with producer as p:
+            return p.params, vars(p.args), p.pool.router
+
+    urls = ["http://127.0.0.1:9"]
+    params, args, router = asyncio.run(opened(RolloutProducer.for_eval(run_dir, c, urls, None)))
+    assert (params["max_new_tokens"], params["temperature"]) == (5, 0.3) and router is None
+    assert (args["n_samples_per_prompt"], args["rollout_max_response_len"], args["rollout_id"]) == (2, 5, None)
+    assert not args["mask_offpolicy"] and not args["return_routed_experts"]
+    params, args, _ = asyncio.run(opened(RolloutProducer(run_dir, c, urls, None, 3)))
+    assert (params["max_new_tokens"], params["temperature"]) == (7, 0.9)
+    assert (args["n_samples_per_prompt"], args["rollout_max_response_len"], args["rollout_id"]) == (4, 7, 3)
+    assert args["mask_offpolicy"] is True

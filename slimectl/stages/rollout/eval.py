@@ -11,8 +11,6 @@ import json
 import logging
 import math
 import statistics
-from types import SimpleNamespace
-from typing import Any
 
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.rundir import RunDir
@@ -51,7 +49,7 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
         from slimectl.contract.logs import quiet_hf_progress
         from slimectl.contract.metrics import MetricsWriter
         from slimectl.stages.rollout.data import load_tokenizer, tokenize_prompts
-        from slimectl.stages.rollout.stage import load_prompt_rows
+        from slimectl.stages.rollout.prompts import load_prompt_rows
 
         if not cfg.data.eval_data:
             return {}
@@ -63,7 +61,7 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
             rows, _ = load_prompt_rows(cfg, spec, key=f"data.eval_data.{name}")
             rows, _ = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
             datasets[name] = rows
-        work = _eval_async(cfg, datasets, engine_urls, tok, version)
+        work = _eval_async(run, cfg, datasets, engine_urls, tok, version)
         results, samples = bridge.run(work) if bridge is not None else asyncio.run(work)
         flat = {f"eval/{name}/{k}": v for name, m in results.items() for k, v in m.items()}
         with run.evals.publish(version, meta={"weight_version": version, "datasets": sorted(results)}, stage="eval",
@@ -80,48 +78,26 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
         return flat
 
 
-async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list[str], tok,
+async def _eval_async(run: RunDir, cfg: SlimectlConfig, datasets: dict[str, list], urls: list[str], tok,
                       version: int) -> tuple[dict[str, dict[str, float]], dict[str, list[list[Sample]]]]:
     from slimectl.contract.logs import progress
-    from slimectl.engines.pool import POLICY_ADAPTER, EnginePool
-    from slimectl.stages.rollout.generate import default_generate, load_function, run_group
-    from slimectl.rewards import close_shared_remotes
-    from slimectl.stages.rollout.stage import sampling_params, make_reward_fn
+    from slimectl.stages.rollout.producer import RolloutProducer
+    from slimectl.stages.rollout.prompts import new_group
 
     r = cfg.rollout
-    pool = EnginePool(urls, token=cfg.engine.token(),
-                      concurrency_per_engine=r.concurrency_per_engine, timeout=cfg.engine.request_timeout_s,
-                      lora_path=POLICY_ADAPTER if cfg.serves_lora_adapter else None)
-    args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=None,
-                           rollout_max_response_len=r.eval_max_response_len or r.max_response_len,
-                           n_samples_per_prompt=r.eval_n_samples, reward_key=r.reward_key, mask_offpolicy=False)
-    params: dict[str, Any] = {**sampling_params(cfg), "max_new_tokens": r.eval_max_response_len or r.max_response_len,
-                              "temperature": r.eval_temperature}
-    reward_fn = make_reward_fn(cfg, args)
-    # The rollout's own generate function (multi-turn, tools, ...): eval measures what training sees.
-    generate_fn = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else default_generate
+    n = r.eval_n_samples
     results, all_samples = {}, {}
-    try:
+    async with RolloutProducer.for_eval(run, cfg, urls, tok) as producer:
         for name, rows in datasets.items():
-            groups = []
-            for g, row in enumerate(rows):
-                groups.append([Sample(group_index=g, index=g * r.eval_n_samples + j, prompt=row.prompt_text,
-                                      tokens=list(row.prompt_ids),
-                                      label=None if row.label is None else (row.label if isinstance(row.label, str)
-                                                                            else json.dumps(row.label)),
-                                      metadata={**row.metadata, "row": row.row, "eval": name,
-                                                "sampling_seed": (r.seed * 7919 + version) * 65_537 + g * r.eval_n_samples + j})
-                               for j in range(r.eval_n_samples)])
+            groups = [new_group(row, g, n, (r.seed * 7919 + version) * 65_537 + g * n, eval=name)
+                      for g, row in enumerate(rows)]
             with progress(total=len(groups), mode=cfg.logging.progress, desc=f"eval {name}", unit="group") as bar:
                 async def one(grp):
-                    res = await run_group(args, grp, params, generate_fn, reward_fn)
+                    res = await producer.generate_group(grp)
                     bar.update(1)
                     return res
 
                 done = await asyncio.gather(*(one(grp) for grp in groups))
             all_samples[name] = [res.samples for res in done]
             results[name] = dataset_metrics(all_samples[name], r.eval_pass_k, r.reward_key)
-    finally:
-        await close_shared_remotes()
-        await pool.close()
     return results, all_samples

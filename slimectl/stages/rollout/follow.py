@@ -28,28 +28,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from slimectl.contract.config_schema import SlimectlConfig
-from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.errors import SlimectlError
 from slimectl.contract.faults import fault_point
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample
 from slimectl.engines.pool import EnginePool
-from slimectl.stages.rollout.data import PromptSource
-from slimectl.stages.rollout.generate import GroupResult, default_generate, load_function, run_group, trace_groups
-from slimectl.stages.rollout.stage import (
-    rollout_metrics,
-    buffered_groups,
-    data_state_before,
-    engine_urls_for,
-    generation_context,
-    group_filter,
-    group_supply,
-    make_reward_fn,
-    next_rollout_id,
-    prepared_prompts,
-    publish_rollout,
-    sampling_params,
-    teacher_log_probs,
-)
+from slimectl.stages.rollout.generate import GroupResult
+from slimectl.stages.rollout.producer import RolloutProducer
+from slimectl.stages.rollout.prompts import next_rollout_id, require_prompt_data
 
 log = logging.getLogger("slimectl.rollout")
 
@@ -80,9 +66,8 @@ class GroupStream:
     as they finish, handed out in batches. ``carried`` is what a rerun continues from if this process
     stops now (the groups in flight as they started, finished ones not handed out, aborted ones)."""
 
-    def __init__(self, args, params: dict, generate_fn: Callable, reward_fn, keep: Callable | None,
-                 requeued: list[list[Sample]]):
-        self.args, self.params, self.generate_fn, self.reward_fn, self.keep = args, params, generate_fn, reward_fn, keep
+    def __init__(self, producer: RolloutProducer, requeued: list[list[Sample]]):
+        self.producer, self.keep = producer, producer.keep
         self.in_flight: dict[asyncio.Future, list[Sample]] = {}
         self.ready: list[GroupResult] = []
         self.requeued = requeued
@@ -92,7 +77,7 @@ class GroupStream:
     def start(self, groups: list[list[Sample]]) -> None:
         for g in groups:
             as_started = copy.deepcopy(g)
-            task = asyncio.ensure_future(run_group(self.args, g, self.params, self.generate_fn, self.reward_fn))
+            task = asyncio.ensure_future(self.producer.generate_group(g))
             self.in_flight[task] = as_started
 
     async def settle(self, timeout: float) -> None:
@@ -157,76 +142,57 @@ def follow_rollouts(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | t
     ``on_published(rid)`` is called after each rollout is published. ``bridge``: the
     :class:`~slimectl.contract.loop_bridge.LoopBridge` to run on (``slimectl rl``'s one loop); None: ``asyncio.run``."""
     with run.stage_log("rollout"):
-        if cfg.data.prompt_data is None:
-            raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
+        require_prompt_data(cfg)
         with run.lock("rollout") as lock:
             first = next_rollout_id(run)
             if first >= cfg.rollout.num_rollout:
                 log.info("all %d rollouts (rollout.num_rollout) are published; nothing to follow (to go on: "
                          "slimectl extend -r %s --num-rollout N)", cfg.rollout.num_rollout, run.path)
                 return FollowResult(complete=True)
-            d = cfg.data
-            rows, bad, too_long, tok = prepared_prompts(cfg, skip_bad_rows)
-            source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=data_state_before(run, first))
-            follower = _Follower(run, cfg, first, source, engine_urls_for(run, engine_urls), tok, lock,
-                                 buffered_groups(run, first), stop or threading.Event(),
-                                 newest_version, on_published,
-                                 {"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
+            producer = RolloutProducer.for_rollouts(run, cfg, first, engine_urls, skip_bad_rows, lock, carry=True)
+            follower = _Follower(producer, stop or threading.Event(), newest_version, on_published)
             return bridge.run(follower.follow()) if bridge is not None else asyncio.run(follower.follow())
 
 
 class _Follower:
     """One follower's loop: start groups as the staleness bound allows, publish each full batch."""
 
-    def __init__(self, run: RunDir, cfg: SlimectlConfig, first: int, source: PromptSource, urls: list[str], tok,
-                 lock, buffered: list[list[Sample]], stop: threading.Event, newest_version: Callable[[], int] | None,
-                 on_published: Callable[[int], None] | None, first_metrics: dict):
-        self.run, self.cfg, self.rid, self.source, self.urls, self.tok = run, cfg, first, source, urls, tok
-        self.lock, self.buffered, self.stop = lock, buffered, stop
+    def __init__(self, producer: RolloutProducer, stop: threading.Event, newest_version: Callable[[], int] | None,
+                 on_published: Callable[[int], None] | None):
+        self.producer, self.run, self.cfg, self.rid = producer, producer.run, producer.cfg, producer.rollout_id
+        self.stop = stop
         self.given_version = newest_version
         """What the caller says the engines serve (None: the newest published weights, and what the engines report)."""
         self.version = 0
         """The version the bound counted from at the last look."""
         self.on_published = on_published
-        self.tracer = run.tracer("rollout")
+        self.tracer = self.run.tracer("rollout")
         self.result = FollowResult()
-        self.first_metrics = first_metrics
-        """The dataset's counters (bad rows, prompts too long): in the first rollout this process publishes."""
 
     async def follow(self) -> FollowResult:
-        cfg, r = self.cfg, self.cfg.rollout
-        pool, args = generation_context(self.run, cfg, self.rid, self.urls, self.tok)
-        try:
-            versions = await pool.weight_versions()
-            if not versions:
-                raise SlimectlError(f"none of the engines answered ({', '.join(self.urls)}); is `slimectl serve` running?")
-            served = _ServedVersion(pool)
+        cfg, producer = self.cfg, self.producer
+        async with producer:
+            await producer.engine_versions()
+            served = _ServedVersion(producer.pool)
             behind = published_version(self.run) - await self._serving(served)
             if self.given_version is None and behind > cfg.effective_max_staleness:  # a follower waits, not refuses
                 log.info("the engines serve weights %d versions older than the newest weights/N; generation waits "
                          "until they are synced (slimectl sync -r %s --follow)", behind, self.run.path)
-            gen = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else default_generate
-            stream = GroupStream(args, sampling_params(cfg), gen, make_reward_fn(cfg, args), group_filter(r, args),
-                                 self.buffered)
+            stream = GroupStream(producer, producer.supply.buffered)
             try:
-                await self._loop(stream, group_supply(r, self.rid, self.source, self.buffered), served)
+                await self._loop(stream, served)
             finally:
-                await stream.close(pool)
-        finally:
-            from slimectl.rewards import close_shared_remotes
-
-            await close_shared_remotes()
-            await pool.close()
+                await stream.close(producer.pool)
         return self.result
 
-    async def _loop(self, stream: GroupStream, supply, served: "_ServedVersion") -> None:
-        r = self.cfg.rollout
+    async def _loop(self, stream: GroupStream, served: "_ServedVersion") -> None:
+        r, supply = self.cfg.rollout, self.producer.supply
         n, batch, ahead = r.num_rollout, r.batch_size, self.cfg.effective_max_staleness
         round_size = r.over_sampling_batch_size or batch
         since, waiting = time.time(), None
         poll = CALLER_POLL_S if self.given_version else POLL_S
         while self.rid < n and not self.stop.is_set():
-            self.lock.check()
+            self.producer.lock.check()
             version = self.version = await self._serving(served)
             allowed = (version + ahead + 1 - self.rid) * batch - len(stream.ready)
             room = min(round_size, allowed) - len(stream.in_flight)
@@ -260,28 +226,19 @@ class _Follower:
         return min(published, await served.get(default=published))
 
     async def _publish(self, stream: GroupStream, since: float) -> None:
-        cfg, r, rid = self.cfg, self.cfg.rollout, self.rid
+        r, rid = self.cfg.rollout, self.rid
         kept = stream.take(r.batch_size)
         samples = [s for g in kept for s in g.samples]
         for s in samples:
             s.rollout_id = rid
         versions = [s.oldest_version for s in samples if isinstance(s.oldest_version, int)]
-        opd_rkl = await teacher_log_probs(samples, r.teacher_urls, r.temperature, cfg.engine.token(), cfg) \
-            if r.teacher_urls else None
         counts = {"dropped": stream.counts["dropped"], "aborted": stream.counts["aborted"]}
         stream.counts = {"dropped": 0, "aborted": 0}
-        metrics = rollout_metrics(samples, counts, time.time() - since, r.reward_key, [g.samples for g in kept],
-                                  str(min(versions)) if versions else None)
-        if opd_rkl is not None:
-            metrics["rollout/opd_reverse_kl"] = opd_rkl
         carried = stream.carried()
-        metrics.update({"rollout/partial_groups_buffered": len(carried), "rollout/groups_in_flight": len(stream.in_flight),
-                        "rollout/weights_served": self.version, **self.first_metrics})
-        self.first_metrics = {}
-        spans = [span for g in kept for span in g.spans]
-        self.tracer.record("rollout", since, time.time(), rollout=rid, samples=len(samples))
-        trace_groups(self.tracer, rid, spans)
-        publish_rollout(self.run, cfg, rid, samples, metrics, spans, carried, self.source.state(), self.lock)
+        metrics = await self.producer.finish(kept, counts, since, str(min(versions)) if versions else None, {
+            "rollout/partial_groups_buffered": len(carried), "rollout/groups_in_flight": len(stream.in_flight),
+            "rollout/weights_served": self.version})
+        self.producer.publish(rid, kept, metrics, carried, since)
         self.result.published.append(rid)
         self.rid += 1
         if self.on_published is not None:
