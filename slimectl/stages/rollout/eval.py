@@ -81,7 +81,8 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
 async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list[str], tok,
                       version: int) -> tuple[dict[str, dict[str, float]], dict[str, list[list[Sample]]]]:
     from slimectl.contract.logs import progress
-    from slimectl.engines.pool import POLICY_ADAPTER, EnginePool
+    from slimectl.engines.pool import EnginePool
+    from slimectl.weight_formats import weight_format
     from slimectl.stages.rollout.generate import default_generate, load_function, run_group
     from slimectl.rewards import close_shared_remotes
     from slimectl.stages.rollout.stage import sampling_params, make_reward_fn
@@ -89,7 +90,7 @@ async def _eval_async(cfg: SlimectlConfig, datasets: dict[str, list], urls: list
     r = cfg.rollout
     pool = EnginePool(urls, token=cfg.engine.token(),
                       concurrency_per_engine=r.concurrency_per_engine, timeout=cfg.engine.request_timeout_s,
-                      lora_path=POLICY_ADAPTER if cfg.serves_lora_adapter else None)
+                      lora_path=weight_format(cfg).adapter_name)
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=None,
                            rollout_max_response_len=r.eval_max_response_len or r.max_response_len,
                            n_samples_per_prompt=r.eval_n_samples, reward_key=r.reward_key, mask_offpolicy=False)

@@ -22,11 +22,12 @@ from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
 from slimectl.stages.rollout.data import PromptSource, load_tokenizer, tokenize_prompts
-from slimectl.engines.pool import POLICY_ADAPTER, EnginePool
+from slimectl.engines.pool import EnginePool
 from slimectl.stages.rollout.generate import (default_generate, generate_batch, load_function, nonzero_std,
                                               trace_groups)
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, write_samples
+from slimectl.weight_formats import weight_format
 
 log = logging.getLogger("slimectl.rollout")
 
@@ -425,7 +426,7 @@ def generation_context(run: RunDir, cfg: SlimectlConfig, rid: int, urls: list[st
     pool = EnginePool(urls, token=cfg.engine.token(), concurrency_per_engine=r.concurrency_per_engine,
                       timeout=cfg.engine.request_timeout_s, registry=run.engines,
                       router=run.live_router(urls),  # serve's sglang-router in front of exactly these engines
-                      connections=connections, lora_path=POLICY_ADAPTER if cfg.serves_lora_adapter else None)
+                      connections=connections, lora_path=weight_format(cfg).adapter_name)
     args = SimpleNamespace(pool=pool, config=cfg, tokenizer=tok, engine_urls=urls, rollout_id=rid,
                            rollout_max_response_len=r.max_response_len, n_samples_per_prompt=r.n_samples_per_prompt,
                            reward_key=r.reward_key, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,

@@ -15,7 +15,7 @@ the new weight version; ``verify`` compares sampled tensors read back from each 
 the trainer's.
 """
 
-from slimectl.stages.sync.source import WeightSource
+from slimectl.weight_formats import WeightSource
 from slimectl.stages.sync.stage import SyncResult, run_sync, sync_engines
 
 __all__ = ["SyncResult", "WeightSource", "run_sync", "sync_engines"]
