@@ -29,8 +29,8 @@ EMBEDDED = EngineCaps(adapters=True, adapters_over_group=True)
 SGLANG = EngineCaps(adapters=True)
 #: SGLang on CPU (``sglang_args.device: cpu``): its LoRA layers need a GPU, so full weights only.
 SGLANG_CPU = EngineCaps(adapters=False)
-#: Engines started elsewhere (``--engine-url``): taken to speak SGLang's adapter endpoints.
-EXTERNAL = EngineCaps(adapters=True)
+#: Engines started elsewhere (``--engine-url``): not known, so every push is tried (ours take it all).
+EXTERNAL = EngineCaps(adapters=True, adapters_over_group=True)
 
 
 def engine_caps(engine) -> EngineCaps:

@@ -26,7 +26,7 @@ def weight_format(cfg, caps=None) -> WeightFormat:
     from slimectl.engines.caps import engine_caps
     from slimectl.weight_formats.lora import lora_format
 
-    return lora_format(cfg, (caps or engine_caps(cfg.engine)).adapters)
+    return lora_format(cfg, caps or engine_caps(cfg.engine))
 
 
 def export_format(meta: dict, merge: bool, where) -> WeightFormat:

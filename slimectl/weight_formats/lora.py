@@ -35,14 +35,16 @@ class LoraAdapter(WeightFormat):
     (``/load_lora_adapter``; over the group our engine's ``/load_lora_adapter_from_distributed``).
 
     ``config``: its ``adapter_config.json`` (None for one read from a directory: the source carries it);
-    ``lora``: the run's ``train.lora``; ``adapter_path``: ``model.adapter_path``, the adapter the run starts from."""
+    ``lora``: the run's ``train.lora``; ``adapter_path``: ``model.adapter_path``, the adapter the run starts from;
+    ``caps``: what the engines declare they take (None: not known, every push is tried)."""
 
     name = "peft_lora"
 
-    def __init__(self, config: dict[str, Any] | None = None, lora=None, adapter_path: str | None = None):
+    def __init__(self, config: dict[str, Any] | None = None, lora=None, adapter_path: str | None = None,
+                 caps=None):
         from slimectl.engines.pool import POLICY_ADAPTER
 
-        self.config, self.lora, self.adapter_path = config, lora, adapter_path
+        self.config, self.lora, self.adapter_path, self.caps = config, lora, adapter_path, caps
         self.adapter_name = POLICY_ADAPTER
 
     @property
@@ -120,7 +122,12 @@ class LoraAdapter(WeightFormat):
         """The adapters (megabytes) in one broadcast, each engine receiving them as the served adapter
         (``/load_lora_adapter_from_distributed``, which carries the version)."""
         from slimectl.backends.hf.dtypes import dtype_name
+        from slimectl.contract.errors import SlimectlError
 
+        if self.caps is not None and not self.caps.adapters_over_group:
+            raise SlimectlError("these engines take a LoRA adapter from disk only (SGLang has no "
+                                "/load_lora_adapter_from_distributed); set sync.transport: disk, or "
+                                "engine.lora_merged: true to send them merged full weights")
         tensors = list(source.iter_tensors())
         names, dtypes = [n for n, _ in tensors], [dtype_name(t.dtype) for _, t in tensors]
         shapes = [list(t.shape) for _, t in tensors]
@@ -144,8 +151,9 @@ class MergedLoraAdapter(LoraAdapter):
 
     name = "peft_lora_merged"
 
-    def __init__(self, config: dict[str, Any] | None = None, lora=None, adapter_path: str | None = None):
-        super().__init__(config, lora, adapter_path)
+    def __init__(self, config: dict[str, Any] | None = None, lora=None, adapter_path: str | None = None,
+                 caps=None):
+        super().__init__(config, lora, adapter_path, caps)
         self.adapter_name = None
 
     def engine_start(self, run, path: str, version: str, base: str) -> EngineStart:
@@ -227,11 +235,11 @@ def merged_source(source, base: str | Path, staging: Path | None):
 LORA_ADAPTER = LoraAdapter()
 
 
-def lora_format(cfg, adapters: bool) -> LoraAdapter:
-    """A LoRA run's format: the adapter for engines that serve ``adapters``, else merged; ``engine.lora_merged``
-    (when set) decides instead."""
+def lora_format(cfg, caps) -> LoraAdapter:
+    """A LoRA run's format: the adapter for engines that serve adapters (``caps``), else merged into the base;
+    ``engine.lora_merged`` (when set) decides instead."""
     from slimectl.backends.hf.peft_adapter import adapter_config
 
-    merged = cfg.engine.lora_merged if cfg.engine.lora_merged is not None else not adapters
+    merged = cfg.engine.lora_merged if cfg.engine.lora_merged is not None else not caps.adapters
     return (MergedLoraAdapter if merged else LoraAdapter)(adapter_config(cfg.train.lora, cfg.model.path),
-                                                          cfg.train.lora, cfg.model.adapter_path)
+                                                          cfg.train.lora, cfg.model.adapter_path, caps)
