@@ -757,21 +757,6 @@ class SlimectlConfig(Section):
         return r.stale_samples or ("drop" if r.async_mode == "fully_async" else "keep")
 
     @property
-    def effective_lora_merged(self) -> bool:
-        """A LoRA run whose engines get merged full weights (``engine.lora_merged``, resolved)."""
-        if self.train.lora is None:
-            return False
-        e = self.engine
-        if e.lora_merged is not None:
-            return e.lora_merged
-        return e.backend == "sglang" and str(e.sglang_args.get("device", "")) == "cpu"
-
-    @property
-    def serves_lora_adapter(self) -> bool:
-        """A LoRA run whose engines hold the adapter (every rollout request asks for it)."""
-        return self.train.lora is not None and not self.effective_lora_merged
-
-    @property
     def effective_pause_mode(self) -> str:
         """``sync.pause_mode``, or retract under fully_async (requests in flight go on) and abort otherwise."""
         return self.sync.pause_mode or ("retract" if self.rollout.async_mode == "fully_async" else "abort")

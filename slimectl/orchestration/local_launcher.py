@@ -165,8 +165,9 @@ class InProcessTrainer:
         self.transport = transport
 
     def _source(self, version: int):
-        from slimectl.stages.sync import WeightSource
+        from slimectl.weight_formats import weight_format
 
+        form = weight_format(self.cfg)
         if not self.disk:
             def passes():  # each pass over the tensors is an operation of every trainer rank (their gathers)
                 self.followers.announce("tensor_pass")
@@ -175,31 +176,23 @@ class InProcessTrainer:
                 for item in tensors:  # not `yield from`: closing this generator must leave the pass open
                     yield item
 
-            lora = self.cfg.train.lora
-            adapter = None
-            if lora is not None:
-                from slimectl.backends.hf.peft_adapter import adapter_config
-
-                adapter = adapter_config(lora, self.cfg.model.path)
-            return WeightSource.from_tensors(version, passes, adapter=adapter)
+            return form.source_from_tensors(version, passes)
         if version == 0 and not self.run.weights.exists(0):
-            return WeightSource.from_dir(0, self.cfg.model.path)
+            return form.source_from_dir(0, self.cfg.model.path)
         if not self.run.weights.exists(version):  # publishing is collective over the trainer ranks
             self.followers.announce("publish_weights", version)
             self.trainer.publish(version - 1, version, checkpoint=False, weights=True)
-        return WeightSource.from_dir(version, self.run.weights.get(version).path)
+        return form.source_from_dir(version, self.run.weights.get(version).path)
 
     def sync(self, version: int) -> tuple[dict[str, float], float]:
         """Load weight version ``version`` into every engine; its sync metrics and seconds."""
         from slimectl.stages.sync import sync_engines
-        from slimectl.stages.sync.stage import merge_base
 
         s = self.cfg.sync
         with self.run.stage_log("sync"):
             try:
                 res = self.bridge.run(sync_engines(self.clients, self.transport, self._source(version),
-                                                   self.cfg.effective_pause_mode, s.verify, tracer=self.run.tracer("sync"),
-                                                   merge_into=merge_base(self.cfg)))
+                                                   self.cfg.effective_pause_mode, s.verify, tracer=self.run.tracer("sync")))
             finally:
                 if not self.disk:
                     self._finish_passes()

@@ -9,11 +9,10 @@ directory next to the destination and renames it into place only when complete, 
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import uuid
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,20 +160,11 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
     when it exists, unless ``force``). ``iteration`` picks an iteration of a plain Megatron root. A LoRA run's
     checkpoint exports as its PEFT adapter, or with ``merge`` as the base (``model.path``) with it merged in.
     """
-    from slimectl.contract.logs import progress as bar
     from slimectl.contract.rundir.artifacts import format_id
-    from slimectl.backends.megatron.checkpoint import (
-        HF_DIR,
-        arch_from_meta,
-        copy_hf_aux_files,
-        load_megatron_checkpoint,
-        model_to_hf_tensors,
-        read_checkpoint_meta,
-    )
-    from slimectl.backends.megatron.parallel import init_parallel, shutdown_parallel
-    from slimectl.backends.megatron.provider import build_gpt_model
-    from slimectl.backends.hf.checkpoint import write_safetensors_sharded
-    from slimectl.backends.hf.dtypes import CHECKPOINT_DTYPES, torch_dtype
+    from slimectl.backends.megatron.checkpoint import HF_DIR, arch_from_meta, read_checkpoint_meta, \
+        read_checkpoint_tensors
+    from slimectl.backends.hf.dtypes import CHECKPOINT_DTYPES
+    from slimectl.weight_formats import export_format
 
     if dtype is not None and dtype not in CHECKPOINT_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: expected one of {', '.join(CHECKPOINT_DTYPES)}")
@@ -183,11 +173,8 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
                                                                              iteration)
     meta, it_dir, it, arch = _read_meta_and_arch(checkpoint, megatron_iteration, read_checkpoint_meta, arch_from_meta)
     checkpoint = it_dir.parent  # the root, also when given the torch_dist directory inside it
-    if merge and not meta.get("lora"):
-        raise UsageError(f"--merge merges a LoRA adapter into its base, but {checkpoint} holds full weights; "
-                         f"leave --merge out")
-    src_dtype = meta.get("dtype", "fp32")
-    dtype = dtype or src_dtype
+    form = export_format(meta, merge, checkpoint)  # full weights, or a LoRA run's adapter (merged with --merge)
+    dtype = dtype or meta.get("dtype", "fp32")
     if out is None:
         if run is None:
             raise UsageError("pass --out HF_DIR (or -r RUN to export into RUN/exports/ID)")
@@ -196,81 +183,57 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
         out = run.path / EXPORTS_DIR / format_id(artifact_id)
     out = Path(out).absolute()
     check_output_dir(out, force)
-    hf_aux = Path(checkpoint) / HF_DIR
     in_run = run is not None and out.parent == (run.path / EXPORTS_DIR).absolute()
     with StageLog(run.log_path("export") if run is not None else None, enabled=run is not None), \
-            (run.lock("export") if in_run else nullcontext()):
-        info = init_parallel(tp=1, pp=1)
-        try:
-            if info.world_size != 1:
-                raise UsageError("export runs in a single process; do not launch it under torchrun")
-            if meta.get("lora"):
-                write = _lora_writer(meta["lora"], it_dir, arch, merge, shard_bytes, dtype)
-            else:
-                model = build_gpt_model(arch, meta["padded_vocab_size"], tp=1, pp=1, dtype=src_dtype, init=False)
-                load_megatron_checkpoint(model, it_dir)
-
-            def write_full(dest: Path) -> dict:
-                # one tick per HF tensor written (a fused Megatron parameter gives several)
-                with bar(mode=progress, desc="export", unit=" tensors") as pbar:
-                    def tensors():
-                        for item in model_to_hf_tensors(model, arch):
-                            yield item
-                            pbar.update(1)
-
-                    index = write_safetensors_sharded(tensors(), dest, shard_bytes, dtype=torch_dtype(dtype))
-                copy_hf_aux_files(hf_aux, dest)
-                _set_config_dtype(dest, dtype)
-                return index
-
-            if not meta.get("lora"):
-                write = write_full
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = _run_staging(run, out) if in_run else out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
-            try:
-                index = write(tmp)
-                fault_point("export.written")
-                (tmp / WRITER_FILE).unlink(missing_ok=True)
-                swap_dir_into_place(tmp, out)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            dest = out
-            files = sorted(set(index["weight_map"].values()))
-            log.info("exported iteration %s -> %s (%d tensors in %d files)", it, dest, len(index["weight_map"]),
-                     len(files))
-            return ExportResult(dest, it, len(index["weight_map"]), files)
-        finally:
-            shutdown_parallel()
+            (run.lock("export") if in_run else nullcontext()), _single_process():
+        tensors = read_checkpoint_tensors(it_dir, meta, arch)  # what the checkpoint holds, by name
+        form.check_export()
+        index = _write_into_place(lambda dest: form.export(_counted(tensors, progress), dest, shard_bytes, dtype,
+                                                           Path(checkpoint) / HF_DIR), run, out, in_run)
+        files = sorted(set(index["weight_map"].values()))
+        log.info("exported iteration %s -> %s (%d tensors in %d files)", it, out, len(index["weight_map"]),
+                 len(files))
+        return ExportResult(out, it, len(index["weight_map"]), files)
 
 
-def _lora_writer(cfg: dict, it_dir: Path, arch, merge: bool, shard_bytes: int, dtype: str):
-    """What writes a LoRA checkpoint's export: its PEFT adapter, or (``merge``) its base with the adapter merged
-    in (the base: the adapter config's ``base_model_name_or_path``, the run's model.path)."""
-    from slimectl.backends.hf.checkpoint import HFCheckpoint, write_safetensors_sharded
-    from slimectl.backends.hf.dtypes import torch_dtype
-    from slimectl.backends.hf.peft_adapter import ADAPTER_WEIGHTS, merged_tensors, write_adapter
-    from slimectl.backends.megatron.checkpoint import copy_hf_aux_files
-    from slimectl.backends.megatron.lora import read_checkpoint_adapters
+@contextmanager
+def _single_process():
+    """Megatron's parallel state for one process (export refuses torchrun), torn down after."""
+    from slimectl.backends.megatron.parallel import init_parallel, shutdown_parallel
 
-    tensors = read_checkpoint_adapters(it_dir, arch, cfg)
-    base = cfg.get("base_model_name_or_path")
-    if merge and not (base and (Path(base) / "config.json").is_file()):
-        raise UsageError(f"--merge needs the LoRA run's base model, {base!r}, which is not a model directory here; "
-                         f"copy the base there (the run's model.path) or export the adapter without --merge")
+    info = init_parallel(tp=1, pp=1)
+    try:
+        if info.world_size != 1:
+            raise UsageError("export runs in a single process; do not launch it under torchrun")
+        yield
+    finally:
+        shutdown_parallel()
 
-    def write(dest: Path) -> dict:
-        if not merge:
-            write_adapter(tensors.items(), dest, cfg)
-            return {"weight_map": {k: ADAPTER_WEIGHTS for k in tensors}}
-        with HFCheckpoint(base) as hf:
-            index = write_safetensors_sharded(merged_tensors(hf, cfg, tensors), dest, shard_bytes,
-                                              dtype=torch_dtype(dtype))
-        copy_hf_aux_files(base, dest)
-        _set_config_dtype(dest, dtype)
-        return index
 
-    return write
+def _counted(tensors, progress: str):
+    """``tensors`` with one tick of the progress bar per tensor written (a fused Megatron parameter gives several)."""
+    from slimectl.contract.logs import progress as bar
+
+    with bar(mode=progress, desc="export", unit=" tensors") as pbar:
+        for item in tensors:
+            yield item
+            pbar.update(1)
+
+
+def _write_into_place(write, run, out: Path, in_run: bool) -> dict:
+    """``write(tmp)`` into a temporary directory next to ``out`` (or the run's .staging), renamed into place
+    when complete (removed on any failure); the index ``write`` returns."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _run_staging(run, out) if in_run else out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        index = write(tmp)
+        fault_point("export.written")
+        (tmp / WRITER_FILE).unlink(missing_ok=True)
+        swap_dir_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return index
 
 
 def _run_staging(run, out: Path) -> Path:
@@ -284,15 +247,3 @@ def _run_staging(run, out: Path) -> Path:
     tmp.mkdir(parents=True)
     atomic_write_json(tmp / WRITER_FILE, writer_info("export"))
     return tmp
-
-
-def _set_config_dtype(dest: Path, dtype: str) -> None:
-    p = dest / "config.json"
-    if not p.is_file():
-        return
-    cfg = json.loads(p.read_text())
-    from slimectl.backends.hf.dtypes import HF_NAMES
-
-    cfg["dtype"] = HF_NAMES[dtype]
-    cfg.pop("torch_dtype", None)
-    p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -46,6 +46,7 @@ from slimectl.contract.net import free_port
 from slimectl.contract.rundir import EngineRecord, RunDir
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV
 from slimectl.contract.signals import set_on_signals
+from slimectl.weight_formats import weight_format
 
 log = logging.getLogger("slimectl.serve")
 
@@ -166,8 +167,9 @@ class EngineProcesses:
         self.engines: list[ServedEngine] = []
         self.router: ServedEngine | None = None
         self.token = cfg.engine.token()
-        self.adapter_dir: str | None = None  # a LoRA run: the adapter launched engines load over model.path
-        self.merged_dir: Path | None = None  # engine.lora_merged: the merged model they start from
+        self.weight_format = weight_format(cfg)  # full weights, or a LoRA run's adapter (merged or not)
+        self.after_start = None  # a version launched engines load once healthy (a LoRA run's adapter)
+        self.staging: Path | None = None  # a model they start from, written for them (engine.lora_merged)
 
     @property
     def urls(self) -> list[str]:
@@ -183,13 +185,11 @@ class EngineProcesses:
             raise UsageError("--weight-version/--initial apply to engines serve launches; external engines "
                              "(--engine-url) report their own version: sync them with `slimectl sync`")
         if self.backend != "external":
-            if self.cfg.train.lora is not None:
-                publish_initial_adapter(self.run, self.cfg)
-            self.model_path, self.weight_version = self._resolve_weights()
-            if self.cfg.train.lora is not None:  # engines load the base, then the version's adapter over it
-                self.adapter_dir, self.model_path = self.model_path, self.explicit_model_path or self.cfg.model.path
-                if self.cfg.effective_lora_merged:  # ...or the base with it merged in (engine.lora_merged)
-                    self.model_path, self.adapter_dir = self._merged_model(self.adapter_dir), None
+            self.weight_format.publish_initial(self.run)  # a LoRA run's weights/0
+            path, self.weight_version = self._resolve_weights()
+            start = self.weight_format.engine_start(self.run, path, self.weight_version,
+                                                    base=self.explicit_model_path or self.cfg.model.path)
+            self.model_path, self.after_start, self.staging = start.model_path, start.after, start.staging
             if not self.model_path or not Path(self.model_path).is_dir():
                 raise UsageError(f"model.path = {self.model_path}: no such model directory for the engines")
             if not self.token and ec.host not in ("127.0.0.1", "localhost", "::1"):
@@ -229,10 +229,10 @@ class EngineProcesses:
                 launched = [(i, proc.url, proc.pid) for i, proc in launched]
                 self.supervisor.wait_all_healthy([u for _, u, _ in launched], timeout=ec.startup_timeout_s,
                                                  interval=0.25)
-                if self.adapter_dir is not None:
-                    self._load_adapter([u for _, u, _ in launched])
-                if self.merged_dir is not None:
-                    shutil.rmtree(self.merged_dir, ignore_errors=True)
+                if self.after_start is not None:
+                    self._load_after_start([u for _, u, _ in launched])
+                if self.staging is not None:
+                    shutil.rmtree(self.staging, ignore_errors=True)
                 for i, url, pid in launched:
                     self._register(f"engine-{i}", url, pid, self.weight_version)
                 if router_python:
@@ -288,45 +288,27 @@ class EngineProcesses:
         self.router = ServedEngine(rec.id, url, "sglang-router", router.pid)
         log.info("router %s ready at %s in front of %s", rec.id, url, ", ".join(urls))
 
-    def _merged_model(self, adapter_dir: str) -> str:
-        """engine.lora_merged: the model directory engines start from: the base at version 0 (its adapter changes
-        nothing) unless model.adapter_path gave one, else the base with the version's adapter merged in (in the
-        run's .staging, removed once the engines have loaded it)."""
-        import uuid
-
-        from slimectl.backends.hf.peft_adapter import read_adapter, write_merged_model
-        from slimectl.contract.rundir.artifacts import WRITER_FILE, writer_info
-        from slimectl.contract.rundir.atomic import atomic_write_json
-
-        if self.weight_version == INITIAL_WEIGHT_VERSION and not self.cfg.model.adapter_path:
-            return self.model_path
-        conf, tensors = read_adapter(adapter_dir)
-        self.merged_dir = self.run.path / ".staging" / f"merged.{self.weight_version}.{uuid.uuid4().hex}"
-        self.merged_dir.mkdir(parents=True)
-        atomic_write_json(self.merged_dir / WRITER_FILE, writer_info("serve"))
-        log.info("engines get the base with the adapter of weight version %s merged in (engine.lora_merged)",
-                 self.weight_version)
-        return str(write_merged_model(self.model_path, conf, tensors, self.merged_dir))
-
-    def _load_adapter(self, urls: list[str]) -> None:
-        """A LoRA run: every launched engine loads the version's adapter as :data:`POLICY_ADAPTER`."""
+    def _load_after_start(self, urls: list[str]) -> None:
+        """Every launched engine loads :attr:`after_start` from disk (a LoRA run: the version's adapter)."""
         import asyncio
 
         from slimectl.engines.client import EngineClient, EngineError
-        from slimectl.engines.pool import POLICY_ADAPTER
 
-        async def load(url: str) -> None:
-            async with EngineClient(url, token=self.token, timeout=self.cfg.engine.startup_timeout_s) as c:
-                await c.swap_lora_adapter(POLICY_ADAPTER, self.adapter_dir, self.weight_version)
+        source = self.after_start
 
         async def load_all() -> None:
-            await asyncio.gather(*(load(u) for u in urls))
+            clients = {u: EngineClient(u, token=self.token, timeout=self.cfg.engine.startup_timeout_s) for u in urls}
+            try:
+                await source.form.push_disk(clients, source)
+            finally:
+                await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
 
         try:
             asyncio.run(load_all())
         except EngineError as exc:
-            raise SlimectlError(f"the engines could not load the LoRA adapter {self.adapter_dir}: {exc}") from None
-        log.info("engines serve %s with the adapter %s", self.model_path, self.adapter_dir)
+            raise SlimectlError(f"the engines could not load the {source.form.name} weights {source.hf_dir}: "
+                                f"{exc}") from None
+        log.info("engines serve %s with the %s weights %s", self.model_path, source.form.name, source.hf_dir)
 
     def _resolve_weights(self) -> tuple[str | None, str]:
         """(the model directory launched engines load, its weight version)."""
@@ -403,13 +385,8 @@ class EngineProcesses:
                 k.strip("-").replace("-", "_") == "enable_return_routed_experts" for k in extra):
             # SGLang answers return_routed_experts only when started with this flag (routing replay, R3)
             extra["enable_return_routed_experts"] = True
-        lora = self.cfg.train.lora
-        if lora is not None and not self.cfg.effective_lora_merged:  # SGLang serves adapters only when started for them
-            for k, v in (("enable_lora", True), ("max_lora_rank", lora.rank), ("max_loras_per_batch", 1),
-                         ("lora_target_modules", list(lora.modules))):
-                extra.setdefault(k, v)
-            if str(extra.get("device", "")) == "cpu":
-                extra.setdefault("lora_backend", "torch_native")  # SGLang's other LoRA backends are GPU kernels
+        for k, v in self.weight_format.engine_args(extra).items():  # what engines need to take the run's format
+            extra.setdefault(k, v)
         spec = SGLangLaunchSpec(model_path=str(self.model_path), port=port, host=ec.host, tp_size=ec.tp_size,
                                 mem_fraction_static=ec.mem_fraction_static, dtype=dtype, gpu_ids=gpus,
                                 weight_version=self.weight_version, admin_api_key=self.token,
@@ -459,33 +436,6 @@ class EngineProcesses:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def publish_initial_adapter(run: RunDir, cfg: SlimectlConfig) -> None:
-    """A LoRA run's ``weights/0``: the adapter its engines serve before any training (``model.adapter_path``'s, or
-    one that changes nothing: A and B zero), published once (by whichever process gets there first)."""
-    from slimectl.backends.hf.arch import arch_from_dir
-    from slimectl.backends.hf.peft_adapter import adapter_config, check_adapter_fits, check_adapter_shapes, \
-        read_adapter, write_adapter, zero_adapter
-    from slimectl.contract.errors import ArtifactExists
-
-    if run.weights.exists(0):
-        return
-    lora = cfg.train.lora
-    if cfg.model.adapter_path:
-        conf, tensors = read_adapter(cfg.model.adapter_path)
-        where = f"model.adapter_path {cfg.model.adapter_path}"
-        check_adapter_fits(conf, lora, where)
-        check_adapter_shapes(tensors, arch_from_dir(cfg.model.path), lora, where)
-    else:
-        conf, tensors = adapter_config(lora, cfg.model.path), zero_adapter(arch_from_dir(cfg.model.path), lora)
-    try:
-        with run.weights.publish(0, meta={"source": "serve", "weight_version": 0, "format": "peft_lora"},
-                                 stage="serve") as staging:
-            write_adapter(tensors.items(), staging, conf)
-    except ArtifactExists:
-        return  # another stage published it meanwhile
-    log.info("published weights/000000: the initial LoRA adapter (%s)", cfg.model.adapter_path or "B = 0")
 
 
 def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),

@@ -327,3 +327,38 @@ def write_safetensors_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_d
     if n > 1:
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return index
+
+
+#: The config and tokenizer files of an HF model directory (what travels with its weights).
+HF_AUX_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+    "added_tokens.json",
+)
+
+
+def copy_hf_aux_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy config and tokenizer files (not weights) of an HF directory."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in HF_AUX_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def set_config_dtype(dest: str | Path, dtype: str) -> None:
+    """``dest/config.json``'s dtype set to ``dtype`` (a checkpoint dtype name: fp32, bf16, fp16), if it has one."""
+    from slimectl.backends.hf.dtypes import HF_NAMES
+
+    p = Path(dest) / "config.json"
+    if not p.is_file():
+        return
+    cfg = json.loads(p.read_text())
+    cfg["dtype"] = HF_NAMES[dtype]
+    cfg.pop("torch_dtype", None)
+    p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,7 +27,7 @@ import torch
 from slimectl.contract.errors import MegatronCheckpointError, NotACheckpoint, SlimectlError
 from slimectl.contract.faults import fault_point
 from slimectl.backends.hf.arch import CheckpointMismatch, ModelArch
-from slimectl.backends.hf.checkpoint import HFCheckpoint
+from slimectl.backends.hf.checkpoint import HF_AUX_FILES, HFCheckpoint, copy_hf_aux_files  # noqa: F401 (re-exported)
 from slimectl.backends.megatron.safe_loading import install_safe_loading
 from slimectl.backends.megatron.sync_writer import (
     DEFERRED,
@@ -47,13 +46,6 @@ TRAIN_STATE_DIR = "state"  # a train checkpoint's torch_dist directory (stages/t
 CHECKPOINT_VERSION = 3.0
 # What Megatron-LM's save_checkpoint records; its loader reads it back to pick the sharding layout.
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-HF_AUX_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
-    "added_tokens.json",
-)
-
-
 
 
 def iter_dir_name(iteration: int | str) -> str:
@@ -395,18 +387,6 @@ def write_checkpoint_meta(root: str | Path, meta: dict[str, Any]) -> None:
     (Path(root) / META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def copy_hf_aux_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy config and tokenizer files (not weights) of an HF directory."""
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for name in HF_AUX_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-            copied.append(name)
-    return copied
-
-
 def read_checkpoint_meta(root: str | Path, iteration: int | None = None) -> tuple[dict[str, Any], Path, int | str]:
     """Validate a checkpoint root; return (metadata, iteration dir, iteration).
 
@@ -473,6 +453,21 @@ def read_checkpoint_meta(root: str | Path, iteration: int | None = None) -> tupl
 
 def arch_from_meta(meta: dict[str, Any]) -> ModelArch:
     return ModelArch(**meta["arch"])
+
+
+def read_checkpoint_tensors(it_dir: str | Path, meta: dict[str, Any], arch: ModelArch):
+    """What a checkpoint holds, as (name, tensor) pairs, read in one process (Megatron's parallel state set up):
+    a LoRA run's adapters by PEFT name (``meta["lora"]``, the adapter config: such a checkpoint holds nothing
+    else), or the model's HF tensors (the model built and loaded now, streamed out)."""
+    if meta.get("lora"):
+        from slimectl.backends.megatron.lora import read_checkpoint_adapters
+
+        return read_checkpoint_adapters(it_dir, arch, meta["lora"]).items()
+    from slimectl.backends.megatron.provider import build_gpt_model
+
+    model = build_gpt_model(arch, meta["padded_vocab_size"], tp=1, pp=1, dtype=meta.get("dtype", "fp32"), init=False)
+    load_megatron_checkpoint(model, it_dir)
+    return model_to_hf_tensors(model, arch)
 
 
 def load_megatron_checkpoint(model, it_dir: str | Path, strict: bool = True) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample
-from slimectl.engines.pool import POLICY_ADAPTER, EnginePool
+from slimectl.engines.pool import EnginePool
+from slimectl.weight_formats import weight_format
 from slimectl.stages.rollout.generate import (GroupResult, default_generate, generate_batch, load_function, nonzero_std,
                                               run_group, trace_groups)
 from slimectl.stages.rollout.prompts import PromptSupply
@@ -150,7 +151,7 @@ class RolloutProducer:
             "router": self.run.live_router(self.urls)}  # serve's sglang-router in front of exactly these engines
         self.pool = EnginePool(self.urls, token=cfg.engine.token(), concurrency_per_engine=r.concurrency_per_engine,
                                timeout=cfg.engine.request_timeout_s,
-                               lora_path=POLICY_ADAPTER if cfg.serves_lora_adapter else None, **routing)
+                               lora_path=weight_format(cfg).adapter_name, **routing)
         try:
             self.args = self._args()
             self.reward_fn = make_reward_fn(cfg, self.args)

@@ -1,12 +1,11 @@
-"""Distributed transport: the trainer broadcasts HF-named tensors to every engine rank.
+"""Distributed transport: the trainer broadcasts named tensors to every engine rank.
 
 The trainer is rank 0 of a custom process group; engine ``i`` joins it with ranks
-``rank_offset .. rank_offset + tp_size - 1`` (``/init_weights_update_group``). A push is
-SGLang's sequence: ``/begin_weight_update``; per bucket of at most ``sync.bucket_size_mb``,
-``/update_weights_from_distributed`` (names, dtypes, shapes) on every engine *while* the
-trainer broadcasts those tensors in that order; ``/end_weight_update``. The weight version
-rides on the last bucket, so an engine reports the new version only once all of it landed.
-NCCL on GPUs, gloo on CPUs — the same code.
+``rank_offset .. rank_offset + tp_size - 1`` (``/init_weights_update_group``). What a push calls on the
+engines while the trainer broadcasts is the version's format's (:meth:`WeightFormat.push_group
+<slimectl.weight_formats.WeightFormat.push_group>`): for full weights SGLang's sequence, per bucket of at most
+``sync.bucket_size_mb``, ``/update_weights_from_distributed`` on every engine *while* the trainer broadcasts those
+tensors in that order. NCCL on GPUs, gloo on CPUs — the same code.
 
 Across hosts, ``sync.master_addr`` is this (rank-0) host's address as the engines reach it, and
 ``sync.master_port`` a port they can connect to; :func:`check_master_addr` refuses the settings
@@ -19,36 +18,17 @@ import asyncio
 import logging
 import socket
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.net import free_port
-from slimectl.stages.sync.source import WeightSource
+from slimectl.weight_formats import WeightSource
+from slimectl.weight_formats.format import buckets  # noqa: F401 (the full-weight buckets, named here too)
 from slimectl.stages.sync.transport import WeightTransport
 
 log = logging.getLogger("slimectl.sync")
-
-
-def buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """Group ``(name, tensor)`` into lists of at most ``bucket_bytes`` (a larger tensor goes alone);
-    yields ``(bucket, is_last)``."""
-    current: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    pending: list[tuple[str, torch.Tensor]] | None = None
-    for name, t in tensors:
-        n = t.numel() * t.element_size()
-        if current and size + n > bucket_bytes:
-            if pending is not None:
-                yield pending, False
-            pending, current, size = current, [], 0
-        current.append((name, t))
-        size += n
-    if pending is not None:
-        yield pending, not current
-    if current:
-        yield current, True
 
 
 def resolve_backend(backend: str) -> str:
@@ -155,61 +135,27 @@ class DistributedTransport(WeightTransport):
             t = t.detach().to(self.device).contiguous()
             dist.broadcast(t, src=0, group=self.pg)
 
-    async def push(self, clients: dict, source: WeightSource, flush_cache: bool = True) -> int:
-        from slimectl.backends.hf.dtypes import dtype_name
+    @property
+    def bucket_bytes(self) -> int:
+        return self.cfg.bucket_size_mb << 20
 
-        if self.pg is None:
-            await self.connect(clients)
-        if source.adapter is not None:
-            return await self._push_adapter(clients, source)
-        await asyncio.gather(*(c.begin_weight_update() for c in clients.values()))
-        from slimectl.contract.logs import progress
-
-        moved = 0
-        bar = progress(mode=self.progress, desc=f"sync v{source.version}", unit=" buckets")
-        try:
-            for bucket, last in buckets(source.iter_tensors(), self.cfg.bucket_size_mb << 20):
-                names = [n for n, _ in bucket]
-                dtypes = [dtype_name(t.dtype) for _, t in bucket]
-                shapes = [list(t.shape) for _, t in bucket]
-                version = str(source.version) if last else None
-                calls = [asyncio.ensure_future(c.update_weights_from_distributed(
-                    names, dtypes, shapes, self.group_name, weight_version=version, flush_cache=last and flush_cache))
-                    for c in clients.values()]
-                sent = asyncio.ensure_future(asyncio.to_thread(self._broadcast, bucket))
-                # An engine that refuses the bucket never joins the broadcast: fail fast on it
-                # (the broadcast thread then ends at the group's timeout).
-                done, _ = await asyncio.wait([*calls, sent], return_when=asyncio.FIRST_EXCEPTION)
-                for f in done:
-                    if f.exception() is not None:
-                        raise f.exception()
-                await asyncio.gather(*calls, sent)
-                moved += sum(t.numel() * t.element_size() for _, t in bucket) * (self.world_size - 1)
-                bar.update(1)
-        finally:
-            bar.close()
-            await asyncio.gather(*(c.end_weight_update() for c in clients.values()), return_exceptions=True)
-        return moved
-
-    async def _push_adapter(self, clients: dict, source: WeightSource) -> int:
-        """A LoRA run's version: its adapters (megabytes) in one broadcast, each engine receiving them as
-        :data:`POLICY_ADAPTER` (``/load_lora_adapter_from_distributed``, which carries the version)."""
-        from slimectl.backends.hf.dtypes import dtype_name
-        from slimectl.engines.pool import POLICY_ADAPTER
-
-        tensors = list(source.iter_tensors())
-        names, dtypes = [n for n, _ in tensors], [dtype_name(t.dtype) for _, t in tensors]
-        shapes = [list(t.shape) for _, t in tensors]
-        calls = [asyncio.ensure_future(c.load_lora_adapter_from_distributed(
-            POLICY_ADAPTER, source.adapter, names, dtypes, shapes, self.group_name, weight_version=str(source.version)))
-            for c in clients.values()]
+    async def exchange(self, calls: list, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Run the engine ``calls`` (coroutines) while ``tensors`` are broadcast in order; the bytes moved."""
+        calls = [asyncio.ensure_future(c) for c in calls]
         sent = asyncio.ensure_future(asyncio.to_thread(self._broadcast, tensors))
+        # An engine that refuses the call never joins the broadcast: fail fast on it
+        # (the broadcast thread then ends at the group's timeout).
         done, _ = await asyncio.wait([*calls, sent], return_when=asyncio.FIRST_EXCEPTION)
         for f in done:
             if f.exception() is not None:
                 raise f.exception()
         await asyncio.gather(*calls, sent)
         return sum(t.numel() * t.element_size() for _, t in tensors) * (self.world_size - 1)
+
+    async def push(self, clients: dict, source: WeightSource, flush_cache: bool = True) -> int:
+        if self.pg is None:
+            await self.connect(clients)
+        return await source.form.push_group(self, clients, source, flush_cache)
 
     async def close(self, clients: dict) -> None:
         from slimectl.engines.weight_group import destroy_group

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from slimectl.contract.config_schema import SlimectlConfig
@@ -14,7 +13,7 @@ from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.trace import NULL_TRACER, SpanRecorder
-from slimectl.stages.sync.source import WeightSource
+from slimectl.weight_formats import WeightSource, weight_format
 from slimectl.stages.sync.transport import EngineTarget, WeightTransport, make_transport
 
 log = logging.getLogger("slimectl.sync")
@@ -38,34 +37,19 @@ class SyncResult:
 
 
 async def sync_engines(clients: dict, transport: WeightTransport, source: WeightSource, pause_mode: str = "abort",
-                       verify: bool = False, tracer: SpanRecorder = NULL_TRACER,
-                       merge_into: str | None = None) -> SyncResult:
+                       verify: bool = False, tracer: SpanRecorder = NULL_TRACER) -> SyncResult:
     """Pause every engine, flush, move ``source`` in with ``transport``, flush, continue.
 
     Engines are always continued, whatever failed. Afterwards each must report weight version
     ``source.version``; with ``verify`` sampled tensors are read back and compared.
     Raises :class:`SlimectlError` naming the engine that failed. ``tracer`` gets the spans ``sync``
     and, inside it, ``pause``, ``update`` (the transfer), ``continue`` and ``verify``, each with the version.
-    ``merge_into``: a LoRA version goes to the engines as this base model with the adapter merged in
-    (``engine.lora_merged``).
+    The source goes to the engines as its format hands it to them (``engine.lora_merged``: a LoRA version as the
+    base with the adapter merged in).
     """
-    staging = None
-    if merge_into is not None and source.adapter is not None:
-        import shutil
-        import uuid
-
-        from slimectl.stages.sync.source import merged_source
-
-        if transport.name == "disk":  # next to weights/N: where the engines read the run's files
-            staging = Path(source.hf_dir).resolve().parent.parent / ".staging" / f"merged.{source.version}.{uuid.uuid4().hex}"
-            mark_staging(staging, "sync")
-        source = merged_source(source, merge_into, staging)
-    try:
+    with source.form.for_engines(source, transport.name) as source:
         with tracer.span("sync", version=source.version, transport=transport.name, engines=len(clients)):
             return await _sync_engines(clients, transport, source, pause_mode, verify, tracer)
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
 
 
 async def _sync_engines(clients: dict, transport: WeightTransport, source: WeightSource, pause_mode: str,
@@ -128,20 +112,6 @@ async def _sync_engines(clients: dict, transport: WeightTransport, source: Weigh
     return SyncResult(source.version, transport.name, urls, time.perf_counter() - t0, moved, verified, phases)
 
 
-def mark_staging(path: Path, stage: str) -> None:
-    """A directory in the run's .staging, its writer recorded (a dead writer's is removed by the next stage)."""
-    from slimectl.contract.rundir.artifacts import WRITER_FILE, writer_info
-    from slimectl.contract.rundir.atomic import atomic_write_json
-
-    path.mkdir(parents=True)
-    atomic_write_json(path / WRITER_FILE, writer_info(stage))
-
-
-def merge_base(cfg: SlimectlConfig) -> str | None:
-    """The base a LoRA version is merged into for engines given full weights (``engine.lora_merged``), else None."""
-    return cfg.model.path if cfg.effective_lora_merged else None
-
-
 def engine_targets(run: RunDir, engine_urls: list[str] | tuple[str, ...] = ()) -> list[EngineTarget]:
     if engine_urls:
         by_url = {r.url.rstrip("/"): r.id for r in run.engines.list()}
@@ -155,9 +125,9 @@ def weight_source(run: RunDir, cfg: SlimectlConfig, version: int | None) -> Weig
     if version is None:
         version = ids[-1] if ids else 0
     if run.weights.exists(version):
-        return WeightSource.from_dir(version, run.weights.get(version).path)
+        return weight_format(cfg).source_from_dir(version, run.weights.get(version).path)
     if version == 0 and cfg.model.path:
-        return WeightSource.from_dir(0, cfg.model.path)
+        return weight_format(cfg).source_from_dir(0, cfg.model.path)
     have = ", ".join(str(i) for i in ids) or "none"
     raise UsageError(f"weights/{version:06d} is not published (published versions: {have}); "
                      f"train first (`slimectl train -r {run.path}`) or pass --version")
@@ -202,7 +172,7 @@ class EngineSync:
         from slimectl.contract.metrics import MetricsWriter
 
         result = await sync_engines(self.clients, self.transport, source, self.cfg.effective_pause_mode, self.verify,
-                                     tracer=self.run.tracer("sync"), merge_into=merge_base(self.cfg))
+                                     tracer=self.run.tracer("sync"))
         self.run.engines.set_weight_version([t.id for t in self.targets], str(result.version))
         tb = self.run.tensorboard_dir("sync") if self.cfg.logging.tensorboard else None
         with MetricsWriter(self.run.metrics_path("sync"), tb) as m:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from slimectl.stages.sync.source import WeightSource
+from slimectl.weight_formats import WeightSource
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 
 from slimectl.backends.hf.dtypes import canonical_dtype_name, dtype_name
 from slimectl.engines.client import EngineError
-from slimectl.stages.sync.source import WeightSource
+from slimectl.weight_formats import WeightSource
 
 log = logging.getLogger("slimectl.sync")
 

@@ -28,6 +28,7 @@ from slimectl.contract.faults import fault_point
 from slimectl.contract.ranks import launch_rank
 from slimectl.contract.rundir import RunDir
 from slimectl.stages.train.writer import CheckpointWriter
+from slimectl.weight_formats import weight_format
 
 log = logging.getLogger("slimectl.train")
 
@@ -67,23 +68,14 @@ def publish(run: RunDir, actor, cfg: SlimectlConfig, rid: int, version: int, che
 
 
 def publish_weights(run: RunDir, actor, cfg: SlimectlConfig, rid: int, version: int, rank0: bool) -> None:
-    """``weights/VERSION``: the actor's HF tensors (collective under TP/PP; written by rank 0) and the HF
-    config and tokenizer files of ``model.path``; a LoRA run's: the PEFT adapter of ``model.path``."""
-    from slimectl.backends.hf.checkpoint import write_safetensors_sharded
-    from slimectl.backends.hf.peft_adapter import adapter_config, write_adapter
-
-    lora = cfg.train.lora
-    # collective under TP/PP; views of the parameters on rank 0 (LoRA: the adapters, a PEFT adapter directory)
-    tensors = actor.iter_adapter_tensors() if lora is not None else actor.iter_hf_tensors()
+    """``weights/VERSION`` in the run's weight format (collective under TP/PP; written by rank 0): the actor's HF
+    tensors and the HF config and tokenizer files of ``model.path``, or a LoRA run's PEFT adapter."""
+    form = weight_format(cfg)
+    tensors = form.trained_tensors(actor)  # collective under TP/PP; views of the parameters on rank 0
     if rank0:
-        meta = {"source": "train", "rollout_id": rid, "weight_version": version,
-                **({"format": "peft_lora"} if lora is not None else {})}
+        meta = {"source": "train", "rollout_id": rid, "weight_version": version, **form.published_meta}
         with run.weights.publish(version, meta=meta, stage="train", overwrite=True) as staging:
-            if lora is not None:
-                write_adapter(tensors, staging, adapter_config(lora, cfg.model.path))
-            else:
-                write_safetensors_sharded(tensors, staging)
-                copy_hf_aux_files(cfg.model.path, staging)
+            form.write(tensors, staging, cfg.model.path)
     else:
         for _ in tensors:
             pass
@@ -104,10 +96,7 @@ def publish_checkpoint(run: RunDir, actor, cfg: SlimectlConfig, meta: dict, vers
     t = cfg.train
     info = checkpoint_meta(actor.arch, actor.padded_vocab, cfg.model.dtype, iteration=actor.step,
                            saved_with={"tp": t.tp, "pp": t.pp, "dp": t.dp, **({"ep": t.ep} if t.ep > 1 else {})})
-    if t.lora is not None:  # the checkpoint holds the adapters only: export reads them back with this
-        from slimectl.backends.hf.peft_adapter import adapter_config
-
-        info["lora"] = adapter_config(t.lora, cfg.model.path)
+    info.update(weight_format(cfg).checkpoint_meta())
     critic_state = critic.state_to_save() if critic is not None else None
 
     def job() -> None:

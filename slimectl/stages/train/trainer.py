@@ -22,6 +22,7 @@ from slimectl.stages.train.ppo import CriticFactory, build_critic, train_ppo_rol
 from slimectl.stages.train.publish import publish
 from slimectl.stages.train.staleness import drop_stale_samples
 from slimectl.stages.train.writer import CheckpointWriter
+from slimectl.weight_formats import weight_format
 
 log = logging.getLogger("slimectl.train")
 
@@ -63,6 +64,7 @@ class Trainer:
         from slimectl.backends.megatron.actor import MegatronActor
 
         self.run, self.cfg, self.lock = run, cfg, lock
+        self.weight_format = weight_format(cfg)  # what a version is: full weights, or a LoRA run's adapter
         self.rank0 = launch_rank() == 0
         t = cfg.train
         problem = critic_layout_problem(cfg, own_group=critic_factory is not None)
@@ -82,8 +84,7 @@ class Trainer:
             self.actor.load_checkpoint(init_dir)
         else:
             self.actor.load_hf(cfg.model.path)
-        if cfg.model.adapter_path:  # LoRA from an existing adapter (on resume, the checkpoint's replace it)
-            self.actor.load_adapter(cfg.model.adapter_path)
+        self.weight_format.start_actor(self.actor)  # e.g. LoRA from model.adapter_path (a checkpoint's replace it)
         last, next_id = resume_point(run)
         self.critic = None
         if cfg.algorithm.advantage_estimator == "ppo":
@@ -125,8 +126,9 @@ class Trainer:
         return self.next_rollout
 
     def iter_hf_tensors(self):
-        """What a distributed sync moves: the HF tensors, or (LoRA) the PEFT-named adapters."""
-        return self.actor.iter_adapter_tensors() if self.cfg.train.lora is not None else self.actor.iter_hf_tensors()
+        """What a distributed sync moves: the version's tensors in the run's weight format (HF-named, or a LoRA
+        run's PEFT-named adapters)."""
+        return self.weight_format.trained_tensors(self.actor)
 
     def train_rollout(self, rid: int, art, metrics, publish_weights: bool = True, last: bool = False) -> list[dict]:
         """Train on rollout ``rid`` (its READY artifact), publish at the save interval, commit the cursor

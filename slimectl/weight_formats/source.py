@@ -1,23 +1,26 @@
-"""What a sync sends: one weight version, as an HF directory on disk and/or HF-named tensors."""
+"""What a sync sends: one weight version, as a directory on disk and/or named tensors, in its format."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+    from slimectl.weight_formats.format import WeightFormat
 
 
 @dataclass
 class WeightSource:
-    """Weight version ``version``.
+    """Weight version ``version`` in format ``form`` (full weights by default).
 
-    ``hf_dir`` is an HF model directory holding exactly these weights (what the disk transport
-    hands to engines); ``iter_tensors()`` yields ``(hf_name, tensor)`` for the distributed
-    transport and for verification — read lazily from ``hf_dir``, or streamed from a live
-    trainer (``from_tensors``). A LoRA run's version is an adapter: ``adapter`` is its ``adapter_config.json``
-    (``hf_dir`` a PEFT adapter directory, the tensors PEFT-named), and engines load it over their base.
+    ``hf_dir`` is a directory holding exactly these weights (what the disk transport hands to engines);
+    ``iter_tensors()`` yields ``(name, tensor)`` for the distributed transport and for verification — read lazily
+    from ``hf_dir``, or streamed from a live trainer (``from_tensors``). A LoRA version is an adapter: ``adapter``
+    is its ``adapter_config.json`` (``hf_dir`` a PEFT adapter directory, the tensors PEFT-named).
     """
 
     version: int
@@ -25,18 +28,28 @@ class WeightSource:
     _iter: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None
     _get: Callable[[str], torch.Tensor] | None = None
     adapter: dict | None = None
+    form: WeightFormat | None = None
+
+    def __post_init__(self) -> None:
+        if self.form is None:
+            from slimectl.weight_formats.format import FULL_WEIGHTS
+            from slimectl.weight_formats.lora import LORA_ADAPTER
+
+            self.form = FULL_WEIGHTS if self.adapter is None else LORA_ADAPTER
 
     @classmethod
-    def from_dir(cls, version: int, hf_dir: str | Path) -> "WeightSource":
+    def from_dir(cls, version: int, hf_dir: str | Path, form: WeightFormat | None = None) -> "WeightSource":
+        """A published version's directory: an HF model, or a PEFT adapter (then in ``form``, a LoRA format)."""
         from slimectl.backends.hf.peft_adapter import is_adapter_dir, read_adapter_config
 
         adapter = read_adapter_config(hf_dir) if is_adapter_dir(hf_dir) else None
-        return cls(version, Path(hf_dir), adapter=adapter)
+        return cls(version, Path(hf_dir), adapter=adapter, form=form if adapter is not None else None)
 
     @classmethod
     def from_tensors(cls, version: int, iter_fn: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-                     hf_dir: str | Path | None = None, adapter: dict | None = None) -> "WeightSource":
-        return cls(version, Path(hf_dir) if hf_dir is not None else None, iter_fn, adapter=adapter)
+                     hf_dir: str | Path | None = None, adapter: dict | None = None,
+                     form: WeightFormat | None = None) -> "WeightSource":
+        return cls(version, Path(hf_dir) if hf_dir is not None else None, iter_fn, adapter=adapter, form=form)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._iter is not None:
@@ -67,21 +80,3 @@ class WeightSource:
         if self.hf_dir is None:
             raise ValueError(f"weight version {self.version} has neither a directory nor a tensor stream")
         return HFCheckpoint(str(self.hf_dir))
-
-
-def merged_source(source: WeightSource, base: str | Path, staging: Path | None):
-    """A LoRA version as full weights: ``base`` with ``source``'s adapter merged in, for engines that are not
-    serving adapters (``engine.lora_merged``). ``staging``: a directory to write the merged model into (the disk
-    transport loads it from there; removed by the caller), None: a tensor stream (the distributed transport)."""
-    from slimectl.backends.hf.checkpoint import HFCheckpoint
-    from slimectl.backends.hf.peft_adapter import merged_tensors, write_merged_model
-
-    tensors = dict(source.iter_tensors())  # the adapters: megabytes
-    if staging is not None:
-        return WeightSource.from_dir(source.version, write_merged_model(base, source.adapter, tensors, staging))
-
-    def stream():
-        with HFCheckpoint(str(base)) as hf:
-            yield from merged_tensors(hf, source.adapter, tensors)
-
-    return WeightSource.from_tensors(source.version, stream)
