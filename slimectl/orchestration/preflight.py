@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from slimectl.backends.hf.vlm import refuse_vlm
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.rundir.run import RunDir
 
@@ -37,6 +38,7 @@ def prepare_rl(config_path: str | Path | None, run_path: str | Path | None, over
     checked: list[bool] = []
 
     def check(cfg: SlimectlConfig) -> None:
+        refuse_vlm(cfg.model.path, "rl")
         checked.append(check_train_sizes(cfg))
         if not dry_run and cfg.data.prompt_data is not None:  # a bad dataset must not leave a new run behind
             from slimectl.stages.rollout.stage import check_prompt_data
@@ -47,6 +49,7 @@ def prepare_rl(config_path: str | Path | None, run_path: str | Path | None, over
                               pretrained=pretrained, check=check)
     if run is None:
         return None, cfg
+    refuse_vlm(cfg.model.path, "rl")  # the model --tiny-model built at init
     if not checked[-1]:  # the model --tiny-model built at init: its sizes now
         check_train_sizes(cfg)
     from slimectl.contract.metrics import configure_wandb

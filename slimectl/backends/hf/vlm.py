@@ -48,11 +48,12 @@ def vlm_family(model_path: str | Path | None) -> str | None:
     return None
 
 
-def refuse_vlm(model_path: str | Path | None, stage: str) -> None:
-    """Refuse in one line (exit 2) a VLM given to ``stage``, which cannot handle one yet."""
+def refuse_vlm(model_path: str | Path | None, stage: str, what: str = "model.path =") -> None:
+    """Refuse in one line (exit 2) a VLM given to ``stage``, which cannot handle one yet (issue 45).
+    ``what``: how the message names ``model_path``."""
     family = vlm_family(model_path)
     if family is not None:
-        raise VlmNotSupported(f"model.path = {model_path} is a {family} vision-language model; VLM support in "
+        raise VlmNotSupported(f"{what} {model_path} is a {family} vision-language model; VLM support in "
                               f"`slimectl {stage}` is not built yet (use a text-only model)")
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from slimectl.backends.hf.vlm import refuse_vlm
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
@@ -293,6 +294,7 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
     rollout runs on its loop and reuses its connections to the engines); None: a fresh loop and
     fresh connections, closed at the end."""
     with run.stage_log("rollout"):
+        refuse_vlm(cfg.model.path, "rollout")
         if cfg.data.prompt_data is None:
             raise UsageError("data.prompt_data is not set; point it at a .jsonl or .parquet prompt file")
         with run.lock("rollout") as lock:
