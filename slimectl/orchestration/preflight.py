@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slimectl.backends.hf.vlm import refuse_vlm
+from slimectl.backends.hf.vlm import refuse_tiny_vlm, refuse_vlm
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.rundir.run import RunDir
 
@@ -35,6 +35,7 @@ def prepare_rl(config_path: str | Path | None, run_path: str | Path | None, over
     before it could be checked. With ``dry_run`` nothing is written and the run is None."""
     from slimectl.stages.init import init_or_resume
 
+    refuse_tiny_vlm(tiny_model, "rl")
     checked: list[bool] = []
 
     def check(cfg: SlimectlConfig) -> None:
@@ -49,7 +50,6 @@ def prepare_rl(config_path: str | Path | None, run_path: str | Path | None, over
                               pretrained=pretrained, check=check)
     if run is None:
         return None, cfg
-    refuse_vlm(cfg.model.path, "rl")  # the model --tiny-model built at init
     if not checked[-1]:  # the model --tiny-model built at init: its sizes now
         check_train_sizes(cfg)
     from slimectl.contract.metrics import configure_wandb

@@ -18,10 +18,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from slimectl.backends.hf.vlm import TINY_VLMS
 from slimectl.starter_models.tiny_models import EOS_TOKEN, FIXTURE_FILE, IM_START_TOKEN, PAD_TOKEN
 
 # --tiny-model name -> HF model_type
-VLM_TINY_FAMILIES = {"qwen2_5-vl": "qwen2_5_vl", "qwen3-vl": "qwen3_vl"}
+VLM_TINY_FAMILIES = TINY_VLMS
 
 VISION_START, VISION_END, VISION_PAD = "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"

@@ -27,6 +27,10 @@ VLM_FAMILIES: dict[str, tuple[str, str, str]] = {
 }
 
 
+# ``init --tiny-model`` name -> model_type (slimectl.starter_models.tiny_vlms builds them)
+TINY_VLMS: dict[str, str] = {"qwen2_5-vl": "qwen2_5_vl", "qwen3-vl": "qwen3_vl"}
+
+
 class VlmNotSupported(UsageError):
     """A vision-language model given to a stage that cannot handle one yet (exit code 2)."""
 
@@ -55,6 +59,13 @@ def refuse_vlm(model_path: str | Path | None, stage: str, what: str = "model.pat
     if family is not None:
         raise VlmNotSupported(f"{what} {model_path} is a {family} vision-language model; VLM support in "
                               f"`slimectl {stage}` is not built yet (use a text-only model)")
+
+
+def refuse_tiny_vlm(tiny_model: str | None, stage: str) -> None:
+    """Refuse ``--tiny-model`` of a VLM family for ``stage`` before anything is built (one line, exit 2)."""
+    if tiny_model in TINY_VLMS:
+        raise VlmNotSupported(f"--tiny-model {tiny_model} is a {TINY_VLMS[tiny_model]} vision-language model; VLM "
+                              f"support in `slimectl {stage}` is not built yet (use a text-only model)")
 
 
 def torchvision_available() -> bool:
