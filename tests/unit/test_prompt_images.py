@@ -174,3 +174,13 @@ def test_the_processor_expands_each_image_into_its_tokens(tmp_path, monkeypatch,
     assert kept[1].prompt_ids == proc.tokenizer.encode(kept[1].prompt_text, add_special_tokens=False)
     kept, dropped = tokenize_vlm_prompts(rows, proc, max_prompt_len=len(rows[1].prompt_ids))
     assert dropped == 1 and [r.row for r in kept] == [1]  # the image tokens count against data.max_prompt_len
+
+
+def test_slimes_multimodal_keys_flag_translates():
+    from slimectl.contract.errors import ConfigError
+    from slimectl.stages.init.slime_launch import translate_slime_args
+
+    tr = translate_slime_args(["--multimodal-keys", '{"image": "images"}'])
+    assert tr.data["data"]["multimodal_keys"] == KEYS
+    with pytest.raises(ConfigError, match="--multimodal-keys 'images': not a JSON object"):
+        translate_slime_args(["--multimodal-keys", "images"])
