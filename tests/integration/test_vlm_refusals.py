@@ -100,3 +100,10 @@ def test_images_for_a_text_only_model_are_refused_before_any_engine(tmp_path):
     assert "data.multimodal_keys = {'image': 'images'} gives the prompts images" in line
     assert "(qwen2) is a text-only model" in line, line
     assert _published(run) == []
+    # rl checks the data before it writes anything: no run directory is left behind
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(f"model:\n  path: {run / 'models' / 'tiny-qwen2'}\ndata:\n  prompt_data: {data}\n"
+                   f"  multimodal_keys: {{image: images}}\nrollout:\n  num_rollout: 1\n")
+    line = _error_line(slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "rl-run"))
+    assert "(qwen2) is a text-only model" in line, line
+    assert not (tmp_path / "rl-run").exists()
