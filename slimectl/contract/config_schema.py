@@ -96,6 +96,10 @@ class ModelSection(Section):
     """Parameter dtype for training and engines (fp32 on CPU for exact logprob parity)."""
 
 
+#: The modalities ``data.multimodal_keys`` may name (slime also reads video and audio; not built yet).
+MULTIMODAL_MODALITIES = ("image",)
+
+
 class DataSection(Section):
     """The prompt data source (jsonl or parquet)."""
 
@@ -121,6 +125,21 @@ class DataSection(Section):
     """Skip (and count) malformed rows instead of failing on the first one."""
     eval_data: dict[str, str] = Field(default_factory=dict)
     """Evaluation datasets, ``{name: file.jsonl|file.parquet}`` (same keys as prompt_data)."""
+    multimodal_keys: dict[str, str] = Field(default_factory=dict)
+    """Multimodal inputs of each row, ``{modality: column}`` (slime's ``--multimodal-keys``), e.g.
+    ``{image: images}``: the column holds an image or a list of them, as file paths (relative to the dataset's
+    folder), base64 strings (``data:image/...;base64,`` optional) or bytes (Parquet). Only ``image`` for now,
+    and only with a vision-language model."""
+
+    @field_validator("multimodal_keys")
+    @classmethod
+    def _known_modalities(cls, value: dict[str, str]) -> dict[str, str]:
+        for modality, column in value.items():
+            if modality not in MULTIMODAL_MODALITIES:
+                raise ValueError(f"modality {modality!r} is not supported; one of: {', '.join(MULTIMODAL_MODALITIES)}")
+            if not column:
+                raise ValueError(f"{modality}: the column name is empty")
+        return value
 
 
 class RolloutSection(Section):

@@ -13,7 +13,7 @@ import pytest
 
 from slimectl.starter_models.tiny_models import (
     EOS_TOKEN,
-    FAMILIES,
+    TEXT_FAMILIES,
     FIXTURE_FILE,
     PAD_TOKEN,
     build_tiny_model,
@@ -62,7 +62,7 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True, raising=False)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=TEXT_FAMILIES)
 def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(family, directory) built once per family with the default sizes and seed 0."""
     family = request.param

@@ -10,6 +10,7 @@ value or on another flag have a small rule of their own. Flags named by prefix (
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -161,6 +162,18 @@ def _name_path_pairs(flag: str, values: list[str]) -> dict[str, str]:
     return dict(zip(values[::2], values[1::2]))
 
 
+def _json_object(flag: str, values: list[str]) -> dict[str, Any]:
+    """A JSON object given as one value (slime's ``--multimodal-keys '{"image": "images"}'``)."""
+    raw = one_value(flag, values)
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"slime flag {flag} {raw!r}: not a JSON object; fix the launch script")
+    return value
+
+
 def _megabytes(flag: str, values: list[str]) -> int:
     return max(1, int(_number(one_value(flag, values))) // (1 << 20))
 
@@ -298,6 +311,7 @@ _FIRST_PASS: dict[str, Flag] = {
     "--label-key": _key("data.label_key"),
     "--metadata-key": _key("data.metadata_key"),
     "--tool-key": _key("data.tools_key"),
+    "--multimodal-keys": _key("data.multimodal_keys", _json_object),
     "--rollout-max-prompt-len": _key("data.max_prompt_len", _int),
     "--apply-chat-template": _key_switch("data.apply_chat_template"),
     "--rollout-shuffle": _key_switch("data.shuffle"),

@@ -43,6 +43,8 @@ class PromptRow:
     tools: Any = None
     prompt_ids: list[int] = field(default_factory=list)
     prompt_text: str = ""
+    images: list[Any] = field(default_factory=list)
+    """The row's images (``data.multimodal_keys``): :class:`~slimectl.stages.rollout.media.ImageRef`, checked."""
 
 
 def _read_rows(path: Path, key: str = "data.prompt_data") -> list[tuple[int, Any]]:
@@ -119,7 +121,8 @@ def _check_keys(path: Path, raw: list[tuple[int, Any]], input_key: str, label_ke
 
 def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "label", metadata_key: str = "metadata",
                  tools_key: str = "tools", skip_bad_rows: bool = False, label_needed_by: str | None = None,
-                 label_maybe_used_by: str | None = None, key: str = "data.prompt_data") -> tuple[list[PromptRow], int]:
+                 label_maybe_used_by: str | None = None, key: str = "data.prompt_data",
+                 multimodal_keys: dict[str, str] | None = None) -> tuple[list[PromptRow], int]:
     """Load a dataset spec; returns (rows, number of skipped bad rows).
 
     ``label_needed_by`` names the reward when it grades against a label: then a row without one
@@ -127,6 +130,8 @@ def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "l
     ``label_maybe_used_by`` names a reward that may read the label (custom, remote): a file with
     no ``label_key`` at all only gets a warning. ``key`` is the config key holding ``spec``
     (``data.prompt_data``, ``data.eval_data.NAME``), named in errors about the spec itself.
+    ``multimodal_keys`` (``data.multimodal_keys``): the columns of the rows' images, read and checked here
+    (:mod:`~slimectl.stages.rollout.media`).
     """
     file, sl, rows_part = parse_data_spec(spec, key)
     path = Path(file)
@@ -136,6 +141,10 @@ def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "l
         raise DatasetError(f"{key} = {spec}: the row slice {rows_part} selects no rows of {path} ({len(all_rows)} "
                            f"rows); fix the slice")
     _check_keys(path, raw, input_key, label_key, label_needed_by, label_maybe_used_by)
+    if multimodal_keys:
+        from slimectl.stages.rollout.media import check_media_columns, row_images
+
+        check_media_columns(path, raw, multimodal_keys, _keys_seen)
     rows: list[PromptRow] = []
     skipped = 0
     unit = "line" if path.suffix.lower() != ".parquet" else "row"
@@ -166,7 +175,9 @@ def load_prompts(spec: str, input_key: str = "input", label_key: str | None = "l
                                        f"give an object") from None
             if not isinstance(meta, dict):
                 raise DatasetError(f"{path} {unit} {lineno}: {metadata_key!r} must be an object")
-            rows.append(PromptRow(row=len(rows), prompt=prompt, label=label, metadata=meta, tools=rec.get(tools_key)))
+            images = row_images(rec, multimodal_keys, path.parent, f"{path} {unit} {lineno}") if multimodal_keys else []
+            rows.append(PromptRow(row=len(rows), prompt=prompt, label=label, metadata=meta, tools=rec.get(tools_key),
+                                  images=images))
         except (DatasetError, json.JSONDecodeError) as exc:
             if not skip_bad_rows:
                 msg = str(exc) if isinstance(exc, DatasetError) else f"{path} {unit} {lineno}: {exc}"

@@ -58,8 +58,10 @@ def _load(path: Path) -> list[tuple[str, Sample]]:
 def model_vocab_size(cfg: SlimectlConfig) -> int | None:
     """The vocabulary size of ``model.path`` when it holds an HF config (token ids are checked against it)."""
     from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.hf.vlm import refuse_vlm
 
     if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        refuse_vlm(cfg.model.path, "rollout import")
         return arch_from_dir(cfg.model.path).vocab_size
     return None
 

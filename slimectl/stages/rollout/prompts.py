@@ -55,7 +55,17 @@ def load_prompt_rows(cfg: SlimectlConfig, spec: str, skip_bad_rows: bool | None 
     needed_by, maybe_by = label_requirement(cfg)
     return load_prompts(spec, d.input_key, d.label_key, d.metadata_key, d.tools_key,
                         d.skip_bad_rows if skip_bad_rows is None else skip_bad_rows,
-                        label_needed_by=needed_by, label_maybe_used_by=maybe_by, key=key)
+                        label_needed_by=needed_by, label_maybe_used_by=maybe_by, key=key,
+                        multimodal_keys=multimodal_keys_for(cfg))
+
+
+def multimodal_keys_for(cfg: SlimectlConfig) -> dict[str, str]:
+    """``data.multimodal_keys``, refused in one line (exit 2) for a text-only model."""
+    if cfg.data.multimodal_keys:
+        from slimectl.stages.rollout.media import check_model_takes_images
+
+        check_model_takes_images(cfg.data.multimodal_keys, cfg.model.path)
+    return dict(cfg.data.multimodal_keys)
 
 
 _prepared: dict[str, Any] = {}  # the last dataset prepared in this process: {"key": ..., "value": ...}

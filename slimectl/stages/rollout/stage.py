@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slimectl.backends.hf.vlm import refuse_vlm
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
@@ -88,6 +89,7 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
     rollout runs on its loop and reuses its connections to the engines); None: a fresh loop and
     fresh connections, closed at the end."""
     with run.stage_log("rollout"):
+        refuse_vlm(cfg.model.path, "rollout")
         require_prompt_data(cfg)
         with run.lock("rollout") as lock:
             rid = next_rollout_id(run) if rollout_id is None else rollout_id

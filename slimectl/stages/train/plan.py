@@ -53,6 +53,9 @@ def plan_training(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = Non
     (``check_published`` without ``follow``) a first rollout that is not published yet, besides the layout
     checks of :func:`check_layout`. Reads only the run directory's small files.
     """
+    from slimectl.backends.hf.vlm import refuse_vlm
+
+    refuse_vlm(cfg.model.path, "train")
     check_layout(run, cfg)
     _, next_id = resume_point(run)
     if rollout_id is not None and rollout_id != next_id:

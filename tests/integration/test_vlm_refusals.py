@@ -1,0 +1,109 @@
+"""Issue 45's first pieces through the CLI: `init --tiny-model qwen2_5-vl | qwen3-vl` builds a run, and every stage
+that cannot take a vision-language model yet refuses it in one line (exit 2) naming the family and the stage, with
+nothing published; images in the prompts of a text-only model are refused in one line too."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+
+from tests.helpers import slimectl_in_process
+
+STAGES = ("convert", "serve", "rollout", "train", "sync")
+
+
+def _error_line(res) -> str:
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert lines and lines[-1].startswith("Error: "), res.stderr[-2000:]
+    errors = [ln for ln in lines if ln.startswith("Error")]
+    assert len(errors) == 1, errors
+    return lines[-1]
+
+
+def _published(run) -> list[str]:
+    return sorted(str(p.relative_to(run)) for kind in ("checkpoints", "rollouts", "weights", "exports")
+                  for p in (run / kind).glob("*") if (run / kind).is_dir() and not p.name.startswith("."))
+
+
+@pytest.fixture(scope="module", params=["qwen2_5-vl", "qwen3-vl"])
+def vlm_run(request, tmp_path_factory):
+    family = request.param
+    root = tmp_path_factory.mktemp(f"vlm-{family}")
+    res = slimectl_in_process("init", root / "run", "--tiny-model", family, env={"HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    return family, root / "run"
+
+
+def test_init_builds_the_tiny_vlm_into_the_run(vlm_run):
+    family, run = vlm_run
+    model = run / "models" / f"tiny-{family}"
+    cfg = json.loads((model / "config.json").read_text())
+    assert "vision_config" in cfg and cfg["model_type"] == family.replace("-", "_")
+    assert (model / "processor_config.json").is_file() and (model / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_stage_refuses_a_vlm_in_one_line(vlm_run, stage):
+    family, run = vlm_run
+    model_type = family.replace("-", "_")
+    line = _error_line(slimectl_in_process(stage, "-r", run))
+    assert f"is a {model_type} vision-language model" in line and f"VLM support in `slimectl {stage}` is not " \
+        f"built yet" in line, line
+    assert _published(run) == []
+
+
+def test_rollout_import_refuses_a_vlm(vlm_run, tmp_path):
+    family, run = vlm_run
+    samples = tmp_path / "s.jsonl"
+    samples.write_text(json.dumps({"group_index": 0, "index": 0, "tokens": [5, 6, 7, 8], "response_length": 2,
+                                   "reward": 1.0, "rollout_log_probs": [-1.0, -2.0], "loss_mask": [1, 1]}) + "\n")
+    line = _error_line(slimectl_in_process("rollout", "import", samples, "-r", run))
+    assert "vision-language model" in line and "`slimectl rollout import` is not built yet" in line, line
+    assert _published(run) == []
+
+
+def test_export_refuses_a_checkpoint_of_a_vlm(vlm_run, tmp_path):
+    family, run = vlm_run
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "hf").mkdir(parents=True)
+    shutil.copy(run / "models" / f"tiny-{family}" / "config.json", ckpt / "hf" / "config.json")
+    line = _error_line(slimectl_in_process("export", "--checkpoint", ckpt, "--out", tmp_path / "out"))
+    assert "vision-language model" in line and "`slimectl export` is not built yet" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_rl_refuses_a_tiny_vlm_before_writing_anything(tmp_path):
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text("rollout:\n  num_rollout: 1\n")
+    line = _error_line(slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen3-vl"))
+    assert "--tiny-model qwen3-vl is a qwen3_vl vision-language model" in line and "`slimectl rl`" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_images_for_a_text_only_model_are_refused_before_any_engine(tmp_path):
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (28, 28), "red").save(buf, format="PNG")
+    (tmp_path / "red.png").write_bytes(buf.getvalue())
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"input": "Colour?", "label": "red", "images": "red.png"}) + "\n")
+    run = tmp_path / "run"
+    res = slimectl_in_process("init", run, "--tiny-model", "qwen2", "--set", f"data.prompt_data={data}",
+                              "--set", "data.multimodal_keys={image: images}", env={"HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = _error_line(slimectl_in_process("rollout", "-r", run))
+    assert "data.multimodal_keys = {'image': 'images'} gives the prompts images" in line
+    assert "(qwen2) is a text-only model" in line, line
+    assert _published(run) == []
+    # rl checks the data before it writes anything: no run directory is left behind
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(f"model:\n  path: {run / 'models' / 'tiny-qwen2'}\ndata:\n  prompt_data: {data}\n"
+                   f"  multimodal_keys: {{image: images}}\nrollout:\n  num_rollout: 1\n")
+    line = _error_line(slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "rl-run"))
+    assert "(qwen2) is a text-only model" in line, line
+    assert not (tmp_path / "rl-run").exists()
