@@ -139,7 +139,7 @@ class MathVerifySection(Section):
         default_factory=lambda: ["latex", "expr"], min_length=1)
     """What Math-Verify looks for in the label (a label with no LaTeX delimiter is read as ``\\boxed{label}``)."""
     boxed_first: bool = True
-    """The response's last ``\\boxed{}`` wins over every other answer (Math-Verify's boxed_match_priority 0, as
+    """A ``\\boxed{}`` in the response wins over every other answer (Math-Verify's boxed_match_priority 0, as
     open-r1); false: a "final answer is ..." sentence wins over a box (Math-Verify's default, 50)."""
     last_answer: bool = True
     """With no box and no "answer" anchor, the last LaTeX or expression of the response is its answer
