@@ -42,7 +42,7 @@ from .boxed import last_boxed
 from .dapo import grade_dapo
 from .errors import RewardConfigError, RewardError, one_line
 from .math_grader import grade_deepscaler, grade_math
-from .math_verify import MATH_VERIFY, grade_math_verify, grade_math_verify_async, settings_from
+from .math_verify import MATH_VERIFY, grade_math_verify, grade_math_verify_async, require_math_verify, settings_from
 from .numeric import grade_gsm8k, grade_last_number
 from .remote import RemoteRewardModel, shared_remote
 from .text import grade_f1, grade_gpqa, grade_random
@@ -103,11 +103,14 @@ def needs_label(reward: str) -> bool | None:
 
     True for the built-in graders (``math``, ``deepscaler``, ``dapo``, ``f1``, ``gpqa`` and their
     ``boxed_`` forms), False for ``random``, None when it cannot be told: a custom function or a
-    remote reward model may or may not read the label. Unknown names raise :class:`RewardConfigError`.
+    remote reward model may or may not read the label. Unknown names raise :class:`RewardConfigError`, and so
+    does ``math_verify`` without Math-Verify installed (the rollout asks this before contacting any engine).
     """
     if is_custom_reward(reward):
         return None
     _, base = _split_name(reward)
+    if base == MATH_VERIFY:
+        require_math_verify()
     if base in REMOTE_NAMES:
         return None
     return base not in LABEL_FREE

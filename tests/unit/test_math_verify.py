@@ -195,6 +195,22 @@ def test_without_math_verify_the_reward_stops_with_one_line_naming_the_extra(mon
     assert run(compute_reward(RewardInput(response=r"\boxed{1}", label="1"), "math")) == 1.0
 
 
+def test_without_math_verify_a_rollout_stops_before_any_engine(monkeypatch, run_dir, tmp_path, cli):
+    """`slimectl rollout` (and `rl`, which checks the same way first) refuses in one line, exit 2, before the
+    tokenizer or an engine is reached (the fake model has no tokenizer; the engine's port is closed)."""
+    from slimectl.contract.rundir import EngineRecord
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    monkeypatch.setattr(mv, "_checked", False)
+    run_dir.engines.register(EngineRecord(url="http://127.0.0.1:9", backend="embedded", id="e0", weight_version="0"))
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input": "1+1?", "label": "2"}) + "\n")
+    res = cli("rollout", "-r", run_dir.path, "--set", f"data.prompt_data={data}", "--set", "rollout.reward=math_verify")
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [f"Error: {mv.MISSING}"]
+    assert run_dir.rollouts.ids() == []
+
+
 def test_math_verify_is_not_imported_until_the_reward_is_used():
     code = ("import sys; import slimectl.rewards, slimectl.stages.rollout.stage, slimectl.commands.cli; "
             "print('math_verify' in sys.modules, 'latex2sympy2_extended' in sys.modules)")
