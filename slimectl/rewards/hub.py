@@ -11,7 +11,8 @@ Resolution order for one sample (slime's ``rm_hub.async_rm``):
    name (``boxed_f1``); ``boxed_math`` is plain ``math``, which grades the last box anyway.
 
 Names: ``math``, ``math_verify`` (Hugging Face's Math-Verify, in worker processes: :mod:`.math_verify`;
-settings from ``args.config.rollout.math_verify``), ``deepscaler``, ``dapo`` (returns a dict: use ``reward_key="score"``), ``f1``,
+settings from ``args.config.rollout.math_verify``), ``deepscaler``, ``dapo`` (returns a dict: use
+``reward_key="score"``), ``f1``,
 ``gpqa``, ``last_number``, ``gsm8k`` (the number after ``####``), ``random``, ``remote`` (alias ``remote_rm``; ``remote=`` client, else ``rm_url=``, else
 ``args.rm_url``). Anything else is a :class:`RewardConfigError`.
 

@@ -312,7 +312,8 @@ def grade_math_verify(response: str | None, label: Any, settings: MathVerifySett
     return verify_sample(response, label, settings).reward
 
 
-async def verify_sample_async(response: str | None, label: Any, settings: MathVerifySettings | None = None) -> Verdict:
+async def verify_sample_async(response: str | None, label: Any,
+                              settings: MathVerifySettings | None = None) -> Verdict:
     """:func:`verify_sample` on the pool's threads: the event loop goes on while the worker verifies."""
     s = settings or MathVerifySettings()
     gold = label_text(label)
@@ -322,6 +323,7 @@ async def verify_sample_async(response: str | None, label: Any, settings: MathVe
     return await asyncio.get_running_loop().run_in_executor(pool.executor, pool.verify, response or "", gold, s)
 
 
-async def grade_math_verify_async(response: str | None, label: Any, settings: MathVerifySettings | None = None) -> float:
+async def grade_math_verify_async(response: str | None, label: Any,
+                                  settings: MathVerifySettings | None = None) -> float:
     """The reward of one sample (the hub's path for ``math_verify``)."""
     return (await verify_sample_async(response, label, settings)).reward

@@ -69,13 +69,12 @@ def test_rollout_under_math_verify_earns_the_answers_math_misses(tmp_path, setup
     """A custom generate runs the tiny model, then ends each response with a known answer (right for even sample
     indices, wrong for odd): math_verify rewards exactly the right ones; `math` (which needs a box) none."""
     (tmp_path / "mv_plugins.py").write_text(
-        "import json\n"
         f"RIGHT, WRONG = {RIGHT!r}, {WRONG!r}\n"
         "async def generate(args, sample, sampling_params):\n"
-        "    out = await args.pool.generate(input_ids=sample.tokens, sampling_params=sampling_params, return_logprob=True)\n"
-        "    meta = out['meta_info']\n"
-        "    sample.append_response_tokens(out['output_ids'], [x[0] for x in meta['output_token_logprobs']], True, meta,\n"
-        "                                  out['text'])\n"
+        "    out = await args.pool.generate(input_ids=sample.tokens, sampling_params=sampling_params,\n"
+        "                                   return_logprob=True)\n"
+        "    lps = [x[0] for x in out['meta_info']['output_token_logprobs']]\n"
+        "    sample.append_response_tokens(out['output_ids'], lps, True, out['meta_info'], out['text'])\n"
         "    sample.response += ' ' + (RIGHT if sample.index % 2 == 0 else WRONG)[sample.label]\n"
         "    return sample\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -103,8 +103,8 @@ def test_boxed_first_and_last_answer():
 def test_the_hub_reads_the_run_config_and_per_sample_rm_type():
     cfg = build_config({"rollout": {"reward": "math_verify", "math_verify": {"format_penalty": 0.25}}})
     args = SimpleNamespace(config=cfg)
-    got = run(compute_rewards([RewardInput(response=r"so $x=11$", label="11"), RewardInput(response="no idea", label="11")],
-                              "math_verify", args=args))
+    samples = [RewardInput(response=r"so $x=11$", label="11"), RewardInput(response="no idea", label="11")]
+    got = run(compute_rewards(samples, "math_verify", args=args))
     assert got == [1.0, -0.25]
     # a row's metadata.rm_type picks it (what an eval dataset does), and the boxed_ form grades the last box only
     s = RewardInput(response=r"$x=11$", label="11", metadata={"rm_type": "math_verify"})
