@@ -261,6 +261,11 @@ class MathVerifyPool:
         t0 = time.monotonic()
         answer = worker.ask(request, s.timeout_s)
         took = time.monotonic() - t0
+        if answer is None and took < s.timeout_s:  # the worker died on it (not the time bound)
+            self._local.worker = None
+            log.warning("math_verify: the worker died on a sample (response of %d characters); reward 0.0",
+                        len(response))
+            return Verdict(0.0, error="the worker process died", seconds=took)
         if answer is None or answer.get("timed_out"):
             self._local.worker = None if answer is None else worker
             log.warning("math_verify: a sample (response of %d characters) took over %.1f s to verify; reward 0.0",
