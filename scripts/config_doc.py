@@ -86,6 +86,9 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
     for name, field in model.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
+            if prefix:  # a section inside a section (rollout.math_verify): its row, then its keys'
+                rows.append(f"| `{prefix}{name}` | mapping |  |  | {_cell(field.description)} |")
+                rows += _table(ann, f"{prefix}{name}.")[2:]
             continue
         sub = section_type(ann)  # an optional nested section (train.lora): its row, then its keys'
         rows.append(f"| `{prefix}{name}` | {_cell('mapping | null' if sub else _type_name(ann))} | "

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 import slimectl.contract.algorithm_names as algo_registry
 from slimectl.contract.config_checks import algorithm_conflict, critic_problem, lora_problem, off_policy_problem
 from slimectl.contract.errors import ConfigError
+from slimectl.contract.reward_names import base_reward_name, is_custom_reward, unknown_reward_message
 
 CONFIG_VERSION = 1
 
@@ -142,6 +143,35 @@ class DataSection(Section):
         return value
 
 
+MATH_VERIFY_EXTRACTIONS = ("latex", "expr")
+
+
+class MathVerifySection(Section):
+    """The ``math_verify`` reward (Hugging Face's Math-Verify, ``pip install 'slimectl[math]'``): how the label and
+    the response are parsed, and each sample's time bound (docs/rewards.md)."""
+
+    answer_extraction: list[Literal[MATH_VERIFY_EXTRACTIONS]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["latex", "expr"], min_length=1)
+    """What Math-Verify looks for in the response: ``latex`` (``$...$``, ``\\[...\\]``, ``\\boxed{}``; its
+    LatexExtractionConfig) and/or ``expr`` (plain expressions such as ``1/2`` or ``3.5``; ExprExtractionConfig)."""
+    label_extraction: list[Literal[MATH_VERIFY_EXTRACTIONS]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["latex", "expr"], min_length=1)
+    """What Math-Verify looks for in the label (a label with no LaTeX delimiter is read as ``\\boxed{label}``)."""
+    boxed_first: bool = True
+    """A ``\\boxed{}`` in the response wins over every other answer (Math-Verify's boxed_match_priority 0, as
+    open-r1); false: a "final answer is ..." sentence wins over a box (Math-Verify's default, 50)."""
+    last_answer: bool = True
+    """With no box and no "answer" anchor, the last LaTeX or expression of the response is its answer
+    (Math-Verify's try_extract_without_anchor); false: such a response has no answer."""
+    timeout_s: float = Field(default=5.0, gt=0, le=600)
+    """Most seconds one sample's verification may take (parsing both sides and comparing); past it the
+    sample scores 0.0. Runs in worker processes, so the rollout's event loop never waits on it."""
+    format_penalty: float = Field(default=0.0, ge=0)
+    """A response Math-Verify extracts no answer from scores minus this (0: such a response scores 0.0)."""
+    workers: int = Field(default=2, gt=0, le=64)
+    """Worker processes verifying samples in parallel (each imports Math-Verify once, ~1 s)."""
+
+
 class RolloutSection(Section):
     """How rollouts are generated and scored."""
 
@@ -167,7 +197,10 @@ class RolloutSection(Section):
     stop_token_ids: list[int] = Field(default_factory=list)
     """Token ids that end a response (besides the tokenizer's EOS)."""
     reward: str = "math"
-    """A reward-hub name (math, deepscaler, dapo, f1, gpqa, last_number, remote, random) or ``module:function``."""
+    """A reward-hub name (math, math_verify, deepscaler, dapo, f1, gpqa, last_number, gsm8k, remote, random; each
+    also as boxed_NAME) or a custom ``module:function`` (docs/rewards.md)."""
+    math_verify: MathVerifySection = Field(default_factory=MathVerifySection)
+    """Settings of the ``math_verify`` reward (used only when a sample is graded with it)."""
     reward_key: Optional[str] = None
     """Key to read when the reward function returns a dict."""
     group_reward: bool = False
@@ -217,6 +250,14 @@ class RolloutSection(Section):
     """Sampling temperature of eval (0: greedy)."""
     eval_max_response_len: Optional[int] = Field(default=None, gt=0)
     """Default: max_response_len."""
+
+    @field_validator("reward")
+    @classmethod
+    def _known_reward(cls, value: str) -> str:
+        """An unknown name is refused when the config is loaded (``init`` too), not at the first rollout."""
+        if not is_custom_reward(value) and base_reward_name(value) is None:
+            raise ValueError(unknown_reward_message(value))
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutSection":

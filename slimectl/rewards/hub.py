@@ -10,7 +10,9 @@ Resolution order for one sample (slime's ``rm_hub.async_rm``):
    response by the content of its last ``\\boxed{}`` ("" if none), then grades with the rest of the
    name (``boxed_f1``); ``boxed_math`` is plain ``math``, which grades the last box anyway.
 
-Names: ``math``, ``deepscaler``, ``dapo`` (returns a dict: use ``reward_key="score"``), ``f1``,
+Names: ``math``, ``math_verify`` (Hugging Face's Math-Verify, in worker processes: :mod:`.math_verify`;
+settings from ``args.config.rollout.math_verify``), ``deepscaler``, ``dapo`` (returns a dict: use
+``reward_key="score"``), ``f1``,
 ``gpqa``, ``last_number``, ``gsm8k`` (the number after ``####``), ``random``, ``remote`` (alias ``remote_rm``; ``remote=`` client, else ``rm_url=``, else
 ``args.rm_url``). Anything else is a :class:`RewardConfigError`.
 
@@ -21,7 +23,8 @@ Custom functions (``"package.module:function"`` or slime's ``"package.module.fun
 
 Plain ``def`` functions work too. ``args`` is whatever the caller passes (slime passes its
 argparse namespace; here it may be None). Rule-based graders run inline on the event loop; they
-are bounded (a 1 MB response grades in milliseconds).
+are bounded (a 1 MB response grades in milliseconds); ``math_verify`` is awaited on worker
+processes, each sample bounded by ``rollout.math_verify.timeout_s``.
 """
 
 from __future__ import annotations
@@ -32,11 +35,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from slimectl.contract.imports import import_object
+from slimectl.contract.reward_names import BOXED_PREFIX, GRADER_NAMES, REMOTE_NAMES
+from slimectl.contract.reward_names import is_custom_reward as is_custom_reward
+from slimectl.contract.reward_names import reward_names, unknown_reward_message
 
 from .boxed import last_boxed
 from .dapo import grade_dapo
 from .errors import RewardConfigError, RewardError, one_line
 from .math_grader import grade_deepscaler, grade_math
+from .math_verify import MATH_VERIFY, grade_math_verify, grade_math_verify_async, require_math_verify, settings_from
 from .numeric import grade_gsm8k, grade_last_number
 from .remote import RemoteRewardModel, shared_remote
 from .text import grade_f1, grade_gpqa, grade_random
@@ -71,16 +78,16 @@ GRADERS: dict[str, Callable[[str, Any, dict, Any], float | dict]] = {
     "last_number": lambda r, lab, md, s: grade_last_number(r, lab),
     "gsm8k": lambda r, lab, md, s: grade_gsm8k(r, lab),
     "random": _random,
+    "math_verify": lambda r, lab, md, s: grade_math_verify(r, lab),
 }
-REMOTE_NAMES = ("remote", "remote_rm")
-BOXED_PREFIX = "boxed_"
+assert tuple(sorted(GRADERS)) == tuple(sorted(GRADER_NAMES)), "slimectl/contract/reward_names.py names the graders"
 #: Built-in graders that never read the label (every other built-in grades against it).
 LABEL_FREE: tuple[str, ...] = ("random",)
 
 
 def rm_types() -> list[str]:
     """Every name :func:`compute_reward` accepts (``boxed_<name>`` works for each as well)."""
-    return sorted([*GRADERS, *REMOTE_NAMES])
+    return reward_names()
 
 
 def _split_name(rm_type: str) -> tuple[bool, str]:
@@ -88,14 +95,8 @@ def _split_name(rm_type: str) -> tuple[bool, str]:
     boxed = name.startswith(BOXED_PREFIX)
     base = name[len(BOXED_PREFIX):] if boxed else name
     if base not in GRADERS and base not in REMOTE_NAMES:
-        raise RewardConfigError(f"unknown reward type {rm_type!r}; known: {', '.join(rm_types())} "
-                                f"(each also as boxed_<name>), or set a custom_rm_path")
+        raise RewardConfigError(unknown_reward_message(rm_type))
     return boxed and base != "math", base
-
-
-def is_custom_reward(reward: str) -> bool:
-    """Whether a ``rollout.reward`` value is an import path (``module:function`` / ``module.function``)."""
-    return ":" in reward or "." in reward
 
 
 def needs_label(reward: str) -> bool | None:
@@ -103,11 +104,14 @@ def needs_label(reward: str) -> bool | None:
 
     True for the built-in graders (``math``, ``deepscaler``, ``dapo``, ``f1``, ``gpqa`` and their
     ``boxed_`` forms), False for ``random``, None when it cannot be told: a custom function or a
-    remote reward model may or may not read the label. Unknown names raise :class:`RewardConfigError`.
+    remote reward model may or may not read the label. Unknown names raise :class:`RewardConfigError`, and so
+    does ``math_verify`` without Math-Verify installed (the rollout asks this before contacting any engine).
     """
     if is_custom_reward(reward):
         return None
     _, base = _split_name(reward)
+    if base == MATH_VERIFY:
+        require_math_verify()
     if base in REMOTE_NAMES:
         return None
     return base not in LABEL_FREE
@@ -197,6 +201,11 @@ async def compute_reward(sample: Any, rm_type: str | None = None, label: Any = _
         if boxed:
             response = last_boxed(response) or ""
         return await remote.score(getattr(sample, "prompt", None), response, label)
+    if base == MATH_VERIFY:  # worker processes, awaited: the event loop goes on meanwhile
+        if boxed:
+            box = last_boxed(response)
+            response = "\\boxed{" + box + "}" if box else ""
+        return await grade_math_verify_async(response, label, settings_from(args))
     return grade(name, response, label, metadata, sample=sample)
 
 
