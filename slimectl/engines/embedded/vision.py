@@ -69,7 +69,9 @@ def decode_image(value: Any, where: str):
         with Image.open(io.BytesIO(data)) as img:
             img.load()
             return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+    except UnidentifiedImageError:
+        raise ImageDataError(f"{where}: not a readable image (no image format recognised)") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         why = " ".join(str(exc).split())[:120] or type(exc).__name__
         raise ImageDataError(f"{where}: not a readable image ({why})") from None
 
