@@ -210,3 +210,32 @@ def test_more_image_tokens_than_the_context_holds_is_refused(vlms):
     with pytest.raises(ValueError, match=r"image tokens\) \+ max_new_tokens \(4\) exceeds the context length 40"):
         sch.submit(reqs[0])
     sch.stop()
+
+
+def test_a_retracted_image_request_goes_on_at_its_m_rope_positions(vlms):
+    """A retract pause drops the KV cache; the re-prefill of prompt + output so far puts the output at cache
+    position + rope delta, so the log-probs still equal HF's full forward."""
+    import time
+
+    path, processor = vlms["qwen3-vl"]
+    img = make_image(seed=3)
+    enc = processor(text=[chat_text(processor)], images=[img], return_tensors="pt")
+    sch = scheduler(path)
+    body = {"text": chat_text(processor), "image_data": png_b64(img), "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 120, "temperature": 0, "ignore_eos": True}}
+    (req,), _ = parse_generate(body, sch.tokenizer, sch.vision)
+    fut = sch.submit(req)
+    sch.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sch.batch.counters["decode_forwards"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        sch.pause("retract")
+        sch.resume()
+        res = fut.result(timeout=300)
+    finally:
+        sch.stop()
+    assert res.num_retractions == 1 and sch.load_stats()["num_vision_forwards"] == 2
+    ids = req.input_ids
+    ref, _ = hf_logprobs(path, ids + res.output_ids, enc["pixel_values"], enc["image_grid_thw"])
+    assert max(abs(a - b) for a, b in zip(res.output_token_logprobs, ref[len(ids) - 1:])) <= 1e-5
