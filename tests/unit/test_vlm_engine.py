@@ -239,3 +239,28 @@ def test_a_retracted_image_request_goes_on_at_its_m_rope_positions(vlms):
     ids = req.input_ids
     ref, _ = hf_logprobs(path, ids + res.output_ids, enc["pixel_values"], enc["image_grid_thw"])
     assert max(abs(a - b) for a, b in zip(res.output_token_logprobs, ref[len(ids) - 1:])) <= 1e-5
+
+
+def test_vision_embeddings_are_kept_across_prefills_until_the_weights_change(vlms):
+    path, processor = vlms["qwen2_5-vl"]
+    sch = scheduler(path)
+    img = png_b64(make_image(seed=4))
+    sch.start()
+    try:
+        def one(question, image=img):
+            body = {"text": chat_text(processor, question), "image_data": image,
+                    "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "return_logprob": True}
+            (req,), _ = parse_generate(body, sch.tokenizer, sch.vision)
+            return sch.submit(req).result(timeout=300)
+
+        first = one("a")
+        second = one("b")  # another prefill, the same image: its embeddings are reused
+        stats = sch.load_stats()
+        assert stats["num_prefill_forwards"] == 2 and stats["num_vision_forwards"] == 1
+        assert stats["num_vision_shared"] == 1
+        sch.set_weight_version("v1")  # control work (a weight update could be one): the kept embeddings go
+        again = one("a")
+        assert sch.load_stats()["num_vision_forwards"] == 2
+        assert again.output_token_logprobs == first.output_token_logprobs and second.output_ids
+    finally:
+        sch.stop()

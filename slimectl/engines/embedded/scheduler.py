@@ -475,7 +475,10 @@ class GenerationScheduler:
         return self.adapters.loaded()
 
     def _run_control(self, fn):
-        """Run ``fn`` on the scheduler thread between two steps (inline when no thread runs)."""
+        """Run ``fn`` on the scheduler thread between two steps (inline when no thread runs). A VLM's kept vision
+        embeddings are forgotten first: control work may change the weights."""
+        if self.vision is not None:
+            fn = _forgetting(self.vision, fn)
         thread = self._thread
         if thread is None or not thread.is_alive() or thread is threading.current_thread():
             with self._control_lock:
@@ -579,3 +582,11 @@ class GenerationScheduler:
                 fut.set_result(result)
             except concurrent.futures.InvalidStateError:  # cancelled meanwhile
                 pass
+
+
+def _forgetting(vision, fn):
+    """``fn`` after the vision embeddings kept by ``vision`` are dropped (on the thread that runs ``fn``)."""
+    def run():
+        vision.forget()
+        return fn()
+    return run

@@ -14,8 +14,10 @@ processor gives the image (an already expanded prompt stays as it was); the numb
 number of images. Positions are the model's own ``get_rope_index`` (M-RoPE: time, height, width), and the decode
 positions are the cache position plus the prompt's ``rope_delta``.
 
-The vision tower runs on the scheduler thread, once per distinct image set in a prefill: the requests of a group
-(same prompt and images) share one result, and identical prompts share their prefill row too.
+The vision tower runs on the scheduler thread, once per distinct image set: its embeddings are kept for the last
+``CACHED_IMAGE_SETS`` image sets until the weights change (any control work of the scheduler forgets them), so the
+requests of a group (same images) share one result whether they are prefilled together or not, and identical
+prompts prefilled together share their prefill row too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import base64
 import binascii
 import hashlib
 import io
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,8 @@ from typing import Any
 import torch
 
 IMAGE_MARKER = "<image>"
+#: Image sets whose vision embeddings are kept between prefills (least recently used dropped first).
+CACHED_IMAGE_SETS = 16
 
 
 class ImageDataError(ValueError):
@@ -124,6 +129,11 @@ class VisionModel:
         self.merge = int(cfg.vision_config.spatial_merge_size)
         self.deepstack = bool(getattr(cfg.vision_config, "deepstack_visual_indexes", None))
         self.counters = {"vision_forwards": 0, "vision_images": 0, "vision_shared": 0}
+        self._cache: OrderedDict[str, tuple[torch.Tensor, list[torch.Tensor] | None]] = OrderedDict()
+
+    def forget(self) -> None:
+        """Drop the kept vision embeddings (the weights are about to change)."""
+        self._cache.clear()
 
     def marked_text(self, text: str) -> str:
         """``<image>`` markers of a text prompt as the chat template's placeholder."""
@@ -195,7 +205,7 @@ class VisionModel:
         for deepstack models the visual positions and their per-layer features."""
         width = ids.shape[1]
         embeds = embed_tokens(ids)
-        done: dict[str, tuple[torch.Tensor, list[torch.Tensor] | None]] = {}
+        done = self._cache
         visual = torch.zeros(ids.shape, dtype=torch.bool)
         deep_rows: list[list[torch.Tensor]] = []
         for i, s in enumerate(seqs):
@@ -204,8 +214,11 @@ class VisionModel:
                 continue
             if mm.key in done:
                 self.counters["vision_shared"] += 1
+                done.move_to_end(mm.key)
             else:
                 done[mm.key] = self.features(mm)
+                while len(done) > CACHED_IMAGE_SETS:
+                    done.popitem(last=False)
             feats, deep = done[mm.key]
             off = width - s.fill_len
             cols = torch.tensor([off + j for j, t in enumerate(s.req.input_ids) if t == self.image_token_id])
