@@ -40,7 +40,6 @@ from pathlib import Path
 from secrets import token_hex
 from typing import Literal, Union
 
-from slimectl.backends.hf.vlm import refuse_vlm
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.net import free_port
@@ -445,7 +444,6 @@ def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, 
     """Start the engines, print their URLs, and keep them up until SIGINT/SIGTERM (or ``stop``).
     ``weight_version``: see :class:`EngineProcesses` (default: the newest published weights)."""
     with run.stage_log("serve"):
-        refuse_vlm(cfg.model.path, "serve")
         stop = stop or threading.Event()
         with run.lock("serve"):
             dead = run.engines.prune_dead()  # records of this host's earlier serve, killed before it unregistered

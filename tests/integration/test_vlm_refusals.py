@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import slimectl_in_process
 
-STAGES = ("convert", "serve", "rollout", "train", "sync")
+STAGES = ("convert", "rollout", "train", "sync")  # serve serves VLMs (tests/integration/test_embedded_vlm_http.py)
 
 
 def _error_line(res) -> str:

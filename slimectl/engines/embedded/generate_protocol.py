@@ -21,9 +21,10 @@ class BadRequest(Exception):
     """A request body the engine refuses (answered 400 with the message)."""
 
 
-def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenRequest], bool]:
-    """A /generate body (one input or a batch; ``text`` or ``input_ids``) as GenRequests, and whether it was
-    a batch; :class:`BadRequest` names the first bad field."""
+def parse_generate(body: dict[str, Any], tokenizer, vision=None) -> tuple[list[GenRequest], bool]:
+    """A /generate body (one input or a batch; ``text`` or ``input_ids``; ``image_data`` for a VLM, whose
+    :class:`~slimectl.engines.embedded.vision.VisionModel` is ``vision``) as GenRequests, and whether it was a
+    batch; :class:`BadRequest` names the first bad field."""
     from slimectl.engines.embedded.requests import GenRequest
     from slimectl.engines.embedded.sampling_params import SamplingParams
 
@@ -57,16 +58,20 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenRequest], b
     if not isinstance(routes_start, int) or isinstance(routes_start, bool) or routes_start < 0:
         raise BadRequest(f"routed_experts_start_len must be a non-negative integer, got {routes_start!r}")
     loras = _lora_names(body.get("lora_path"), len(items))
+    images = _images(body.get("image_data"), len(items), batched, vision)
     reqs = []
-    for item, p, rid, lora in zip(items, sps, rids, loras):
+    for k, (item, p, rid, lora) in enumerate(zip(items, sps, rids, loras)):
         if text is not None:
             if not isinstance(item, str):
                 raise BadRequest("'text' must be a string or a list of strings")
-            input_ids = tokenizer.encode(item, add_special_tokens=False)
+            input_ids = tokenizer.encode(vision.marked_text(item) if images[k] else item, add_special_tokens=False)
         else:
             if not isinstance(item, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
                 raise BadRequest("'input_ids' must be a list of integers (or a list of such lists)")
             input_ids = item
+        mm = None
+        if images[k]:
+            input_ids, mm = _with_images(vision, input_ids, images[k], f"image_data[{k}]" if batched else "image_data")
         if not isinstance(p, dict):
             raise BadRequest("'sampling_params' must be an object")
         try:
@@ -78,8 +83,32 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenRequest], b
         reqs.append(GenRequest(rid=str(rid), input_ids=list(input_ids), params=params,
                                return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
                                top_logprobs_num=top_n, return_routed_experts=want_routes,
-                               routed_experts_start_len=routes_start, lora_name=lora))
+                               routed_experts_start_len=routes_start, lora_name=lora, mm=mm))
     return reqs, batched
+
+
+def _images(image_data, n: int, batched: bool, vision) -> list[list[Any]]:
+    """``image_data`` as a list of image entries per input (SGLang's shapes); refused for a text-only model."""
+    from slimectl.engines.embedded.vision import ImageDataError, images_per_prompt
+
+    try:
+        per = images_per_prompt(image_data, n, batched)
+    except ImageDataError as exc:
+        raise BadRequest(str(exc)) from None
+    if vision is None and any(per):
+        raise BadRequest("image_data was given, but the served model is a text-only model and takes no images; "
+                         "drop image_data or serve a vision-language model")
+    return per
+
+
+def _with_images(vision, input_ids: list[int], entries: list[Any], where: str):
+    """The prompt's ids with its image placeholders expanded, and its MmInputs (BadRequest for a bad image)."""
+    from slimectl.engines.embedded.vision import ImageDataError
+
+    try:
+        return vision.prepare(list(input_ids), entries, where)
+    except ImageDataError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def _lora_names(lora_path, n: int) -> list[str | None]:

@@ -40,37 +40,50 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     pad_token_id: int
     params: dict[str, torch.nn.Parameter]  # by HF name (tied weights appear under both names)
+    vision: Any = None  # a VLM's VisionModel (engines/embedded/vision.py); None for a text-only model
 
 
 def load_model(model_path: str, dtype: torch.dtype, max_context: int | None = None) -> LoadedModel:
-    """Load ``model_path`` (a transformers model directory) in ``dtype`` for inference (full attention only)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Load ``model_path`` (a transformers model directory) in ``dtype`` for inference (full attention only): a
+    causal LM, or a vision-language model (Qwen2.5-VL, Qwen3-VL: ``AutoModelForImageTextToText``, whose language
+    model is the decoder and whose vision side is :class:`~slimectl.engines.embedded.vision.VisionModel`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from slimectl.backends.hf.vlm import vlm_family
 
     if not (Path(model_path) / "config.json").is_file():
         raise ValueError(f"model_path {model_path!r} is not a model directory (no config.json)")
     config = AutoConfig.from_pretrained(model_path)
-    layer_types = getattr(config, "layer_types", None) or []
+    is_vlm = vlm_family(model_path) is not None
+    text_config = config.get_text_config() if is_vlm else config
+    layer_types = getattr(text_config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(f"model {model_path!r} uses {sorted(set(layer_types))} attention layers; "
                          f"the embedded engine supports full attention only")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+    auto = AutoModelForImageTextToText if is_vlm else AutoModelForCausalLM
+    model = auto.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
     own_memory(model)
     model.eval()
     model.requires_grad_(False)
-    vocab_size = int(config.vocab_size)
-    ctx = getattr(config, "max_position_embeddings", None) or 2048
+    vision = None
+    if is_vlm:
+        from slimectl.engines.embedded.vision import VisionModel
+
+        vision = VisionModel(model, model_path)
+    vocab_size = int(text_config.vocab_size)
+    ctx = getattr(text_config, "max_position_embeddings", None) or 2048
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pad = config.pad_token_id if getattr(config, "pad_token_id", None) is not None else None
+    pad = text_config.pad_token_id if getattr(text_config, "pad_token_id", None) is not None else None
     if pad is None:
         pad = tokenizer.pad_token_id
     return LoadedModel(
         model_path=str(model_path), dtype=dtype, config=config, model=model,
         decoder=model.get_decoder(), lm_head=model.get_output_embeddings(), tokenizer=tokenizer,
-        detok=AutoTokenizer.from_pretrained(model_path), num_layers=int(config.num_hidden_layers),
+        detok=AutoTokenizer.from_pretrained(model_path), num_layers=int(text_config.num_hidden_layers),
         vocab_size=vocab_size, max_context=int(max_context) if max_context else int(ctx),
         eos_token_ids=_eos_ids(config, model, tokenizer),
         pad_token_id=int(pad) if pad is not None and 0 <= int(pad) < vocab_size else 0,
-        params=dict(model.named_parameters(remove_duplicate=False)),
+        params=dict(model.named_parameters(remove_duplicate=False)), vision=vision,
     )
 
 

@@ -6,6 +6,7 @@ import concurrent.futures
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +39,9 @@ class GenRequest:
     routed_experts_start_len: int = 0
     # The LoRA adapter this request generates with (SGLang's lora_path: a loaded adapter's name); None: the base.
     lora_name: str | None = None
+    # A VLM prompt's images (engines/embedded/vision.py MmInputs: pixels, grids, M-RoPE positions, rope delta);
+    # input_ids then hold each image's expanded placeholder. None: a text prompt.
+    mm: Any = None
 
 
 @dataclass
@@ -72,6 +76,7 @@ class RunningRequest:
         "req", "params", "future", "prompt_len", "max_new", "stop_ids", "stop_strs", "stop_window",
         "gen", "_uniforms", "output_ids", "out_logprobs", "out_top", "in_logprobs", "in_top",
         "spans", "cache_len", "abort_flag", "done", "t0", "want_lp", "top_n", "temp", "routes", "num_retractions",
+        "delta",
     )
 
     def __init__(self, req: GenRequest, eos_ids: frozenset[int], max_new: int):
@@ -107,6 +112,8 @@ class RunningRequest:
         # Routed experts recorded so far: one int32 tensor [positions, moe_layers, topk] per forward.
         self.routes: list[torch.Tensor] | None = [] if req.return_routed_experts else None
         self.num_retractions = 0
+        # M-RoPE: a position after the prompt is its cache position + delta (0 without images).
+        self.delta = int(req.mm.delta) if req.mm is not None else 0
 
     @property
     def fill_ids(self) -> list[int]:

@@ -39,6 +39,7 @@ class RunningBatch:
                  queued: Callable[[], int], decode_log_interval: int, adapters: LoraAdapters):
         self.decoder, self.lm_head, self.detok = m.decoder, m.lm_head, m.detok
         self.adapters = adapters  # the LoRA adapters; each row's request names its own (or none)
+        self.vision = m.vision  # a VLM's vision side (prefill embeddings, M-RoPE positions); None for text models
         self.num_layers, self.vocab_size, self.pad_token_id = m.num_layers, m.vocab_size, m.pad_token_id
         self.token_capacity = max_batch_size * m.max_context  # token usage's denominator, as SGLang's
         self._finish, self._queued = finish, queued
@@ -53,6 +54,7 @@ class RunningBatch:
         self.kv: BatchKVCache | None = None
         self._lens = torch.zeros(0, dtype=torch.long)  # cached tokens per row
         self._next = torch.zeros(0, dtype=torch.long)  # last sampled token per row (next input)
+        self._delta = torch.zeros(0, dtype=torch.long)  # M-RoPE: decode position = cached tokens + delta
         self._meta: BatchSampling | None = None
         self._arange = torch.arange(m.max_context + 1)
         # Counters (read by the scheduler's load_stats, tests and benchmarks).
@@ -76,16 +78,20 @@ class RunningBatch:
 
     # -- the model ------------------------------------------------------------------------------
     def _forward(self, input_ids, position_ids, mask, kv, rows: list[RunningRequest]) -> torch.Tensor:
-        """The decoder over ``rows`` (one per batch row: each with its own LoRA adapter, or the base model)."""
+        """The decoder over ``rows`` (one per batch row: each with its own LoRA adapter, or the base model); for a
+        VLM the token embeddings (with the prompts' images in a prefill) and [3, rows, seq] M-RoPE positions."""
         capture = any(s.routes is not None and not s.done for s in rows)
         self._route_buf = [] if capture else None
+        inputs = {"input_ids": input_ids}
+        if self.vision is not None and input_ids.shape[1] > 1 and any(s.req.mm is not None for s in rows):
+            inputs = self.vision.prefill_inputs(self.decoder.get_input_embeddings(), rows, input_ids)
         try:
             with self.adapters.rows([None if s.done else s.req.lora_name for s in rows]):
-                out = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                out = self.decoder(**inputs, position_ids=position_ids, attention_mask=mask,
                                    cache=kv, use_cache=True)
             if capture:
                 # [batch * seq, topk] per MoE layer -> [batch, seq, moe_layers, topk]
-                b, t = input_ids.shape
+                b, t = input_ids.shape[:2]
                 self._routes = torch.stack(self._route_buf, dim=1).to(torch.int32).view(b, t, len(self.gates), -1)
         finally:
             self._route_buf = None
@@ -109,7 +115,8 @@ class RunningBatch:
                                 for s in seqs):
             return None
         seen: dict[tuple, int] = {}
-        first = [seen.setdefault((s.req.lora_name, *s.fill_ids), i) for i, s in enumerate(seqs)]
+        first = [seen.setdefault((s.req.lora_name, s.req.mm.key if s.req.mm is not None else None, *s.fill_ids), i)
+                 for i, s in enumerate(seqs)]
         return first if len(seen) < len(seqs) else None
 
     def prefill(self, seqs: list[RunningRequest], version: str) -> None:
@@ -138,6 +145,8 @@ class RunningBatch:
             pad[i] = width - p
         cols = self._arange[:width]
         positions = (cols[None, :] - pad[:, None]).clamp_(min=0)
+        if self.vision is not None:  # M-RoPE: [3, rows, width]
+            positions = self.vision.prefill_positions(seqs, width)
         # Causal attention to the row's own real tokens; padding queries see only themselves
         # (keeps their keys/values finite; they are masked for every real query).
         q, k = cols[:, None], cols[None, :]
@@ -151,7 +160,8 @@ class RunningBatch:
             slot = {r: j for j, r in enumerate(uniq)}
             at = torch.tensor([slot[r] for r in first], dtype=torch.long)
             rows = torch.tensor(uniq, dtype=torch.long)
-            hidden = self._forward(ids[rows], positions[rows], mask[rows][:, None], kv,
+            pos = positions[:, rows] if positions.dim() == 3 else positions[rows]
+            hidden = self._forward(ids[rows], pos, mask[rows][:, None], kv,
                                    [seqs[r] for r in uniq]).index_select(0, at)
             kv.keys = [t.index_select(0, at) for t in kv.keys]
             kv.values = [t.index_select(0, at) for t in kv.values]
@@ -224,7 +234,10 @@ class RunningBatch:
         lens1 = self._lens + 1
         width = kv.width + 1
         mask = (self._arange[:width][None, :] >= (width - lens1)[:, None])[:, None, None, :]
-        hidden = self._forward(self._next[:, None], self._lens[:, None], mask, kv, rows)
+        positions = self._lens[:, None]
+        if self.vision is not None:  # M-RoPE: cache position + the row's rope delta, on all three axes
+            positions = (positions + self._delta[:, None]).expand(3, -1, -1)
+        hidden = self._forward(self._next[:, None], positions, mask, kv, rows)
         kv.end += 1
         if any(s.routes is not None and not s.done for s in rows):
             for i, s in enumerate(rows):  # the routes of each row's last token (fed in this step)
@@ -314,6 +327,7 @@ class RunningBatch:
         self.kv = kv
         self._lens = torch.tensor([s.cache_len for s in rows], dtype=torch.long)
         self._next = torch.tensor([s.output_ids[-1] for s in rows], dtype=torch.long)
+        self._delta = torch.tensor([s.delta for s in rows], dtype=torch.long)
         self._meta = BatchSampling.build(rows, self.vocab_size) if rows else None
 
     # -- SGLang's log lines -------------------------------------------------------------------------

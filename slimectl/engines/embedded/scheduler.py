@@ -97,6 +97,7 @@ class GenerationScheduler:
         m = load_model(model_path, torch_dtype, max_context)
         self.model_path, self.dtype, self.config, self.model = m.model_path, m.dtype, m.config, m.model
         self.tokenizer, self._detok = m.tokenizer, m.detok
+        self.vision = m.vision  # a VLM's vision side (engines/embedded/vision.py), None for a text-only model
         self.vocab_size, self.max_context, self.eos_token_ids = m.vocab_size, m.max_context, m.eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max(1, int(max_prefill_tokens))
@@ -124,11 +125,11 @@ class GenerationScheduler:
     # -------------------------------------------------------------------------------- info
     @property
     def model_info(self) -> dict:
-        c = self.config
+        c = self.config.get_text_config() if self.vision is not None else self.config
         return {
             "model_path": self.model_path,
-            "architectures": list(getattr(c, "architectures", None) or [type(self.model).__name__]),
-            "model_type": c.model_type,
+            "architectures": list(getattr(self.config, "architectures", None) or [type(self.model).__name__]),
+            "model_type": self.config.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": c.hidden_size,
             "num_hidden_layers": int(c.num_hidden_layers),
@@ -158,6 +159,7 @@ class GenerationScheduler:
             "num_prefill_rows_shared": counters["prefill_rows_shared"],
             "num_decode_forwards": counters["decode_forwards"],
             "num_generated_tokens": counters["generated_tokens"],
+            **({f"num_{k}": v for k, v in self.vision.counters.items()} if self.vision is not None else {}),
         }
 
     @property
@@ -253,9 +255,13 @@ class GenerationScheduler:
         n = len(ids)
         max_new = req.params.max_new_tokens
         if max_new is None:
-            max_new = self.max_context - n
+            max_new = max(self.max_context - n, 0)  # a prompt longer than the context is refused below
+        if req.mm is not None and self.vision is None:
+            raise ValueError(f"{self.model_path} ({self.config.model_type}) is a text-only model and takes no "
+                             f"images; drop image_data or serve a vision-language model")
         if n + max_new > self.max_context:
-            raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the context length "
+            images = f", {req.mm.num_image_tokens} of them image tokens" if req.mm is not None else ""
+            raise ValueError(f"prompt ({n} tokens{images}) + max_new_tokens ({max_new}) exceeds the context length "
                              f"{self.max_context}")
         if not is_int(req.logprob_start_len) or req.logprob_start_len < -1:
             raise ValueError(f"logprob_start_len must be -1 or a non-negative integer, got {req.logprob_start_len!r}")
@@ -469,7 +475,10 @@ class GenerationScheduler:
         return self.adapters.loaded()
 
     def _run_control(self, fn):
-        """Run ``fn`` on the scheduler thread between two steps (inline when no thread runs)."""
+        """Run ``fn`` on the scheduler thread between two steps (inline when no thread runs). A VLM's kept vision
+        embeddings are forgotten first: control work may change the weights."""
+        if self.vision is not None:
+            fn = _forgetting(self.vision, fn)
         thread = self._thread
         if thread is None or not thread.is_alive() or thread is threading.current_thread():
             with self._control_lock:
@@ -573,3 +582,11 @@ class GenerationScheduler:
                 fut.set_result(result)
             except concurrent.futures.InvalidStateError:  # cancelled meanwhile
                 pass
+
+
+def _forgetting(vision, fn):
+    """``fn`` after the vision embeddings kept by ``vision`` are dropped (on the thread that runs ``fn``)."""
+    def run():
+        vision.forget()
+        return fn()
+    return run

@@ -197,7 +197,7 @@ class EngineHTTPServer:
             "reasoning_parser": None,
             "tool_call_parser": None,
             "disaggregation_mode": "null",
-            "has_image_understanding": False,
+            "has_image_understanding": self.scheduler.vision is not None,
             "has_audio_understanding": False,
             "model_type": info.get("model_type"),
             "architectures": info.get("architectures"),
@@ -243,7 +243,11 @@ class EngineHTTPServer:
         t0 = time.perf_counter()
         body = await read_object(request, allow_empty=False)
         fault_point("engine.generate")
-        reqs, batched = parse_generate(body, self.tokenizer)
+        vision = self.scheduler.vision
+        if vision is not None and body.get("image_data"):  # images decoded and processed off the event loop
+            reqs, batched = await self._in_thread(parse_generate, body, self.tokenizer, vision)
+        else:
+            reqs, batched = parse_generate(body, self.tokenizer, vision)
         futures = []
         try:
             for r in reqs:
