@@ -19,6 +19,8 @@ from typing import Any, Iterable
 from slimectl.contract.errors import SlimectlError
 
 SAMPLES_FILE = "samples.parquet"
+MEDIA_DIR = "media"
+"""``RUN/media/<sha256>.png``: the images samples refer to (``Sample.multimodal_inputs``)."""
 FORMAT_VERSION = 4  # 2: the rollout_routed_experts column (v1 files read as None); 3: weight_version_spans (older: []);
 # 4: multimodal_inputs (older: None)
 MODALITIES = ("image",)

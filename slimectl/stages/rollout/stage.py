@@ -28,6 +28,12 @@ from slimectl.stages.rollout.prompts import carries_groups, load_prompt_rows, ne
 log = logging.getLogger("slimectl.rollout")
 
 
+VLM_ROLLOUT_READY = False
+"""Whether ``slimectl rollout`` takes a vision-language model. Off (refused in one line) until the embedded engine
+serves ``image_data`` (issue 45, item 3); the rollout side is built (images stored in ``RUN/media``, samples'
+``multimodal_inputs``, ``image_data`` in every request) and tested against a fake engine with it on."""
+
+
 class StaleEngine(SlimectlError):
     """An engine serves weights older than the newest published ones by more than ``rollout.max_staleness``."""
 
@@ -89,7 +95,8 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
     rollout runs on its loop and reuses its connections to the engines); None: a fresh loop and
     fresh connections, closed at the end."""
     with run.stage_log("rollout"):
-        refuse_vlm(cfg.model.path, "rollout")
+        if not VLM_ROLLOUT_READY:
+            refuse_vlm(cfg.model.path, "rollout")
         require_prompt_data(cfg)
         with run.lock("rollout") as lock:
             rid = next_rollout_id(run) if rollout_id is None else rollout_id
