@@ -141,6 +141,13 @@ def test_a_vlm_rollout_sends_image_data_and_publishes_image_references(tmp_path,
         assert s.response_tokens == OUT and s.loss_mask == [1, 1, 1] and len(s.loss_mask) == s.response_length
         assert max(i for i, t in enumerate(s.tokens) if t in (pad, start, end)) < s.prompt_length
         assert not {pad, start, end} & set(s.response_tokens)
+    from slimectl.stages.rollout.inspect import format_samples, load_rollout_samples
+
+    art, loaded = load_rollout_samples(run, 0)
+    text = format_samples(art, loaded, limit=0)
+    assert text.count(f"  images:   media/{red}.png, media/{blue}.png\n") == 2
+    assert text.count(f"  images:   media/{blue}.png\n") == 2 and text.count("images:") == 4
+    assert json.loads(format_samples(art, loaded, limit=1, as_json=True))["multimodal_inputs"] == {"image": [red, blue]}
 
 
 def test_rollout_refuses_a_vlm_until_the_engine_serves_images(tmp_path, vlm):
@@ -214,3 +221,16 @@ def test_images_in_an_imported_sample_for_a_text_only_model_are_refused(tmp_path
     with pytest.raises(Exception, match="has 1 images but model.path is a text-only model"):
         check_sample_images("f:3", s, tmp_path, None, text_only=True)
     check_sample_images("f:3", Sample(group_index=0, tokens=[1, 2], response_length=1), tmp_path, None, True)
+
+
+def test_eval_of_a_vlm_sends_the_images_too(tmp_path, vlm):
+    from slimectl.stages.rollout.eval import run_eval
+
+    run = _run(tmp_path, vlm, f"data.eval_data={{v: {vlm['data']}}}", "rollout.eval_n_samples=1")
+    eng = vlm["engine"]
+    eng.bodies.clear()
+    run_eval(run, run.config(), 0, [eng.url])
+    samples = read_samples(run.evals.get(0).file("v.parquet"))
+    assert [len(s.image_hashes) for s in samples] == [2, 1, 0]
+    assert sorted(len(b.get("image_data") or []) for b in eng.bodies) == [0, 1, 2]
+    assert all((run.path / MEDIA_DIR / f"{h}.png").is_file() for s in samples for h in s.image_hashes)

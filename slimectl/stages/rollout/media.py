@@ -143,6 +143,8 @@ def row_images(rec: dict[str, Any], multimodal_keys: dict[str, str], base_dir: P
 def store_images(run_path: str | Path, images: list[ImageRef]) -> list[Path]:
     """Write each image to ``RUN/media/<sha256>.png`` (once: an existing file of that name holds the same bytes),
     through a temp file and a rename, so a reader never sees half a file. Returns the paths."""
+    if not images:
+        return []
     media = Path(run_path) / MEDIA_DIR
     media.mkdir(parents=True, exist_ok=True)
     out = []
