@@ -15,6 +15,7 @@ import pytest
 
 from slimectl.contract.errors import UsageError
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
+from slimectl.stages.rollout import prompts as rollout_prompts
 from slimectl.stages.rollout import stage as rollout_stage
 from slimectl.stages.rollout.media import MEDIA_DIR
 
@@ -111,7 +112,7 @@ def _rollout(run, vlm, **kw):
 
 
 def test_a_vlm_rollout_sends_image_data_and_publishes_image_references(tmp_path, vlm, monkeypatch):
-    monkeypatch.setattr(rollout_stage, "VLM_ROLLOUT_READY", True)
+    monkeypatch.setattr(rollout_prompts, "VLM_ROLLOUT_READY", True)
     run = _run(tmp_path, vlm)
     eng, proc = vlm["engine"], vlm["processor"]
     eng.bodies.clear()
@@ -151,18 +152,22 @@ def test_a_vlm_rollout_sends_image_data_and_publishes_image_references(tmp_path,
 
 
 def test_rollout_refuses_a_vlm_until_the_engine_serves_images(tmp_path, vlm):
-    assert rollout_stage.VLM_ROLLOUT_READY is False
+    from slimectl.stages.rollout.follow import follow_rollouts
+
+    assert rollout_prompts.VLM_ROLLOUT_READY is False
     run = _run(tmp_path, vlm)
-    with pytest.raises(UsageError) as exc:
-        _rollout(run, vlm)
-    assert "qwen2_5_vl vision-language model" in _one_line_exit_2(exc)
+    for go, stage in [(lambda: _rollout(run, vlm), "rollout"),
+                      (lambda: follow_rollouts(run, run.config(), [vlm["engine"].url]), "rollout --follow")]:
+        with pytest.raises(UsageError) as exc:
+            go()
+        assert "qwen2_5_vl vision-language model" in _one_line_exit_2(exc) and f"`slimectl {stage}`" in str(exc.value)
     assert run.rollouts.ids() == [] and not (run.path / MEDIA_DIR).exists()
 
 
 def test_a_missing_stored_image_is_one_line_and_nothing_is_published(tmp_path, vlm, monkeypatch):
     import slimectl.stages.rollout.media as media
 
-    monkeypatch.setattr(rollout_stage, "VLM_ROLLOUT_READY", True)
+    monkeypatch.setattr(rollout_prompts, "VLM_ROLLOUT_READY", True)
     monkeypatch.setattr(media, "store_images", lambda run_path, images: [])  # as if RUN/media lost them
     media._data_url.cache_clear()
     run = _run(tmp_path, vlm)

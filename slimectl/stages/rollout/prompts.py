@@ -20,6 +20,12 @@ from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample, Status
 from slimectl.stages.rollout.data import PromptRow, PromptSource, load_tokenizer, tokenize_prompts
 
+VLM_ROLLOUT_READY = False
+"""Whether ``slimectl rollout`` (and ``rollout --follow``) take a vision-language model. Off (refused in one line)
+until the embedded engine serves ``image_data`` (issue 45, item 3); the rollout side is built (images stored in
+``RUN/media``, samples' ``multimodal_inputs``, ``image_data`` in every request) and tested against a fake engine
+with it on."""
+
 DATA_STATE = "data_state.json"
 BUFFER_FILE = "buffer.parquet"
 """Partial rollout: groups aborted when this rollout's batch filled; the next rollout continues them first."""
@@ -28,6 +34,14 @@ BUFFER_FILE = "buffer.parquet"
 def next_rollout_id(run: RunDir) -> int:
     ids = run.rollouts.ids()
     return ids[-1] + 1 if ids else 0
+
+
+def refuse_vlm_rollout(cfg: SlimectlConfig, stage: str) -> None:
+    """Refuse a VLM's rollout in one line (exit 2) while :data:`VLM_ROLLOUT_READY` is off."""
+    if not VLM_ROLLOUT_READY:
+        from slimectl.backends.hf.vlm import refuse_vlm
+
+        refuse_vlm(cfg.model.path, stage)
 
 
 def require_prompt_data(cfg: SlimectlConfig) -> None:
