@@ -48,3 +48,39 @@ def test_malformed_references_are_refused(tmp_path, mm, what):
         write_samples([_sample(mm)], tmp_path / "s.parquet")
     assert what in str(exc.value)
     assert not (tmp_path / "s.parquet").exists()
+
+
+def test_a_continued_partial_sample_sends_its_images_with_all_its_tokens(tmp_path):
+    """Partial rollout: a sample aborted mid-response goes on with prompt + response so far, and its images."""
+    import asyncio
+    import io
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from slimectl.stages.rollout.generate import default_generate
+    from slimectl.stages.rollout.media import MissingImage, decode_image, store_images
+
+    buf = io.BytesIO()
+    Image.new("RGB", (28, 28), "red").save(buf, format="PNG")
+    ref = decode_image(buf.getvalue(), tmp_path, "t")
+    store_images(tmp_path, [ref])
+    sent = []
+
+    async def generate(**body):
+        sent.append(body)
+        return {"output_ids": [9], "text": "x", "meta_info": {"finish_reason": {"type": "stop"}, "weight_version": "1",
+                                                               "output_token_logprobs": [[-0.3, 9, None]]}}
+
+    args = SimpleNamespace(pool=SimpleNamespace(generate=generate), run_path=tmp_path)
+    s = _sample({"image": [ref.sha256]})
+    s.status = s.status.ABORTED
+    asyncio.run(default_generate(args, s, {"max_new_tokens": 5}))
+    assert sent[0]["input_ids"] == [1, 2, 3, 4] and sent[0]["sampling_params"]["max_new_tokens"] == 3
+    assert sent[0]["image_data"] == ["data:image/png;base64," + __import__("base64").b64encode(ref.png).decode()]
+    assert s.tokens == [1, 2, 3, 4, 9] and s.loss_mask == [1, 1, 1] and s.multimodal_inputs == {"image": [ref.sha256]}
+    missing = _sample({"image": [B]})
+    with pytest.raises(MissingImage) as exc:
+        asyncio.run(default_generate(args, missing, {"max_new_tokens": 5}))
+    assert exc.value.exit_code == 2 and "\n" not in str(exc.value) and f"its image {B} is not in the run" in str(exc.value)
+    assert len(sent) == 1  # nothing was sent for it
