@@ -281,8 +281,8 @@ def check_multimodal_inputs(mm: object) -> None:
     if mm is None:
         return
     if not isinstance(mm, dict) or not all(k in MODALITIES for k in mm):
-        raise ValueError(f"multimodal_inputs must be {{\"image\": [sha256, ...]}} (modalities: {', '.join(MODALITIES)}), "
-                         f"got {mm!r:.120}")
+        raise ValueError(f"multimodal_inputs must be {{\"image\": [sha256, ...]}} (modalities: "
+                         f"{', '.join(MODALITIES)}), got {mm!r:.120}")
     for modality, refs in mm.items():
         if not isinstance(refs, list) or not all(isinstance(r, str) and _SHA256.match(r) for r in refs):
             raise ValueError(f"multimodal_inputs[{modality!r}] must be a list of SHA-256 names (64 lowercase hex "

@@ -82,5 +82,6 @@ def test_a_continued_partial_sample_sends_its_images_with_all_its_tokens(tmp_pat
     missing = _sample({"image": [B]})
     with pytest.raises(MissingImage) as exc:
         asyncio.run(default_generate(args, missing, {"max_new_tokens": 5}))
-    assert exc.value.exit_code == 2 and "\n" not in str(exc.value) and f"its image {B} is not in the run" in str(exc.value)
+    msg = str(exc.value)
+    assert exc.value.exit_code == 2 and "\n" not in msg and f"its image {B} is not in the run" in msg
     assert len(sent) == 1  # nothing was sent for it
