@@ -11,10 +11,12 @@ rollout's buffer source alike.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from pathlib import Path
 
-from slimectl.contract.errors import SlimectlError
-from slimectl.contract.samples import Sample
+from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.samples import MEDIA_DIR, Sample
 
 
 def parse_sample(where: str, d: object) -> Sample:
@@ -102,3 +104,46 @@ def check_sample(where: str, s: Sample, vocab_size: int | None, reward_key: str 
         raise bad(f"reward is {value} (it must be a finite number)")
     if s.rollout_log_probs is not None and any(x > 1e-6 for x in s.rollout_log_probs):
         raise bad("rollout_log_probs must be <= 0 (they are log-probabilities)")
+
+
+def stored_image_problem(run_path: str | Path, sha256: str) -> str | None:
+    """What is wrong with ``RUN/media/<sha256>.png`` (missing, unreadable, bytes not hashing to its name), or None."""
+    path = Path(run_path) / MEDIA_DIR / f"{sha256}.png"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return f"{path} does not exist"
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror or exc})"
+    if hashlib.sha256(data).hexdigest() != sha256:
+        return f"{path}: its bytes do not hash to its name (changed after it was stored)"
+    return None
+
+
+def check_sample_images(where: str, s: Sample, run_path: str | Path, vision_ids: dict[str, int] | None,
+                        text_only: bool) -> None:
+    """Refuse a sample whose images train could not see as the engine did: an image for a text-only model
+    (``text_only``), a referenced image not intact in ``RUN/media``, and for a VLM (``vision_ids``: its config's
+    ``image_token_id``, ``vision_start_token_id``, ...) a prompt whose image count is not the references' or a
+    vision token in the response's trained tokens (image tokens are prompt tokens, never in the loss mask). Each is
+    one line, exit 2 (:class:`UsageError`: bad input)."""
+    hashes = s.image_hashes
+    if hashes and text_only:
+        raise UsageError(f"{where}: multimodal_inputs has {len(hashes)} images but model.path is a text-only model")
+    for sha in dict.fromkeys(hashes):
+        problem = stored_image_problem(run_path, sha)
+        if problem:
+            raise UsageError(f"{where}: its image {sha} is not in the run's {MEDIA_DIR}/ ({problem}); copy the "
+                                f"image there as {MEDIA_DIR}/<sha256 of its PNG bytes>.png")
+    if not vision_ids:
+        return
+    start = vision_ids.get("vision_start_token_id")
+    if start is not None and s.prompt_tokens.count(start) != len(hashes):
+        raise UsageError(f"{where}: its prompt holds {s.prompt_tokens.count(start)} images (vision_start tokens) "
+                            f"but multimodal_inputs refers to {len(hashes)}")
+    mask = s.loss_mask or [1] * s.response_length
+    trained = {t for t, m in zip(s.response_tokens, mask) if m}
+    bad = sorted(trained & set(vision_ids.values()))
+    if bad:
+        raise UsageError(f"{where}: vision token {bad[0]} is in the response's trained tokens (loss mask 1); "
+                            f"image tokens are prompt tokens, never in the loss mask")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -18,7 +19,12 @@ from typing import Any, Iterable
 from slimectl.contract.errors import SlimectlError
 
 SAMPLES_FILE = "samples.parquet"
-FORMAT_VERSION = 3  # 2: the rollout_routed_experts column (v1 files read as None); 3: weight_version_spans (older: [])
+MEDIA_DIR = "media"
+"""``RUN/media/<sha256>.png``: the images samples refer to (``Sample.multimodal_inputs``)."""
+FORMAT_VERSION = 4  # 2: the rollout_routed_experts column (v1 files read as None); 3: weight_version_spans (older: []);
+# 4: multimodal_inputs (older: None)
+MODALITIES = ("image",)
+"""The modalities a sample's ``multimodal_inputs`` may name (``data.multimodal_keys``'s)."""
 
 
 class Status(str, enum.Enum):
@@ -65,6 +71,11 @@ class Sample:
     """MoE routing replay (slime's ``rollout_routed_experts`` [T-1, layers, topk]): one row per token
     position except the last (``len(tokens) - 1`` rows once complete), each row the experts every MoE
     layer chose there, flattened layer-major (``layers * topk`` ints). None when not recorded."""
+    multimodal_inputs: dict[str, list[str]] | None = None
+    """The prompt's images as content-addressed references, per modality: ``{"image": ["<sha256>", ...]}`` in
+    prompt order, each ``RUN/media/<sha256>.png`` (:mod:`slimectl.stages.rollout.media`); the prompt tokens hold
+    their expanded placeholders (prompt tokens: never in the loss mask). None: a text-only sample (and files older
+    than samples format 4)."""
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -200,6 +211,12 @@ class Sample:
         if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError("loss_mask entries must be 0 or 1")
         check_version_spans(self.weight_version_spans, self.response_length, "weight_version_spans")
+        check_multimodal_inputs(self.multimodal_inputs)
+
+    @property
+    def image_hashes(self) -> list[str]:
+        """The SHA-256 names of the prompt's images (``multimodal_inputs["image"]``), in prompt order."""
+        return list((self.multimodal_inputs or {}).get("image") or [])
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -256,6 +273,22 @@ def check_version_spans(spans: object, response_length: int, name: str) -> None:
         last = sp["end"]
 
 
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_multimodal_inputs(mm: object) -> None:
+    """ValueError unless ``mm`` is None or ``{modality: [sha256 hex, ...]}`` with modalities in :data:`MODALITIES`."""
+    if mm is None:
+        return
+    if not isinstance(mm, dict) or not all(k in MODALITIES for k in mm):
+        raise ValueError(f"multimodal_inputs must be {{\"image\": [sha256, ...]}} (modalities: "
+                         f"{', '.join(MODALITIES)}), got {mm!r:.120}")
+    for modality, refs in mm.items():
+        if not isinstance(refs, list) or not all(isinstance(r, str) and _SHA256.match(r) for r in refs):
+            raise ValueError(f"multimodal_inputs[{modality!r}] must be a list of SHA-256 names (64 lowercase hex "
+                             f"digits) of files in RUN/media, got {refs!r:.120}")
+
+
 def decode_routed_experts(b64: str, positions: int) -> list[list[int]]:
     """SGLang's ``meta_info.routed_experts`` (base64 of int32, [positions, layers, topk]) as
     ``positions`` rows of ``layers * topk`` ints."""
@@ -295,6 +328,7 @@ def _schema():
         ("rollout_routed_experts", pa.list_(pa.list_(pa.int32()))),
         ("weight_version_spans", pa.list_(pa.struct([("version", pa.string()), ("start", pa.int32()),
                                                      ("end", pa.int32())]))),
+        ("multimodal_inputs", pa.struct([(m, pa.list_(pa.string())) for m in MODALITIES])),
     ], metadata={b"slimectl_samples_format": str(FORMAT_VERSION).encode()})
 
 

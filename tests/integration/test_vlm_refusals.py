@@ -56,13 +56,15 @@ def test_each_stage_refuses_a_vlm_in_one_line(vlm_run, stage):
     assert _published(run) == []
 
 
-def test_rollout_import_refuses_a_vlm(vlm_run, tmp_path):
+def test_rollout_import_of_a_vlm_sample_whose_image_is_not_in_the_run_is_one_line(vlm_run, tmp_path):
     family, run = vlm_run
     samples = tmp_path / "s.jsonl"
-    samples.write_text(json.dumps({"group_index": 0, "index": 0, "tokens": [5, 6, 7, 8], "response_length": 2,
-                                   "reward": 1.0, "rollout_log_probs": [-1.0, -2.0], "loss_mask": [1, 1]}) + "\n")
+    sha = "ab" * 32
+    samples.write_text(json.dumps({"group_index": 0, "index": 0, "tokens": [512, 515, 513, 6, 7], "response_length": 2,
+                                   "reward": 1.0, "rollout_log_probs": [-1.0, -2.0], "loss_mask": [1, 1],
+                                   "multimodal_inputs": {"image": [sha]}}) + "\n")
     line = _error_line(slimectl_in_process("rollout", "import", samples, "-r", run))
-    assert "vision-language model" in line and "`slimectl rollout import` is not built yet" in line, line
+    assert f"{samples}:1: its image {sha} is not in the run's media/" in line and "does not exist" in line, line
     assert _published(run) == []
 
 

@@ -48,18 +48,17 @@ def run_eval(run: RunDir, cfg: SlimectlConfig, version: int, engine_urls: list[s
     with run.stage_log("eval"):
         from slimectl.contract.logs import quiet_hf_progress
         from slimectl.contract.metrics import MetricsWriter
-        from slimectl.stages.rollout.data import load_tokenizer, tokenize_prompts
-        from slimectl.stages.rollout.prompts import load_prompt_rows
+        from slimectl.stages.rollout.media import store_images
+        from slimectl.stages.rollout.prompts import load_prompt_rows, tokenize_rows
 
         if not cfg.data.eval_data:
             return {}
         quiet_hf_progress()
-        tok = load_tokenizer(cfg)
-        d = cfg.data
-        datasets = {}
-        for name, spec in d.eval_data.items():
+        datasets, tok = {}, None
+        for name, spec in cfg.data.eval_data.items():
             rows, _ = load_prompt_rows(cfg, spec, key=f"data.eval_data.{name}")
-            rows, _ = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
+            rows, _, tok = tokenize_rows(cfg, rows)  # a VLM's images through its processor
+            store_images(run.path, [im for row in rows for im in row.images])  # what image_data sends
             datasets[name] = rows
         work = _eval_async(run, cfg, datasets, engine_urls, tok, version)
         results, samples = bridge.run(work) if bridge is not None else asyncio.run(work)

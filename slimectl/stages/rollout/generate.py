@@ -8,8 +8,8 @@ Custom generate functions keep slime's signature::
     async def generate(args, sample, sampling_params) -> Sample | list[Sample]
 
 ``args`` carries ``args.pool`` (call ``await args.pool.generate(input_ids=..., sampling_params=...,
-return_logprob=True)``), ``args.config`` (the run's config), ``args.tokenizer`` and
-``args.engine_urls``.
+return_logprob=True)``), ``args.config`` (the run's config), ``args.tokenizer``,
+``args.engine_urls`` and ``args.run_path``; a VLM sample's request adds :func:`image_request` (``image_data``).
 """
 
 from __future__ import annotations
@@ -50,12 +50,25 @@ async def default_generate(args: SimpleNamespace, sample: Sample, sampling_param
     if getattr(args, "return_routed_experts", False):
         # rows already recorded (a partial rollout continuing) are kept; ask only for the new ones
         extra = {"return_routed_experts": True, "routed_experts_start_len": len(sample.rollout_routed_experts or [])}
+    extra.update(image_request(args, sample))
     out = await args.pool.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True, **extra)
     meta = out["meta_info"]
     lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
     sample.append_response_tokens(out["output_ids"], lps, True, meta, out.get("text", ""))
     sample.metadata["engine_url"] = meta.get("engine_url")
     return sample
+
+
+def image_request(args: SimpleNamespace, sample: Sample) -> dict[str, Any]:
+    """A VLM sample's images for its ``/generate`` request, in SGLang's shape: ``{"image_data": [data URL, ...]}``
+    (``RUN/media/<sha256>.png`` as ``data:image/png;base64,...``, in prompt order, beside ``input_ids`` whose
+    placeholders the processor expanded); ``{}`` for a text-only sample. A missing image is one line (exit 2)."""
+    hashes = sample.image_hashes
+    if not hashes:
+        return {}
+    from slimectl.stages.rollout.media import image_data
+
+    return {"image_data": image_data(args.run_path, hashes, f"sample {sample.index} (group {sample.group_index})")}
 
 
 @dataclass

@@ -3,8 +3,9 @@
 FILE is JSON Lines (one Sample per line, the field names of :class:`slimectl.contract.samples.Sample`)
 or a samples Parquet file. Every sample is validated before anything is written — token ids
 within the model's vocabulary, ``response_length`` inside ``tokens``, per-token lists as long
-as the response, a numeric reward, a group (:mod:`slimectl.contract.sample_checks`) — and the first
-problem is reported with its line. The rollout is published with the run-dir protocol like a
+as the response, a numeric reward, a group (:mod:`slimectl.contract.sample_checks`); a VLM sample's images
+(``multimodal_inputs``) each intact in ``RUN/media``, as many as its prompt holds, and no vision token trained on —
+and the first problem is reported with its line. The rollout is published with the run-dir protocol like a
 generated one, so ``train`` consumes it exactly once.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
-from slimectl.contract.sample_checks import check_sample, parse_sample
+from slimectl.contract.sample_checks import check_sample, check_sample_images, parse_sample
 from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, read_samples, write_samples
 
 DATA_STATE = "data_state.json"
@@ -55,15 +56,44 @@ def _load(path: Path) -> list[tuple[str, Sample]]:
     return out
 
 
-def model_vocab_size(cfg: SlimectlConfig) -> int | None:
-    """The vocabulary size of ``model.path`` when it holds an HF config (token ids are checked against it)."""
+def model_vocab_size(cfg: SlimectlConfig, allow_vlm: bool = False) -> int | None:
+    """The vocabulary size of ``model.path`` when it holds an HF config (token ids are checked against it); a VLM is
+    refused in one line unless ``allow_vlm`` (then its language model's vocabulary)."""
     from slimectl.backends.hf.arch import arch_from_dir
-    from slimectl.backends.hf.vlm import refuse_vlm
+    from slimectl.backends.hf.vlm import refuse_vlm, vlm_family
 
     if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        if allow_vlm and vlm_family(cfg.model.path) is not None:
+            conf = _hf_config(cfg.model.path)
+            vocab = conf.get("vocab_size") or (conf.get("text_config") or {}).get("vocab_size")
+            return int(vocab) if vocab else None
         refuse_vlm(cfg.model.path, "rollout import")
         return arch_from_dir(cfg.model.path).vocab_size
     return None
+
+
+_VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def _hf_config(model_path: str) -> dict:
+    try:
+        conf = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return conf if isinstance(conf, dict) else {}
+
+
+def model_vision(cfg: SlimectlConfig) -> tuple[dict[str, int] | None, bool]:
+    """(a VLM's vision token ids from its config.json, whether ``model.path`` is known to be text-only)."""
+    from slimectl.backends.hf.vlm import vlm_family
+
+    if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+        return None, False
+    if vlm_family(cfg.model.path) is None:
+        return None, True
+    conf = _hf_config(cfg.model.path)
+    ids = {k: conf.get(k, (conf.get("text_config") or {}).get(k)) for k in _VISION_TOKENS}
+    return {k: int(v) for k, v in ids.items() if isinstance(v, int)}, False
 
 
 def resolve_rollout_id(run: RunDir, rollout_id: int | None, force: bool) -> int:
@@ -109,9 +139,11 @@ def import_rollout(run: RunDir, cfg: SlimectlConfig, path: str | Path, rollout_i
                    force: bool = False) -> ImportResult:
     path = Path(path)
     pairs = _load(path)
-    vocab = model_vocab_size(cfg)
+    vocab = model_vocab_size(cfg, allow_vlm=True)
+    vision, text_only = model_vision(cfg)
     for where, s in pairs:
         check_sample(where, s, vocab, cfg.rollout.reward_key)
+        check_sample_images(where, s, run.path, vision, text_only)
     with run.lock("rollout"):
         rid = resolve_rollout_id(run, rollout_id, force)
         return publish_samples(run, cfg, [s for _, s in pairs], rid,

@@ -34,6 +34,8 @@ def format_samples(art: Artifact, samples: list[Sample], limit: int = 8, as_json
         lines.append(f"  prompt:   {_short(s.prompt if isinstance(s.prompt, str) else json.dumps(s.prompt))}")
         lines.append(f"  response: {_short(s.response)}")
         lines.append(f"  tokens:   {s.prompt_length} prompt + {s.response_length} response; {lp_txt}")
+        if s.image_hashes:
+            lines.append(f"  images:   {', '.join(f'media/{h}.png' for h in s.image_hashes)}")
     if len(shown) < len(samples):
         lines.append(f"... {len(samples) - len(shown)} more (--limit 0 shows all)")
     return "\n".join(lines)

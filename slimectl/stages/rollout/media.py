@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import os
@@ -28,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MEDIA_DIR = "media"
+from slimectl.contract.errors import UsageError
+from slimectl.contract.sample_checks import stored_image_problem
+from slimectl.contract.samples import MEDIA_DIR  # RUN/media, named by the contract
 
 _DATA_URL = re.compile(r"^data:image/[\w.+-]+;base64,", re.IGNORECASE)
 _MAX_PATH_CHARS = 4096
@@ -140,6 +143,8 @@ def row_images(rec: dict[str, Any], multimodal_keys: dict[str, str], base_dir: P
 def store_images(run_path: str | Path, images: list[ImageRef]) -> list[Path]:
     """Write each image to ``RUN/media/<sha256>.png`` (once: an existing file of that name holds the same bytes),
     through a temp file and a rename, so a reader never sees half a file. Returns the paths."""
+    if not images:
+        return []
     media = Path(run_path) / MEDIA_DIR
     media.mkdir(parents=True, exist_ok=True)
     out = []
@@ -168,6 +173,39 @@ def load_stored_image(run_path: str | Path, sha256: str) -> ImageRef:
 
     with Image.open(io.BytesIO(png)) as img:
         return ImageRef(sha256, png, img.size[0], img.size[1])
+
+
+class MissingImage(UsageError):
+    """A sample refers to an image that is not (or no longer intact) in ``RUN/media`` (input: exit code 2)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _data_url(media: str, sha256: str) -> str:
+    path = Path(media) / f"{sha256}.png"
+    png = path.read_bytes()
+    if hashlib.sha256(png).hexdigest() != sha256:
+        raise ValueError(sha256)
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def image_data(run_path: str | Path, hashes: list[str], where: str) -> list[str]:
+    """SGLang's ``image_data`` of a ``/generate`` request: the images ``RUN/media/<sha256>.png`` as base64 data URLs
+    (``data:image/png;base64,...``), in prompt order (each encoded once per process: a group's samples share them).
+    A missing or changed image is one line naming ``where`` (a sample) and the file (:class:`MissingImage`)."""
+    media = str(Path(run_path) / MEDIA_DIR)
+    out = []
+    for sha in hashes:
+        try:
+            out.append(_data_url(media, sha))
+        except (OSError, ValueError):
+            raise MissingImage(f"{where}: its image {sha} is not in the run ({stored_image_problem(run_path, sha)}); "
+                               f"the run's media/ was changed, restore the image or regenerate the rollout") from None
+    return out
+
+
+def image_refs(images: list[ImageRef]) -> dict[str, list[str]] | None:
+    """A prompt's images as a Sample's ``multimodal_inputs`` (None: no image)."""
+    return {"image": [im.sha256 for im in images]} if images else None
 
 
 def check_media_columns(path: Path, raw: list[tuple[int, Any]], multimodal_keys: dict[str, str], keys_seen) -> None:

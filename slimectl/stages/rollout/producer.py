@@ -21,8 +21,8 @@ from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample
 from slimectl.engines.pool import EnginePool
 from slimectl.weight_formats import weight_format
-from slimectl.stages.rollout.generate import (GroupResult, default_generate, generate_batch, load_function, nonzero_std,
-                                              run_group, trace_groups)
+from slimectl.stages.rollout.generate import (GroupResult, default_generate, generate_batch, image_request,
+                                              load_function, nonzero_std, run_group, trace_groups)
 from slimectl.stages.rollout.prompts import PromptSupply
 from slimectl.stages.rollout.publish import publish_rollout, rollout_metrics
 
@@ -78,9 +78,10 @@ def group_filter(r, args):
 
 
 async def teacher_log_probs(samples: list[Sample], urls: list[str], temperature: float, token: str | None,
-                            cfg: SlimectlConfig) -> float:
+                            cfg: SlimectlConfig, run_path=None) -> float:
     """Fill ``sample.teacher_log_probs`` (one per response token) from the teacher engines; return
-    the mean per-token reverse-KL estimate ``student_lp - teacher_lp`` over trained tokens."""
+    the mean per-token reverse-KL estimate ``student_lp - teacher_lp`` over trained tokens. A VLM sample's images
+    (from ``run_path``'s ``media/``) go with its request."""
     pool = EnginePool([u.rstrip("/") for u in urls], token=token, concurrency_per_engine=cfg.rollout.concurrency_per_engine,
                       timeout=cfg.engine.request_timeout_s)
 
@@ -89,7 +90,8 @@ async def teacher_log_probs(samples: list[Sample], urls: list[str], temperature:
             s.teacher_log_probs = []
             return
         out = await pool.generate(input_ids=s.tokens, return_logprob=True, logprob_start_len=0,
-                                  sampling_params={"max_new_tokens": 0, "temperature": temperature})
+                                  sampling_params={"max_new_tokens": 0, "temperature": temperature},
+                                  **image_request(SimpleNamespace(run_path=run_path), s))
         lps = [float(x[0]) for x in out["meta_info"]["input_token_logprobs"][1:]]
         if len(lps) < s.response_length:
             raise SlimectlError(f"teacher at {out['meta_info'].get('engine_url', urls[0])} returned {len(lps)} log-probs "
@@ -169,6 +171,7 @@ class RolloutProducer:
         cfg, r, evaluating = self.cfg, self.cfg.rollout, self.evaluating
         return SimpleNamespace(
             pool=self.pool, config=cfg, tokenizer=self.tokenizer, engine_urls=self.urls, rollout_id=self.rollout_id,
+            run_path=self.run.path,
             rollout_max_response_len=self.params["max_new_tokens"],
             n_samples_per_prompt=r.eval_n_samples if evaluating else r.n_samples_per_prompt, reward_key=r.reward_key,
             mask_offpolicy=not evaluating and r.mask_offpolicy_in_partial_rollout,
@@ -208,7 +211,8 @@ class RolloutProducer:
         """The metrics of a batch started at ``started`` (the teacher's log-probs filled in first under OPD)."""
         cfg, r = self.cfg, self.cfg.rollout
         samples = [s for g in kept for s in g.samples]
-        opd_rkl = await teacher_log_probs(samples, r.teacher_urls, r.temperature, cfg.engine.token(), cfg) \
+        opd_rkl = await teacher_log_probs(samples, r.teacher_urls, r.temperature, cfg.engine.token(), cfg,
+                                          self.run.path) \
             if r.teacher_urls else None
         metrics = rollout_metrics(samples, counts, time.time() - started, r.reward_key, [g.samples for g in kept],
                                   weight_version)

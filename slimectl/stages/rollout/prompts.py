@@ -13,11 +13,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+from slimectl.backends.hf.vlm import vlm_family
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample, Status
 from slimectl.stages.rollout.data import PromptRow, PromptSource, load_tokenizer, tokenize_prompts
+
+VLM_ROLLOUT_READY = False
+"""Whether ``slimectl rollout`` (and ``rollout --follow``) take a vision-language model. Off (refused in one line)
+until the embedded engine serves ``image_data`` (issue 45, item 3); the rollout side is built (images stored in
+``RUN/media``, samples' ``multimodal_inputs``, ``image_data`` in every request) and tested against a fake engine
+with it on."""
 
 DATA_STATE = "data_state.json"
 BUFFER_FILE = "buffer.parquet"
@@ -27,6 +34,14 @@ BUFFER_FILE = "buffer.parquet"
 def next_rollout_id(run: RunDir) -> int:
     ids = run.rollouts.ids()
     return ids[-1] + 1 if ids else 0
+
+
+def refuse_vlm_rollout(cfg: SlimectlConfig, stage: str) -> None:
+    """Refuse a VLM's rollout in one line (exit 2) while :data:`VLM_ROLLOUT_READY` is off."""
+    if not VLM_ROLLOUT_READY:
+        from slimectl.backends.hf.vlm import refuse_vlm
+
+        refuse_vlm(cfg.model.path, stage)
 
 
 def require_prompt_data(cfg: SlimectlConfig) -> None:
@@ -94,10 +109,26 @@ def prepared_prompts(cfg: SlimectlConfig, skip_bad_rows: bool | None):
     from slimectl.contract.logs import quiet_hf_progress
 
     quiet_hf_progress()
-    tok = load_tokenizer(cfg)
-    rows, too_long = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
+    rows, too_long, tok = tokenize_rows(cfg, rows)
     _prepared.update(key=key, value=(rows, bad, too_long, tok))
     return _prepared["value"]
+
+
+def tokenize_rows(cfg: SlimectlConfig, rows: list[PromptRow]) -> tuple[list[PromptRow], int, Any]:
+    """``(rows kept, prompts too long, tokenizer)``: the rows' prompt ids as the engine will see them. A VLM with
+    ``data.multimodal_keys``: through its HF processor (:func:`~slimectl.stages.rollout.media.tokenize_vlm_prompts`:
+    each image's placeholder expanded to its token count); else the tokenizer's chat template."""
+    d = cfg.data
+    if d.multimodal_keys and vlm_family(cfg.model.path) is not None:
+        from slimectl.backends.hf.vlm import load_processor
+        from slimectl.stages.rollout.media import tokenize_vlm_prompts
+
+        processor = load_processor(cfg.model.tokenizer_path or cfg.model.path)
+        rows, too_long = tokenize_vlm_prompts(rows, processor, d.apply_chat_template, d.max_prompt_len)
+        return rows, too_long, processor.tokenizer
+    tok = load_tokenizer(cfg)
+    rows, too_long = tokenize_prompts(rows, tok, d.apply_chat_template, d.max_prompt_len)
+    return rows, too_long, tok
 
 
 def data_state_before(run: RunDir, rollout_id: int) -> dict[str, Any] | None:
@@ -136,10 +167,15 @@ def buffered_groups(run: RunDir, rollout_id: int) -> list[list[Sample]]:
 def new_group(row: PromptRow, g: int, n: int, first_seed: int, rollout_id: int | None = None,
               **metadata: Any) -> list[Sample]:
     """Prompt ``row``'s group ``g`` of ``n`` samples (indices ``g * n + j``; sampling seeds ``first_seed + j``),
-    ``metadata`` added to the row's own."""
+    ``metadata`` added to the row's own. Its images (a VLM's) as references into ``RUN/media``: the caller stores
+    them (:func:`~slimectl.stages.rollout.media.store_images`) before the group is generated."""
     label = None if row.label is None else (row.label if isinstance(row.label, str) else json.dumps(row.label))
+    from slimectl.stages.rollout.media import image_refs
+
+    images = image_refs(row.images)
     return [Sample(group_index=g, index=g * n + j, rollout_id=rollout_id, prompt=row.prompt_text,
                    tokens=list(row.prompt_ids), label=label,
+                   multimodal_inputs=None if images is None else {k: list(v) for k, v in images.items()},
                    metadata={**row.metadata, "row": row.row, **metadata, "sampling_seed": first_seed + j})
             for j in range(n)]
 
@@ -147,12 +183,15 @@ def new_group(row: PromptRow, g: int, n: int, first_seed: int, rollout_id: int |
 class PromptSupply:
     """What feeds a rollout producer's generation: called as ``supply(n)``, the next ``n`` groups (default: a
     round of ``over_sampling_batch_size``, or ``batch_size``): the groups an earlier rollout left unfinished first
-    (:attr:`buffered`, partial rollout or fully async), then new prompts' groups of ``n_samples_per_prompt``."""
+    (:attr:`buffered`, partial rollout or fully async), then new prompts' groups of ``n_samples_per_prompt``, their
+    images (a VLM's) stored in ``RUN/media`` first."""
 
     def __init__(self, cfg: SlimectlConfig, rollout_id: int, source: PromptSource, buffered: list[list[Sample]],
-                 tokenizer, dataset_metrics: dict[str, Any]):
+                 tokenizer, dataset_metrics: dict[str, Any], media_root: str | Path | None = None):
         self.r, self.rollout_id, self.source, self.buffered, self.tokenizer = \
             cfg.rollout, rollout_id, source, buffered, tokenizer
+        self.media_root = media_root
+        """The run directory whose ``media/`` a new group's images are stored in before it is handed out."""
         self.round_size = self.r.over_sampling_batch_size or self.r.batch_size
         self.dataset_metrics = dataset_metrics
         """The dataset's counters (bad rows, prompts too long): in the first rollout published from this supply."""
@@ -168,7 +207,7 @@ class PromptSupply:
         rows, bad, too_long, tok = prepared_prompts(cfg, skip_bad_rows)
         source = PromptSource(rows, seed=d.seed, shuffle=d.shuffle, state=state)
         return cls(cfg, rollout_id, source, buffered, tok,
-                   {"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long})
+                   {"rollout/bad_rows_skipped": bad, "rollout/prompts_too_long": too_long}, media_root=run.path)
 
     def __call__(self, n: int | None = None) -> list[list[Sample]]:
         r, rid = self.r, self.rollout_id
@@ -183,6 +222,12 @@ class PromptSupply:
             groups.append(group)
         k = r.n_samples_per_prompt
         for g, row in self.source.take(n - len(groups)):
+            if row.images:
+                if self.media_root is None:
+                    raise SlimectlError(f"row {row.row} has images but this prompt supply has no run to store them in")
+                from slimectl.stages.rollout.media import store_images
+
+                store_images(self.media_root, row.images)
             groups.append(new_group(row, g, k, (r.seed * 1_000_003 + rid) * 65_537 + g * k, rollout_id=rid))
         return groups
 

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slimectl.backends.hf.vlm import refuse_vlm
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.stages.rollout.generate import GroupResult
 from slimectl.stages.rollout.producer import RolloutProducer
-from slimectl.stages.rollout.prompts import carries_groups, load_prompt_rows, next_rollout_id, require_prompt_data
+from slimectl.stages.rollout.prompts import (carries_groups, load_prompt_rows, next_rollout_id, refuse_vlm_rollout,
+                                             require_prompt_data)
 
 log = logging.getLogger("slimectl.rollout")
 
@@ -89,7 +89,7 @@ def run_rollout(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = None,
     rollout runs on its loop and reuses its connections to the engines); None: a fresh loop and
     fresh connections, closed at the end."""
     with run.stage_log("rollout"):
-        refuse_vlm(cfg.model.path, "rollout")
+        refuse_vlm_rollout(cfg, "rollout")
         require_prompt_data(cfg)
         with run.lock("rollout") as lock:
             rid = next_rollout_id(run) if rollout_id is None else rollout_id

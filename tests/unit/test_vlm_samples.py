@@ -1,0 +1,87 @@
+"""Samples carry their images (issue 45): ``Sample.multimodal_inputs`` as content-addressed references into
+``RUN/media``, in ``samples.parquet`` (format 4; older files read it as None)."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from slimectl.contract.samples import FORMAT_VERSION, Sample, read_samples, write_samples
+
+A, B = "a" * 64, "0123456789abcdef" * 4
+
+
+def _sample(mm=None, **kw) -> Sample:
+    return Sample(group_index=0, index=0, tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 1],
+                  rollout_log_probs=[-0.1, -0.2], reward=1.0, multimodal_inputs=mm, **kw)
+
+
+def test_image_references_round_trip_through_parquet(tmp_path):
+    path = tmp_path / "samples.parquet"
+    write_samples([_sample({"image": [A, B, A]}), _sample()], path)
+    got = read_samples(path)
+    assert got[0].multimodal_inputs == {"image": [A, B, A]} and got[0].image_hashes == [A, B, A]
+    assert got[1].multimodal_inputs is None and got[1].image_hashes == []
+    assert pq.read_schema(path).metadata[b"slimectl_samples_format"] == str(FORMAT_VERSION).encode()
+    assert FORMAT_VERSION == 4
+
+
+def test_a_file_older_than_format_4_reads_without_images(tmp_path):
+    path = tmp_path / "old.parquet"
+    write_samples([_sample()], path)
+    table = pq.read_table(path)
+    old = table.drop_columns(["multimodal_inputs"]).replace_schema_metadata({b"slimectl_samples_format": b"3"})
+    pq.write_table(old, path)
+    (s,) = read_samples(path)
+    assert s.multimodal_inputs is None and s.tokens == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("mm, what", [
+    ({"video": [A]}, "modalities: image"),
+    ({"image": ["not-a-hash"]}, "64 lowercase hex digits"),
+    ({"image": [A.upper()]}, "64 lowercase hex digits"),
+    ({"image": A}, "must be a list of SHA-256 names"),
+    (["x"], "must be {\"image\""),
+])
+def test_malformed_references_are_refused(tmp_path, mm, what):
+    with pytest.raises(ValueError, match="multimodal_inputs") as exc:
+        write_samples([_sample(mm)], tmp_path / "s.parquet")
+    assert what in str(exc.value)
+    assert not (tmp_path / "s.parquet").exists()
+
+
+def test_a_continued_partial_sample_sends_its_images_with_all_its_tokens(tmp_path):
+    """Partial rollout: a sample aborted mid-response goes on with prompt + response so far, and its images."""
+    import asyncio
+    import io
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from slimectl.stages.rollout.generate import default_generate
+    from slimectl.stages.rollout.media import MissingImage, decode_image, store_images
+
+    buf = io.BytesIO()
+    Image.new("RGB", (28, 28), "red").save(buf, format="PNG")
+    ref = decode_image(buf.getvalue(), tmp_path, "t")
+    store_images(tmp_path, [ref])
+    sent = []
+
+    async def generate(**body):
+        sent.append(body)
+        return {"output_ids": [9], "text": "x", "meta_info": {"finish_reason": {"type": "stop"}, "weight_version": "1",
+                                                               "output_token_logprobs": [[-0.3, 9, None]]}}
+
+    args = SimpleNamespace(pool=SimpleNamespace(generate=generate), run_path=tmp_path)
+    s = _sample({"image": [ref.sha256]})
+    s.status = s.status.ABORTED
+    asyncio.run(default_generate(args, s, {"max_new_tokens": 5}))
+    assert sent[0]["input_ids"] == [1, 2, 3, 4] and sent[0]["sampling_params"]["max_new_tokens"] == 3
+    assert sent[0]["image_data"] == ["data:image/png;base64," + __import__("base64").b64encode(ref.png).decode()]
+    assert s.tokens == [1, 2, 3, 4, 9] and s.loss_mask == [1, 1, 1] and s.multimodal_inputs == {"image": [ref.sha256]}
+    missing = _sample({"image": [B]})
+    with pytest.raises(MissingImage) as exc:
+        asyncio.run(default_generate(args, missing, {"max_new_tokens": 5}))
+    msg = str(exc.value)
+    assert exc.value.exit_code == 2 and "\n" not in msg and f"its image {B} is not in the run" in msg
+    assert len(sent) == 1  # nothing was sent for it
