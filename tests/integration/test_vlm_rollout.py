@@ -239,3 +239,37 @@ def test_eval_of_a_vlm_sends_the_images_too(tmp_path, vlm):
     assert [len(s.image_hashes) for s in samples] == [2, 1, 0]
     assert sorted(len(b.get("image_data") or []) for b in eng.bodies) == [0, 1, 2]
     assert all((run.path / MEDIA_DIR / f"{h}.png").is_file() for s in samples for h in s.image_hashes)
+
+
+def test_a_vlm_rollout_against_the_embedded_engine(tmp_path, vlm, monkeypatch):
+    """The two halves together: a real embedded engine serving the tiny Qwen2.5-VL takes the rollout's image_data and
+    input_ids; the published samples' log-probs are the engine's own for the images it was sent (a greedy request of
+    the first sample's prompt and images, sent by hand, answers the same tokens, log-probs within 1e-5)."""
+    import urllib.request
+
+    from tests.helpers import start_engine, stop_engine, wait_healthy
+
+    monkeypatch.setattr(rollout_prompts, "VLM_ROLLOUT_READY", True)
+    proc, url = start_engine(vlm["model"], tmp_path / "engine.log")
+    try:
+        wait_healthy(url)
+        run = _run(tmp_path, vlm, "rollout.temperature=0")
+        res = rollout_stage.run_rollout(run, run.config(), engine_urls=[url])
+        samples = read_samples(run.rollouts.get(0).file(SAMPLES_FILE))
+        assert res.num_samples == 6 and [len(s.image_hashes) for s in samples] == [2, 2, 1, 1, 0, 0]
+        for s in samples:
+            assert s.response_length >= 1 and len(s.rollout_log_probs) == s.response_length
+        first = samples[0]
+        urls = [f"data:image/png;base64,{base64.b64encode((run.path / MEDIA_DIR / f'{h}.png').read_bytes()).decode()}"
+                for h in first.image_hashes]
+        body = {"input_ids": first.prompt_tokens, "image_data": urls, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": first.response_length, "temperature": 0, "ignore_eos": True}}
+        req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            got = json.loads(resp.read())
+        assert got["output_ids"] == first.response_tokens
+        alone = [x[0] for x in got["meta_info"]["output_token_logprobs"]]  # batched otherwise: fp32 rounding apart
+        assert max(abs(a - b) for a, b in zip(alone, first.rollout_log_probs)) <= 1e-5
+    finally:
+        stop_engine(proc)
