@@ -43,6 +43,7 @@ from aiohttp import web
 from slimectl.agents.harness_recorder import Prompt, TrajectoryRecorder
 from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, FinishRequest, HarnessError, session_id
 from slimectl.agents.harness_sessions import Session, export_jsonl, samples_from_sessions
+from slimectl.agents.harness_stream import StreamCut, content_deltas, stream_events, write_stream
 from slimectl.contract.errors import ArtifactExists, LockHeld, SlimectlError, UsageError
 from slimectl.contract.rundir.atomic import atomic_write_text
 from slimectl.engines.client import EngineError
@@ -197,7 +198,7 @@ class Harness:
             sess = self.sessions[sid] = Session(sid)
         self._in_flight[sid] = self._in_flight.get(sid, 0) + 1
         try:
-            return await self._complete(sess, req, params, text)
+            return await self._complete(request, sess, req, params, text)
         finally:
             self._in_flight[sid] -= 1
             if not self._in_flight[sid]:
@@ -205,29 +206,50 @@ class Harness:
                 if not sess.segments and self.sessions.get(sid) is sess:
                     del self.sessions[sid]  # a refused first request leaves no empty session behind
 
-    async def _complete(self, sess: Session, req: ChatRequest, params: dict[str, Any], text: str) -> web.Response:
+    async def _complete(self, request: web.Request, sess: Session, req: ChatRequest, params: dict[str, Any],
+                        text: str) -> web.StreamResponse:
         async with sess.lock:  # one request at a time per session: each extends what came before
             if sess.finished:
                 raise HarnessError(409, f"session {sess.id!r} is finished; use a new session id for a new episode",
                                    code="session_finished")
             prompt: Prompt = await self._off_loop(self.recorder.prompt, sess, text)
             out = await self._generate(prompt.input_ids, params)
+            if req.stream:
+                # recorded only once the whole stream was handed to the client: all of the turn or none of it
+                try:
+                    resp = await self._stream(request, sess, req, prompt, out)
+                except StreamCut as cut:
+                    log.info("session %s: the client closed the stream; the turn was not recorded", sess.id)
+                    return cut.response or web.Response(status=499, reason="Client Closed Request")
             reply, segment_no, turn_no = self.recorder.record(sess, prompt, req.messages, out)
             log.debug("session %s segment %d turn %d: %d prompt + %d completion tokens, %s", sess.id, segment_no,
                       turn_no, len(prompt.input_ids), len(out["output_ids"]), reply.finish_reason)
+        if req.stream:
+            return resp
+        response = {**self._head(req), "object": "chat.completion",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.content},
+                                 "logprobs": None, "finish_reason": reply.finish_reason}],
+                    "usage": _usage(prompt, out)}
+        return web.json_response(response, headers=self._place(sess.id, segment_no, turn_no))
 
-        n_in, n_out = len(prompt.input_ids), len(out["output_ids"])
-        response = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req.model if isinstance(req.model, str) else self.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.content},
-                         "logprobs": None, "finish_reason": reply.finish_reason}],
-            "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
-        }
-        headers = {SESSION_HEADER: sess.id, "X-Slimectl-Segment": str(segment_no), "X-Slimectl-Turn": str(turn_no)}
-        return web.json_response(response, headers=headers)
+    def _head(self, req: ChatRequest) -> dict[str, Any]:
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": req.model if isinstance(req.model, str) else self.model_name}
+
+    @staticmethod
+    def _place(sid: str, segment_no: int, turn_no: int) -> dict[str, str]:
+        return {SESSION_HEADER: sid, "X-Slimectl-Segment": str(segment_no), "X-Slimectl-Turn": str(turn_no)}
+
+    async def _stream(self, request: web.Request, sess: Session, req: ChatRequest, prompt: Prompt,
+                      out: dict[str, Any]) -> web.StreamResponse:
+        """Write the completion ``out`` as server-sent events (nothing is recorded here)."""
+        reply = self.recorder.split(out["output_ids"], out["meta_info"].get("finish_reason") or {})
+        pieces = await self._off_loop(content_deltas, self.recorder.decode, out["output_ids"], reply.content)
+        message = {"role": "assistant", "content": reply.content}
+        events = stream_events(self._head(req), message, reply.finish_reason, _usage(prompt, out), pieces, [],
+                               req.include_usage)
+        segment_no, turn_no = self.recorder.place(sess, prompt)
+        return await write_stream(request, events, self._place(sess.id, segment_no, turn_no))
 
     def _render(self, messages: list[dict[str, Any]], tools: list | None) -> str:
         kwargs = {"tools": tools} if tools else {}
@@ -306,6 +328,11 @@ class Harness:
         log.info("published %d sessions (%d samples) as %s", len(batch), result.num_samples, result.path)
         return web.json_response({"rollout_id": result.rollout_id, "num_samples": result.num_samples,
                                   "num_sessions": len(batch), "path": str(result.path), "file": str(path)})
+
+
+def _usage(prompt: Prompt, out: dict[str, Any]) -> dict[str, int]:
+    n_in, n_out = len(prompt.input_ids), len(out["output_ids"])
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
 # ----------------------------------------------------------------------------- running it

@@ -55,6 +55,13 @@ class TrajectoryRecorder:
         observed = self.encode(text[matched:])
         return Prompt(text, kept + observed, seg, cut, observed)
 
+    @staticmethod
+    def place(sess: Session, prompt: Prompt) -> tuple[int, int]:
+        """Where :meth:`record` will put the reply to ``prompt``: (its segment's number, its turn's number)."""
+        if prompt.segment is None:
+            return len(sess.segments), 1
+        return sess.segments.index(prompt.segment), len(prompt.segment.turns) + 1
+
     def record(self, sess: Session, prompt: Prompt, messages: list[dict[str, Any]],
                out: dict[str, Any]) -> tuple[Reply, int, int]:
         """Record the engine's answer ``out`` (SGLang's /generate) to ``prompt``: (the reply, its segment's number,

@@ -64,6 +64,7 @@ class ChatRequest(BaseModel):
     user: Any = None
     messages: Any = Field(default=None, validate_default=True)
     stream: Any = None
+    stream_options: Any = None
     n: Any = 1
     logprobs: Any = None
     presence_penalty: Any = None
@@ -86,10 +87,25 @@ class ChatRequest(BaseModel):
 
     @field_validator("stream")
     @classmethod
-    def _stream(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("stream=true is not supported: the harness answers whole completions; send stream=false")
+    def _stream(cls, v: Any) -> bool:
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"stream must be true or false, got {v!r}")
+        return bool(v)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None:
+            return v
+        if not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream=true")
+        if not isinstance(v, dict) or not isinstance(v.get("include_usage", False), bool):
+            raise ValueError("stream_options must be an object like {'include_usage': true}")
         return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.get("include_usage"))
 
     @field_validator("n")
     @classmethod
