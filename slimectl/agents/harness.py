@@ -43,7 +43,9 @@ from aiohttp import web
 from slimectl.agents.harness_recorder import Prompt, TrajectoryRecorder
 from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, FinishRequest, HarnessError, session_id
 from slimectl.agents.harness_sessions import Session, export_jsonl, samples_from_sessions
-from slimectl.agents.harness_stream import StreamCut, content_deltas, stream_events, write_stream
+from slimectl.agents.harness_parsers import ParsedReply, parse_reply, parsers_for
+from slimectl.agents.harness_sessions import Reply
+from slimectl.agents.harness_stream import StreamCut, content_deltas, cut_pieces, stream_events, write_stream
 from slimectl.contract.errors import ArtifactExists, LockHeld, SlimectlError, UsageError
 from slimectl.contract.rundir.atomic import atomic_write_text
 from slimectl.engines.client import EngineError
@@ -106,7 +108,8 @@ class Harness:
     def __init__(self, pool, tokenizer, model_name: str, api_key: str | None = None,
                  out_path: str | Path | None = None, publish: Publish | None = None,
                  default_max_tokens: int | None = None, overwrite: bool = False,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+                 max_body_bytes: int = MAX_BODY_BYTES, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         if getattr(tokenizer, "chat_template", None) is None:
             raise UsageError(f"the tokenizer of {model_name} has no chat template; the harness renders messages with it")
         if publish is not None and out_path is None:
@@ -122,6 +125,7 @@ class Harness:
             export_jsonl([], self.out_path)  # fail now (bad path), not at the first finish
         self.publish_batch = publish
         self.default_max_tokens = default_max_tokens
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.sessions: dict[str, Session] = {}
         self._in_flight: dict[str, int] = {}  # requests of each session being answered
         self.finish_order: list[Session] = []
@@ -214,21 +218,23 @@ class Harness:
                                    code="session_finished")
             prompt: Prompt = await self._off_loop(self.recorder.prompt, sess, text)
             out = await self._generate(prompt.input_ids, params)
+            reply = self.recorder.split(out["output_ids"], out["meta_info"].get("finish_reason") or {})
+            parsed = parse_reply(reply.content, self.tool_call_parser, self.reasoning_parser, req.tools)
+            message, finish = parsed.message(), _finish_reason(reply, parsed)
             if req.stream:
                 # recorded only once the whole stream was handed to the client: all of the turn or none of it
                 try:
-                    resp = await self._stream(request, sess, req, prompt, out)
+                    resp = await self._stream(request, sess, req, prompt, out, reply, parsed, finish)
                 except StreamCut as cut:
                     log.info("session %s: the client closed the stream; the turn was not recorded", sess.id)
                     return cut.response or web.Response(status=499, reason="Client Closed Request")
-            reply, segment_no, turn_no = self.recorder.record(sess, prompt, req.messages, out)
+            _, segment_no, turn_no = self.recorder.record(sess, prompt, req.messages, out, message)
             log.debug("session %s segment %d turn %d: %d prompt + %d completion tokens, %s", sess.id, segment_no,
-                      turn_no, len(prompt.input_ids), len(out["output_ids"]), reply.finish_reason)
+                      turn_no, len(prompt.input_ids), len(out["output_ids"]), finish)
         if req.stream:
             return resp
         response = {**self._head(req), "object": "chat.completion",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.content},
-                                 "logprobs": None, "finish_reason": reply.finish_reason}],
+                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
                     "usage": _usage(prompt, out)}
         return web.json_response(response, headers=self._place(sess.id, segment_no, turn_no))
 
@@ -241,12 +247,15 @@ class Harness:
         return {SESSION_HEADER: sid, "X-Slimectl-Segment": str(segment_no), "X-Slimectl-Turn": str(turn_no)}
 
     async def _stream(self, request: web.Request, sess: Session, req: ChatRequest, prompt: Prompt,
-                      out: dict[str, Any]) -> web.StreamResponse:
-        """Write the completion ``out`` as server-sent events (nothing is recorded here)."""
-        reply = self.recorder.split(out["output_ids"], out["meta_info"].get("finish_reason") or {})
+                      out: dict[str, Any], reply: Reply, parsed: ParsedReply, finish: str) -> web.StreamResponse:
+        """Write the completion ``out`` as server-sent events (nothing is recorded here): the reasoning and the
+        content token by token, then the tool calls."""
         pieces = await self._off_loop(content_deltas, self.recorder.decode, out["output_ids"], reply.content)
-        message = {"role": "assistant", "content": reply.content}
-        events = stream_events(self._head(req), message, reply.finish_reason, _usage(prompt, out), pieces, [],
+        text = reply.content
+        reasoning = cut_pieces(pieces, text, parsed.reasoning)
+        after = text.find("</think>") + len("</think>") if parsed.reasoning is not None and "</think>" in text else 0
+        content = pieces if parsed.content == text else cut_pieces(pieces, text, parsed.content, after)
+        events = stream_events(self._head(req), parsed.message(), finish, _usage(prompt, out), content, reasoning,
                                req.include_usage)
         segment_no, turn_no = self.recorder.place(sess, prompt)
         return await write_stream(request, events, self._place(sess.id, segment_no, turn_no))
@@ -330,6 +339,11 @@ class Harness:
                                   "num_sessions": len(batch), "path": str(result.path), "file": str(path)})
 
 
+def _finish_reason(reply: Reply, parsed: ParsedReply) -> str:
+    """OpenAI's ``tool_calls`` when a reply that stopped calls tools; else the reply's own."""
+    return "tool_calls" if parsed.tool_calls and reply.finish_reason == "stop" else reply.finish_reason
+
+
 def _usage(prompt: Prompt, out: dict[str, Any]) -> dict[str, int]:
     n_in, n_out = len(prompt.input_ids), len(out["output_ids"])
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
@@ -338,13 +352,23 @@ def _usage(prompt: Prompt, out: dict[str, Any]) -> dict[str, int]:
 # ----------------------------------------------------------------------------- running it
 
 
+def _model_type(model_path: str) -> str | None:
+    """The HF ``model_type`` of the model dir (None when its config.json cannot be read)."""
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path, host: str = "127.0.0.1",
                   port: int = 8000, api_key: str | None = None, publish: Publish | None = None,
                   engine_token: str | None = None, served_model_name: str | None = None,
                   default_max_tokens: int | None = None, overwrite: bool = False,
-                  announce: Callable[[str], None] = print) -> None:
+                  announce: Callable[[str], None] = print, tool_call_parser: str = "auto",
+                  reasoning_parser: str = "auto") -> None:
     """Run the harness until SIGINT/SIGTERM; ``announce`` gets the OpenAI base URL once it listens.
-    ``publish``: see :class:`Harness`."""
+    ``publish``: see :class:`Harness`; the parsers: see :func:`~slimectl.agents.harness_parsers.parsers_for`
+    (``auto``: the model family's)."""
     from transformers import AutoTokenizer
 
     from slimectl.contract.logs import quiet_hf_progress
@@ -356,6 +380,8 @@ def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path,
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot load a tokenizer from {model_path} ({exc}); pass --model HF_DIR") from None
     name = served_model_name or Path(model_path).name
+    tool_parser, think_parser = parsers_for(_model_type(model_path), tool_call_parser, reasoning_parser)
+    log.info("tool-call parser: %s; reasoning parser: %s", tool_parser or "none", think_parser or "none")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can generate and finish sessions; "
                     "set %s", host, API_KEY_ENV)
@@ -365,7 +391,8 @@ def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path,
         harness = None
         try:
             harness = Harness(pool, tokenizer, name, api_key=api_key, out_path=out_path, publish=publish,
-                              default_max_tokens=default_max_tokens, overwrite=overwrite)
+                              default_max_tokens=default_max_tokens, overwrite=overwrite,
+                              tool_call_parser=tool_parser, reasoning_parser=think_parser)
             if not await pool.weight_versions():
                 raise SlimectlError(f"none of the engines answered ({', '.join(engine_urls)}); is `slimectl serve` running?")
             async with serving(harness.app, host, port) as bound:

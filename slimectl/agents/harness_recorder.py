@@ -63,9 +63,9 @@ class TrajectoryRecorder:
         return sess.segments.index(prompt.segment), len(prompt.segment.turns) + 1
 
     def record(self, sess: Session, prompt: Prompt, messages: list[dict[str, Any]],
-               out: dict[str, Any]) -> tuple[Reply, int, int]:
+               out: dict[str, Any], message: dict[str, Any] | None = None) -> tuple[Reply, int, int]:
         """Record the engine's answer ``out`` (SGLang's /generate) to ``prompt``: (the reply, its segment's number,
-        its turn's number)."""
+        its turn's number). ``message``: the assistant message the agent was answered (default: the content)."""
         meta = out["meta_info"]
         reply = self.split(out["output_ids"], meta.get("finish_reason") or {})
         seg, text = prompt.segment, prompt.text
@@ -84,7 +84,7 @@ class TrajectoryRecorder:
         seg.tail_tokens = reply.tail_tokens
         seg.tail_start = len(seg.text) + reply.tail_start
         seg.text += reply.full_text
-        seg.messages = messages + [{"role": "assistant", "content": reply.content}]
+        seg.messages = messages + [message or {"role": "assistant", "content": reply.content}]
         seg.turns.append({"prompt_tokens": len(prompt.input_ids), "completion_tokens": len(out["output_ids"]),
                           "finish_reason": reply.finish_reason, "engine_url": meta.get("engine_url"),
                           "weight_version": meta.get("weight_version"), "trimmed_tokens": 0})

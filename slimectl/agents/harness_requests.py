@@ -8,6 +8,7 @@ session a request belongs to.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -215,8 +216,54 @@ def normalize_messages(raw: Any) -> list[dict[str, Any]]:
             content = "".join(parts)
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, a list of text parts or null")
-        out.append({**m, "content": content})
+        msg = {**m, "content": content}
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _template_tool_calls(m["tool_calls"], i)
+        out.append(msg)
+    _check_tool_messages(out)
     return out
+
+
+def _template_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as chat templates read them: ``arguments`` an object (OpenAI sends
+    them JSON-encoded; the templates write them with ``tojson``), as SGLang renders them."""
+    if not isinstance(calls, list):
+        raise Invalid(f"messages[{i}].tool_calls must be a list", param=f"messages.[{i}].tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise Invalid(f"messages[{i}].tool_calls[{j}] must be {{'type': 'function', 'function': {{'name', "
+                          f"'arguments'}}}}", param=f"messages.[{i}].tool_calls")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise Invalid(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                              param=f"messages.[{i}].tool_calls") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
+def _check_tool_messages(messages: list[dict[str, Any]]) -> None:
+    """Every ``tool`` message answers a call of the assistant message before it (by ``tool_call_id`` when it
+    names one), as OpenAI requires."""
+    ids: set | None = None  # the open calls' ids; None: no assistant message with tool calls before
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            calls = m.get("tool_calls") or []
+            ids = {c.get("id") for c in calls} if calls else None
+        elif m["role"] == "tool":
+            if ids is None:
+                raise Invalid(f"messages[{i}]: a message with role 'tool' must answer a preceding assistant message "
+                              f"with 'tool_calls'", param=f"messages.[{i}].role")
+            cid = m.get("tool_call_id")
+            if cid is not None and cid not in ids:
+                raise Invalid(f"messages[{i}].tool_call_id {cid!r} answers no call of the assistant message before "
+                              f"it", param=f"messages.[{i}].tool_call_id")
+        else:
+            ids = None
 
 
 def _finite(v: Any) -> bool:

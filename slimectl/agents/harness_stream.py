@@ -37,6 +37,23 @@ def content_deltas(decode: Callable[[list[int]], str], ids: list[int], content: 
     return pieces if "".join(pieces) == content else [content]
 
 
+def cut_pieces(pieces: list[str], text: str, part: str | None, after: int = 0) -> list[str]:
+    """The pieces of ``text`` cut down to ``part`` (found in ``text`` from ``after`` on); ``[part]`` when it is not
+    found there, none for an empty part."""
+    if not part:
+        return []
+    start = text.find(part, after)
+    if start < 0:
+        return [part]
+    end, out, at = start + len(part), [], 0
+    for p in pieces:
+        lo, hi = max(at, start), min(at + len(p), end)
+        if lo < hi:
+            out.append(text[lo:hi])
+        at += len(p)
+    return out
+
+
 def chunk(base: dict[str, Any], delta: dict[str, Any] | None, finish_reason: str | None = None,
           usage: bool = False) -> dict[str, Any]:
     """One ``chat.completion.chunk`` (``delta`` None: the usage chunk, with no choices)."""

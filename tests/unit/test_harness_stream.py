@@ -42,4 +42,5 @@ def test_events_come_in_openai_order_with_usage_last():
     assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"] == usage
     assert {e["object"] for e in events} == {"chat.completion.chunk"} and {e["id"] for e in events} == {"chatcmpl-1"}
     plain = stream_events(base, {"role": "assistant", "content": ""}, "length", usage, [], [], include_usage=False)
-    assert len(plain) == 2 and all("usage" not in e for e in plain) and plain[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(plain) == 2 and all("usage" not in e for e in plain)
+    assert plain[-1]["choices"][0]["finish_reason"] == "length"
