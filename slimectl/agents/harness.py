@@ -45,7 +45,8 @@ from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, Finish
 from slimectl.agents.harness_sessions import Session, export_jsonl, samples_from_sessions
 from slimectl.agents.harness_parsers import ParsedReply, parse_reply, parsers_for
 from slimectl.agents.harness_sessions import Reply
-from slimectl.agents.harness_stream import StreamCut, content_deltas, cut_pieces, stream_events, write_stream
+from slimectl.agents.harness_stream import (StreamCut, content_deltas, cut_pieces, stream_events, token_logprobs,
+                                            write_stream)
 from slimectl.contract.errors import ArtifactExists, LockHeld, SlimectlError, UsageError
 from slimectl.contract.rundir.atomic import atomic_write_text
 from slimectl.engines.client import EngineError
@@ -234,13 +235,22 @@ class Harness:
         if req.stream:
             return resp
         response = {**self._head(req), "object": "chat.completion",
-                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+                    "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(req, out, reply),
+                                 "finish_reason": finish}],
                     "usage": _usage(prompt, out)}
         return web.json_response(response, headers=self._place(sess.id, segment_no, turn_no))
 
     def _head(self, req: ChatRequest) -> dict[str, Any]:
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": req.model if isinstance(req.model, str) else self.model_name}
+
+    def _logprobs(self, req: ChatRequest, out: dict[str, Any], reply: Reply) -> dict[str, Any] | None:
+        """With ``logprobs: true``: the engine's log-probs of the reply's tokens (its stop sequence left out)."""
+        if not req.logprobs:
+            return None
+        ids = out["output_ids"][: len(out["output_ids"]) - reply.tail_tokens]
+        lps = [float(x[0]) for x in out["meta_info"].get("output_token_logprobs", [])]
+        return token_logprobs(self.recorder.decode, ids, lps)
 
     @staticmethod
     def _place(sid: str, segment_no: int, turn_no: int) -> dict[str, str]:
@@ -256,7 +266,7 @@ class Harness:
         after = text.find("</think>") + len("</think>") if parsed.reasoning is not None and "</think>" in text else 0
         content = pieces if parsed.content == text else cut_pieces(pieces, text, parsed.content, after)
         events = stream_events(self._head(req), parsed.message(), finish, _usage(prompt, out), content, reasoning,
-                               req.include_usage)
+                               req.include_usage, self._logprobs(req, out, reply))
         segment_no, turn_no = self.recorder.place(sess, prompt)
         return await write_stream(request, events, self._place(sess.id, segment_no, turn_no))
 

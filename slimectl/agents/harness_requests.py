@@ -118,9 +118,9 @@ class ChatRequest(BaseModel):
     @field_validator("logprobs")
     @classmethod
     def _logprobs(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("logprobs=true is not supported: the harness records log-probs but does not return them")
-        return v
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"logprobs must be true or false, got {v!r}")
+        return bool(v)
 
     @field_validator(*_NEUTRAL)
     @classmethod

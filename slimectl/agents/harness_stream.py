@@ -54,6 +54,15 @@ def cut_pieces(pieces: list[str], text: str, part: str | None, after: int = 0) -
     return out
 
 
+def token_logprobs(decode: Callable[[list[int]], str], ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+    """OpenAI's ``choices[].logprobs`` of the tokens ``ids``: the engine's own log-probs, no alternatives."""
+    content = []
+    for t, lp in zip(ids, logprobs):
+        text = decode([t])
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
 def chunk(base: dict[str, Any], delta: dict[str, Any] | None, finish_reason: str | None = None,
           usage: bool = False) -> dict[str, Any]:
     """One ``chat.completion.chunk`` (``delta`` None: the usage chunk, with no choices)."""
@@ -66,15 +75,19 @@ def chunk(base: dict[str, Any], delta: dict[str, Any] | None, finish_reason: str
 
 
 def stream_events(base: dict[str, Any], message: dict[str, Any], finish_reason: str, usage: dict[str, int],
-                  pieces: list[str], reasoning_pieces: list[str], include_usage: bool) -> list[dict[str, Any]]:
+                  pieces: list[str], reasoning_pieces: list[str], include_usage: bool,
+                  logprobs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The events of one streamed completion; ``base`` holds ``id``, ``created`` and ``model``;
-    ``message`` is the whole completion's message (its ``tool_calls`` become one delta each)."""
+    ``message`` is the whole completion's message (its ``tool_calls`` become one delta each); ``logprobs``
+    (all of them) ride on the finish-reason chunk."""
     events = [chunk(base, {"role": "assistant", "content": ""}, usage=include_usage)]
     events += [chunk(base, {"reasoning_content": p}, usage=include_usage) for p in reasoning_pieces]
     events += [chunk(base, {"content": p}, usage=include_usage) for p in pieces]
     for i, call in enumerate(message.get("tool_calls") or []):
         events.append(chunk(base, {"tool_calls": [{"index": i, **call}]}, usage=include_usage))
     events.append(chunk(base, {}, finish_reason, usage=include_usage))
+    if logprobs is not None:
+        events[-1]["choices"][0]["logprobs"] = logprobs
     if include_usage:
         events.append({**chunk(base, None), "usage": usage})
     return events

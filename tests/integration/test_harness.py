@@ -345,6 +345,27 @@ def test_streaming_with_the_openai_client_records_what_a_whole_completion_would(
     assert decode(tok, b2.tokens).startswith(render(tok, msgs2))
 
 
+def test_logprobs_are_the_engines_own_whole_and_streamed(world):
+    from openai import OpenAI
+
+    tok = world["tok"]
+    client = OpenAI(base_url=world["base"] + "/v1", api_key=KEY, max_retries=0)
+    msgs = [{"role": "user", "content": "Name a color."}]
+    kw = {"model": "tiny", "messages": msgs, "temperature": 0, "max_tokens": 5, "logprobs": True}
+    want, lps = engine_generate(world, enc(tok, render(tok, msgs)), temperature=0, max_new_tokens=5)
+    kept = len(want) - (want[-1] == tok.eos_token_id)  # a stop token is not content
+    r = client.chat.completions.create(**kw, extra_headers={"X-Session-Id": "lp-whole"})
+    got = r.choices[0].logprobs.content
+    assert [x.logprob for x in got] == pytest.approx(lps[:kept], abs=1e-6) and len(got) == kept
+    assert "".join(x.token for x in got) == r.choices[0].message.content == decode(tok, want[:kept])
+    assert all(x.top_logprobs == [] and bytes(x.bytes).decode() == x.token for x in got)
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_headers={"X-Session-Id": "lp-stream"}))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [x.model_dump() for x in streamed] == [x.model_dump() for x in got]
+    (s,) = session(world, "lp-stream")
+    assert s.rollout_log_probs[:kept] == pytest.approx([x.logprob for x in got], abs=1e-6)
+
+
 def test_a_stream_cut_by_the_client_records_nothing(world):
     import socket
     import struct

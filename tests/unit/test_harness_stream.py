@@ -41,6 +41,9 @@ def test_events_come_in_openai_order_with_usage_last():
     assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None] * 5 + ["tool_calls"]
     assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"] == usage
     assert {e["object"] for e in events} == {"chat.completion.chunk"} and {e["id"] for e in events} == {"chatcmpl-1"}
-    plain = stream_events(base, {"role": "assistant", "content": ""}, "length", usage, [], [], include_usage=False)
+    lps = {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}], "refusal": None}
+    plain = stream_events(base, {"role": "assistant", "content": ""}, "length", usage, [], [], include_usage=False,
+                          logprobs=lps)
+    assert plain[0]["choices"][0]["logprobs"] is None and plain[-1]["choices"][0]["logprobs"] == lps
     assert len(plain) == 2 and all("usage" not in e for e in plain)
     assert plain[-1]["choices"][0]["finish_reason"] == "length"
