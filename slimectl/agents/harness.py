@@ -218,6 +218,8 @@ class Harness:
                 raise HarnessError(409, f"session {sess.id!r} is finished; use a new session id for a new episode",
                                    code="session_finished")
             prompt: Prompt = await self._off_loop(self.recorder.prompt, sess, text)
+            if req.n > 1:
+                return await self._complete_n(sess, req, params, prompt)
             out = await self._generate(prompt.input_ids, params)
             reply = self.recorder.split(out["output_ids"], out["meta_info"].get("finish_reason") or {})
             parsed = parse_reply(reply.content, self.tool_call_parser, self.reasoning_parser, req.tools)
@@ -239,6 +241,33 @@ class Harness:
                                  "finish_reason": finish}],
                     "usage": _usage(prompt, out)}
         return web.json_response(response, headers=self._place(sess.id, segment_no, turn_no))
+
+    async def _complete_n(self, sess: Session, req: ChatRequest, params: dict[str, Any],
+                          prompt: Prompt) -> web.Response:
+        """``n > 1`` completions of one prompt (under the session's lock): choice 0 continues the segment, each
+        other choice a copy of it (:meth:`TrajectoryRecorder.fork`); the next request continues the one whose
+        reply it carries. All are recorded, or none (one failed generation fails the request)."""
+        seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
+        outs = await asyncio.gather(*(self._generate(prompt.input_ids, {**params, **(
+            {"sampling_seed": s} if s is not None else {})}) for s in seeds))
+        prompts = [prompt] + [self.recorder.fork(sess, prompt, i) for i in range(1, req.n)]
+        choices, n_out, first = [], 0, None
+        for i, (p, out) in enumerate(zip(prompts, outs)):
+            reply = self.recorder.split(out["output_ids"], out["meta_info"].get("finish_reason") or {})
+            parsed = parse_reply(reply.content, self.tool_call_parser, self.reasoning_parser, req.tools)
+            _, segment_no, turn_no = self.recorder.record(sess, p, req.messages, out, parsed.message())
+            if first is None:
+                first = (segment_no, turn_no, sess.last)
+            elif p.segment is None:  # a new segment of its own: it starts as choice 0's did
+                sess.segments[segment_no].start = {**first[2].start, "choice": i}
+            choices.append({"index": i, "message": parsed.message(), "logprobs": self._logprobs(req, out, reply),
+                            "finish_reason": _finish_reason(reply, parsed)})
+            n_out += len(out["output_ids"])
+        sess.last = first[2]
+        n_in = len(prompt.input_ids)
+        response = {**self._head(req), "object": "chat.completion", "choices": choices,
+                    "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
+        return web.json_response(response, headers=self._place(sess.id, first[0], first[1]))
 
     def _head(self, req: ChatRequest) -> dict[str, Any]:
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),

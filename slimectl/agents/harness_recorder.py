@@ -8,6 +8,7 @@ reason recorded.
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,20 @@ class TrajectoryRecorder:
         kept = seg.sample.tokens[: len(seg.sample.tokens) - cut]
         observed = self.encode(text[matched:])
         return Prompt(text, kept + observed, seg, cut, observed)
+
+    @staticmethod
+    def fork(sess: Session, prompt: Prompt, choice: int) -> Prompt:
+        """``prompt`` for another choice of an ``n > 1`` request: a copy of the segment it continues (its earlier
+        model tokens with loss mask 0: the segment it was copied from trains them), added to the session."""
+        seg = prompt.segment
+        if seg is None:
+            return prompt  # each choice starts a segment of its own
+        twin = copy.deepcopy(seg)
+        twin.sample.loss_mask = [0] * len(twin.sample.loss_mask or [])
+        twin.start = {**seg.start, "forked_from_segment": sess.segments.index(seg), "choice": choice,
+                      "turn": len(seg.turns) + 1}
+        sess.segments.append(twin)
+        return Prompt(prompt.text, prompt.input_ids, twin, prompt.cut, prompt.observed)
 
     @staticmethod
     def place(sess: Session, prompt: Prompt) -> tuple[int, int]:

@@ -17,6 +17,8 @@ from slimectl.web.app import Invalid, Refused
 
 SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_ID_LEN = 256
+MAX_N = 16
+"""The most completions one request may ask for (``n``)."""
 # Keys of Sample.metadata the harness writes; an agent's finish metadata may not reuse them.
 RESERVED_METADATA = ("session_id", "segment", "num_segments", "segment_start", "turns", "messages", "group")
 # Request fields that change the output in ways the harness cannot honour, with the value
@@ -110,9 +112,12 @@ class ChatRequest(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _n(cls, v: Any) -> Any:
-        if v != 1:
-            raise ValueError("n must be 1: send one request per completion (each is recorded)")
+    def _n(cls, v: Any, info: ValidationInfo) -> Any:
+        v = 1 if v is None else v
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {v!r}")
+        if v > 1 and info.data.get("stream"):
+            raise ValueError("n > 1 is answered whole: send stream=false, or one streamed request per completion")
         return v
 
     @field_validator("logprobs")

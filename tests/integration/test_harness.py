@@ -285,8 +285,10 @@ def test_sessions_are_separate_and_an_edited_history_starts_a_new_segment(world)
      {"X-Session-Id": "x"}, KEY, 400, "stream must be true or false"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {}},
      {"X-Session-Id": "x"}, KEY, 400, "stream_options is only allowed with stream=true"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2},
-     {"X-Session-Id": "x"}, KEY, 400, "n must be 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17},
+     {"X-Session-Id": "x"}, KEY, 400, "n must be an integer in [1, 16]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True},
+     {"X-Session-Id": "x"}, KEY, 400, "n > 1 is answered whole"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
      {"X-Session-Id": "x"}, KEY, 400, "temperature must be a number in [0, 2]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, {}, KEY, 400,
@@ -364,6 +366,31 @@ def test_logprobs_are_the_engines_own_whole_and_streamed(world):
     assert [x.model_dump() for x in streamed] == [x.model_dump() for x in got]
     (s,) = session(world, "lp-stream")
     assert s.rollout_log_probs[:kept] == pytest.approx([x.logprob for x in got], abs=1e-6)
+
+
+def test_n_completions_are_each_recorded_and_the_next_turn_continues_the_chosen_one(world):
+    tok = world["tok"]
+    msgs = [{"role": "user", "content": "Say something."}]
+    r1, _ = chat(world, msgs, session="n-ep", temperature=1.0, seed=11, max_tokens=4)
+    msgs2 = msgs + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "Go on."}]
+    r2, hdrs = chat(world, msgs2, session="n-ep", temperature=1.0, seed=20, max_tokens=4, n=3)
+    assert [c["index"] for c in r2["choices"]] == [0, 1, 2] and hdrs["X-Slimectl-Segment"] == "0"
+    prefix = enc(tok, render(tok, msgs2))
+    outs = [engine_generate(world, prefix, temperature=1.0, max_new_tokens=4, sampling_seed=20 + i)[0]
+            for i in range(3)]
+    assert r2["usage"]["completion_tokens"] == sum(map(len, outs))
+    segs = session(world, "n-ep")
+    assert len(segs) == 3 and [s.tokens[len(prefix):] for s in segs] == outs
+    assert all(s.tokens[: len(prefix)] == prefix for s in segs)
+    n1 = r1["usage"]["completion_tokens"]
+    assert segs[0].loss_mask.count(1) == n1 + len(outs[0])  # the first turn is trained once, in segment 0
+    assert segs[2].loss_mask.count(1) == len(outs[2]) and segs[2].metadata["segment_start"]["choice"] == 2
+    # the agent goes on with choice 2: the next turn continues that copy
+    msgs3 = msgs2 + [{"role": "assistant", "content": r2["choices"][2]["message"]["content"]},
+                     {"role": "user", "content": "Thanks."}]
+    _, hdrs = chat(world, msgs3, session="n-ep", temperature=1.0, max_tokens=2)
+    assert hdrs["X-Slimectl-Segment"] == "2" and hdrs["X-Slimectl-Turn"] == "3"
 
 
 def test_a_stream_cut_by_the_client_records_nothing(world):
