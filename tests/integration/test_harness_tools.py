@@ -160,3 +160,36 @@ def test_a_tool_message_without_its_call_is_a_400_in_openai_shape(harness):
     assert err.value.status_code == 400 and body["type"] == "invalid_request_error"
     assert "must answer a preceding assistant message" in body["message"] and body["param"] == "messages.[1].role"
     assert "orphan" not in harness["harness"].sessions
+
+
+def test_a_stream_cut_midway_leaves_the_session_as_it_was(harness, monkeypatch):
+    import openai
+
+    import slimectl.agents.harness as server
+    from slimectl.agents.harness_stream import StreamCut
+
+    h, oa = harness, client(harness)
+    kw = {"model": "tiny", "tools": TOOLS, "extra_headers": {"X-Session-Id": "cut-2"}}
+    msgs = [{"role": "user", "content": "2 + 3?"}]
+    h["pool"].script += [CALL_TEXT]
+    oa.chat.completions.create(messages=msgs, **kw)
+    (before,) = recorded(h, "cut-2")
+    msgs += [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "add", "arguments": '{"a": 2, "b": 3}'}}]}, {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+
+    async def broken(request, events, headers):
+        raise StreamCut(None)  # the connection broke while the events were written
+
+    monkeypatch.setattr(server, "write_stream", broken)
+    h["pool"].script += ["The sum is 5."]
+    with pytest.raises(openai.APIStatusError) as err:
+        list(oa.chat.completions.create(messages=msgs, stream=True, **kw))
+    assert err.value.status_code == 499
+    (after,) = recorded(h, "cut-2")
+    assert after.tokens == before.tokens and after.loss_mask == before.loss_mask
+    assert len(after.metadata["turns"]) == 1
+    monkeypatch.undo()
+    h["pool"].script += ["The sum is 5."]  # the agent sends it again: turn 2 of the same segment
+    r = oa.chat.completions.with_raw_response.create(messages=msgs, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in r.parse()) == "The sum is 5."
+    assert r.headers["X-Slimectl-Segment"] == "0" and r.headers["X-Slimectl-Turn"] == "2"

@@ -47,3 +47,64 @@ def test_events_come_in_openai_order_with_usage_last():
     assert plain[0]["choices"][0]["logprobs"] is None and plain[-1]["choices"][0]["logprobs"] == lps
     assert len(plain) == 2 and all("usage" not in e for e in plain)
     assert plain[-1]["choices"][0]["finish_reason"] == "length"
+
+
+class _Writer:
+    """aiohttp's payload writer, with a connection that breaks after ``ok`` writes."""
+
+    def __init__(self, ok: int):
+        self.ok, self.chunks, self.buffer_size, self.output_size = ok, [], 0, 0
+
+    async def write(self, data, *args, **kwargs):
+        if len(self.chunks) >= self.ok:
+            raise ConnectionResetError("Cannot write to closing transport")
+        self.chunks.append(bytes(data))
+
+    async def write_headers(self, *args, **kwargs):
+        pass
+
+    async def write_eof(self, *args, **kwargs):
+        pass
+
+    async def drain(self):
+        pass
+
+    def enable_compression(self, *args, **kwargs):
+        pass
+
+    def enable_chunking(self):
+        pass
+
+    def send_headers(self, *args, **kwargs):
+        pass
+
+
+def _request(writer, closing=False):
+    from unittest import mock
+
+    from aiohttp.test_utils import make_mocked_request
+
+    transport = mock.Mock()
+    transport.is_closing.return_value = closing
+    return make_mocked_request("POST", "/v1/chat/completions", writer=writer, transport=transport)
+
+
+def test_a_stream_broken_midway_or_gone_before_it_starts_is_a_cut():
+    import asyncio
+
+    import pytest
+
+    from slimectl.agents.harness_stream import StreamCut, write_stream
+
+    events = [{"n": i} for i in range(4)]
+    writer = _Writer(ok=2)
+    with pytest.raises(StreamCut) as cut:
+        asyncio.run(write_stream(_request(writer), events, {}))
+    assert cut.value.response is not None and len(writer.chunks) == 2  # two events went out, then the break
+    with pytest.raises(StreamCut) as cut:
+        asyncio.run(write_stream(_request(_Writer(ok=99), closing=True), events, {}))
+    assert cut.value.response is None
+    whole = _Writer(ok=99)
+    resp = asyncio.run(write_stream(_request(whole), events, {"X-Session-Id": "s"}))
+    assert resp.headers["Content-Type"] == "text/event-stream" and resp.headers["X-Session-Id"] == "s"
+    assert b"".join(whole.chunks) == b"".join(b'data: {"n": %d}\n\n' % i for i in range(4)) + b"data: [DONE]\n\n"
