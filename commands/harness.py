@@ -20,11 +20,16 @@ from slimectl.commands._options import engine_urls_option, force_option, resolve
               help="Require Authorization: Bearer KEY (prefer the env var: flags show up in process listings).")
 @click.option("--served-model-name", help="Model id reported by /v1/models (default: the model dir's name).")
 @click.option("--max-tokens", type=click.IntRange(min=1), help="Completion budget for requests that set none.")
+@click.option("--tool-call-parser", type=click.Choice(["auto", "qwen25", "llama3", "glm45", "none"]), default="auto",
+              show_default=True, help="How tool calls are parsed out of replies (SGLang's names; auto: the model "
+                                      "family's: qwen25 for Qwen2.5/Qwen3, llama3 for Llama 3.x, glm45 for GLM-4.5).")
+@click.option("--reasoning-parser", type=click.Choice(["auto", "qwen3", "none"]), default="auto", show_default=True,
+              help="Split <think>...</think> into reasoning_content (auto: qwen3 for Qwen3 models).")
 @force_option("Replace an --out file that already holds sessions.")
 @click.pass_context
 def harness_cmd(ctx: click.Context, run_dir: str | None, engine_urls: tuple[str, ...], model_path: str | None,
                 out_path: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
-                max_tokens: int | None, force: bool) -> None:
+                max_tokens: int | None, tool_call_parser: str, reasoning_parser: str, force: bool) -> None:
     """Serve POST /v1/chat/completions in front of the engines and record, per session, the exact
     tokens, loss mask (1 on model tokens only) and engine log-probs. Prints the OpenAI base URL,
     then runs until Ctrl-C/SIGTERM. See docs/agent-harness.md.
@@ -64,4 +69,5 @@ def harness_cmd(ctx: click.Context, run_dir: str | None, engine_urls: tuple[str,
     publish = partial(import_rollout, run, cfg) if run is not None else None
     serve_harness(urls, model_path, out_path, host=host, port=port, api_key=api_key, publish=publish,
                   engine_token=token or None, served_model_name=served_model_name, default_max_tokens=max_tokens,
-                  overwrite=force, announce=lambda url: click.echo(url))
+                  overwrite=force, announce=lambda url: click.echo(url), tool_call_parser=tool_call_parser,
+                  reasoning_parser=reasoning_parser)

@@ -43,6 +43,10 @@ from aiohttp import web
 from slimectl.agents.harness_recorder import Prompt, TrajectoryRecorder
 from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, FinishRequest, HarnessError, session_id
 from slimectl.agents.harness_sessions import Session, export_jsonl, samples_from_sessions
+from slimectl.agents.harness_parsers import ParsedReply, parse_reply, parsers_for
+from slimectl.agents.harness_sessions import Reply
+from slimectl.agents.harness_stream import (StreamCut, content_deltas, cut_pieces, stream_events, token_logprobs,
+                                            write_stream)
 from slimectl.contract.errors import ArtifactExists, LockHeld, SlimectlError, UsageError
 from slimectl.contract.rundir.atomic import atomic_write_text
 from slimectl.engines.client import EngineError
@@ -105,7 +109,8 @@ class Harness:
     def __init__(self, pool, tokenizer, model_name: str, api_key: str | None = None,
                  out_path: str | Path | None = None, publish: Publish | None = None,
                  default_max_tokens: int | None = None, overwrite: bool = False,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+                 max_body_bytes: int = MAX_BODY_BYTES, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         if getattr(tokenizer, "chat_template", None) is None:
             raise UsageError(f"the tokenizer of {model_name} has no chat template; the harness renders messages with it")
         if publish is not None and out_path is None:
@@ -121,6 +126,7 @@ class Harness:
             export_jsonl([], self.out_path)  # fail now (bad path), not at the first finish
         self.publish_batch = publish
         self.default_max_tokens = default_max_tokens
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.sessions: dict[str, Session] = {}
         self._in_flight: dict[str, int] = {}  # requests of each session being answered
         self.finish_order: list[Session] = []
@@ -197,7 +203,7 @@ class Harness:
             sess = self.sessions[sid] = Session(sid)
         self._in_flight[sid] = self._in_flight.get(sid, 0) + 1
         try:
-            return await self._complete(sess, req, params, text)
+            return await self._complete(request, sess, req, params, text)
         finally:
             self._in_flight[sid] -= 1
             if not self._in_flight[sid]:
@@ -205,29 +211,93 @@ class Harness:
                 if not sess.segments and self.sessions.get(sid) is sess:
                     del self.sessions[sid]  # a refused first request leaves no empty session behind
 
-    async def _complete(self, sess: Session, req: ChatRequest, params: dict[str, Any], text: str) -> web.Response:
+    async def _complete(self, request: web.Request, sess: Session, req: ChatRequest, params: dict[str, Any],
+                        text: str) -> web.StreamResponse:
         async with sess.lock:  # one request at a time per session: each extends what came before
             if sess.finished:
                 raise HarnessError(409, f"session {sess.id!r} is finished; use a new session id for a new episode",
                                    code="session_finished")
             prompt: Prompt = await self._off_loop(self.recorder.prompt, sess, text)
+            if req.n > 1:
+                return await self._complete_n(sess, req, params, prompt)
             out = await self._generate(prompt.input_ids, params)
-            reply, segment_no, turn_no = self.recorder.record(sess, prompt, req.messages, out)
+            reply = self.recorder.split(out["output_ids"], out["meta_info"].get("finish_reason") or {})
+            parsed = parse_reply(reply.content, self.tool_call_parser, self.reasoning_parser, req.tools)
+            message, finish = parsed.message(), _finish_reason(reply, parsed)
+            if req.stream:
+                # recorded only once the whole stream was handed to the client: all of the turn or none of it
+                try:
+                    resp = await self._stream(request, sess, req, prompt, out, reply, parsed, finish)
+                except StreamCut as cut:
+                    log.info("session %s: the client closed the stream; the turn was not recorded", sess.id)
+                    return cut.response or web.Response(status=499, reason="Client Closed Request")
+            _, segment_no, turn_no = self.recorder.record(sess, prompt, req.messages, out, message)
             log.debug("session %s segment %d turn %d: %d prompt + %d completion tokens, %s", sess.id, segment_no,
-                      turn_no, len(prompt.input_ids), len(out["output_ids"]), reply.finish_reason)
+                      turn_no, len(prompt.input_ids), len(out["output_ids"]), finish)
+        if req.stream:
+            return resp
+        response = {**self._head(req), "object": "chat.completion",
+                    "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(req, out, reply),
+                                 "finish_reason": finish}],
+                    "usage": _usage(prompt, out)}
+        return web.json_response(response, headers=self._place(sess.id, segment_no, turn_no))
 
-        n_in, n_out = len(prompt.input_ids), len(out["output_ids"])
-        response = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req.model if isinstance(req.model, str) else self.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.content},
-                         "logprobs": None, "finish_reason": reply.finish_reason}],
-            "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
-        }
-        headers = {SESSION_HEADER: sess.id, "X-Slimectl-Segment": str(segment_no), "X-Slimectl-Turn": str(turn_no)}
-        return web.json_response(response, headers=headers)
+    async def _complete_n(self, sess: Session, req: ChatRequest, params: dict[str, Any],
+                          prompt: Prompt) -> web.Response:
+        """``n > 1`` completions of one prompt (under the session's lock): choice 0 continues the segment, each
+        other choice a copy of it (:meth:`TrajectoryRecorder.fork`); the next request continues the one whose
+        reply it carries. All are recorded, or none (one failed generation fails the request)."""
+        seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
+        outs = await asyncio.gather(*(self._generate(prompt.input_ids, {**params, **(
+            {"sampling_seed": s} if s is not None else {})}) for s in seeds))
+        prompts = [prompt] + [self.recorder.fork(sess, prompt, i) for i in range(1, req.n)]
+        choices, n_out, first = [], 0, None
+        for i, (p, out) in enumerate(zip(prompts, outs)):
+            reply = self.recorder.split(out["output_ids"], out["meta_info"].get("finish_reason") or {})
+            parsed = parse_reply(reply.content, self.tool_call_parser, self.reasoning_parser, req.tools)
+            _, segment_no, turn_no = self.recorder.record(sess, p, req.messages, out, parsed.message())
+            if first is None:
+                first = (segment_no, turn_no, sess.last)
+            elif p.segment is None:  # a new segment of its own: it starts as choice 0's did
+                sess.segments[segment_no].start = {**first[2].start, "choice": i}
+            choices.append({"index": i, "message": parsed.message(), "logprobs": self._logprobs(req, out, reply),
+                            "finish_reason": _finish_reason(reply, parsed)})
+            n_out += len(out["output_ids"])
+        sess.last = first[2]
+        n_in = len(prompt.input_ids)
+        response = {**self._head(req), "object": "chat.completion", "choices": choices,
+                    "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
+        return web.json_response(response, headers=self._place(sess.id, first[0], first[1]))
+
+    def _head(self, req: ChatRequest) -> dict[str, Any]:
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": req.model if isinstance(req.model, str) else self.model_name}
+
+    def _logprobs(self, req: ChatRequest, out: dict[str, Any], reply: Reply) -> dict[str, Any] | None:
+        """With ``logprobs: true``: the engine's log-probs of the reply's tokens (its stop sequence left out)."""
+        if not req.logprobs:
+            return None
+        ids = out["output_ids"][: len(out["output_ids"]) - reply.tail_tokens]
+        lps = [float(x[0]) for x in out["meta_info"].get("output_token_logprobs", [])]
+        return token_logprobs(self.recorder.decode, ids, lps)
+
+    @staticmethod
+    def _place(sid: str, segment_no: int, turn_no: int) -> dict[str, str]:
+        return {SESSION_HEADER: sid, "X-Slimectl-Segment": str(segment_no), "X-Slimectl-Turn": str(turn_no)}
+
+    async def _stream(self, request: web.Request, sess: Session, req: ChatRequest, prompt: Prompt,
+                      out: dict[str, Any], reply: Reply, parsed: ParsedReply, finish: str) -> web.StreamResponse:
+        """Write the completion ``out`` as server-sent events (nothing is recorded here): the reasoning and the
+        content token by token, then the tool calls."""
+        pieces = await self._off_loop(content_deltas, self.recorder.decode, out["output_ids"], reply.content)
+        text = reply.content
+        reasoning = cut_pieces(pieces, text, parsed.reasoning)
+        after = text.find("</think>") + len("</think>") if parsed.reasoning is not None and "</think>" in text else 0
+        content = pieces if parsed.content == text else cut_pieces(pieces, text, parsed.content, after)
+        events = stream_events(self._head(req), parsed.message(), finish, _usage(prompt, out), content, reasoning,
+                               req.include_usage, self._logprobs(req, out, reply))
+        segment_no, turn_no = self.recorder.place(sess, prompt)
+        return await write_stream(request, events, self._place(sess.id, segment_no, turn_no))
 
     def _render(self, messages: list[dict[str, Any]], tools: list | None) -> str:
         kwargs = {"tools": tools} if tools else {}
@@ -308,16 +378,36 @@ class Harness:
                                   "num_sessions": len(batch), "path": str(result.path), "file": str(path)})
 
 
+def _finish_reason(reply: Reply, parsed: ParsedReply) -> str:
+    """OpenAI's ``tool_calls`` when a reply that stopped calls tools; else the reply's own."""
+    return "tool_calls" if parsed.tool_calls and reply.finish_reason == "stop" else reply.finish_reason
+
+
+def _usage(prompt: Prompt, out: dict[str, Any]) -> dict[str, int]:
+    n_in, n_out = len(prompt.input_ids), len(out["output_ids"])
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
 # ----------------------------------------------------------------------------- running it
+
+
+def _model_type(model_path: str) -> str | None:
+    """The HF ``model_type`` of the model dir (None when its config.json cannot be read)."""
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path, host: str = "127.0.0.1",
                   port: int = 8000, api_key: str | None = None, publish: Publish | None = None,
                   engine_token: str | None = None, served_model_name: str | None = None,
                   default_max_tokens: int | None = None, overwrite: bool = False,
-                  announce: Callable[[str], None] = print) -> None:
+                  announce: Callable[[str], None] = print, tool_call_parser: str = "auto",
+                  reasoning_parser: str = "auto") -> None:
     """Run the harness until SIGINT/SIGTERM; ``announce`` gets the OpenAI base URL once it listens.
-    ``publish``: see :class:`Harness`."""
+    ``publish``: see :class:`Harness`; the parsers: see :func:`~slimectl.agents.harness_parsers.parsers_for`
+    (``auto``: the model family's)."""
     from transformers import AutoTokenizer
 
     from slimectl.contract.logs import quiet_hf_progress
@@ -329,6 +419,8 @@ def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path,
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot load a tokenizer from {model_path} ({exc}); pass --model HF_DIR") from None
     name = served_model_name or Path(model_path).name
+    tool_parser, think_parser = parsers_for(_model_type(model_path), tool_call_parser, reasoning_parser)
+    log.info("tool-call parser: %s; reasoning parser: %s", tool_parser or "none", think_parser or "none")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can generate and finish sessions; "
                     "set %s", host, API_KEY_ENV)
@@ -338,7 +430,8 @@ def serve_harness(engine_urls: list[str], model_path: str, out_path: str | Path,
         harness = None
         try:
             harness = Harness(pool, tokenizer, name, api_key=api_key, out_path=out_path, publish=publish,
-                              default_max_tokens=default_max_tokens, overwrite=overwrite)
+                              default_max_tokens=default_max_tokens, overwrite=overwrite,
+                              tool_call_parser=tool_parser, reasoning_parser=think_parser)
             if not await pool.weight_versions():
                 raise SlimectlError(f"none of the engines answered ({', '.join(engine_urls)}); is `slimectl serve` running?")
             async with serving(harness.app, host, port) as bound:

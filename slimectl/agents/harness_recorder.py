@@ -8,6 +8,7 @@ reason recorded.
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -55,10 +56,31 @@ class TrajectoryRecorder:
         observed = self.encode(text[matched:])
         return Prompt(text, kept + observed, seg, cut, observed)
 
+    @staticmethod
+    def fork(sess: Session, prompt: Prompt, choice: int) -> Prompt:
+        """``prompt`` for another choice of an ``n > 1`` request: a copy of the segment it continues (its earlier
+        model tokens with loss mask 0: the segment it was copied from trains them), added to the session."""
+        seg = prompt.segment
+        if seg is None:
+            return prompt  # each choice starts a segment of its own
+        twin = copy.deepcopy(seg)
+        twin.sample.loss_mask = [0] * len(twin.sample.loss_mask or [])
+        twin.start = {**seg.start, "forked_from_segment": sess.segments.index(seg), "choice": choice,
+                      "turn": len(seg.turns) + 1}
+        sess.segments.append(twin)
+        return Prompt(prompt.text, prompt.input_ids, twin, prompt.cut, prompt.observed)
+
+    @staticmethod
+    def place(sess: Session, prompt: Prompt) -> tuple[int, int]:
+        """Where :meth:`record` will put the reply to ``prompt``: (its segment's number, its turn's number)."""
+        if prompt.segment is None:
+            return len(sess.segments), 1
+        return sess.segments.index(prompt.segment), len(prompt.segment.turns) + 1
+
     def record(self, sess: Session, prompt: Prompt, messages: list[dict[str, Any]],
-               out: dict[str, Any]) -> tuple[Reply, int, int]:
+               out: dict[str, Any], message: dict[str, Any] | None = None) -> tuple[Reply, int, int]:
         """Record the engine's answer ``out`` (SGLang's /generate) to ``prompt``: (the reply, its segment's number,
-        its turn's number)."""
+        its turn's number). ``message``: the assistant message the agent was answered (default: the content)."""
         meta = out["meta_info"]
         reply = self.split(out["output_ids"], meta.get("finish_reason") or {})
         seg, text = prompt.segment, prompt.text
@@ -77,7 +99,7 @@ class TrajectoryRecorder:
         seg.tail_tokens = reply.tail_tokens
         seg.tail_start = len(seg.text) + reply.tail_start
         seg.text += reply.full_text
-        seg.messages = messages + [{"role": "assistant", "content": reply.content}]
+        seg.messages = messages + [message or {"role": "assistant", "content": reply.content}]
         seg.turns.append({"prompt_tokens": len(prompt.input_ids), "completion_tokens": len(out["output_ids"]),
                           "finish_reason": reply.finish_reason, "engine_url": meta.get("engine_url"),
                           "weight_version": meta.get("weight_version"), "trimmed_tokens": 0})

@@ -8,6 +8,7 @@ session a request belongs to.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -16,6 +17,8 @@ from slimectl.web.app import Invalid, Refused
 
 SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_ID_LEN = 256
+MAX_N = 16
+"""The most completions one request may ask for (``n``)."""
 # Keys of Sample.metadata the harness writes; an agent's finish metadata may not reuse them.
 RESERVED_METADATA = ("session_id", "segment", "num_segments", "segment_start", "turns", "messages", "group")
 # Request fields that change the output in ways the harness cannot honour, with the value
@@ -64,6 +67,7 @@ class ChatRequest(BaseModel):
     user: Any = None
     messages: Any = Field(default=None, validate_default=True)
     stream: Any = None
+    stream_options: Any = None
     n: Any = 1
     logprobs: Any = None
     presence_penalty: Any = None
@@ -86,24 +90,42 @@ class ChatRequest(BaseModel):
 
     @field_validator("stream")
     @classmethod
-    def _stream(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("stream=true is not supported: the harness answers whole completions; send stream=false")
+    def _stream(cls, v: Any) -> bool:
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"stream must be true or false, got {v!r}")
+        return bool(v)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None:
+            return v
+        if not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream=true")
+        if not isinstance(v, dict) or not isinstance(v.get("include_usage", False), bool):
+            raise ValueError("stream_options must be an object like {'include_usage': true}")
         return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.get("include_usage"))
 
     @field_validator("n")
     @classmethod
-    def _n(cls, v: Any) -> Any:
-        if v != 1:
-            raise ValueError("n must be 1: send one request per completion (each is recorded)")
+    def _n(cls, v: Any, info: ValidationInfo) -> Any:
+        v = 1 if v is None else v
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {v!r}")
+        if v > 1 and info.data.get("stream"):
+            raise ValueError("n > 1 is answered whole: send stream=false, or one streamed request per completion")
         return v
 
     @field_validator("logprobs")
     @classmethod
     def _logprobs(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("logprobs=true is not supported: the harness records log-probs but does not return them")
-        return v
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"logprobs must be true or false, got {v!r}")
+        return bool(v)
 
     @field_validator(*_NEUTRAL)
     @classmethod
@@ -199,8 +221,54 @@ def normalize_messages(raw: Any) -> list[dict[str, Any]]:
             content = "".join(parts)
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, a list of text parts or null")
-        out.append({**m, "content": content})
+        msg = {**m, "content": content}
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _template_tool_calls(m["tool_calls"], i)
+        out.append(msg)
+    _check_tool_messages(out)
     return out
+
+
+def _template_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as chat templates read them: ``arguments`` an object (OpenAI sends
+    them JSON-encoded; the templates write them with ``tojson``), as SGLang renders them."""
+    if not isinstance(calls, list):
+        raise Invalid(f"messages[{i}].tool_calls must be a list", param=f"messages.[{i}].tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise Invalid(f"messages[{i}].tool_calls[{j}] must be {{'type': 'function', 'function': {{'name', "
+                          f"'arguments'}}}}", param=f"messages.[{i}].tool_calls")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise Invalid(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                              param=f"messages.[{i}].tool_calls") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
+def _check_tool_messages(messages: list[dict[str, Any]]) -> None:
+    """Every ``tool`` message answers a call of the assistant message before it (by ``tool_call_id`` when it
+    names one), as OpenAI requires."""
+    ids: set | None = None  # the open calls' ids; None: no assistant message with tool calls before
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            calls = m.get("tool_calls") or []
+            ids = {c.get("id") for c in calls} if calls else None
+        elif m["role"] == "tool":
+            if ids is None:
+                raise Invalid(f"messages[{i}]: a message with role 'tool' must answer a preceding assistant message "
+                              f"with 'tool_calls'", param=f"messages.[{i}].role")
+            cid = m.get("tool_call_id")
+            if cid is not None and cid not in ids:
+                raise Invalid(f"messages[{i}].tool_call_id {cid!r} answers no call of the assistant message before "
+                              f"it", param=f"messages.[{i}].tool_call_id")
+        else:
+            ids = None
 
 
 def _finite(v: Any) -> bool:

@@ -173,7 +173,16 @@ HARNESS = [
     ("chat-stop-empty-string", "POST", "/v1/chat/completions", {"messages": "MSG", "stop": [""]}, OK, 400, ["stop must be"]),
     ("chat-seed-string", "POST", "/v1/chat/completions", {"messages": "MSG", "seed": "x"}, OK, 400, ["seed must be an integer"]),
     ("chat-tools-string", "POST", "/v1/chat/completions", {"messages": "MSG", "tools": "calc"}, OK, 400, ["'tools' must be a list"]),
-    ("chat-logprobs", "POST", "/v1/chat/completions", {"messages": "MSG", "logprobs": True}, OK, 400, ["logprobs=true"]),
+    ("chat-logprobs-word", "POST", "/v1/chat/completions", {"messages": "MSG", "logprobs": "yes"}, OK, 400,
+     ["logprobs must be true or false"]),
+    ("chat-stream-options-list", "POST", "/v1/chat/completions", {"messages": "MSG", "stream": True,
+                                                                  "stream_options": [1]}, OK, 400, ["stream_options"]),
+    ("chat-tool-without-call", "POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "5"}]}, OK,
+     400, ["role 'tool' must answer a preceding assistant message"]),
+    ("chat-tool-call-bad-arguments", "POST", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]}, OK, 400,
+     ["arguments is not valid JSON"]),
     ("chat-response-format", "POST", "/v1/chat/completions", {"messages": "MSG", "response_format": {"type": "json_object"}},
      OK, 400, ["response_format"]),
     ("chat-user-number", "POST", "/v1/chat/completions", {"messages": "MSG", "user": 5, "_no_sid": True}, OK, 400,

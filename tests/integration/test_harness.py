@@ -281,16 +281,22 @@ def test_sessions_are_separate_and_an_edited_history_starts_a_new_segment(world)
 @pytest.mark.parametrize("path, body, headers, key, status, message", [
     ("/v1/chat/completions", {"model": "m"}, {"X-Session-Id": "x"}, KEY, 400, "'messages' is required"),
     ("/v1/chat/completions", {"messages": []}, {"X-Session-Id": "x"}, KEY, 400, "non-empty list"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True},
-     {"X-Session-Id": "x"}, KEY, 400, "stream=true is not supported"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2},
-     {"X-Session-Id": "x"}, KEY, 400, "n must be 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"},
+     {"X-Session-Id": "x"}, KEY, 400, "stream must be true or false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {}},
+     {"X-Session-Id": "x"}, KEY, 400, "stream_options is only allowed with stream=true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17},
+     {"X-Session-Id": "x"}, KEY, 400, "n must be an integer in [1, 16]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True},
+     {"X-Session-Id": "x"}, KEY, 400, "n > 1 is answered whole"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
      {"X-Session-Id": "x"}, KEY, 400, "temperature must be a number in [0, 2]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, {}, KEY, 400,
      "no session id: send the header X-Session-Id"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "hi"}]}, {"X-Session-Id": "x"}, KEY, 400,
-     "chat template refused these messages: Unsupported chat role: tool"),
+     "a message with role 'tool' must answer a preceding assistant message with 'tool_calls'"),
+    ("/v1/chat/completions", {"messages": [{"role": "developer", "content": "hi"}]}, {"X-Session-Id": "x"}, KEY,
+     400, "chat template refused these messages: Unsupported chat role: developer"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, {"X-Session-Id": "x"}, "wrong", 401,
      "Incorrect or missing API key"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, {"X-Session-Id": "x"}, None, 401,
@@ -303,6 +309,115 @@ def test_bad_requests_get_a_clear_4xx(world, path, body, headers, key, status, m
     assert got == status, out
     assert message in out["error"]["message"] and out["error"]["type"] == "invalid_request_error"
     assert all(s["id"] != "x" for s in call("GET", world["base"] + "/sessions")[1]["sessions"])
+
+
+def test_streaming_with_the_openai_client_records_what_a_whole_completion_would(world):
+    from openai import OpenAI
+
+    tok = world["tok"]
+    client = OpenAI(base_url=world["base"] + "/v1", api_key=KEY, max_retries=0)
+    msgs = [{"role": "user", "content": Q1}]
+    kw = {"model": "tiny", "messages": msgs, "temperature": 0, "max_tokens": 6}
+    whole = client.chat.completions.create(**kw, extra_headers={"X-Session-Id": "s-whole"})
+    raw = client.chat.completions.with_raw_response.create(**kw, stream=True, stream_options={"include_usage": True},
+                                                           extra_headers={"X-Session-Id": "s-stream"})
+    assert raw.headers["content-type"].startswith("text/event-stream") and raw.headers["X-Slimectl-Turn"] == "1"
+    chunks = list(raw.parse())
+    assert chunks[0].choices[0].delta.role == "assistant" and len({c.id for c in chunks}) == 1
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+    want, lps = engine_generate(world, enc(tok, render(tok, msgs)), temperature=0, max_new_tokens=6)
+    (a,), (b,) = session(world, "s-whole"), session(world, "s-stream")
+    assert b.response_tokens == want == a.response_tokens and b.loss_mask == a.loss_mask
+    assert b.rollout_log_probs == pytest.approx(lps, abs=1e-6)
+    # a streamed second turn (no usage asked) continues the same segment, as a whole one would
+    msgs2 = msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": Q2}]
+    kw2 = {**kw, "messages": msgs2, "max_tokens": 5}
+    chunks2 = list(client.chat.completions.create(**kw2, stream=True, extra_headers={"X-Session-Id": "s-stream"}))
+    whole2 = client.chat.completions.create(**kw2, extra_headers={"X-Session-Id": "s-whole"})
+    assert all(c.choices for c in chunks2) and chunks2[-1].choices[0].finish_reason == whole2.choices[0].finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in chunks2) == whole2.choices[0].message.content
+    (a2,), (b2,) = session(world, "s-whole"), session(world, "s-stream")
+    assert len(b2.metadata["turns"]) == 2 and b2.tokens[: len(b.tokens)] == b.tokens and b2.tokens == a2.tokens
+    assert decode(tok, b2.tokens).startswith(render(tok, msgs2))
+
+
+def test_logprobs_are_the_engines_own_whole_and_streamed(world):
+    from openai import OpenAI
+
+    tok = world["tok"]
+    client = OpenAI(base_url=world["base"] + "/v1", api_key=KEY, max_retries=0)
+    msgs = [{"role": "user", "content": "Name a color."}]
+    kw = {"model": "tiny", "messages": msgs, "temperature": 0, "max_tokens": 5, "logprobs": True}
+    want, lps = engine_generate(world, enc(tok, render(tok, msgs)), temperature=0, max_new_tokens=5)
+    kept = len(want) - (want[-1] == tok.eos_token_id)  # a stop token is not content
+    r = client.chat.completions.create(**kw, extra_headers={"X-Session-Id": "lp-whole"})
+    got = r.choices[0].logprobs.content
+    assert [x.logprob for x in got] == pytest.approx(lps[:kept], abs=1e-6) and len(got) == kept
+    assert "".join(x.token for x in got) == r.choices[0].message.content == decode(tok, want[:kept])
+    assert all(x.top_logprobs == [] and bytes(x.bytes).decode() == x.token for x in got)
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_headers={"X-Session-Id": "lp-stream"}))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [x.model_dump() for x in streamed] == [x.model_dump() for x in got]
+    (s,) = session(world, "lp-stream")
+    assert s.rollout_log_probs[:kept] == pytest.approx([x.logprob for x in got], abs=1e-6)
+
+
+def test_n_completions_are_each_recorded_and_the_next_turn_continues_the_chosen_one(world):
+    tok = world["tok"]
+    msgs = [{"role": "user", "content": "Say something."}]
+    r1, _ = chat(world, msgs, session="n-ep", temperature=1.0, seed=11, max_tokens=4)
+    msgs2 = msgs + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "Go on."}]
+    r2, hdrs = chat(world, msgs2, session="n-ep", temperature=1.0, seed=20, max_tokens=4, n=3)
+    assert [c["index"] for c in r2["choices"]] == [0, 1, 2] and hdrs["X-Slimectl-Segment"] == "0"
+    prefix = enc(tok, render(tok, msgs2))
+    outs = [engine_generate(world, prefix, temperature=1.0, max_new_tokens=4, sampling_seed=20 + i)[0]
+            for i in range(3)]
+    assert r2["usage"]["completion_tokens"] == sum(map(len, outs))
+    segs = session(world, "n-ep")
+    assert len(segs) == 3 and [s.tokens[len(prefix):] for s in segs] == outs
+    assert all(s.tokens[: len(prefix)] == prefix for s in segs)
+    n1 = r1["usage"]["completion_tokens"]
+    assert segs[0].loss_mask.count(1) == n1 + len(outs[0])  # the first turn is trained once, in segment 0
+    assert segs[2].loss_mask.count(1) == len(outs[2]) and segs[2].metadata["segment_start"]["choice"] == 2
+    # the agent goes on with choice 2: the next turn continues that copy
+    msgs3 = msgs2 + [{"role": "assistant", "content": r2["choices"][2]["message"]["content"]},
+                     {"role": "user", "content": "Thanks."}]
+    _, hdrs = chat(world, msgs3, session="n-ep", temperature=1.0, max_tokens=2)
+    assert hdrs["X-Slimectl-Segment"] == "2" and hdrs["X-Slimectl-Turn"] == "3"
+
+
+def test_a_stream_cut_by_the_client_records_nothing(world):
+    import socket
+    import struct
+    from urllib.parse import urlsplit
+
+    msgs = [{"role": "user", "content": "Tell me a long story."}]
+    body = json.dumps({"messages": msgs, "stream": True, "max_tokens": 64, "temperature": 0}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer {KEY}\r\n"
+            f"X-Session-Id: cut\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    url = urlsplit(world["base"])
+    sock = socket.create_connection((url.hostname, url.port))
+    sock.sendall(head.encode() + body)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # a reset while the engine generates
+    deadline = time.time() + 60
+    while "the client closed the stream" not in (world["root"] / "harness.log").read_text():
+        assert time.time() < deadline, (world["root"] / "harness.log").read_text()
+        time.sleep(0.1)
+    status, out, _ = call("GET", world["base"] + "/sessions/cut")
+    assert status == 404 and out["error"]["code"] == "session_not_found"
+    # the agent sends the same request again: it is the session's first turn
+    _, hdrs = chat(world, msgs, session="cut", temperature=0, max_tokens=64)
+    assert hdrs["X-Slimectl-Segment"] == "0" and hdrs["X-Slimectl-Turn"] == "1"
+    (s,) = session(world, "cut")
+    assert len(s.metadata["turns"]) == 1 and s.prompt == msgs
 
 
 def test_finish_rules_models_and_health(world):

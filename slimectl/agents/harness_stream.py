@@ -1,0 +1,127 @@
+"""The agent harness's streamed answers: a finished completion as OpenAI's server-sent events.
+
+The engines answer whole generations (the embedded engine does not stream), so the harness
+generates the whole completion first, then writes it as ``chat.completion.chunk`` events: the
+role delta, the content (and ``reasoning_content``) deltas, the tool-call deltas, the finish
+reason, a usage chunk when ``stream_options.include_usage`` asks for it, and ``data: [DONE]``.
+Streamed or not, a request is recorded the same way: same tokens, same session.
+
+A stream cut by the client records nothing: the turn is recorded only after the last event was
+handed to the connection (see :func:`write_stream`), so the session stays as it was and the agent
+may send the same request again.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from aiohttp import web
+
+
+def content_deltas(decode: Callable[[list[int]], str], ids: list[int], content: str) -> list[str]:
+    """``content`` cut where the tokens ``ids`` that wrote it end (a token that ends inside a character
+    joins the next); the pieces always join to exactly ``content``."""
+    pieces: list[str] = []
+    start = sent = 0
+    for k in range(1, len(ids) + 1):
+        piece = decode(ids[start:k])
+        if not piece or piece.endswith("\ufffd"):
+            continue
+        if not content.startswith(piece, sent):
+            break
+        pieces.append(piece)
+        sent, start = sent + len(piece), k
+    if sent < len(content):
+        pieces.append(content[sent:])
+    return pieces if "".join(pieces) == content else [content]
+
+
+def cut_pieces(pieces: list[str], text: str, part: str | None, after: int = 0) -> list[str]:
+    """The pieces of ``text`` cut down to ``part`` (found in ``text`` from ``after`` on); ``[part]`` when it is not
+    found there, none for an empty part."""
+    if not part:
+        return []
+    start = text.find(part, after)
+    if start < 0:
+        return [part]
+    end, out, at = start + len(part), [], 0
+    for p in pieces:
+        lo, hi = max(at, start), min(at + len(p), end)
+        if lo < hi:
+            out.append(text[lo:hi])
+        at += len(p)
+    return out
+
+
+def token_logprobs(decode: Callable[[list[int]], str], ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+    """OpenAI's ``choices[].logprobs`` of the tokens ``ids``: the engine's own log-probs, no alternatives."""
+    content = []
+    for t, lp in zip(ids, logprobs):
+        text = decode([t])
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+def chunk(base: dict[str, Any], delta: dict[str, Any] | None, finish_reason: str | None = None,
+          usage: bool = False) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` (``delta`` None: the usage chunk, with no choices)."""
+    out = {**base, "object": "chat.completion.chunk"}
+    out["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                 "finish_reason": finish_reason}]
+    if usage:
+        out["usage"] = None
+    return out
+
+
+def stream_events(base: dict[str, Any], message: dict[str, Any], finish_reason: str, usage: dict[str, int],
+                  pieces: list[str], reasoning_pieces: list[str], include_usage: bool,
+                  logprobs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The events of one streamed completion; ``base`` holds ``id``, ``created`` and ``model``;
+    ``message`` is the whole completion's message (its ``tool_calls`` become one delta each); ``logprobs``
+    (all of them) ride on the finish-reason chunk."""
+    events = [chunk(base, {"role": "assistant", "content": ""}, usage=include_usage)]
+    events += [chunk(base, {"reasoning_content": p}, usage=include_usage) for p in reasoning_pieces]
+    events += [chunk(base, {"content": p}, usage=include_usage) for p in pieces]
+    for i, call in enumerate(message.get("tool_calls") or []):
+        events.append(chunk(base, {"tool_calls": [{"index": i, **call}]}, usage=include_usage))
+    events.append(chunk(base, {}, finish_reason, usage=include_usage))
+    if logprobs is not None:
+        events[-1]["choices"][0]["logprobs"] = logprobs
+    if include_usage:
+        events.append({**chunk(base, None), "usage": usage})
+    return events
+
+
+class StreamCut(Exception):
+    """The client went away before the whole stream was written to it; ``response``: the one begun (None: none)."""
+
+    def __init__(self, response: web.StreamResponse | None = None):
+        super().__init__("the client closed the stream")
+        self.response = response
+
+
+def _gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def write_stream(request: web.Request, events: list[dict[str, Any]],
+                       headers: dict[str, str]) -> web.StreamResponse:
+    """Write ``events`` as server-sent events, then ``data: [DONE]``; :class:`StreamCut` when the client is gone
+    before the last one was handed to the connection."""
+    if _gone(request):
+        raise StreamCut()
+    resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+    try:
+        await resp.prepare(request)
+        for event in events:
+            await resp.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        if _gone(request):
+            raise StreamCut(resp)
+        await resp.write_eof()
+    except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one
+        raise StreamCut(resp) from exc
+    return resp
