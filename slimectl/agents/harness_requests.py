@@ -88,11 +88,11 @@ class ChatRequest(BaseModel):
     def _messages(cls, raw: Any) -> list[dict[str, Any]]:
         return normalize_messages(raw)
 
-    @field_validator("stream")
+    @field_validator("stream", "logprobs")
     @classmethod
-    def _stream(cls, v: Any) -> bool:
+    def _flag(cls, v: Any, info: ValidationInfo) -> bool:
         if v is not None and not isinstance(v, bool):
-            raise ValueError(f"stream must be true or false, got {v!r}")
+            raise ValueError(f"{info.field_name} must be true or false, got {v!r}")
         return bool(v)
 
     @field_validator("stream_options")
@@ -119,13 +119,6 @@ class ChatRequest(BaseModel):
         if v > 1 and info.data.get("stream"):
             raise ValueError("n > 1 is answered whole: send stream=false, or one streamed request per completion")
         return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: Any) -> Any:
-        if v is not None and not isinstance(v, bool):
-            raise ValueError(f"logprobs must be true or false, got {v!r}")
-        return bool(v)
 
     @field_validator(*_NEUTRAL)
     @classmethod

@@ -9,6 +9,7 @@ and never ask which format they hold.
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class WeightGroup(Protocol):
         """Run the engine ``calls`` (coroutines) while ``tensors`` are broadcast, in order; the bytes moved."""
 
 
-class WeightFormat:
+class WeightFormat(ABC):
     """One form of a weight version. Subclasses: :class:`FullWeights`, ``LoraAdapter``, ``MergedLoraAdapter``."""
 
     name = ""
@@ -66,13 +67,13 @@ class WeightFormat:
     def start_actor(self, actor) -> None:
         """What the actor starts from besides the model (on resume, the checkpoint's state replaces it)."""
 
+    @abstractmethod
     def trained_tensors(self, actor) -> Iterable[tuple[str, torch.Tensor]]:
         """The actor's tensors a version holds (collective under TP/PP)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def write(self, tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, aux_dir: str | Path) -> None:
         """``weights/N``'s files from ``tensors``; ``aux_dir``: the HF model whose config and tokenizer go along."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ sources
     def source_from_dir(self, version: int, path: str | Path) -> WeightSource:
@@ -103,23 +104,23 @@ class WeightFormat:
         """``source`` as the engines take it over ``transport`` (disk, distributed)."""
         yield source
 
+    @abstractmethod
     async def push_disk(self, clients: dict, source: WeightSource, flush_cache: bool = True) -> int:
         """Every engine loads ``source.hf_dir`` itself; the bytes read."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def push_group(self, group: WeightGroup, clients: dict, source: WeightSource,
                          flush_cache: bool = True) -> int:
         """Broadcast ``source``'s tensors over ``group`` to every engine; the bytes moved."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ export
     def check_export(self) -> None:
         """Refuse (one line) an export this format cannot write here."""
 
+    @abstractmethod
     def export(self, tensors: Iterable[tuple[str, torch.Tensor]], dest: Path, shard_bytes: int, dtype: str,
                aux_dir: Path) -> dict:
         """Write a checkpoint's ``tensors`` (what :func:`read_checkpoint_tensors` gives) into ``dest``; the index."""
-        raise NotImplementedError
 
 
 def buckets(tensors: Iterable[tuple[str, torch.Tensor]],
