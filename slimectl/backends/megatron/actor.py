@@ -253,12 +253,14 @@ class MegatronActor:
         return out
 
     @torch.no_grad()
-    def compute_log_probs(self, samples: Sequence[Any], temperature: float = 1.0,
-                          ref: bool = False) -> list[torch.Tensor]:
-        """Per-sample response log-probs under the current (or reference) weights (on every rank)."""
+    def compute_log_probs(self, samples: Sequence[Any], temperature: float = 1.0, ref: bool = False,
+                          vision: Sequence[Any] | None = None) -> list[torch.Tensor]:
+        """Per-sample response log-probs under the current (or reference) weights (on every rank); ``vision``: a
+        VLM's per-sample :class:`~slimectl.backends.hf.vlm_inputs.VisionInputs`."""
         if self.replay is not None:
             self.replay.set_samples(samples)
-        mbs = pack_samples(samples, self.train_cfg.max_tokens_per_micro_batch, share_prompts=self.share_prompts)
+        mbs = pack_samples(samples, self.train_cfg.max_tokens_per_micro_batch, share_prompts=self.share_prompts,
+                           vision=vision)
         layout = [(mb, [s.sample_index for s in mb.seqs]) for mb in mbs]
         lp = self._ref_log_probs(layout, temperature) if ref else self._layout_log_probs(self.module, layout, temperature)
         res = self.model.pp_share(lp)
@@ -273,9 +275,10 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ training
     def train_on_samples(self, samples: Sequence[Any], rollout_temperature: float = 1.0,
-                         reward_key: str | None = None) -> list[dict[str, float]]:
-        """Train on one rollout's samples (prepare, advantages, steps); one metrics dict per optimizer step."""
-        batch = self.prepare_rollout(samples, rollout_temperature)
+                         reward_key: str | None = None, vision: Sequence[Any] | None = None) -> list[dict[str, float]]:
+        """Train on one rollout's samples (prepare, advantages, steps); one metrics dict per optimizer step.
+        ``vision``: a VLM's per-sample vision inputs (see :meth:`prepare_rollout`)."""
+        batch = self.prepare_rollout(samples, rollout_temperature, vision)
         advantages = None
         if not batch.sft:
             advantages = rollout_advantages(self.algo, batch.advantage_inputs(reward_key)).advantages
@@ -303,9 +306,12 @@ class MegatronActor:
             teacher_lp = [torch.tensor(s.teacher_log_probs, dtype=torch.float32) for s in samples]
         return masks, rollout_lp, teacher_lp
 
-    def prepare_rollout(self, samples: Sequence[Any], rollout_temperature: float = 1.0) -> RolloutBatch:
+    def prepare_rollout(self, samples: Sequence[Any], rollout_temperature: float = 1.0,
+                        vision: Sequence[Any] | None = None) -> RolloutBatch:
         """The rollout laid out for its optimizer steps, with the no-grad log-probs the steps and the advantages
-        need (see the module docstring); every rank gets every sample's."""
+        need (see the module docstring); every rank gets every sample's. ``vision``: a VLM's per-sample
+        :class:`~slimectl.backends.hf.vlm_inputs.VisionInputs` (images and M-RoPE positions), packed beside the
+        tokens."""
         if not samples:
             raise ValueError("no samples to train on")
         algo, tcfg = self.algo, self.train_cfg
@@ -316,7 +322,7 @@ class MegatronActor:
         # Global batches and their micro-batches (fixed for the whole call); each rank packs its share.
         batches = step_batches(len(samples), tcfg.num_steps_per_rollout, tcfg.global_batch_size)
         layouts = [rank_layout(samples, idx, self.model.dp, self.model.dp_rank, tcfg.max_tokens_per_micro_batch,
-                               self.share_prompts) for idx in batches]
+                               self.share_prompts, vision) for idx in batches]
         if self.ep > 1:
             layouts = self._even_layouts(layouts)
         # With use_rollout_logprobs the engine's are the old ones: recompute only when TIS needs both. The

@@ -20,7 +20,13 @@ samples of 23 + 5 tokens: 1,792 rows -> 504). Rows get their positions as if eac
 (``position_ids``; the forward rotates by them, see ``logprobs.forward_micro_batch``), so the
 numbers are each sample's alone up to float rounding.
 
-Pure torch + stdlib.
+Vision inputs (a VLM's samples, ``vision=``: one :class:`~slimectl.backends.hf.vlm_inputs.VisionInputs` per
+sample): the micro-batch's ``vision`` holds its sequences' images in row order and the row's ``[3, L]`` M-RoPE
+position ids (each sequence's own, the padding tail 0, 1, ...); the model scatters the images' embeddings into the
+image tokens in row order, so the order of images is the order of their tokens. Prompts are not shared then (two
+samples' identical prompt tokens may hold different images).
+
+Pure torch + stdlib (and the ``VisionInputs`` record).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+
+from slimectl.backends.hf.vlm_inputs import VisionInputs
 
 PAD_TOKEN_ID = 0
 
@@ -78,6 +86,8 @@ class MicroBatch:
     """With shared prompts: the row's attention layout, one entry per segment in row order — ``n``
     (``n`` rows, causal) or ``(p, (r_1, ..., r_k))`` (a prompt of ``p`` rows, then ``k`` responses,
     each attending to the prompt and causally to itself). Empty: ``segment_lengths`` is the layout."""
+    vision: VisionInputs | None = None
+    """A VLM's row: its sequences' images (row order) and ``[3, L]`` M-RoPE positions; None for text models."""
 
     @property
     def layout(self) -> tuple:
@@ -204,8 +214,14 @@ def _prompt_groups(parsed: list[tuple[list[int], int]], budget: int) -> list[lis
     return items
 
 
+def row_vision(parts: list[VisionInputs], padding: int) -> VisionInputs:
+    """A packed row's vision inputs: its sequences' (in row order), then a padding tail at positions 0, 1, ..."""
+    return VisionInputs.concat([*parts, VisionInputs.text(padding)] if padding else parts)
+
+
 def pack_samples(samples: Sequence[Any], max_tokens_per_micro_batch: int, pad_multiple: int = 1,
-                 pad_token_id: int = PAD_TOKEN_ID, share_prompts: bool = False) -> list[MicroBatch]:
+                 pad_token_id: int = PAD_TOKEN_ID, share_prompts: bool = False,
+                 vision: Sequence[VisionInputs] | None = None) -> list[MicroBatch]:
     """First-fit-decreasing packing of whole samples (``tokens``, ``response_length``).
 
     Each sample appears in exactly one micro-batch; a sample longer than the budget gets its own.
@@ -213,6 +229,8 @@ def pack_samples(samples: Sequence[Any], max_tokens_per_micro_batch: int, pad_mu
     ``pad_multiple``. Within a micro-batch, sequences are laid out in sample-index order.
     ``share_prompts``: samples with identical prompt tokens are packed as one group (the prompt
     once, then their responses; see the module's docstring), groups ordered by their first sample.
+    ``vision``: each sample's vision inputs (a VLM's; positions as long as its tokens): carried into each
+    micro-batch's ``vision``; prompts are then never shared.
     """
     if max_tokens_per_micro_batch < 1:
         raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
@@ -222,6 +240,10 @@ def pack_samples(samples: Sequence[Any], max_tokens_per_micro_batch: int, pad_mu
     lengths = [len(t) for t, _ in parsed]
     if any(n == 0 for n in lengths):
         raise ValueError("cannot pack an empty sample (no tokens)")
+    if vision is not None:
+        if len(vision) != len(parsed) or any(v.positions.shape != (3, n) for v, n in zip(vision, lengths)):
+            raise ValueError("vision: one VisionInputs per sample, its positions [3, len(tokens)]")
+        share_prompts = False
     if share_prompts:
         items = _prompt_groups(parsed, max_tokens_per_micro_batch)
     else:
@@ -260,6 +282,7 @@ def pack_samples(samples: Sequence[Any], max_tokens_per_micro_batch: int, pad_mu
         if L > n:
             layout.append(L - n)
         shared = any(not isinstance(x, int) for x in layout)
+        row = None if vision is None else row_vision([vision[s.sample_index] for s in seqs], L - n)
         out.append(MicroBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).view(1, L),
             position_ids=torch.tensor(pos, dtype=torch.long).view(1, L),
@@ -267,5 +290,6 @@ def pack_samples(samples: Sequence[Any], max_tokens_per_micro_batch: int, pad_mu
             seqs=seqs,
             num_tokens=n,
             groups=tuple(layout) if shared else (),
+            vision=row,
         ))
     return out

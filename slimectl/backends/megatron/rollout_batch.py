@@ -54,13 +54,14 @@ def step_batches(n: int, num_steps: int, global_batch_size: int | None) -> list[
 
 
 def rank_layout(samples: Sequence[Any], idx: list[int], dp: int, dp_rank: int, max_tokens: int,
-                share_prompts: bool = False) -> Layout:
+                share_prompts: bool = False, vision: Sequence[Any] | None = None) -> Layout:
     """This data-parallel rank's share (every dp-th sample) of the global batch ``idx``, packed into
-    micro-batches of at most ``max_tokens`` tokens."""
+    micro-batches of at most ``max_tokens`` tokens (``vision``: a VLM's per-sample vision inputs, carried along)."""
     mine = idx[dp_rank::dp]
     if not mine:
         raise ValueError(f"a global batch of {len(idx)} samples cannot feed {dp} data-parallel ranks")
-    mbs = pack_samples([samples[i] for i in mine], max_tokens, share_prompts=share_prompts)
+    mbs = pack_samples([samples[i] for i in mine], max_tokens, share_prompts=share_prompts,
+                       vision=None if vision is None else [vision[i] for i in mine])
     return [(mb, [mine[s.sample_index] for s in mb.seqs]) for mb in mbs]
 
 

@@ -21,6 +21,7 @@ from slimectl.stages.train.plan import initial_arch, resume_point
 from slimectl.stages.train.ppo import CriticFactory, build_critic, train_ppo_rollout
 from slimectl.stages.train.publish import publish
 from slimectl.stages.train.staleness import drop_stale_samples
+from slimectl.stages.train.vision import SampleVision
 from slimectl.stages.train.writer import CheckpointWriter
 from slimectl.weight_formats import weight_format
 
@@ -85,6 +86,7 @@ class Trainer:
         else:
             self.actor.load_hf(cfg.model.path)
         self.weight_format.start_actor(self.actor)  # e.g. LoRA from model.adapter_path (a checkpoint's replace it)
+        self.vision = SampleVision(run.path, cfg.model.path)  # a VLM's images and M-RoPE positions per sample
         last, next_id = resume_point(run)
         self.critic = None
         if cfg.algorithm.advantage_estimator == "ppo":
@@ -144,10 +146,12 @@ class Trainer:
         self.mid_rollout = True  # until this rollout is trained and its version counted (checkpoint_if_behind)
         # at version rid (trained on rollouts 0 .. rid-1): stale groups dropped from the loss or kept, counted
         samples, staleness = drop_stale_samples(read_samples(art.file(SAMPLES_FILE)), rid, self.cfg)
+        vision = self.vision.inputs(samples, rid)  # checked: one line, exit 2, before anything is trained
         if self.critic is not None:
             steps = train_ppo_rollout(self.actor, self.critic, self.cfg, rid, samples)
         else:
-            steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key)
+            steps = self.actor.train_on_samples(samples, self.cfg.rollout.temperature, self.cfg.rollout.reward_key,
+                                                vision=vision)
         release_free_memory()  # the step's activations (the next phases allocate other sizes)
         for m in steps:
             m.update(staleness)
