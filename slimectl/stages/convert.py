@@ -47,15 +47,16 @@ def check_convert_inputs(hf_dir: str | Path, out: str | Path | None, tp: int, pp
     from slimectl.backends.hf.arch import arch_from_dir, check_parallel_sizes
     from slimectl.backends.hf.checkpoint import HFCheckpoint
     from slimectl.backends.hf.dtypes import CHECKPOINT_DTYPES
-    from slimectl.backends.hf.vlm import refuse_vlm
 
     if dtype not in CHECKPOINT_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: expected one of {', '.join(CHECKPOINT_DTYPES)}")
     if tp < 1 or pp < 1:
         raise UsageError("--tp and --pp must be >= 1")
     # Validate everything before any process group or file exists.
-    refuse_vlm(hf_dir, "convert", "the HF model")
     arch = arch_from_dir(hf_dir)
+    if arch.vlm and pp > 1:
+        raise UsageError(f"--pp {pp}: {hf_dir} is a {arch.vlm} vision-language model, which converts at --pp 1 "
+                         f"(any --tp); drop --pp")
     hf = HFCheckpoint(hf_dir)
     hf.validate(arch)
     check_parallel_sizes(arch, tp, pp)

@@ -165,14 +165,12 @@ def export_megatron_to_hf(checkpoint: str | Path | None = None, out: str | Path 
         read_checkpoint_tensors
     from slimectl.backends.hf.dtypes import CHECKPOINT_DTYPES
     from slimectl.weight_formats import export_format
-    from slimectl.backends.hf.vlm import refuse_vlm
 
     if dtype is not None and dtype not in CHECKPOINT_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: expected one of {', '.join(CHECKPOINT_DTYPES)}")
     shard_bytes = _parse_size(max_shard_size)
     checkpoint, megatron_iteration, run, artifact_id = resolve_export_source(checkpoint, run_dir, checkpoint_id,
                                                                              iteration)
-    refuse_vlm(Path(checkpoint) / HF_DIR, "export", "the checkpoint's HF model")
     meta, it_dir, it, arch = _read_meta_and_arch(checkpoint, megatron_iteration, read_checkpoint_meta, arch_from_meta)
     checkpoint = it_dir.parent  # the root, also when given the torch_dist directory inside it
     form = export_format(meta, merge, checkpoint)  # full weights, or a LoRA run's adapter (merged with --merge)

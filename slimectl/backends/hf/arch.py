@@ -84,6 +84,13 @@ class ModelArch:
     moe_first_dense_layers: int = 0
     # rotary embedding on the first rotary_percent of each head's dimensions (rotate-half)
     rotary_percent: float = 1.0
+    # Vision-language models (Qwen2.5-VL, Qwen3-VL; "" for text models): the HF model_type, M-RoPE's split of the
+    # rotary frequencies over (time, height, width) and whether they are interleaved (Qwen3-VL), and the whole HF
+    # config.json (JSON text: the vision tower is built from it, slimectl.backends.megatron.vlm).
+    vlm: str = ""
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
+    vlm_config: str = ""
 
     @property
     def is_moe(self) -> bool:
@@ -207,14 +214,57 @@ def _require(cfg: dict[str, Any], key: str, where: str, kind: type = int) -> Any
     return value
 
 
+# VLM model_type -> the text family its language model computes as (Qwen2.5-VL: Qwen2's QKV biases; Qwen3-VL:
+# Qwen3's q/k norm), and the HF name prefixes of its language model and vision tower in safetensors files (what
+# transformers 5 writes, as the published checkpoints).
+VLM_TEXT = {"qwen2_5_vl": ("qwen2", "model.", "visual."),
+            "qwen3_vl": ("qwen3", "model.language_model.", "model.visual.")}
+
+
+def hf_prefixes(arch: ModelArch) -> tuple[str, str]:
+    """(language model, vision tower) prefixes of the HF tensor names (text models: ``model.``, none)."""
+    return VLM_TEXT[arch.vlm][1:] if arch.vlm else ("model.", "")
+
+
+def _vlm_arch(cfg: dict[str, Any], where: str) -> ModelArch:
+    """A Qwen2.5-VL / Qwen3-VL config: its ``text_config`` checked as the text family's, plus M-RoPE and the config."""
+    from dataclasses import replace
+
+    model_type = cfg["model_type"]
+    archs = cfg.get("architectures")
+    if archs is not None and len(archs) != 1:
+        raise UnsupportedModel(f"{where}: architectures {archs} is not supported (expected one)")
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or not isinstance(cfg.get("vision_config"), dict):
+        raise UnsupportedModel(f"{where}: a {model_type} config needs a text_config and a vision_config object")
+    family = VLM_TEXT[model_type][0]
+    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    params = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
+    old = text.get("rope_scaling") if isinstance(text.get("rope_scaling"), dict) else {}
+    section = params.get("mrope_section", old.get("mrope_section"))
+    if old.get("type") == "mrope" or old.get("rope_type") == "mrope":  # transformers 4.x's name for M-RoPE
+        text = {k: v for k, v in text.items() if k != "rope_scaling"}
+    base = arch_from_config({**text, "model_type": family, "architectures": None, "tie_word_embeddings": tied},
+                            where=f"{where} (text_config)")
+    if (not isinstance(section, list) or len(section) != 3 or any(not isinstance(x, int) or x < 0 for x in section)
+            or sum(section) != base.head_dim // 2):
+        raise UnsupportedModel(f"{where}: text_config mrope_section = {section!r} must be 3 non-negative integers "
+                               f"summing to head_dim / 2 = {base.head_dim // 2}")
+    return replace(base, family=model_type, vlm=model_type, mrope_section=tuple(section),
+                   mrope_interleaved=bool(params.get("mrope_interleaved", False)),
+                   vlm_config=json.dumps(cfg, sort_keys=True))
+
+
 def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelArch:
     """Validate an HF config dict and describe it; refuse what cannot be converted faithfully."""
     model_type = cfg.get("model_type")
+    if model_type in VLM_TEXT:
+        return _vlm_arch(cfg, where)
     if model_type not in FAMILIES:
         raise UnsupportedModel(
             f"{where}: model_type {model_type!r} is not supported; slimectl converts {', '.join(FAMILIES)}"
         )
-    archs = cfg.get("architectures") or [FAMILIES[model_type]]
+    archs = cfg.get("architectures") or [FAMILIES[model_type]]  # (a VLM's text_config: None)
     if archs != [FAMILIES[model_type]]:
         raise UnsupportedModel(f"{where}: architectures {archs} is not supported (expected [{FAMILIES[model_type]!r}])")
     moe = _moe(cfg, model_type, where)
@@ -413,4 +463,16 @@ def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         out[p + "mlp.gate_proj.weight"] = (f, h)
         out[p + "mlp.up_proj.weight"] = (f, h)
         out[p + "mlp.down_proj.weight"] = (h, f)
+    if arch.vlm:
+        return _with_vision(arch, out)
+    return out
+
+
+def _with_vision(arch: ModelArch, text: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A VLM's tensors: the language model's under its prefix, and the vision tower's."""
+    from slimectl.backends.hf.vlm import vision_shapes
+
+    lm, vis = hf_prefixes(arch)
+    out = {(lm + n[len("model."):] if n.startswith("model.") else n): s for n, s in text.items()}
+    out.update({vis + n: s for n, s in vision_shapes(arch.vlm, arch.vlm_config).items()})
     return out

@@ -329,11 +329,11 @@ def write_safetensors_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_d
     return index
 
 
-#: The config and tokenizer files of an HF model directory (what travels with its weights).
+#: The config, tokenizer and (VLMs) processor files of an HF model directory (what travels with its weights).
 HF_AUX_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
-    "added_tokens.json",
+    "added_tokens.json", "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
 )
 
 

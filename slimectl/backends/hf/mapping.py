@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from slimectl.backends.hf.arch import ModelArch
+from slimectl.backends.hf.arch import ModelArch, hf_prefixes
 
 Tensor = torch.Tensor
 
@@ -64,8 +64,37 @@ class Rule:
                     self.kind, self.tp_dim, True)
 
 
+VISION_PREFIX = "vision.tower."
+"""A VLM's vision tower in the Megatron model (``slimectl.backends.megatron.vlm``): ``vision.tower.<name>`` is the
+HF tensor ``<vision prefix><name>`` (``visual.`` for Qwen2.5-VL, ``model.visual.`` for Qwen3-VL), copied whole and
+replicated across TP."""
+
+
+def _hf_names(arch: ModelArch, rules: list[Rule]) -> list[Rule]:
+    """``rules`` with the HF names of a VLM's language model (``model.X`` under its prefix; text models unchanged)."""
+    lm = hf_prefixes(arch)[0]
+    if lm == "model.":
+        return rules
+    return [Rule(r.megatron, tuple(lm + n[len("model."):] if n.startswith("model.") else n for n in r.hf), r.kind,
+                 r.tp_dim, r.expert) for r in rules]
+
+
+def vision_rules(arch: ModelArch) -> list[Rule]:
+    """The vision tower's rules (none for a text model)."""
+    if not arch.vlm:
+        return []
+    from slimectl.backends.hf.vlm import vision_shapes
+
+    vis = hf_prefixes(arch)[1]
+    return [Rule(VISION_PREFIX + n, (vis + n,), "copy", None) for n in vision_shapes(arch.vlm, arch.vlm_config)]
+
+
 def layer_rules(arch: ModelArch, moe: bool | None = None) -> list[Rule]:
     """The rules of one layer; ``moe``: whether it is an MoE layer (default: the model is MoE)."""
+    return _hf_names(arch, _layer_rules(arch, moe))
+
+
+def _layer_rules(arch: ModelArch, moe: bool | None = None) -> list[Rule]:
     p, m = "model.layers.{i}.", "decoder.layers.{i}."
     moe = arch.is_moe if moe is None else moe
     rules = [
@@ -122,26 +151,28 @@ def expert_rules() -> list[Rule]:
 
 
 def global_rules(arch: ModelArch) -> list[Rule]:
+    """The embedding, final norm and (untied) output layer's rules."""
     rules = [
         Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0),
         Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None),
     ]
     if not arch.tie_word_embeddings:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", 0))
-    return rules
+    return _hf_names(arch, rules)
 
 
-def tied_output_rule() -> Rule:
+def tied_output_rule(arch: ModelArch | None = None) -> Rule:
     """With tied embeddings and pipeline parallelism, the last stage holds ``output_layer.weight``
     as a copy of the embedding (HF stores no lm_head); it is filled from, but never exported to, HF."""
-    return Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", 0)
+    rule = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", 0)
+    return rule if arch is None else _hf_names(arch, [rule])[0]
 
 
 def all_rules(arch: ModelArch) -> list[Rule]:
     out = global_rules(arch)
     for i in range(arch.num_layers):
         out.extend(r.layer(i) for r in layer_rules(arch, arch.is_moe_layer(i)))
-    return out
+    return out + vision_rules(arch)
 
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -160,7 +191,7 @@ def rule_for(arch: ModelArch, megatron_name: str) -> Rule:
             e = int(x.group(1))
             if e >= arch.num_experts:
                 raise KeyError(f"{megatron_name}: expert {e} out of range (model has {arch.num_experts})")
-            for r in expert_rules():
+            for r in _hf_names(arch, expert_rules()):
                 if r.megatron == "decoder.layers.{i}.mlp.experts.local_experts.{e}." + x.group(2):
                     return r.expert_rule(e).layer(i)
             raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
@@ -172,7 +203,11 @@ def rule_for(arch: ModelArch, megatron_name: str) -> Rule:
             if r.megatron == megatron_name:
                 return r
         if arch.tie_word_embeddings and megatron_name == "output_layer.weight":
-            return tied_output_rule()
+            return tied_output_rule(arch)
+        if arch.vlm and megatron_name.startswith(VISION_PREFIX):
+            for r in vision_rules(arch):
+                if r.megatron == megatron_name:
+                    return r
     raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
 
 

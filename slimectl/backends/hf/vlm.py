@@ -14,6 +14,7 @@ torchvision present it changes nothing and AutoProcessor builds the stock proces
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,31 @@ def load_processor(model_path: str | Path):
 
     register_image_only_processors()
     return AutoProcessor.from_pretrained(str(model_path))
+
+
+# model_type -> (the HF vision tower class, the HF config class)
+VISION_CLASSES: dict[str, tuple[str, str]] = {
+    "qwen2_5_vl": ("Qwen2_5_VisionTransformerPretrainedModel", "Qwen2_5_VLConfig"),
+    "qwen3_vl": ("Qwen3VLVisionModel", "Qwen3VLConfig"),
+}
+
+
+def vision_tower(family: str, config_json: str, device: str | None = None):
+    """The HF vision tower (and merger) of a VLM whose config.json is ``config_json`` (random weights; on
+    ``device``, e.g. ``"meta"`` for shapes only). Leaves the global RNG as it was."""
+    import contextlib
+
+    import torch
+    import transformers
+
+    tower_cls, config_cls = (getattr(transformers, n) for n in VISION_CLASSES[family])
+    cfg = config_cls(**json.loads(config_json))
+    with torch.random.fork_rng(devices=[]), (torch.device(device) if device else contextlib.nullcontext()):
+        return tower_cls._from_config(cfg.vision_config)
+
+
+@functools.lru_cache(maxsize=8)
+def vision_shapes(family: str, config_json: str) -> dict[str, tuple[int, ...]]:
+    """The vision tower's tensors as HF names them under its prefix (``blocks.0.attn.qkv.weight``, ...) and shapes."""
+    tower = vision_tower(family, config_json, device="meta")
+    return {n: tuple(t.shape) for n, t in tower.state_dict().items()}

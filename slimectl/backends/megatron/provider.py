@@ -173,6 +173,8 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "
     # transfer. Set after construction: the constructor refuses it for MoE's allgather token
     # dispatcher, which is the default even for dense models like these.
     cfg.variable_seq_lengths = pp > 1
+    if arch.vlm:
+        cfg.mrope_section = list(arch.mrope_section)  # M-RoPE (slimectl/backends/megatron/vlm.py)
     return cfg
 
 
@@ -209,7 +211,7 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm,
                                         num_experts=arch.num_experts or None, moe_grouped_gemm=False)
         _local_layer_spec(spec, SegmentAttention, moe=arch.is_moe)
-    model = GPTModel(
+    kwargs = dict(
         config=cfg,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab,
@@ -217,10 +219,15 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
         rotary_base=arch.rope_theta,
         rotary_percent=arch.rotary_percent,
     )
+    if arch.vlm:  # M-RoPE + the HF vision tower
+        from slimectl.backends.megatron.vlm import MegatronVLM
+
+        model = MegatronVLM(arch, **kwargs)
+    else:
+        model = GPTModel(position_embedding_type="rope", **kwargs)
     _params_to_dtype(model, cfg.params_dtype)
     return model
 

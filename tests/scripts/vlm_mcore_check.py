@@ -1,0 +1,79 @@
+"""Convert tiny VLMs to Megatron at this launch's TP, load them back and compare their logits on an image+text prompt
+with HF's; check ``train.freeze: [vision]`` on the loaded model. One RESULT JSON line per model (TP rank 0).
+
+    [torchrun --nproc_per_node TP] vlm_mcore_check.py TP INPUTS HF_DIR OUT [HF_DIR OUT ...]
+
+INPUTS: a torch file written by the test (tests/integration/test_vlm_megatron.py), ``{hf_dir: {input_ids,
+position_ids, pixel_values, image_grid_thw, logits}}``: HF's own fp32 logits and M-RoPE positions for the prompt,
+computed in the test's process (the ranks never load the HF model).
+"""
+
+import json
+import sys
+
+import torch
+
+
+def main() -> None:
+    tp, inputs, pairs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    from slimectl.stages.convert import convert_hf_to_megatron
+
+    refs = torch.load(inputs, weights_only=True)
+    for hf, out in zip(pairs[::2], pairs[1::2]):
+        convert_hf_to_megatron(hf, out, tp=tp, pp=1, progress="off")
+        check(tp, out, refs[hf])
+
+
+def check(tp: int, ckpt: str, ref: dict) -> None:
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from slimectl.backends.megatron.checkpoint import arch_from_meta, load_megatron_checkpoint, read_checkpoint_meta
+    from slimectl.backends.megatron.parallel import init_parallel, shutdown_parallel
+    from slimectl.backends.megatron.provider import build_gpt_model
+    from slimectl.backends.megatron.vlm import VisionInputs, apply_freeze, vlm_forward
+
+    info = init_parallel(tp=tp, pp=1)
+    try:
+        meta, it_dir, _ = read_checkpoint_meta(ckpt)
+        arch = arch_from_meta(meta)
+        model = build_gpt_model(arch, meta["padded_vocab_size"], tp=tp, pp=1, init=False).eval()
+        load_megatron_checkpoint(model, it_dir)
+        vision = VisionInputs(ref["pixel_values"], ref["image_grid_thw"])
+        with torch.no_grad():
+            logits = gather_from_tensor_model_parallel_region(
+                vlm_forward(model, ref["input_ids"], ref["position_ids"], vision))[..., :arch.vocab_size]
+            text_pos = torch.arange(ref["input_ids"].shape[1]).expand(3, 1, -1)
+            flat = gather_from_tensor_model_parallel_region(
+                vlm_forward(model, ref["input_ids"], text_pos, vision))[..., :arch.vocab_size]
+        diff = (logits - ref["logits"]).abs().max().item()
+        result = {"vlm": arch.vlm, "tp": tp, "max_abs_diff": diff, "scale": ref["logits"].abs().max().item(),
+                  "text_positions_diff": (flat - ref["logits"]).abs().max().item(), **freeze_check(model, vision,
+                                                                                                  ref, apply_freeze)}
+        if info.tp_rank == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        shutdown_parallel()
+
+
+def freeze_check(model, vision, ref, apply_freeze) -> dict:
+    """``train.freeze: [vision]``: a backward leaves the tower's parameters without gradients, the language
+    model's with them; an unknown name is refused."""
+    frozen = apply_freeze(model, ["vision"])
+    model.train()
+    out = model(ref["input_ids"], ref["position_ids"], None, vision=vision)
+    out.float().pow(2).mean().backward()
+    vis = [p for n, p in model.named_parameters() if n.startswith("vision.")]
+    lang = [p for n, p in model.named_parameters() if not n.startswith("vision.")]
+    try:
+        apply_freeze(model, ["visoin"])
+        refused = ""
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        refused = f"{type(exc).__name__}: {exc}"
+    return {"frozen": frozen, "vision_params": sum(p.numel() for p in vis),
+            "vision_grads": sum(p.grad is not None for p in vis), "vision_trainable": sum(p.requires_grad for p in vis),
+            "language_grads": sum(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in lang),
+            "language_params": len(lang), "refused": refused}
+
+
+if __name__ == "__main__":
+    main()
