@@ -207,6 +207,12 @@ def forward_micro_batch(model, micro_batch: MicroBatch, hidden: bool = False) ->
     device = next(model.parameters()).device
     gpt = gpt_model(model)
     head_off = _without_head(gpt) if hidden and gpt.post_process else contextlib.nullcontext()
+    if micro_batch.vision is not None:  # a VLM's row: M-RoPE positions [3, 1, L] and its images
+        v = micro_batch.vision
+        images = v if v.num_images else None
+        with packed_segments(micro_batch.layout), head_off:
+            return model(micro_batch.input_ids.to(device), v.positions.unsqueeze(1).to(device), None,
+                         vision=images)
     position_ids = micro_batch.position_ids.to(device)
     rope = rotary_by_position(gpt, position_ids[0]) if micro_batch.has_shared_prompts else contextlib.nullcontext()
     with packed_segments(micro_batch.layout), head_off, rope:
