@@ -422,6 +422,10 @@ class LoraSection(Section):
         return self.alpha / self.rank
 
 
+FREEZABLE_PARTS = ("vision", "language")
+"""``train.freeze``'s names (slimectl.backends.megatron.vlm.apply_freeze)."""
+
+
 class TrainSection(Section):
     """The Megatron actor."""
 
@@ -498,6 +502,20 @@ class TrainSection(Section):
     lora: Optional[LoraSection] = None
     """LoRA: train adapters on the frozen base instead of the full weights (``weights/N`` is then a PEFT
     adapter); null trains every weight."""
+    freeze: list[str] = Field(default_factory=list)
+    """Parts of the model that are not trained (no gradients, no optimizer state): ``vision`` (a vision-language
+    model's vision tower and merger) and/or ``language`` (the language model: embedding, layers, output layer);
+    [] trains every weight."""
+
+    @field_validator("freeze")
+    @classmethod
+    def _known_parts(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name not in FREEZABLE_PARTS:
+                raise ValueError(f"{name!r} is not a part that can be frozen; use any of {', '.join(FREEZABLE_PARTS)}")
+        if set(value) >= set(FREEZABLE_PARTS):
+            raise ValueError(f"{value} freezes every part of the model, nothing would be trained; drop one")
+        return list(dict.fromkeys(value))
 
     @property
     def world_size(self) -> int:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 
 import pytest
 
 from tests.helpers import slimectl_in_process
 
-STAGES = ("convert", "rollout", "train", "sync")  # serve serves VLMs (tests/integration/test_embedded_vlm_http.py)
+# serve serves VLMs (tests/integration/test_embedded_vlm_http.py); convert and export take them
+# (tests/integration/test_vlm_megatron.py)
+STAGES = ("rollout", "train", "sync")
 
 
 def _error_line(res) -> str:
@@ -66,46 +67,3 @@ def test_rollout_import_of_a_vlm_sample_whose_image_is_not_in_the_run_is_one_lin
     line = _error_line(slimectl_in_process("rollout", "import", samples, "-r", run))
     assert f"{samples}:1: its image {sha} is not in the run's media/" in line and "does not exist" in line, line
     assert _published(run) == []
-
-
-def test_export_refuses_a_checkpoint_of_a_vlm(vlm_run, tmp_path):
-    family, run = vlm_run
-    ckpt = tmp_path / "ckpt"
-    (ckpt / "hf").mkdir(parents=True)
-    shutil.copy(run / "models" / f"tiny-{family}" / "config.json", ckpt / "hf" / "config.json")
-    line = _error_line(slimectl_in_process("export", "--checkpoint", ckpt, "--out", tmp_path / "out"))
-    assert "vision-language model" in line and "`slimectl export` is not built yet" in line, line
-    assert not (tmp_path / "out").exists()
-
-
-def test_rl_refuses_a_tiny_vlm_before_writing_anything(tmp_path):
-    cfg = tmp_path / "rl.yaml"
-    cfg.write_text("rollout:\n  num_rollout: 1\n")
-    line = _error_line(slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen3-vl"))
-    assert "--tiny-model qwen3-vl is a qwen3_vl vision-language model" in line and "`slimectl rl`" in line
-    assert not (tmp_path / "run").exists()
-
-
-def test_images_for_a_text_only_model_are_refused_before_any_engine(tmp_path):
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (28, 28), "red").save(buf, format="PNG")
-    (tmp_path / "red.png").write_bytes(buf.getvalue())
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"input": "Colour?", "label": "red", "images": "red.png"}) + "\n")
-    run = tmp_path / "run"
-    res = slimectl_in_process("init", run, "--tiny-model", "qwen2", "--set", f"data.prompt_data={data}",
-                              "--set", "data.multimodal_keys={image: images}", env={"HF_HUB_OFFLINE": "1"})
-    assert res.returncode == 0, res.stderr[-2000:]
-    line = _error_line(slimectl_in_process("rollout", "-r", run))
-    assert "data.multimodal_keys = {'image': 'images'} gives the prompts images" in line
-    assert "(qwen2) is a text-only model" in line, line
-    assert _published(run) == []
-    # rl checks the data before it writes anything: no run directory is left behind
-    cfg = tmp_path / "rl.yaml"
-    cfg.write_text(f"model:\n  path: {run / 'models' / 'tiny-qwen2'}\ndata:\n  prompt_data: {data}\n"
-                   f"  multimodal_keys: {{image: images}}\nrollout:\n  num_rollout: 1\n")
-    line = _error_line(slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "rl-run"))
-    assert "(qwen2) is a text-only model" in line, line
-    assert not (tmp_path / "rl-run").exists()

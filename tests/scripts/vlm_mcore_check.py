@@ -69,7 +69,13 @@ def freeze_check(model, vision, ref, apply_freeze) -> dict:
         refused = ""
     except Exception as exc:  # noqa: BLE001 - the message is what is checked
         refused = f"{type(exc).__name__}: {exc}"
-    return {"frozen": frozen, "vision_params": sum(p.numel() for p in vis),
+    from slimectl.backends.megatron.model import MegatronModel
+    from slimectl.contract.config_schema import TrainSection
+
+    trained = MegatronModel(model, model.config, TrainSection(freeze=["vision"]), total_steps=1)
+    in_optimizer = {id(p) for g in trained.optimizer.param_groups for p in g["params"]}
+    return {"vision_in_optimizer": sum(id(p) in in_optimizer for p in vis),
+            "language_in_optimizer": sum(id(p) in in_optimizer for p in lang), "frozen": frozen, "vision_params": sum(p.numel() for p in vis),
             "vision_grads": sum(p.grad is not None for p in vis), "vision_trainable": sum(p.requires_grad for p in vis),
             "language_grads": sum(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in lang),
             "language_params": len(lang), "refused": refused}

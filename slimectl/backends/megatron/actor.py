@@ -81,6 +81,10 @@ class MegatronActor:
         self.info = init_parallel(tp=tp, pp=pp, seed=train.seed, ep=ep)
         aux = float(train.moe_aux_loss_coeff) if arch.is_moe else 0.0
         gpt = build_gpt_model(arch, padded_vocab, tp=tp, pp=pp, dtype=dtype, init=True, ep=ep, aux_loss_coeff=aux)
+        if getattr(train, "freeze", None):  # train.freeze: those parts get no gradient buffers, no optimizer state
+            from slimectl.backends.megatron.vlm import apply_freeze
+
+            apply_freeze(gpt, train.freeze)
         set_recompute(gpt, train, pp, moe=arch.is_moe)
         release_before_layers_backward(gpt)
         # LoRA (train.lora): adapters on the frozen base; checkpoints and the optimizer hold the adapters only

@@ -41,9 +41,17 @@ def check_train_layout(arch: ModelArch, train) -> None:
     split into, or a ``train.ep`` it cannot (:func:`check_expert_parallel`)."""
     from slimectl.backends.hf.arch import check_parallel_sizes
 
+    from slimectl.contract.errors import ConfigError
+
     if train.tp > 1 or train.pp > 1:
         check_parallel_sizes(arch, train.tp, train.pp, "train.tp", "train.pp")
     check_expert_parallel(arch, train.ep)
+    if getattr(train, "freeze", None) and not arch.vlm:
+        raise ConfigError(f"train.freeze = {train.freeze}: this model ({arch.family}) is text-only (no vision tower, "
+                          f"and freezing its language model leaves nothing to train); set train.freeze: []")
+    if arch.vlm and train.pp > 1:
+        raise ConfigError(f"train.pp = {train.pp}: {arch.vlm} vision-language models train at pp 1 (the vision "
+                          f"tower and deepstack sit on the first stage); set train.pp: 1")
 
 
 def moe_config_kwargs(arch: ModelArch, ep: int = 1, aux_loss_coeff: float = 0.0) -> dict:

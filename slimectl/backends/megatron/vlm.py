@@ -34,10 +34,12 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import Multimod
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.huggingface.module import HuggingFaceModule
 
+from slimectl.contract.config_schema import FREEZABLE_PARTS
 from slimectl.contract.errors import ConfigError
 
 #: ``train.freeze`` names -> what they freeze.
 FREEZABLE = {"vision": "the vision tower and merger", "language": "the language model (embedding, layers, head)"}
+assert tuple(FREEZABLE) == FREEZABLE_PARTS
 
 
 @dataclass
@@ -179,8 +181,9 @@ def apply_freeze(model, names: Sequence[str]) -> int:
     if bad:
         raise ConfigError(f"train.freeze: {bad[0]!r} is not a part that can be frozen; use any of "
                           f"{', '.join(FREEZABLE)} ({'; '.join(f'{k}: {v}' for k, v in FREEZABLE.items())})")
-    if "vision" in names and not isinstance(model, MegatronVLM):
-        raise ConfigError("train.freeze: 'vision' names the vision tower, and this model is text-only; remove it")
+    if not isinstance(model, MegatronVLM) and names:
+        raise ConfigError(f"train.freeze: {list(names)}: this model is text-only (no vision tower, and freezing its "
+                          f"language model leaves nothing to train); set train.freeze: []")
     frozen = 0
     for name, p in model.named_parameters():
         part = "vision" if name.startswith("vision.") else "language"
