@@ -91,17 +91,24 @@ def test_step0_train_log_probs_with_the_images_are_the_engines(vlm_rollout):
         lp_flat = actor.compute_log_probs(samples[:4], 1.0, vision=flat[:4])
         assert max((x - y).abs().max().item() for x, y in zip(lp_flat, lp)) > 1e-4
 
-def test_a_training_step_on_a_vlm_rollout_moves_the_vision_tower_and_the_language_model(vlm_rollout):
+def test_a_training_step_on_a_vlm_rollout_moves_the_vision_tower_unless_frozen(vlm_rollout):
+    """A step trains the vision tower and the language model; with ``train.freeze: [vision]`` the tower stays
+    bit for bit and the language model still moves."""
     from slimectl.stages.train.vision import SampleVision
 
     model, run, samples = vlm_rollout
     vision = SampleVision(run.path, model).inputs(samples, 0)
     for s in samples:  # rewards that differ within each group: non-zero advantages
         s.reward = float(s.index % 2)
+    moved = {}
     with in_process_stage():
-        actor = _actor(model, max_tokens_per_micro_batch=64, lr=1e-2)
-        before = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
-        steps = actor.train_on_samples(samples, 1.0, vision=vision)
-        assert len(steps) == 1 and steps[0]["train/grad_norm"] > 0
-        changed = {n for n, p in actor.module.named_parameters() if not torch.equal(before[n], p.detach())}
-    assert {n for n in changed if n.startswith("vision.")} and {n for n in changed if not n.startswith("vision.")}
+        for freeze in ((), ("vision",)):
+            actor = _actor(model, max_tokens_per_micro_batch=64, lr=1e-2, freeze=list(freeze))
+            before = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
+            steps = actor.train_on_samples(samples, 1.0, vision=vision)
+            assert len(steps) == 1 and steps[0]["train/grad_norm"] > 0
+            changed = {n for n, p in actor.module.named_parameters() if not torch.equal(before[n], p.detach())}
+            moved[freeze] = ({n for n in changed if n.startswith("vision.")},
+                             {n for n in changed if not n.startswith("vision.")})
+    assert moved[()][0] and moved[()][1]
+    assert not moved[("vision",)][0] and moved[("vision",)][1]
