@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slimectl.backends.hf.vlm import refuse_tiny_vlm, refuse_vlm
+from slimectl.backends.hf.vlm import refuse_vlm_options
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.rundir.run import RunDir
 
@@ -35,11 +35,12 @@ def prepare_rl(config_path: str | Path | None, run_path: str | Path | None, over
     before it could be checked. With ``dry_run`` nothing is written and the run is None."""
     from slimectl.stages.init import init_or_resume
 
-    refuse_tiny_vlm(tiny_model, "rl")
     checked: list[bool] = []
 
     def check(cfg: SlimectlConfig) -> None:
-        refuse_vlm(cfg.model.path, "rl")
+        refuse_vlm_options(cfg.model.path, "rl", lora=cfg.train.lora is not None,
+                           ppo=cfg.algorithm.advantage_estimator == "ppo",
+                           fully_async=cfg.rollout.async_mode == "fully_async")
         checked.append(check_train_sizes(cfg))
         if not dry_run and cfg.data.prompt_data is not None:  # a bad dataset must not leave a new run behind
             from slimectl.stages.rollout.stage import check_prompt_data

@@ -152,16 +152,17 @@ def test_a_vlm_rollout_sends_image_data_and_publishes_image_references(tmp_path,
     assert json.loads(format_samples(art, loaded, limit=1, as_json=True))["multimodal_inputs"] == {"image": [red, blue]}
 
 
-def test_rollout_refuses_a_vlm_until_the_engine_serves_images(tmp_path, vlm):
+def test_rollout_follow_refuses_a_vlm_in_one_line(tmp_path, vlm):
+    """``rollout`` takes a VLM (``VLM_ROLLOUT_READY``); ``rollout --follow`` (``fully_async``) refuses one."""
     from slimectl.stages.rollout.follow import follow_rollouts
 
-    assert rollout_prompts.VLM_ROLLOUT_READY is False
+    assert rollout_prompts.VLM_ROLLOUT_READY is True
     run = _run(tmp_path, vlm)
-    for go, stage in [(lambda: _rollout(run, vlm), "rollout"),
-                      (lambda: follow_rollouts(run, run.config(), [vlm["engine"].url]), "rollout --follow")]:
-        with pytest.raises(UsageError) as exc:
-            go()
-        assert "qwen2_5_vl vision-language model" in _one_line_exit_2(exc) and f"`slimectl {stage}`" in str(exc.value)
+    with pytest.raises(UsageError) as exc:
+        follow_rollouts(run, run.config(), [vlm["engine"].url])
+    msg = _one_line_exit_2(exc)
+    assert "rollout.async_mode: fully_async is not supported with a vision-language model" in msg
+    assert "`slimectl rollout --follow`" in msg and "is a qwen2_5_vl" in msg, msg
     assert run.rollouts.ids() == [] and not (run.path / MEDIA_DIR).exists()
 
 

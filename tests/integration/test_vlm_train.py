@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
-from slimectl.stages.rollout import prompts as rollout_prompts
 from slimectl.stages.rollout import stage as rollout_stage
 from tests.helpers import in_process_stage
 
@@ -46,13 +45,10 @@ def vlm_rollout(tmp_path_factory):
         "rollout.reward=random", "rollout.batch_size=3", "rollout.n_samples_per_prompt=2",
         "rollout.max_response_len=6", "rollout.temperature=1.0", "data.shuffle=false"]).run
     proc, url = start_engine(model, root / "engine.log")
-    mp = pytest.MonkeyPatch()
-    mp.setattr(rollout_prompts, "VLM_ROLLOUT_READY", True)
     try:
         wait_healthy(url)
         rollout_stage.run_rollout(run, run.config(), engine_urls=[url])
     finally:
-        mp.undo()
         stop_engine(proc)
     return model, run, read_samples(run.rollouts.get(0).file(SAMPLES_FILE))
 

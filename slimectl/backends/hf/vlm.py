@@ -62,11 +62,39 @@ def refuse_vlm(model_path: str | Path | None, stage: str, what: str = "model.pat
                               f"`slimectl {stage}` is not built yet (use a text-only model)")
 
 
-def refuse_tiny_vlm(tiny_model: str | None, stage: str) -> None:
-    """Refuse ``--tiny-model`` of a VLM family for ``stage`` before anything is built (one line, exit 2)."""
-    if tiny_model in TINY_VLMS:
-        raise VlmNotSupported(f"--tiny-model {tiny_model} is a {TINY_VLMS[tiny_model]} vision-language model; VLM "
-                              f"support in `slimectl {stage}` is not built yet (use a text-only model)")
+def refuse_vlm_options(model_path: str | Path | None, stage: str, *, lora: bool = False, ppo: bool = False,
+                       fully_async: bool = False) -> None:
+    """Refuse in one line (exit 2) what a VLM cannot be trained with yet: LoRA (``train.lora``), PPO's critic (a
+    text model's value head) and ``rollout.async_mode: fully_async`` (its follower stages are untested with
+    images). Nothing for a text model."""
+    family = vlm_family(model_path)
+    if family is None:
+        return
+    for on, what, fix in ((lora, "train.lora (LoRA)", "set train.lora: null"),
+                          (ppo, "algorithm.advantage_estimator: ppo (a critic)", "use a critic-free estimator (grpo, gspo, ...)"),
+                          (fully_async, "rollout.async_mode: fully_async", "use off or one_step_off")):
+        if on:
+            raise VlmNotSupported(f"{what} is not supported with a vision-language model in `slimectl {stage}` "
+                                  f"(model.path = {model_path} is a {family}); {fix}")
+
+
+#: Where transformers 5's VLM classes hold the language model and the vision tower (both families).
+MODULE_PREFIXES = ("model.language_model.", "model.visual.")
+
+
+def checkpoint_name_aliases(family: str, params: dict[str, Any]) -> dict[str, Any]:
+    """A loaded VLM's parameters (``named_parameters`` of the HF model) under the names its checkpoints give them,
+    where those differ: Qwen2.5-VL's files say ``model.X`` / ``visual.X`` for the module's
+    ``model.language_model.X`` / ``model.visual.X`` (transformers renames them on load); Qwen3-VL's agree. What
+    the trainer's weights (exports, syncs) are named, so an engine takes them by either name."""
+    from slimectl.backends.hf.arch import VLM_TEXT
+
+    out: dict[str, Any] = {}
+    for module_prefix, file_prefix in zip(MODULE_PREFIXES, VLM_TEXT[family][1:]):
+        if module_prefix == file_prefix:
+            continue
+        out.update({file_prefix + n[len(module_prefix):]: p for n, p in params.items() if n.startswith(module_prefix)})
+    return out
 
 
 def torchvision_available() -> bool:

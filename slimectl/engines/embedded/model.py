@@ -76,6 +76,11 @@ def load_model(model_path: str, dtype: torch.dtype, max_context: int | None = No
     pad = text_config.pad_token_id if getattr(text_config, "pad_token_id", None) is not None else None
     if pad is None:
         pad = tokenizer.pad_token_id
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if is_vlm:  # also by its checkpoints' names (Qwen2.5-VL's files: model.X, visual.X): what syncs send
+        from slimectl.backends.hf.vlm import checkpoint_name_aliases
+
+        params.update(checkpoint_name_aliases(config.model_type, params))
     return LoadedModel(
         model_path=str(model_path), dtype=dtype, config=config, model=model,
         decoder=model.get_decoder(), lm_head=model.get_output_embeddings(), tokenizer=tokenizer,
@@ -83,7 +88,7 @@ def load_model(model_path: str, dtype: torch.dtype, max_context: int | None = No
         vocab_size=vocab_size, max_context=int(max_context) if max_context else int(ctx),
         eos_token_ids=_eos_ids(config, model, tokenizer),
         pad_token_id=int(pad) if pad is not None and 0 <= int(pad) < vocab_size else 0,
-        params=dict(model.named_parameters(remove_duplicate=False)), vision=vision,
+        params=params, vision=vision,
     )
 
 

@@ -35,7 +35,7 @@ from slimectl.contract.samples import Sample
 from slimectl.engines.pool import EnginePool
 from slimectl.stages.rollout.generate import GroupResult
 from slimectl.stages.rollout.producer import RolloutProducer
-from slimectl.stages.rollout.prompts import next_rollout_id, refuse_vlm_rollout, require_prompt_data
+from slimectl.stages.rollout.prompts import next_rollout_id, require_prompt_data
 
 log = logging.getLogger("slimectl.rollout")
 
@@ -142,7 +142,9 @@ def follow_rollouts(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | t
     ``on_published(rid)`` is called after each rollout is published. ``bridge``: the
     :class:`~slimectl.contract.loop_bridge.LoopBridge` to run on (``slimectl rl``'s one loop); None: ``asyncio.run``."""
     with run.stage_log("rollout"):
-        refuse_vlm_rollout(cfg, "rollout --follow")
+        from slimectl.backends.hf.vlm import refuse_vlm_options
+
+        refuse_vlm_options(cfg.model.path, "rollout --follow", fully_async=True)  # (untested with images)
         require_prompt_data(cfg)
         with run.lock("rollout") as lock:
             first = next_rollout_id(run)

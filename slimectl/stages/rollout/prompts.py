@@ -20,11 +20,10 @@ from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample, Status
 from slimectl.stages.rollout.data import PromptRow, PromptSource, load_tokenizer, tokenize_prompts
 
-VLM_ROLLOUT_READY = False
-"""Whether ``slimectl rollout`` (and ``rollout --follow``) take a vision-language model. Off (refused in one line)
-until the embedded engine serves ``image_data`` (issue 45, item 3); the rollout side is built (images stored in
-``RUN/media``, samples' ``multimodal_inputs``, ``image_data`` in every request) and tested against a fake engine
-with it on."""
+VLM_ROLLOUT_READY = True
+"""Whether ``slimectl rollout`` takes a vision-language model (images stored in ``RUN/media``, samples'
+``multimodal_inputs``, ``image_data`` in every request): on since ``rl`` trains them (issue 45); ``rollout --follow``
+(``fully_async``) still refuses one in one line."""
 
 DATA_STATE = "data_state.json"
 BUFFER_FILE = "buffer.parquet"

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from slimectl.backends.hf.vlm import refuse_vlm
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.faults import fault_point
 from slimectl.contract.errors import SlimectlError, UsageError
@@ -188,7 +187,6 @@ def run_sync(run: RunDir, cfg: SlimectlConfig, version: int | None = None, trans
              verify: bool | None = None, engine_urls: list[str] | tuple[str, ...] = ()) -> SyncResult:
     """Push weight version ``version`` (default: the latest published) to every registered engine."""
     with run.stage_log("sync"), run.lock("sync"):
-        refuse_vlm(cfg.model.path, "sync")
         source = weight_source(run, cfg, version)
 
         async def go() -> SyncResult:
@@ -209,7 +207,6 @@ def follow_sync(run: RunDir, cfg: SlimectlConfig, transport: str | None = None, 
     stop = stop or threading.Event()
     pushed: list[int] = []
     with run.stage_log("sync"), run.lock("sync") as lock:
-        refuse_vlm(cfg.model.path, "sync")
         async def go() -> None:
             async with EngineSync(run, cfg, transport, verify, engine_urls) as engines:
                 # A sync killed between pause and continue (kill -9) left the engines paused, maybe already on the

@@ -53,9 +53,10 @@ def plan_training(run: RunDir, cfg: SlimectlConfig, rollout_id: int | None = Non
     (``check_published`` without ``follow``) a first rollout that is not published yet, besides the layout
     checks of :func:`check_layout`. Reads only the run directory's small files.
     """
-    from slimectl.backends.hf.vlm import refuse_vlm
+    from slimectl.backends.hf.vlm import refuse_vlm_options
 
-    refuse_vlm(cfg.model.path, "train")
+    refuse_vlm_options(cfg.model.path, "train", lora=cfg.train.lora is not None,
+                       ppo=cfg.algorithm.advantage_estimator == "ppo")
     check_layout(run, cfg)
     _, next_id = resume_point(run)
     if rollout_id is not None and rollout_id != next_id:
