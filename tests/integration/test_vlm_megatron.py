@@ -5,7 +5,8 @@ two_ranks worker) with tests/scripts/vlm_mcore_check.py, which also loads each c
 prompt through it and checks ``train.freeze``. HF's logits and M-RoPE positions for that prompt are computed once
 here (the ranks never load the HF model). The tests then check: Megatron logits = HF logits (fp32, <= 1e-5), and
 that M-RoPE is what agrees (1-D positions are far off); export of every checkpoint is bit-exact (names, dtypes,
-bytes; vision weights included); the frozen vision tower gets no gradient and no optimizer state; and the CLI's
+bytes; vision weights included); gradients reach the vision tower (and full recompute keeps them, or is refused
+for Qwen3-VL's deepstack); the frozen vision tower gets no gradient and no optimizer state; and the CLI's
 convert -r / export -r of a VLM run, and its refusals (``--pp 2``, unknown ``train.freeze`` names).
 """
 
@@ -132,6 +133,25 @@ def test_frozen_vision_tower_gets_no_gradient_and_no_optimizer_state(checked, tp
         assert r["vision_grads"] == 0 and r["vision_trainable"] == 0 and r["vision_in_optimizer"] == 0, r
         assert r["language_grads"] == r["language_params"] == r["language_in_optimizer"] > 0, r
         assert "train.freeze: 'visoin' is not a part that can be frozen; use any of vision, language" in r["refused"]
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+def test_gradients_reach_the_vision_tower_and_recompute_keeps_them(checked, tp):
+    """Every vision tensor gets a gradient (unfrozen); megatron-core's full recompute gives the same gradients for
+    Qwen2.5-VL and is refused in one line for Qwen3-VL, whose deepstack adds vision features inside the recomputed
+    layers (``auto`` then recomputes nothing)."""
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.hf.mapping import vision_rules
+
+    for family in FAMILIES:
+        r = checked[(family, tp)]
+        n_vision = len(vision_rules(arch_from_dir(checked[(family, tp)]["ckpt"] / "hf")))
+        assert r["vision_grads_unfrozen"] == n_vision > 0, r
+    r = checked[("qwen2_5-vl", tp)]
+    assert r["recompute_grads"] == r["plain_grads"] and r["recompute_grad_diff"] <= 1e-6, r
+    r = checked[("qwen3-vl", tp)]
+    assert "train.recompute full is not supported for Qwen3-VL models" in r["recompute_refused"], r
+    assert r["auto_recompute"] == "None", r
 
 
 def test_convert_and_export_of_a_vlm_run_through_the_cli(tmp_path):

@@ -55,13 +55,49 @@ def check(tp: int, ckpt: str, ref: dict) -> None:
         shutdown_parallel()
 
 
+def _grads(model, vision, ref) -> dict:
+    """The gradients of a loss over the logits (every parameter that takes one), then cleared. The row as one packed
+    sequence, as the training forward runs it (``attention.packed_segments``)."""
+    from slimectl.backends.megatron.attention import packed_segments
+
+    model.zero_grad(set_to_none=True)
+    with packed_segments([ref["input_ids"].shape[1]]):
+        out = model(ref["input_ids"], ref["position_ids"], None, vision=vision)
+        out.float().pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def recompute_check(model, vision, ref) -> dict:
+    """Gradients reach the vision tower; ``train.recompute`` full gives the same gradients (Qwen2.5-VL) or is refused
+    in one line (Qwen3-VL's deepstack), and auto then recomputes nothing."""
+    from slimectl.backends.megatron.recompute import set_recompute
+    from slimectl.contract.config_schema import TrainSection
+
+    model.train()
+    plain = _grads(model, vision, ref)
+    out = {"vision_grads_unfrozen": sum(n.startswith("vision.") and bool(g.abs().sum() > 0) for n, g in plain.items())}
+    try:
+        set_recompute(model, TrainSection(recompute="full"))
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        set_recompute(model, TrainSection(recompute="auto"))
+        return {**out, "recompute_refused": f"{type(exc).__name__}: {exc}",
+                "auto_recompute": str(model.config.recompute_granularity)}
+    again = _grads(model, vision, ref)
+    model.config.recompute_granularity = None
+    return {**out, "recompute_grad_diff": max((again[n] - g).abs().max().item() for n, g in plain.items()),
+            "recompute_grads": len(again), "plain_grads": len(plain)}
+
+
 def freeze_check(model, vision, ref, apply_freeze) -> dict:
     """``train.freeze: [vision]``: a backward leaves the tower's parameters without gradients, the language
-    model's with them; an unknown name is refused."""
+    model's with them, and the optimizer holds only the language model's; an unknown name is refused."""
+    out = recompute_check(model, vision, ref)
     frozen = apply_freeze(model, ["vision"])
     model.train()
-    out = model(ref["input_ids"], ref["position_ids"], None, vision=vision)
-    out.float().pow(2).mean().backward()
+    logits = model(ref["input_ids"], ref["position_ids"], None, vision=vision)
+    logits.float().pow(2).mean().backward()
     vis = [p for n, p in model.named_parameters() if n.startswith("vision.")]
     lang = [p for n, p in model.named_parameters() if not n.startswith("vision.")]
     try:
@@ -74,9 +110,10 @@ def freeze_check(model, vision, ref, apply_freeze) -> dict:
 
     trained = MegatronModel(model, model.config, TrainSection(freeze=["vision"]), total_steps=1)
     in_optimizer = {id(p) for g in trained.optimizer.param_groups for p in g["params"]}
-    return {"vision_in_optimizer": sum(id(p) in in_optimizer for p in vis),
-            "language_in_optimizer": sum(id(p) in in_optimizer for p in lang), "frozen": frozen, "vision_params": sum(p.numel() for p in vis),
-            "vision_grads": sum(p.grad is not None for p in vis), "vision_trainable": sum(p.requires_grad for p in vis),
+    return {**out, "vision_in_optimizer": sum(id(p) in in_optimizer for p in vis),
+            "language_in_optimizer": sum(id(p) in in_optimizer for p in lang), "frozen": frozen,
+            "vision_params": sum(p.numel() for p in vis), "vision_grads": sum(p.grad is not None for p in vis),
+            "vision_trainable": sum(p.requires_grad for p in vis),
             "language_grads": sum(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in lang),
             "language_params": len(lang), "refused": refused}
 

@@ -32,6 +32,12 @@ def set_recompute(gpt, train, pp: int = 1, moe: bool = False) -> None:
     :func:`~slimectl.backends.megatron.attention.install_recompute_segments`); gradients are the
     same to rounding. No-grad forwards (log-probs, reference) are not affected."""
     mode = recompute_mode(train, pp, moe)
+    if mode == "full" and getattr(gpt, "deepstack_layers", 0):
+        # Qwen3-VL's deepstack adds vision features between the first layers, outside the recomputed chunk's inputs
+        if getattr(train, "recompute", "none") == "full":
+            raise ConfigError("train.recompute full is not supported for Qwen3-VL models (deepstack adds vision "
+                              "features inside the recomputed layers); set train.recompute: none or auto")
+        return  # auto: none
     if mode == "none":
         return
     config = gpt.config

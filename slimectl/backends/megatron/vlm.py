@@ -103,8 +103,11 @@ class MegatronVLM(GPTModel):
         self.vision = VisionModule(self.config, build_vision_tower(arch, self.config.params_dtype)) \
             if self.pre_process else None
         self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        # Qwen3-VL: vision features added after these first decoder layers (read by recompute.set_recompute:
+        # a recomputed layer would not see them, so full recompute is refused for such models)
+        self.deepstack_layers = len(hf.get("vision_config", {}).get("deepstack_visual_indexes") or [])
         if self.pre_process:
-            for k in range(len(hf.get("vision_config", {}).get("deepstack_visual_indexes") or [])):
+            for k in range(self.deepstack_layers):
                 self.decoder.layers[k].register_forward_hook(self._deepstack_hook(k))
 
     def _deepstack_hook(self, k: int):
