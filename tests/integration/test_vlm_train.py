@@ -1,6 +1,6 @@
 """Training a VLM (issue 45): a real rollout of the tiny Qwen2.5-VL against the embedded engine, then the trainer's
 log-probs of the same samples with their images and M-RoPE positions (step 0: the engine's, fp32, within 1e-5), and
-a training step on them."""
+a training step on them; the tiny Qwen3-VL likewise (interleaved M-RoPE, deepstack)."""
 
 from __future__ import annotations
 
@@ -23,18 +23,18 @@ def _png(color: str, size: tuple[int, int]) -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="module")
-def vlm_rollout(tmp_path_factory):
-    """A tiny Qwen2.5-VL, a prompt set of two images, one image and none, and rollout 0 of it (temperature 1,
-    2 samples per prompt) from a real embedded engine."""
+@pytest.fixture(scope="module", params=["qwen2_5-vl", "qwen3-vl"])
+def vlm_rollout(request, tmp_path_factory):
+    """A tiny Qwen2.5-VL / Qwen3-VL, a prompt set of two images, one image and none, and rollout 0 of it
+    (temperature 1, 2 samples per prompt) from a real embedded engine."""
     from slimectl.stages.init import init_run
     from slimectl.starter_models.tiny_models import build_tiny_model
     from tests.helpers import start_engine, stop_engine, wait_healthy
 
-    root = tmp_path_factory.mktemp("vlm_train")
-    model = build_tiny_model("qwen2_5-vl", root / "model")
-    (root / "red.png").write_bytes(_png("red", (84, 56)))  # 6 image tokens
-    (root / "blue.png").write_bytes(_png("blue", (56, 56)))  # 4
+    root = tmp_path_factory.mktemp(f"vlm_train_{request.param}")
+    model = build_tiny_model(request.param, root / "model")
+    (root / "red.png").write_bytes(_png("red", (96, 64)))  # 6 image tokens (qwen3-vl; qwen2_5-vl: 6 too)
+    (root / "blue.png").write_bytes(_png("blue", (64, 64)))  # 4
     data = root / "p.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in [
         {"input": "<image> or <image>: which is red?", "label": "1", "images": ["red.png", "blue.png"]},
@@ -67,6 +67,7 @@ def _actor(model, **train):
 def test_step0_train_log_probs_with_the_images_are_the_engines(vlm_rollout):
     """The trainer's fp32 log-probs of every response token, with each sample's images and M-RoPE positions, are
     the engine's (max |diff| <= 1e-5); without the images (M-RoPE positions as text) they are not."""
+    from slimectl.backends.hf.vlm import vlm_family
     from slimectl.stages.train.vision import SampleVision
 
     model, run, samples = vlm_rollout
@@ -76,7 +77,7 @@ def test_step0_train_log_probs_with_the_images_are_the_engines(vlm_rollout):
         actor = _actor(model, max_tokens_per_micro_batch=64)  # several micro-batches, sequences packed
         lp = actor.compute_log_probs(samples, 1.0, vision=vision)
         diffs = [(x - torch.tensor(s.rollout_log_probs)).abs().max().item() for x, s in zip(lp, samples)]
-        print(f"\nstep-0 train vs engine log-probs (fp32, tiny qwen2_5-vl, {sum(s.response_length for s in samples)} "
+        print(f"\nstep-0 train vs engine log-probs (fp32, tiny {vlm_family(model)}, {sum(s.response_length for s in samples)} "
               f"response tokens): max |diff| {max(diffs):.2e}")
         assert max(diffs) <= 1e-5, diffs
         # M-RoPE is what agrees: the same images at 1-D text positions are far off
