@@ -154,6 +154,16 @@ def test_gradients_reach_the_vision_tower_and_recompute_keeps_them(checked, tp):
     assert r["auto_recompute"] == "None", r
 
 
+def test_q_k_norm_gradients_are_whole_on_every_tp_rank(checked):
+    """Qwen3-VL's (and Qwen3's) q/k norms are replicated, and each TP rank normalises only its own heads:
+    ``MegatronModel.finish_grads`` sums their gradients over TP (it did not at pp 1: the ranks' norms drifted
+    apart); the TP 2 gradient is then TP 1's."""
+    one, two = checked[("qwen3-vl", 1)], checked[("qwen3-vl", 2)]
+    assert two["q_norm_grad_ranks_agree"] and one["q_norm_grad_ranks_agree"]
+    diff = (torch.tensor(two["q_norm_grad"]) - torch.tensor(one["q_norm_grad"])).abs().max().item()
+    assert diff <= 1e-5 * max(1.0, max(abs(x) for x in one["q_norm_grad"])), (diff, one["q_norm_grad"][:4])
+
+
 def test_convert_and_export_of_a_vlm_run_through_the_cli(tmp_path):
     run = tmp_path / "run"
     assert slimectl_in_process("init", run, "--tiny-model", "qwen3-vl").returncode == 0

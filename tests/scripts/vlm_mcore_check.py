@@ -108,14 +108,37 @@ def freeze_check(model, vision, ref, apply_freeze) -> dict:
     from slimectl.backends.megatron.model import MegatronModel
     from slimectl.contract.config_schema import TrainSection
 
+    out.update({"frozen": frozen, "vision_params": sum(p.numel() for p in vis),
+                "vision_grads": sum(p.grad is not None for p in vis), "vision_trainable": sum(p.requires_grad for p in vis),
+                "language_grads": sum(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in lang),
+                "language_params": len(lang), "refused": refused})
     trained = MegatronModel(model, model.config, TrainSection(freeze=["vision"]), total_steps=1)
     in_optimizer = {id(p) for g in trained.optimizer.param_groups for p in g["params"]}
+    out.update(qk_norm_grads(trained, vision, ref))  # (the optimizer's zero_grad clears the .grad read above)
     return {**out, "vision_in_optimizer": sum(id(p) in in_optimizer for p in vis),
-            "language_in_optimizer": sum(id(p) in in_optimizer for p in lang), "frozen": frozen,
-            "vision_params": sum(p.numel() for p in vis), "vision_grads": sum(p.grad is not None for p in vis),
-            "vision_trainable": sum(p.requires_grad for p in vis),
-            "language_grads": sum(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in lang),
-            "language_params": len(lang), "refused": refused}
+            "language_in_optimizer": sum(id(p) in in_optimizer for p in lang)}
+
+
+def qk_norm_grads(trained, vision, ref) -> dict:
+    """Qwen3's q/k norm under TP: after ``finish_grads`` every TP rank holds the whole gradient of layer 0's
+    ``q_layernorm`` (each rank's heads' parts summed), the same on every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from slimectl.backends.megatron.attention import packed_segments
+
+    params = dict(trained.module.named_parameters())
+    name = "decoder.layers.0.self_attention.q_layernorm.weight"
+    if name not in params:
+        return {}
+    trained.zero_grad()
+    with packed_segments([ref["input_ids"].shape[1]]):
+        trained.ddp(ref["input_ids"], ref["position_ids"], None, vision=vision).float().pow(2).sum().backward()
+    trained.finish_grads()
+    grad = params[name].main_grad.detach().clone()
+    ranks = [torch.zeros_like(grad) for _ in range(trained.tp)]
+    dist.all_gather(ranks, grad, group=ps.get_tensor_model_parallel_group())
+    return {"q_norm_grad": grad.tolist(), "q_norm_grad_ranks_agree": all(torch.equal(r, grad) for r in ranks)}
 
 
 if __name__ == "__main__":

@@ -151,9 +151,15 @@ class MegatronModel:
 
     def finish_grads(self) -> None:
         """After the backward passes: the data-parallel gradient reduction (and, under PP, the tied embedding's
-        gradients across the first and last stage)."""
+        gradients across the first and last stage). Under TP, the replicated parameters whose gradient each TP rank
+        computes only a part of are reduced across TP as ``finalize_model_grads`` does: Qwen3's q/k norms (summed:
+        each rank normalises its own heads) and a VLM's vision tower (averaged: ``average_gradients_across_tp_domain``)."""
         if self.pp == 1:
             self.ddp.finish_grad_sync()
+            if self.tp > 1:
+                from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+                _allreduce_non_tensor_model_parallel_grads([self.ddp], self.ddp.config)
         else:
             from megatron.core.distributed import finalize_model_grads
 
