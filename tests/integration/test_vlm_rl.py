@@ -118,3 +118,11 @@ def test_what_a_vlm_is_not_trained_with_is_one_line(vlm_rl, tmp_path, sets, says
     line = _one_line(slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", *args))
     assert says in line and "`slimectl rl`" in line and "qwen2_5_vl" in line, line
     assert not (tmp_path / "run").exists()
+
+
+def test_train_refuses_lora_on_a_vlm_in_one_line(vlm_rl):
+    run, _ = vlm_rl
+    before = run.checkpoints.ids()
+    line = _one_line(slimectl_in_process("train", "-r", run.path, "--set", "train.lora={rank: 4}"))
+    assert "train.lora (LoRA) is not supported with a vision-language model in `slimectl train`" in line, line
+    assert run.checkpoints.ids() == before
