@@ -177,7 +177,7 @@ def _megatron_args(arch, padded: int, tp: int, pp: int, dtype: str):
         group_query_attention=arch.num_kv_heads != arch.num_attention_heads,
         kv_channels=arch.head_dim,
         max_position_embeddings=arch.max_position_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="mrope" if getattr(arch, "vlm", "") else "rope",
         add_position_embedding=False,
         rotary_base=arch.rope_theta,
         normalization="RMSNorm",
@@ -200,6 +200,7 @@ def _megatron_args(arch, padded: int, tp: int, pp: int, dtype: str):
         consumed_valid_samples=0,
         ckpt_format="torch_dist",
         **_megatron_moe_args(arch),
+        **({"mrope_section": list(arch.mrope_section)} if getattr(arch, "vlm", "") else {}),
     )
 
 

@@ -133,6 +133,8 @@ def test_frozen_vision_tower_gets_no_gradient_and_no_optimizer_state(checked, tp
         assert r["vision_grads"] == 0 and r["vision_trainable"] == 0 and r["vision_in_optimizer"] == 0, r
         assert r["language_grads"] == r["language_params"] == r["language_in_optimizer"] > 0, r
         assert "train.freeze: 'visoin' is not a part that can be frozen; use any of vision, language" in r["refused"]
+        # train.freeze: [language]: only the tower gets gradients
+        assert r["language_frozen_language_grads"] == 0 and r["language_frozen_vision_grads"] == r["vision_grads_unfrozen"]
 
 
 @pytest.mark.parametrize("tp", (1, 2))

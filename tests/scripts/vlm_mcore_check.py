@@ -94,6 +94,11 @@ def freeze_check(model, vision, ref, apply_freeze) -> dict:
     """``train.freeze: [vision]``: a backward leaves the tower's parameters without gradients, the language
     model's with them, and the optimizer holds only the language model's; an unknown name is refused."""
     out = recompute_check(model, vision, ref)
+    apply_freeze(model, ["language"])  # the other way round: only the tower trains
+    only_vision = _grads(model, vision, ref)
+    out.update(language_frozen_vision_grads=sum(n.startswith("vision.") for n in only_vision),
+               language_frozen_language_grads=sum(not n.startswith("vision.") for n in only_vision))
+    model.requires_grad_(True)
     frozen = apply_freeze(model, ["vision"])
     model.train()
     logits = model(ref["input_ids"], ref["position_ids"], None, vision=vision)
