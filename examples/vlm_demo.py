@@ -30,7 +30,6 @@ import io
 import os
 import random
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -115,8 +114,9 @@ async def reward(args, sample) -> float:
 # ----------------------------------------------------------------------------------------- the steps
 
 def slimectl_command() -> list[str]:
-    """``$SLIMECTL`` (a command, split as a shell would), else this interpreter's ``python -m slimectl``."""
-    return shlex.split(os.environ.get("SLIMECTL", "")) or [sys.executable, "-m", "slimectl"]
+    from cpu_demo import slimectl_command as command  # $SLIMECTL, else python -m slimectl
+
+    return command()
 
 
 def _env() -> dict[str, str]:

@@ -3,8 +3,8 @@ image decodes and shows its label's colour, the colours balanced), its exact-wor
 its SFT warm-start samples (each prompt with its image, as the rollout import checks want them), and its one-line
 stop while `slimectl rl` refuses VLMs.
 
-Two functions are not collected yet (no ``test_`` prefix): they need `slimectl train`/`rl` to take VLMs (branch
-h-vlm-train). The merger renames them ``test_...`` and deletes
+Three functions are not collected yet (no ``test_`` prefix): they need `rollout`, `train` and `rl` to take VLMs
+(branch h-vlm-train). The merger renames them ``test_...`` and deletes
 ``test_the_demo_stops_in_one_line_while_rl_refuses_vlms`` (it fails once `rl` takes VLMs: that is its signal).
 """
 
@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -134,6 +135,34 @@ def test_the_demo_stops_in_one_line_while_rl_refuses_vlms(tmp_path):
 
 
 # ------------------------------------------------------------------ for the merger: rename to test_... once `rl` takes VLMs
+
+def pending_test_a_rollout_and_eval_of_the_demo_config_against_the_embedded_engine(tmp_path):
+    """`init` + `rollout` + eval of examples/vlm_demo.yaml (the untrained tiny Qwen2.5-VL) on a real embedded engine:
+    every sample has its image and at most max_response_len tokens, the custom reward graded them (0 or 1), eval
+    covers rows 0-31. Needs `rollout` to take VLMs (stages/rollout/prompts.py::VLM_ROLLOUT_READY on); run once by
+    hand with the switch flipped in-process (2026-12-05): 64 samples in 8.7 s, reward 0.0, eval 32 prompts."""
+    from slimectl.contract.samples import SAMPLES_FILE, read_samples
+    from slimectl.stages.init import init_run
+    from slimectl.stages.rollout.eval import run_eval
+    from slimectl.stages.rollout.stage import run_rollout
+    from tests.helpers import start_engine, stop_engine, wait_healthy
+
+    run = init_run(tmp_path / "run", ROOT / "examples" / "vlm_demo.yaml", tiny_model="qwen2_5-vl").run
+    cfg = run.config()
+    proc, url = start_engine(Path(cfg.model.path), tmp_path / "engine.log")
+    try:
+        wait_healthy(url)
+        res = run_rollout(run, cfg, engine_urls=[url])
+        samples = read_samples(run.rollouts.get(res.rollout_id).file(SAMPLES_FILE))
+        assert len(samples) == cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt == 64
+        for s in samples:
+            assert len(s.image_hashes) == 1 and 1 <= s.response_length <= cfg.rollout.max_response_len
+            assert s.reward == vlm_demo.grade(s.response, s.label) and s.label in vlm_demo.COLOURS
+        metrics = run_eval(run, cfg, 0, [url])
+        assert metrics["eval/colours/num_prompts"] == 32 and 0 <= metrics["eval/colours/pass@1"] <= 1
+    finally:
+        stop_engine(proc)
+
 
 # The demo's arguments for the end-to-end run: to be sized once it can run (measure the rise on seeds 0/1/2 and put
 # the figures here, as tests/e2e/test_cpu_demo.py does). Warm-start evidence so far (plain HF SFT, not slimectl
