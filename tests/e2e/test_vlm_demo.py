@@ -46,8 +46,8 @@ def square_colour(png: bytes) -> tuple[str | None, int]:
     from PIL import Image
 
     with Image.open(io.BytesIO(png)) as img:
-        counts = Counter(img.convert("RGB").getdata())
-    found = {name: counts[rgb] for name, rgb in vlm_demo.COLOURS.items() if counts[rgb]}
+        counts = {rgb: n for n, rgb in img.convert("RGB").getcolors(maxcolors=img.width * img.height)}
+    found = {name: counts[rgb] for name, rgb in vlm_demo.COLOURS.items() if counts.get(rgb)}
     return (next(iter(found)), *found.values()) if len(found) == 1 else (None, 0)
 
 
