@@ -178,15 +178,18 @@ def buffer_serve_cmd(ctx: click.Context, directory: str, host: str, port: int, t
     from slimectl.services.rollout_buffer import serve_buffer
 
     path = resolve_run_dir(ctx, run_dir or ctx.parent.parent.params.get("run_dir"))
+    images = None
     if path is not None:
-        from slimectl.stages.rollout.importer import model_vocab_size
+        from slimectl.stages.rollout.importer import image_check, model_vocab_size
         from slimectl.contract.rundir import RunDir
 
-        cfg = RunDir.open(path).config()
+        run = RunDir.open(path)
+        cfg = run.config()
         n_samples_per_prompt = n_samples_per_prompt or cfg.rollout.n_samples_per_prompt
         reward_key = reward_key or cfg.rollout.reward_key
-        vocab_size = vocab_size or model_vocab_size(cfg)
+        vocab_size = vocab_size or model_vocab_size(cfg, allow_vlm=True)
+        images = image_check(run, cfg)
     if n_samples_per_prompt is None:
         raise UsageError("pass --n-samples-per-prompt N, or -r RUN to take it from the run's config")
     serve_buffer(directory, n_samples_per_prompt, host, port, token, lease_timeout, max_body_mb, vocab_size, reward_key,
-                 announce=click.echo)
+                 announce=click.echo, images=images)

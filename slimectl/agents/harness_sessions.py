@@ -91,7 +91,9 @@ def samples_from_sessions(sessions: list[Session], tokenizer, first_index: int =
                        response_length=src.response_length, label=sess.label, reward=sess.reward,
                        loss_mask=list(src.loss_mask or []), rollout_log_probs=list(src.rollout_log_probs or []),
                        weight_versions=list(src.weight_versions),
-                       weight_version_spans=[dict(sp) for sp in src.weight_version_spans], status=src.status)
+                       weight_version_spans=[dict(sp) for sp in src.weight_version_spans], status=src.status,
+                       multimodal_inputs=({k: list(v) for k, v in src.multimodal_inputs.items()}
+                                          if src.multimodal_inputs is not None else None))
             s.response = tokenizer.decode(s.response_tokens, skip_special_tokens=False,
                                           clean_up_tokenization_spaces=False)
             s.metadata = {**sess.metadata, "session_id": sess.id, "segment": k, "num_segments": len(sess.segments),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from slimectl.contract.errors import SlimectlError, UsageError
@@ -147,3 +148,17 @@ def check_sample_images(where: str, s: Sample, run_path: str | Path, vision_ids:
     if bad:
         raise UsageError(f"{where}: vision token {bad[0]} is in the response's trained tokens (loss mask 1); "
                             f"image tokens are prompt tokens, never in the loss mask")
+
+
+@dataclass(frozen=True)
+class ImageCheck:
+    """:func:`check_sample_images` bound to one run: its directory (``RUN/media``) and its model's vision token ids
+    (None: not a VLM) or whether it is known to be text-only. ``rollout import``, the rollout buffer service served
+    with ``-r RUN`` and the rollout's buffer source check VLM samples with it."""
+
+    run_path: Path
+    vision_ids: dict[str, int] | None
+    text_only: bool
+
+    def __call__(self, where: str, s: Sample) -> None:
+        check_sample_images(where, s, self.run_path, self.vision_ids, self.text_only)

@@ -20,7 +20,7 @@ from typing import Any
 
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir.atomic import atomic_write_bytes, atomic_write_json, read_json
-from slimectl.contract.sample_checks import check_sample, parse_sample
+from slimectl.contract.sample_checks import ImageCheck, check_sample, parse_sample
 
 log = logging.getLogger("slimectl.buffer")
 
@@ -87,7 +87,7 @@ class RolloutBuffer:
     """
 
     def __init__(self, directory: str | Path, n_samples_per_prompt: int, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
-                 vocab_size: int | None = None, reward_key: str | None = None):
+                 vocab_size: int | None = None, reward_key: str | None = None, images: ImageCheck | None = None):
         if n_samples_per_prompt < 1:
             raise UsageError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
         if lease_timeout_s <= 0:
@@ -97,6 +97,8 @@ class RolloutBuffer:
         self.lease_timeout_s = lease_timeout_s
         self.vocab_size = vocab_size
         self.reward_key = reward_key
+        self.images = images
+        """A run's image checks (served with ``-r RUN``): a VLM sample's images must be intact in its ``RUN/media``."""
         self.tasks: dict[str, Task] = {}
         self.groups: dict[int, Group] = {}
         self.closed: set[int] = set()
@@ -359,6 +361,8 @@ class RolloutBuffer:
             try:
                 s = parse_sample(where, d)
                 check_sample(where, s, self.vocab_size, self.reward_key)
+                if self.images is not None:
+                    self.images(where, s)
             except SlimectlError as exc:
                 raise Rejected(400, "invalid_trajectory", str(exc)) from None
             samples.append(s.to_dict())

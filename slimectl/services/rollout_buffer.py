@@ -28,6 +28,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from slimectl.contract.errors import UsageError
+from slimectl.contract.sample_checks import ImageCheck
 from slimectl.services.buffer_state import DEFAULT_LEASE_TIMEOUT_S, Rejected, RolloutBuffer, is_index, only_keys
 from slimectl.web.app import Guard, Refused, Replies, make_app, read_json, read_object
 from slimectl.web.server import http_url, serving, start_site, until_stopped
@@ -175,11 +176,12 @@ def _positive_int(value: Any, name: str, default: int | None) -> int | None:
 def serve_buffer(directory: str | Path, n_samples_per_prompt: int, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  token: str | None = None, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
                  max_body_mb: float = DEFAULT_MAX_BODY_MB, vocab_size: int | None = None, reward_key: str | None = None,
-                 announce: Callable[[str], None] = print) -> None:
-    """Serve the buffer in ``directory`` until SIGINT/SIGTERM; ``announce(url)`` once it listens."""
+                 announce: Callable[[str], None] = print, images: ImageCheck | None = None) -> None:
+    """Serve the buffer in ``directory`` until SIGINT/SIGTERM; ``announce(url)`` once it listens. ``images``: a
+    run's image checks (VLM samples' images intact in its ``RUN/media``), applied to every written sample."""
     if max_body_mb <= 0:
         raise UsageError(f"the body size limit must be > 0 MB, got {max_body_mb}")
-    buffer = RolloutBuffer(directory, n_samples_per_prompt, lease_timeout_s, vocab_size, reward_key)
+    buffer = RolloutBuffer(directory, n_samples_per_prompt, lease_timeout_s, vocab_size, reward_key, images)
     server = BufferServer(buffer, host, port, token or None, int(max_body_mb * 2**20))
 
     async def run() -> None:

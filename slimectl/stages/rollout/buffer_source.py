@@ -24,9 +24,10 @@ from typing import Any
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
-from slimectl.contract.sample_checks import check_sample, parse_sample
+from slimectl.contract.sample_checks import ImageCheck, check_sample, parse_sample
 from slimectl.contract.samples import Sample
-from slimectl.stages.rollout.importer import ImportResult, model_vocab_size, publish_samples, resolve_rollout_id
+from slimectl.stages.rollout.importer import (ImportResult, image_check, model_vocab_size, publish_samples,
+                                              resolve_rollout_id)
 from slimectl.web.client import request_json
 from slimectl.web.errors import HttpError
 
@@ -67,7 +68,8 @@ def collect_rollout(run: RunDir, cfg: SlimectlConfig, url: str, token: str | Non
         raise UsageError(f"the rollout buffer at {client.url} completes groups at {health.get('n_samples_per_prompt')} "
                          f"samples but rollout.n_samples_per_prompt is {cfg.rollout.n_samples_per_prompt}; serve the "
                          f"buffer with --n-samples-per-prompt {cfg.rollout.n_samples_per_prompt} or change the config")
-    vocab = model_vocab_size(cfg)
+    vocab = model_vocab_size(cfg, allow_vlm=True)
+    images = image_check(run, cfg)
     with run.lock("rollout") as lock:
         _ack_previous(run, client, buffer_id)
         rid = resolve_rollout_id(run, rollout_id, force)
@@ -75,7 +77,7 @@ def collect_rollout(run: RunDir, cfg: SlimectlConfig, url: str, token: str | Non
         lease = batch["lease"]
         groups = [g["group_index"] for g in batch["data"]["meta_info"]["groups"]]
         try:
-            samples = _checked(batch["data"]["data"], vocab, cfg.rollout.reward_key)
+            samples = _checked(batch["data"]["data"], vocab, cfg.rollout.reward_key, images)
             lock.check()
             result = publish_samples(run, cfg, samples, rid, {"source": "buffer", "buffer": {
                 "url": client.url, "buffer_id": buffer_id, "lease": lease, "groups": groups}}, "rollout-buffer", force)
@@ -131,16 +133,17 @@ def _wait_for_groups(client: BufferClient, size: int, wait_timeout: float | None
         time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
 
-def _checked(items: list[Any], vocab_size: int | None, reward_key: str | None) -> list[Sample]:
+def _checked(items: list[Any], vocab_size: int | None, reward_key: str | None, images: ImageCheck) -> list[Sample]:
     samples = []
     for i, d in enumerate(items):
         where = f"buffer sample {i} (group {d.get('group_index') if isinstance(d, dict) else '?'})"
         try:
             s = parse_sample(where, d)
             check_sample(where, s, vocab_size, reward_key)
+            images(where, s)
         except SlimectlError as exc:
-            raise SlimectlError(f"{exc}; serve the buffer with -r RUN (or --vocab-size/--reward-key) so that it refuses "
-                                f"such trajectories when they are written") from None
+            raise type(exc)(f"{exc}; serve the buffer with -r RUN (or --vocab-size/--reward-key) so that it refuses "
+                            f"such trajectories when they are written") from None
         samples.append(s)
     return samples
 

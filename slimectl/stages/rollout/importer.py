@@ -19,7 +19,7 @@ from pathlib import Path
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import ArtifactExists, SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
-from slimectl.contract.sample_checks import check_sample, check_sample_images, parse_sample
+from slimectl.contract.sample_checks import ImageCheck, check_sample, parse_sample
 from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, read_samples, write_samples
 
 DATA_STATE = "data_state.json"
@@ -96,6 +96,12 @@ def model_vision(cfg: SlimectlConfig) -> tuple[dict[str, int] | None, bool]:
     return {k: int(v) for k, v in ids.items() if isinstance(v, int)}, False
 
 
+def image_check(run: RunDir, cfg: SlimectlConfig) -> ImageCheck:
+    """The image checks of ``run``'s samples: intact in its ``RUN/media``, as the model at ``model.path`` takes them."""
+    vision, text_only = model_vision(cfg)
+    return ImageCheck(run.path, vision, text_only)
+
+
 def resolve_rollout_id(run: RunDir, rollout_id: int | None, force: bool) -> int:
     """``rollout_id``, or the next free id; refuses a published one unless ``force`` (hold the rollout lock)."""
     ids = run.rollouts.ids()
@@ -140,10 +146,10 @@ def import_rollout(run: RunDir, cfg: SlimectlConfig, path: str | Path, rollout_i
     path = Path(path)
     pairs = _load(path)
     vocab = model_vocab_size(cfg, allow_vlm=True)
-    vision, text_only = model_vision(cfg)
+    images = image_check(run, cfg)
     for where, s in pairs:
         check_sample(where, s, vocab, cfg.rollout.reward_key)
-        check_sample_images(where, s, run.path, vision, text_only)
+        images(where, s)
     with run.lock("rollout"):
         rid = resolve_rollout_id(run, rollout_id, force)
         return publish_samples(run, cfg, [s for _, s in pairs], rid,
