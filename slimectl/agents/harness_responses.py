@@ -165,17 +165,18 @@ def function_tools(raw: Any) -> list[dict[str, Any]]:
 
 
 def _text(content: Any, where: str) -> str:
-    """A message's content (a string or a list of text parts) as one string."""
+    """The field ``where`` (a message's content, a call's output: a string or a list of text parts) as one
+    string."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise Invalid(f"{where}.content must be a string or a list of input_text parts", param=f"{where}.content")
+        raise Invalid(f"{where} must be a string or a list of input_text parts", param=where)
     parts = []
     for j, p in enumerate(content):
         if not isinstance(p, dict) or p.get("type") not in _TEXT_PARTS or not isinstance(p.get("text"), str):
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-            raise Invalid(f"{where}.content[{j}]: only text parts (input_text, output_text) are supported, got "
-                          f"{kind!r}", param=f"{where}.content")
+            raise Invalid(f"{where}[{j}]: only text parts (input_text, output_text) are supported, got {kind!r}",
+                          param=where)
         parts.append(p["text"])
     return "".join(parts)
 
@@ -207,7 +208,7 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
             if role is None:
                 raise Invalid(f"{where}.role must be user, system, developer or assistant, got {item.get('role')!r}",
                               param=f"{where}.role")
-            out.append({"role": role, "content": _text(item.get("content"), where)})
+            out.append({"role": role, "content": _text(item.get("content"), where + ".content")})
         elif kind == "function_call":
             if not _call(item, where, out, calls):
                 continue

@@ -110,6 +110,21 @@ def test_a_tool_episode_with_the_openai_clients_responses_calls(harness):
     assert s.prompt[0] == {"role": "system", "content": "Use the tools."}
 
 
+def test_a_session_may_go_on_from_chat_completions_to_the_responses_api(harness):
+    h = harness
+    h["pool"].script += [CALL_TEXT, "The sum is 5."]
+    oa = client(h, "r-mixed")
+    chat_tool = {"type": "function", "function": {k: ADD_TOOL[k] for k in ("name", "description", "parameters")}}
+    r1 = oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                    tools=[chat_tool])
+    (call,) = r1.choices[0].message.tool_calls
+    items = [{"role": "user", "content": "What is 2 + 3?"},
+             {"type": "function_call", "call_id": call.id, "name": "add", "arguments": call.function.arguments},
+             {"type": "function_call_output", "call_id": call.id, "output": "5"}]
+    assert oa.responses.create(model="tiny", input=items, tools=[ADD_TOOL]).output_text == "The sum is 5."
+    assert_recorded_exactly(h, "r-mixed", 2)
+
+
 def test_reasoning_text_and_calls_are_items_whole_and_streamed(harness):
     h = harness
     reply = "<think>add them</think>Let me add." + "\n" + CALL_TEXT
