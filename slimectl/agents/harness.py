@@ -23,6 +23,9 @@ its reason is recorded, and every segment becomes its own Sample.
 Session ids (first one given wins): the URL path ``/sessions/ID/v1/chat/completions``, the
 ``X-Session-Id`` header, the request body's ``user`` field. A request without one is refused.
 
+OpenAI's Responses API (``POST /v1/responses``) is served by :mod:`slimectl.agents.harness_responses` through the
+same turn (:meth:`Harness.serve_turn`), answered in its own shape (an :class:`Answer`).
+
 This module is the server; the requests it accepts are :mod:`slimectl.agents.harness_requests`, the
 recording of token-exact segments :mod:`slimectl.agents.harness_recorder`, the sessions and their export
 :mod:`slimectl.agents.harness_sessions`.
