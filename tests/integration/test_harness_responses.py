@@ -18,6 +18,8 @@ import pytest
 from slimectl.agents.harness_sessions import samples_from_sessions
 from tests.integration.test_harness_tools import CALL_TEXT, QWEN25_TEMPLATE, ScriptedPool
 
+pytestmark = pytest.mark.xdist_group("harness-responses")  # xdist: one worker, the fixture built once
+
 KEY = "responses-key"
 ADD_TOOL = {"type": "function", "name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}
