@@ -40,13 +40,13 @@ from typing import Any, Callable, Protocol
 
 from aiohttp import web
 
+from slimectl.agents.harness_anthropic import AnthropicMessages
 from slimectl.agents.harness_recorder import Prompt, TrajectoryRecorder
 from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, FinishRequest, HarnessError, session_id
 from slimectl.agents.harness_sessions import Session, export_jsonl, samples_from_sessions
 from slimectl.agents.harness_parsers import ParsedReply, parse_reply, parsers_for
 from slimectl.agents.harness_sessions import Reply
-from slimectl.agents.harness_stream import (StreamCut, content_deltas, cut_pieces, stream_events, token_logprobs,
-                                            write_stream)
+from slimectl.agents.harness_stream import StreamCut, reply_pieces, stream_events, token_logprobs, write_stream
 from slimectl.contract.errors import ArtifactExists, LockHeld, SlimectlError, UsageError
 from slimectl.contract.rundir.atomic import atomic_write_text
 from slimectl.engines.client import EngineError
@@ -73,6 +73,18 @@ Publish = Callable[[Path], Published]
 """``publish(batch_file)``: publish the samples of a JSON Lines file as the run's next rollout (may
 raise :class:`~slimectl.contract.errors.SlimectlError`); it runs in a worker thread."""
 
+class Answers(Protocol):
+    """How one API writes a recorded reply: whole (:meth:`whole`, its JSON object) and streamed (:meth:`stream`,
+    which records nothing and raises :class:`~slimectl.agents.harness_stream.StreamCut` when the client goes
+    away). The harness's own chat completions are one; :mod:`~slimectl.agents.harness_anthropic` another."""
+
+    def whole(self, req: ChatRequest, prompt: Prompt, out: dict[str, Any], reply: Reply, parsed: ParsedReply,
+              finish: str) -> dict[str, Any]: ...
+
+    async def stream(self, request: web.Request, sess: Session, req: ChatRequest, prompt: Prompt,
+                     out: dict[str, Any], reply: Reply, parsed: ParsedReply, finish: str) -> web.StreamResponse: ...
+
+
 _CODES = {"unauthorized": "invalid_api_key", "too_large": "request_too_large"}
 
 
@@ -86,7 +98,7 @@ def _openai_error(refused: Refused) -> dict[str, Any]:
 REPLIES = Replies("harness", _openai_error,
                   unauthorized="Incorrect or missing API key: send the harness's key as Authorization: Bearer KEY",
                   too_large_hint="send a shorter conversation",
-                  not_found="no endpoint {method} {path}; the harness serves /v1/chat/completions, /v1/models, "
+                  not_found="no endpoint {method} {path}; the harness serves /v1/chat/completions, /v1/messages, /v1/models, "
                             "/sessions/ID/finish, /sessions, /publish and /health",
                   empty_body="the request body is empty; send a JSON object",
                   not_an_object="the request body must be a JSON object")
@@ -149,6 +161,7 @@ class Harness:
         r.add_get("/sessions/{session_id}", self.get_session)
         r.add_post("/sessions/{session_id}/finish", self.finish_session)
         r.add_post("/publish", self.publish)
+        AnthropicMessages(self).register(self.app)  # POST /v1/messages: Anthropic's Messages API
 
     # ------------------------------------------------------------------ plumbing
     async def _off_loop(self, fn, *args):
@@ -192,7 +205,12 @@ class Harness:
         body = await read_object(request, allow_empty=False)
         # the session first, then the body's fields: the first fault of a request is the one answered
         sid = session_id(request.match_info.get("session_id"), request.headers.get(SESSION_HEADER), body.get("user"))
-        req = validate(ChatRequest, body)
+        return await self.serve_chat(request, sid, validate(ChatRequest, body))
+
+    async def serve_chat(self, request: web.Request, sid: str, req: ChatRequest, api: Answers | None = None
+                         ) -> web.StreamResponse:
+        """Answer ``req`` in session ``sid`` and record it; ``api`` writes the answer (default: this
+        harness's OpenAI chat completions; :mod:`~slimectl.agents.harness_anthropic` writes Anthropic's)."""
         params = req.sampling_params(self.default_max_tokens)
         # Rendering and tokenising a long conversation takes seconds: do it off the event loop, so
         # other sessions (and /health) are served meanwhile.
@@ -203,7 +221,7 @@ class Harness:
             sess = self.sessions[sid] = Session(sid)
         self._in_flight[sid] = self._in_flight.get(sid, 0) + 1
         try:
-            return await self._complete(request, sess, req, params, text)
+            return await self._complete(request, sess, req, params, text, api or self)
         finally:
             self._in_flight[sid] -= 1
             if not self._in_flight[sid]:
@@ -212,7 +230,7 @@ class Harness:
                     del self.sessions[sid]  # a refused first request leaves no empty session behind
 
     async def _complete(self, request: web.Request, sess: Session, req: ChatRequest, params: dict[str, Any],
-                        text: str) -> web.StreamResponse:
+                        text: str, api: Answers) -> web.StreamResponse:
         async with sess.lock:  # one request at a time per session: each extends what came before
             if sess.finished:
                 raise HarnessError(409, f"session {sess.id!r} is finished; use a new session id for a new episode",
@@ -227,7 +245,7 @@ class Harness:
             if req.stream:
                 # recorded only once the whole stream was handed to the client: all of the turn or none of it
                 try:
-                    resp = await self._stream(request, sess, req, prompt, out, reply, parsed, finish)
+                    resp = await api.stream(request, sess, req, prompt, out, reply, parsed, finish)
                 except StreamCut as cut:
                     log.info("session %s: the client closed the stream; the turn was not recorded", sess.id)
                     return cut.response or web.Response(status=499, reason="Client Closed Request")
@@ -236,11 +254,16 @@ class Harness:
                       turn_no, len(prompt.input_ids), len(out["output_ids"]), finish)
         if req.stream:
             return resp
-        response = {**self._head(req), "object": "chat.completion",
-                    "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(req, out, reply),
-                                 "finish_reason": finish}],
-                    "usage": _usage(prompt, out)}
-        return web.json_response(response, headers=self._place(sess.id, segment_no, turn_no))
+        return web.json_response(api.whole(req, prompt, out, reply, parsed, finish),
+                                 headers=self._place(sess.id, segment_no, turn_no))
+
+    def whole(self, req: ChatRequest, prompt: Prompt, out: dict[str, Any], reply: Reply, parsed: ParsedReply,
+              finish: str) -> dict[str, Any]:
+        """The ``chat.completion`` object of one reply."""
+        return {**self._head(req), "object": "chat.completion",
+                "choices": [{"index": 0, "message": parsed.message(), "logprobs": self._logprobs(req, out, reply),
+                             "finish_reason": finish}],
+                "usage": _usage(prompt, out)}
 
     async def _complete_n(self, sess: Session, req: ChatRequest, params: dict[str, Any],
                           prompt: Prompt) -> web.Response:
@@ -285,15 +308,12 @@ class Harness:
     def _place(sid: str, segment_no: int, turn_no: int) -> dict[str, str]:
         return {SESSION_HEADER: sid, "X-Slimectl-Segment": str(segment_no), "X-Slimectl-Turn": str(turn_no)}
 
-    async def _stream(self, request: web.Request, sess: Session, req: ChatRequest, prompt: Prompt,
-                      out: dict[str, Any], reply: Reply, parsed: ParsedReply, finish: str) -> web.StreamResponse:
+    async def stream(self, request: web.Request, sess: Session, req: ChatRequest, prompt: Prompt,
+                     out: dict[str, Any], reply: Reply, parsed: ParsedReply, finish: str) -> web.StreamResponse:
         """Write the completion ``out`` as server-sent events (nothing is recorded here): the reasoning and the
         content token by token, then the tool calls."""
-        pieces = await self._off_loop(content_deltas, self.recorder.decode, out["output_ids"], reply.content)
-        text = reply.content
-        reasoning = cut_pieces(pieces, text, parsed.reasoning)
-        after = text.find("</think>") + len("</think>") if parsed.reasoning is not None and "</think>" in text else 0
-        content = pieces if parsed.content == text else cut_pieces(pieces, text, parsed.content, after)
+        reasoning, content = await self._off_loop(reply_pieces, self.recorder.decode, out["output_ids"],
+                                                  reply.content, parsed.reasoning, parsed.content)
         events = stream_events(self._head(req), parsed.message(), finish, _usage(prompt, out), content, reasoning,
                                req.include_usage, self._logprobs(req, out, reply))
         segment_no, turn_no = self.recorder.place(sess, prompt)

@@ -54,6 +54,15 @@ def cut_pieces(pieces: list[str], text: str, part: str | None, after: int = 0) -
     return out
 
 
+def reply_pieces(decode: Callable[[list[int]], str], ids: list[int], text: str, reasoning: str | None,
+                 content: str) -> tuple[list[str], list[str]]:
+    """(the reasoning's pieces, the content's pieces) of a reply ``text`` written by the tokens ``ids`` and parsed
+    into ``reasoning`` (None: none) and ``content``: both cut where the tokens end (:func:`content_deltas`)."""
+    pieces = content_deltas(decode, ids, text)
+    after = text.find("</think>") + len("</think>") if reasoning is not None and "</think>" in text else 0
+    return cut_pieces(pieces, text, reasoning), pieces if content == text else cut_pieces(pieces, text, content, after)
+
+
 def token_logprobs(decode: Callable[[list[int]], str], ids: list[int], logprobs: list[float]) -> dict[str, Any]:
     """OpenAI's ``choices[].logprobs`` of the tokens ``ids``: the engine's own log-probs, no alternatives."""
     content = []
@@ -106,10 +115,17 @@ def _gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def write_stream(request: web.Request, events: list[dict[str, Any]],
-                       headers: dict[str, str]) -> web.StreamResponse:
-    """Write ``events`` as server-sent events, then ``data: [DONE]``; :class:`StreamCut` when the client is gone
-    before the last one was handed to the connection."""
+def data_frame(event: dict[str, Any]) -> bytes:
+    """One server-sent event as OpenAI writes them: a ``data:`` line."""
+    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+
+async def write_stream(request: web.Request, events: list[dict[str, Any]], headers: dict[str, str],
+                       frame: Callable[[dict[str, Any]], bytes] = data_frame,
+                       done: bytes = b"data: [DONE]\n\n") -> web.StreamResponse:
+    """Write ``events`` as server-sent events (each as ``frame`` writes it), then ``done`` (OpenAI's
+    ``data: [DONE]``); :class:`StreamCut` when the client is gone before the last one was handed to the
+    connection."""
     if _gone(request):
         raise StreamCut()
     resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
@@ -117,8 +133,9 @@ async def write_stream(request: web.Request, events: list[dict[str, Any]],
     try:
         await resp.prepare(request)
         for event in events:
-            await resp.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
+            await resp.write(frame(event))
+        if done:
+            await resp.write(done)
         if _gone(request):
             raise StreamCut(resp)
         await resp.write_eof()
