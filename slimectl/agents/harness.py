@@ -25,7 +25,8 @@ Session ids (first one given wins): the URL path ``/sessions/ID/v1/chat/completi
 
 This module is the server; the requests it accepts are :mod:`slimectl.agents.harness_requests`, the
 recording of token-exact segments :mod:`slimectl.agents.harness_recorder`, the sessions and their export
-:mod:`slimectl.agents.harness_sessions`.
+:mod:`slimectl.agents.harness_sessions`. Anthropic's Messages API (``/v1/messages``) is
+:mod:`slimectl.agents.harness_anthropic`, answering through :meth:`Harness.serve_chat` as chat completions do.
 """
 
 from __future__ import annotations

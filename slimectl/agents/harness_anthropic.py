@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from slimectl.agents.harness import Harness
 
 PATHS = ("/v1/messages", "/sessions/{session_id}/v1/messages")
+COUNT_PATHS = ("/v1/messages/count_tokens", "/sessions/{session_id}/v1/messages/count_tokens")
 # Fields that change the answer in ways the harness cannot honour (refused unless empty); other unknown
 # fields (service_tier, cache_control on blocks, ...) are ignored.
 _UNSUPPORTED = ("mcp_servers", "container", "context_management", "output_format")
@@ -274,6 +275,8 @@ class AnthropicMessages:
     def register(self, app: web.Application) -> None:
         for path in PATHS:
             app.router.add_post(path, self.messages)
+        for path in COUNT_PATHS:
+            app.router.add_post(path, self.count_tokens)
         app.middlewares.insert(0, anthropic_errors)  # outermost: it sees the guard's refusals too
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
@@ -286,6 +289,14 @@ class AnthropicMessages:
             raise _refuse(f"stream must be true or false, got {body['stream']!r}", "stream")
         req = validate(ChatRequest, chat_body(body))
         return await self.harness.serve_chat(request, sid, req, self)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """``{"input_tokens": N}``: the tokens of the request's rendered prompt (no session, nothing recorded)."""
+        body = await read_object(request, allow_empty=False)
+        req = validate(ChatRequest, chat_body({**body, "max_tokens": body.get("max_tokens", 1)}))
+        h = self.harness
+        text = await h._off_loop(h._render, req.messages, req.tools or None)
+        return web.json_response({"input_tokens": len(await h._off_loop(h.recorder.encode, text))})
 
     def whole(self, req: ChatRequest, prompt: Prompt, out: dict[str, Any], reply: Reply, parsed: ParsedReply,
               finish: str) -> dict[str, Any]:
@@ -304,7 +315,7 @@ class AnthropicMessages:
 @web.middleware
 async def anthropic_errors(request: web.Request, handler) -> web.StreamResponse:
     """On the Messages paths: take the key from ``x-api-key`` too, and answer errors in Anthropic's shape."""
-    if not request.path.endswith("/v1/messages"):
+    if not request.path.endswith(("/v1/messages", "/v1/messages/count_tokens")):
         return await handler(request)
     key = request.headers.get("x-api-key")
     if key is not None and "Authorization" not in request.headers:

@@ -161,6 +161,8 @@ def test_text_and_system_prompt_streamed_as_whole_and_recorded_token_exact(tiny)
     assert a.tokens == b.tokens == prompt + want and a.loss_mask == b.loss_mask == [1] * len(want)
     assert b.rollout_log_probs == pytest.approx(lps, abs=1e-6)
     assert whole.usage.input_tokens == len(prompt) and whole.usage.output_tokens == len(want)
+    count = an.messages.count_tokens(model="tiny", system=kw["system"], messages=kw["messages"])
+    assert count.input_tokens == len(prompt)
 
     # the next turn, streamed, continues the same segment: the user turn trains nothing
     kw2 = {**kw, "max_tokens": 4, "messages": [{"role": "user", "content": Q},
