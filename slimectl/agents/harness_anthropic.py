@@ -285,8 +285,6 @@ class AnthropicMessages:
         user = meta.get("user_id") if isinstance(meta, dict) else None
         sid = session_id(request.match_info.get("session_id"), request.headers.get(SESSION_HEADER), user,
                          "metadata.user_id")
-        if not isinstance(body.get("stream", False), bool):
-            raise _refuse(f"stream must be true or false, got {body['stream']!r}", "stream")
         req = validate(ChatRequest, chat_body(body))
         return await self.harness.serve_chat(request, sid, req, self)
 
@@ -323,8 +321,10 @@ async def anthropic_errors(request: web.Request, handler) -> web.StreamResponse:
     resp = await handler(request)
     if resp.status < 400 or not isinstance(resp, web.Response) or resp.content_type != "application/json":
         return resp
-    error = json.loads(resp.body).get("error", {})
+    message = json.loads(resp.body).get("error", {}).get("message", "")
+    if resp.status == 401:
+        message = "Incorrect or missing API key: send the harness's key as x-api-key: KEY (or Authorization: Bearer KEY)"
     kind = _ERROR_TYPES.get(resp.status, "api_error" if resp.status >= 500 else "invalid_request_error")
-    return web.json_response({"type": "error", "error": {"type": kind, "message": error.get("message", "")}},
+    return web.json_response({"type": "error", "error": {"type": kind, "message": message}},
                              status=resp.status, headers={k: v for k, v in resp.headers.items()
                                                           if k.lower().startswith("x-")})

@@ -263,7 +263,9 @@ def test_bad_requests_get_anthropic_errors_and_leave_the_session_as_it_was(scrip
         assert status == 400 and out["type"] == "error" and out["error"]["type"] == "invalid_request_error"
         assert out["error"]["message"].startswith(message), out
     status, out = post(h, {"max_tokens": 8, "messages": msgs}, {"X-Session-Id": "bad"}, key="wrong")
-    assert status == 401 and out["error"]["type"] == "authentication_error"
+    assert status == 401 and out["error"]["type"] == "authentication_error" and "x-api-key" in out["error"]["message"]
+    status, out = post(h, {"max_tokens": 8, "messages": msgs, "stream": "yes"}, {"X-Session-Id": "bad"})
+    assert status == 400 and out["error"]["message"] == "stream must be true or false, got 'yes'"
     status, out = post(h, {"max_tokens": 8, "messages": msgs})
     assert status == 400 and "metadata.user_id" in out["error"]["message"]
     (after,) = recorded(h, "bad")
