@@ -323,7 +323,8 @@ async def anthropic_errors(request: web.Request, handler) -> web.StreamResponse:
         return resp
     message = json.loads(resp.body).get("error", {}).get("message", "")
     if resp.status == 401:
-        message = "Incorrect or missing API key: send the harness's key as x-api-key: KEY (or Authorization: Bearer KEY)"
+        message = ("Incorrect or missing API key: send the harness's key as x-api-key: KEY "
+                   "(or Authorization: Bearer KEY)")
     kind = _ERROR_TYPES.get(resp.status, "api_error" if resp.status >= 500 else "invalid_request_error")
     return web.json_response({"type": "error", "error": {"type": kind, "message": message}},
                              status=resp.status, headers={k: v for k, v in resp.headers.items()

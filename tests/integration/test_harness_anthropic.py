@@ -139,8 +139,8 @@ def test_text_and_system_prompt_streamed_as_whole_and_recorded_token_exact(tiny)
     h, an = tiny, client(tiny)
     tok = h["tok"]
     # anthropic 2.17 has no sampling arguments (Claude models pick their own); other clients send them
-    kw = {"model": "tiny", "max_tokens": 6, "extra_body": {"temperature": 0}, "messages": [{"role": "user", "content": Q}],
-          "system": [{"type": "text", "text": "Be brief."}]}
+    kw = {"model": "tiny", "max_tokens": 6, "extra_body": {"temperature": 0},
+          "messages": [{"role": "user", "content": Q}], "system": [{"type": "text", "text": "Be brief."}]}
     whole = an.messages.create(**kw, metadata={"user_id": "a-whole"})  # Anthropic's user id names the session
     assert whole.type == "message" and whole.role == "assistant" and whole.id.startswith("msg_")
     assert whole.model == "tiny" and [b.type for b in whole.content] == ["text"] and whole.content[0].text
@@ -243,8 +243,9 @@ def test_bad_requests_get_anthropic_errors_and_leave_the_session_as_it_was(scrip
     msgs = [{"role": "user", "content": Q}]
     first = an.messages.create(messages=msgs, **kw)
     (before,) = recorded(h, "bad")
+    result = {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "5"}
     orphan = msgs + [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "5"}]}]
+                     {"role": "user", "content": [result]}]
     with pytest.raises(anthropic.BadRequestError) as err:
         an.messages.create(messages=orphan, **kw)
     assert err.value.status_code == 400 and err.value.body["type"] == "error"

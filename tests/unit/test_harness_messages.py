@@ -18,7 +18,8 @@ TOOL = {"name": "add", "description": "a + b", "input_schema": {"type": "object"
 
 
 def test_a_conversation_with_tools_becomes_chat_template_messages():
-    body = {"model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "kind."}],
+    body = {"model": "m", "max_tokens": 9,
+            "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "kind."}],
             "stop_sequences": ["END"], "top_k": 5, "temperature": 0.5, "tools": [TOOL],
             "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
             "messages": [{"role": "user", "content": "2 + 3?"},
