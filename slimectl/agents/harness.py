@@ -23,8 +23,9 @@ its reason is recorded, and every segment becomes its own Sample.
 Session ids (first one given wins): the URL path ``/sessions/ID/v1/chat/completions``, the
 ``X-Session-Id`` header, the request body's ``user`` field. A request without one is refused.
 
-OpenAI's Responses API (``POST /v1/responses``) is served by :mod:`slimectl.agents.harness_responses` through the
-same turn (:meth:`Harness.serve_turn`), answered in its own shape (an :class:`Answer`).
+OpenAI's Responses API (``POST /v1/responses``, :mod:`slimectl.agents.harness_responses`) and Anthropic's Messages
+API (``POST /v1/messages``, :mod:`slimectl.agents.harness_anthropic`) are served through the same turn
+(:meth:`Harness.serve_turn`), each answered in its own shape (an :class:`Answer`).
 
 This module is the server; the requests it accepts are :mod:`slimectl.agents.harness_requests`, the
 recording of token-exact segments :mod:`slimectl.agents.harness_recorder`, the sessions and their export
@@ -43,6 +44,7 @@ from typing import Any, Callable, Protocol
 
 from aiohttp import web
 
+from slimectl.agents.harness_anthropic import AnthropicMessages
 from slimectl.agents.harness_recorder import Prompt, TrajectoryRecorder, Turn
 from slimectl.agents.harness_responses import add_routes as add_responses_routes
 from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, FinishRequest, HarnessError, session_id
@@ -90,7 +92,7 @@ REPLIES = Replies("harness", _openai_error,
                   unauthorized="Incorrect or missing API key: send the harness's key as Authorization: Bearer KEY",
                   too_large_hint="send a shorter conversation",
                   not_found="no endpoint {method} {path}; the harness serves /v1/chat/completions, /v1/responses, "
-                            "/v1/models, /sessions/ID/finish, /sessions, /publish and /health",
+                            "/v1/messages, /v1/models, /sessions/ID/finish, /sessions, /publish and /health",
                   empty_body="the request body is empty; send a JSON object",
                   not_an_object="the request body must be a JSON object")
 
@@ -153,6 +155,7 @@ class Harness:
         r.add_post("/sessions/{session_id}/finish", self.finish_session)
         r.add_post("/publish", self.publish)
         add_responses_routes(self)  # POST /v1/responses: OpenAI's Responses API
+        AnthropicMessages(self).register(self.app)  # POST /v1/messages: Anthropic's Messages API
 
     # ------------------------------------------------------------------ plumbing
     async def _off_loop(self, fn, *args):

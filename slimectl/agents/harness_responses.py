@@ -265,7 +265,7 @@ class ResponsesAnswer:
         reasoning, content = await h._off_loop(reply_pieces, h.recorder.decode, turn.out["output_ids"], turn.reply,
                                                turn.parsed)
         events = response_events(self._response(turn), reasoning, content)
-        return await write_stream(request, events, h._place(turn.session.id, *place), named=True)
+        return await write_stream(request, events, h._place(turn.session.id, *place), named=True, done=False)
 
     def whole(self, turn: Turn, place: tuple[int, int]) -> web.StreamResponse:
         return web.json_response(self._response(turn), headers=self.harness._place(turn.session.id, *place))

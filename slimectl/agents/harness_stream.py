@@ -121,10 +121,10 @@ def _gone(request: web.Request) -> bool:
 
 
 async def write_stream(request: web.Request, events: list[dict[str, Any]], headers: dict[str, str],
-                       named: bool = False) -> web.StreamResponse:
-    """Write ``events`` as server-sent events, then ``data: [DONE]`` (``named``: each event named by its ``type``
-    as the Responses API sends them, and no ``[DONE]``); :class:`StreamCut` when the client is gone before the
-    last one was handed to the connection."""
+                       named: bool = False, done: bool = True) -> web.StreamResponse:
+    """Write ``events`` as server-sent events (``named``: each with an ``event:`` line naming its ``type``, as the
+    Responses and Messages APIs send them), then ``data: [DONE]`` when ``done`` (chat completions' end marker);
+    :class:`StreamCut` when the client is gone before the last one was handed to the connection."""
     if _gone(request):
         raise StreamCut()
     resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
@@ -134,7 +134,7 @@ async def write_stream(request: web.Request, events: list[dict[str, Any]], heade
         for event in events:
             name = f"event: {event['type']}\n" if named else ""
             await resp.write(f"{name}data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
-        if not named:
+        if done:
             await resp.write(b"data: [DONE]\n\n")
         if _gone(request):
             raise StreamCut(resp)
