@@ -23,6 +23,10 @@ its reason is recorded, and every segment becomes its own Sample.
 Session ids (first one given wins): the URL path ``/sessions/ID/v1/chat/completions``, the
 ``X-Session-Id`` header, the request body's ``user`` field. A request without one is refused.
 
+OpenAI's Responses API (``POST /v1/responses``, :mod:`slimectl.agents.harness_responses`) and Anthropic's Messages
+API (``POST /v1/messages``, :mod:`slimectl.agents.harness_anthropic`) are served through the same turn
+(:meth:`Harness.serve_turn`), each answered in its own shape (an :class:`Answer`).
+
 This module is the server; the requests it accepts are :mod:`slimectl.agents.harness_requests`, the
 recording of token-exact segments :mod:`slimectl.agents.harness_recorder`, the sessions and their export
 :mod:`slimectl.agents.harness_sessions`.
@@ -40,13 +44,14 @@ from typing import Any, Callable, Protocol
 
 from aiohttp import web
 
-from slimectl.agents.harness_recorder import Prompt, TrajectoryRecorder
+from slimectl.agents.harness_anthropic import AnthropicMessages
+from slimectl.agents.harness_recorder import Prompt, TrajectoryRecorder, Turn
+from slimectl.agents.harness_responses import add_routes as add_responses_routes
 from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, FinishRequest, HarnessError, session_id
 from slimectl.agents.harness_sessions import Session, export_jsonl, samples_from_sessions
 from slimectl.agents.harness_parsers import ParsedReply, parse_reply, parsers_for
 from slimectl.agents.harness_sessions import Reply
-from slimectl.agents.harness_stream import (StreamCut, content_deltas, cut_pieces, stream_events, token_logprobs,
-                                            write_stream)
+from slimectl.agents.harness_stream import StreamCut, reply_pieces, stream_events, token_logprobs, write_stream
 from slimectl.contract.errors import ArtifactExists, LockHeld, SlimectlError, UsageError
 from slimectl.contract.rundir.atomic import atomic_write_text
 from slimectl.engines.client import EngineError
@@ -86,8 +91,8 @@ def _openai_error(refused: Refused) -> dict[str, Any]:
 REPLIES = Replies("harness", _openai_error,
                   unauthorized="Incorrect or missing API key: send the harness's key as Authorization: Bearer KEY",
                   too_large_hint="send a shorter conversation",
-                  not_found="no endpoint {method} {path}; the harness serves /v1/chat/completions, /v1/models, "
-                            "/sessions/ID/finish, /sessions, /publish and /health",
+                  not_found="no endpoint {method} {path}; the harness serves /v1/chat/completions, /v1/responses, "
+                            "/v1/messages, /v1/models, /sessions/ID/finish, /sessions, /publish and /health",
                   empty_body="the request body is empty; send a JSON object",
                   not_an_object="the request body must be a JSON object")
 
@@ -149,6 +154,8 @@ class Harness:
         r.add_get("/sessions/{session_id}", self.get_session)
         r.add_post("/sessions/{session_id}/finish", self.finish_session)
         r.add_post("/publish", self.publish)
+        add_responses_routes(self)  # POST /v1/responses: OpenAI's Responses API
+        AnthropicMessages(self).register(self.app)  # POST /v1/messages: Anthropic's Messages API
 
     # ------------------------------------------------------------------ plumbing
     async def _off_loop(self, fn, *args):
@@ -193,6 +200,13 @@ class Harness:
         # the session first, then the body's fields: the first fault of a request is the one answered
         sid = session_id(request.match_info.get("session_id"), request.headers.get(SESSION_HEADER), body.get("user"))
         req = validate(ChatRequest, body)
+        return await self.serve_turn(request, sid, req, ChatAnswer(self, req))
+
+    async def serve_turn(self, request: web.Request, sid: str, req: ChatRequest,
+                         answer: Answer) -> web.StreamResponse:
+        """Generate and record one turn of session ``sid`` for ``req`` (its messages, tools and sampling), answered
+        in an API's own shape by ``answer`` (chat completions here; the Responses API in
+        :mod:`slimectl.agents.harness_responses`)."""
         params = req.sampling_params(self.default_max_tokens)
         # Rendering and tokenising a long conversation takes seconds: do it off the event loop, so
         # other sessions (and /health) are served meanwhile.
@@ -203,7 +217,7 @@ class Harness:
             sess = self.sessions[sid] = Session(sid)
         self._in_flight[sid] = self._in_flight.get(sid, 0) + 1
         try:
-            return await self._complete(request, sess, req, params, text)
+            return await self._complete(request, sess, req, params, text, answer)
         finally:
             self._in_flight[sid] -= 1
             if not self._in_flight[sid]:
@@ -212,7 +226,7 @@ class Harness:
                     del self.sessions[sid]  # a refused first request leaves no empty session behind
 
     async def _complete(self, request: web.Request, sess: Session, req: ChatRequest, params: dict[str, Any],
-                        text: str) -> web.StreamResponse:
+                        text: str, answer: Answer) -> web.StreamResponse:
         async with sess.lock:  # one request at a time per session: each extends what came before
             if sess.finished:
                 raise HarnessError(409, f"session {sess.id!r} is finished; use a new session id for a new episode",
@@ -223,24 +237,20 @@ class Harness:
             out = await self._generate(prompt.input_ids, params)
             reply = self.recorder.split(out["output_ids"], out["meta_info"].get("finish_reason") or {})
             parsed = parse_reply(reply.content, self.tool_call_parser, self.reasoning_parser, req.tools)
-            message, finish = parsed.message(), _finish_reason(reply, parsed)
+            turn = Turn(sess, prompt, out, reply, parsed, _finish_reason(reply, parsed))
             if req.stream:
                 # recorded only once the whole stream was handed to the client: all of the turn or none of it
                 try:
-                    resp = await self._stream(request, sess, req, prompt, out, reply, parsed, finish)
+                    resp = await answer.stream(request, turn, self.recorder.place(sess, prompt))
                 except StreamCut as cut:
                     log.info("session %s: the client closed the stream; the turn was not recorded", sess.id)
                     return cut.response or web.Response(status=499, reason="Client Closed Request")
-            _, segment_no, turn_no = self.recorder.record(sess, prompt, req.messages, out, message)
+            _, segment_no, turn_no = self.recorder.record(sess, prompt, req.messages, out, parsed.message())
             log.debug("session %s segment %d turn %d: %d prompt + %d completion tokens, %s", sess.id, segment_no,
-                      turn_no, len(prompt.input_ids), len(out["output_ids"]), finish)
+                      turn_no, len(prompt.input_ids), len(out["output_ids"]), turn.finish)
         if req.stream:
             return resp
-        response = {**self._head(req), "object": "chat.completion",
-                    "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(req, out, reply),
-                                 "finish_reason": finish}],
-                    "usage": _usage(prompt, out)}
-        return web.json_response(response, headers=self._place(sess.id, segment_no, turn_no))
+        return answer.whole(turn, (segment_no, turn_no))
 
     async def _complete_n(self, sess: Session, req: ChatRequest, params: dict[str, Any],
                           prompt: Prompt) -> web.Response:
@@ -284,20 +294,6 @@ class Harness:
     @staticmethod
     def _place(sid: str, segment_no: int, turn_no: int) -> dict[str, str]:
         return {SESSION_HEADER: sid, "X-Slimectl-Segment": str(segment_no), "X-Slimectl-Turn": str(turn_no)}
-
-    async def _stream(self, request: web.Request, sess: Session, req: ChatRequest, prompt: Prompt,
-                      out: dict[str, Any], reply: Reply, parsed: ParsedReply, finish: str) -> web.StreamResponse:
-        """Write the completion ``out`` as server-sent events (nothing is recorded here): the reasoning and the
-        content token by token, then the tool calls."""
-        pieces = await self._off_loop(content_deltas, self.recorder.decode, out["output_ids"], reply.content)
-        text = reply.content
-        reasoning = cut_pieces(pieces, text, parsed.reasoning)
-        after = text.find("</think>") + len("</think>") if parsed.reasoning is not None and "</think>" in text else 0
-        content = pieces if parsed.content == text else cut_pieces(pieces, text, parsed.content, after)
-        events = stream_events(self._head(req), parsed.message(), finish, _usage(prompt, out), content, reasoning,
-                               req.include_usage, self._logprobs(req, out, reply))
-        segment_no, turn_no = self.recorder.place(sess, prompt)
-        return await write_stream(request, events, self._place(sess.id, segment_no, turn_no))
 
     def _render(self, messages: list[dict[str, Any]], tools: list | None) -> str:
         kwargs = {"tools": tools} if tools else {}
@@ -376,6 +372,39 @@ class Harness:
         log.info("published %d sessions (%d samples) as %s", len(batch), result.num_samples, result.path)
         return web.json_response({"rollout_id": result.rollout_id, "num_samples": result.num_samples,
                                   "num_sessions": len(batch), "path": str(result.path), "file": str(path)})
+
+
+class Answer(Protocol):
+    """How one API answers a generated :class:`Turn`: streamed (nothing recorded yet; :class:`StreamCut` when the
+    client goes away) or whole (recorded). ``place``: (segment number, turn number) of the recorded turn."""
+
+    async def stream(self, request: web.Request, turn: Turn, place: tuple[int, int]) -> web.StreamResponse: ...
+
+    def whole(self, turn: Turn, place: tuple[int, int]) -> web.StreamResponse: ...
+
+
+class ChatAnswer:
+    """OpenAI's chat completions: a ``chat.completion`` or its ``chat.completion.chunk`` events."""
+
+    def __init__(self, harness: Harness, req: ChatRequest):
+        self.harness, self.req = harness, req
+
+    async def stream(self, request: web.Request, turn: Turn, place: tuple[int, int]) -> web.StreamResponse:
+        """The reasoning and the content token by token, then the tool calls."""
+        h, req = self.harness, self.req
+        reasoning, content = await h._off_loop(reply_pieces, h.recorder.decode, turn.out["output_ids"], turn.reply,
+                                               turn.parsed)
+        events = stream_events(h._head(req), turn.parsed.message(), turn.finish, _usage(turn.prompt, turn.out),
+                               content, reasoning, req.include_usage, h._logprobs(req, turn.out, turn.reply))
+        return await write_stream(request, events, h._place(turn.session.id, *place))
+
+    def whole(self, turn: Turn, place: tuple[int, int]) -> web.StreamResponse:
+        h, req = self.harness, self.req
+        response = {**h._head(req), "object": "chat.completion",
+                    "choices": [{"index": 0, "message": turn.parsed.message(),
+                                 "logprobs": h._logprobs(req, turn.out, turn.reply), "finish_reason": turn.finish}],
+                    "usage": _usage(turn.prompt, turn.out)}
+        return web.json_response(response, headers=h._place(turn.session.id, *place))
 
 
 def _finish_reason(reply: Reply, parsed: ParsedReply) -> str:

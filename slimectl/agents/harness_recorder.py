@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from slimectl.agents.harness_parsers import ParsedReply
 from slimectl.agents.harness_sessions import Reply, Segment, Session
 from slimectl.contract.samples import Sample
 
@@ -30,6 +31,19 @@ class Prompt:
     """Generated tokens of that segment to drop first (its last reply's stop sequence, left out of the history)."""
     observed: list[int] | None = None
     """The tokens of the text after the segment's (appended with loss mask 0)."""
+
+
+@dataclass
+class Turn:
+    """One generated turn of ``session``, not yet recorded: the engine's answer ``out`` to ``prompt``, its
+    ``reply`` (content and stop tail), the agent's view of it (``parsed``) and the API's finish reason."""
+
+    session: Session
+    prompt: Prompt
+    out: dict[str, Any]
+    reply: Reply
+    parsed: ParsedReply
+    finish: str
 
 
 class TrajectoryRecorder:

@@ -34,19 +34,20 @@ class HarnessError(Refused):
         self.param, self.code = param, code
 
 
-def session_id(path_id: str | None, header_id: str | None, user: Any) -> str:
+def session_id(path_id: str | None, header_id: str | None, user: Any, user_field: str = "user") -> str:
     """The session of a request (first one given wins): the URL path's, the ``X-Session-Id`` header's, the
-    body's ``user`` field."""
+    body's ``user`` field (``user_field`` names it: Anthropic's is ``metadata.user_id``)."""
     if user is not None and not isinstance(user, str):
-        raise HarnessError(400, "'user' must be a string (the harness uses it as the session id)", param="user")
+        raise HarnessError(400, f"'{user_field}' must be a string (the harness uses it as the session id)",
+                           param=user_field)
     for sid in (path_id, header_id, user):
         if sid is None:
             continue
         if not sid or len(sid) > MAX_SESSION_ID_LEN or not sid.isprintable():
             raise HarnessError(400, f"session id {sid[:40]!r} must be 1-{MAX_SESSION_ID_LEN} printable characters")
         return sid
-    raise HarnessError(400, f"no session id: send the header {SESSION_HEADER}: ID, set the body's 'user' field, "
-                            f"or use the base URL /sessions/ID/v1", code="missing_session_id")
+    raise HarnessError(400, f"no session id: send the header {SESSION_HEADER}: ID, set the body's '{user_field}' "
+                            f"field, or use the base URL /sessions/ID/v1", code="missing_session_id")
 
 
 def _number(v: Any, key: str, low: float, high: float, low_open: bool = False) -> Any:
@@ -77,6 +78,7 @@ class ChatRequest(BaseModel):
     response_format: Any = None
     temperature: Any = None
     top_p: Any = None
+    top_k: Any = None
     max_tokens: Any = None
     max_completion_tokens: Any = Field(default=None, validate_default=True)
     stop: Any = None
@@ -144,6 +146,13 @@ class ChatRequest(BaseModel):
     def _top_p(cls, v: Any) -> Any:
         return _number(v, "top_p", 0, 1, low_open=True)
 
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: Any) -> Any:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"top_k must be a positive integer, got {v!r}")
+        return v
+
     @field_validator("max_completion_tokens")
     @classmethod
     def _max_tokens(cls, mct: Any, info: ValidationInfo) -> Any:
@@ -187,6 +196,8 @@ class ChatRequest(BaseModel):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else default_max_tokens
         if max_tokens is not None:
             params["max_new_tokens"] = max_tokens
+        if self.top_k is not None:
+            params["top_k"] = self.top_k
         if self.stop:
             params["stop"] = self.stop
         if self.seed is not None:

@@ -18,6 +18,9 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from slimectl.agents.harness_parsers import ParsedReply
+from slimectl.agents.harness_sessions import Reply
+
 
 def content_deltas(decode: Callable[[list[int]], str], ids: list[int], content: str) -> list[str]:
     """``content`` cut where the tokens ``ids`` that wrote it end (a token that ends inside a character
@@ -52,6 +55,17 @@ def cut_pieces(pieces: list[str], text: str, part: str | None, after: int = 0) -
             out.append(text[lo:hi])
         at += len(p)
     return out
+
+
+def reply_pieces(decode: Callable[[list[int]], str], ids: list[int], reply: Reply,
+                 parsed: ParsedReply) -> tuple[list[str], list[str]]:
+    """(reasoning pieces, content pieces) of the reply the tokens ``ids`` wrote, cut where the tokens end: what a
+    stream sends as deltas."""
+    text = reply.content
+    pieces = content_deltas(decode, ids, text)
+    reasoning = cut_pieces(pieces, text, parsed.reasoning)
+    after = text.find("</think>") + len("</think>") if parsed.reasoning is not None and "</think>" in text else 0
+    return reasoning, pieces if parsed.content == text else cut_pieces(pieces, text, parsed.content, after)
 
 
 def token_logprobs(decode: Callable[[list[int]], str], ids: list[int], logprobs: list[float]) -> dict[str, Any]:
@@ -106,10 +120,11 @@ def _gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def write_stream(request: web.Request, events: list[dict[str, Any]],
-                       headers: dict[str, str]) -> web.StreamResponse:
-    """Write ``events`` as server-sent events, then ``data: [DONE]``; :class:`StreamCut` when the client is gone
-    before the last one was handed to the connection."""
+async def write_stream(request: web.Request, events: list[dict[str, Any]], headers: dict[str, str],
+                       named: bool = False, done: bool = True) -> web.StreamResponse:
+    """Write ``events`` as server-sent events (``named``: each with an ``event:`` line naming its ``type``, as the
+    Responses and Messages APIs send them), then ``data: [DONE]`` when ``done`` (chat completions' end marker);
+    :class:`StreamCut` when the client is gone before the last one was handed to the connection."""
     if _gone(request):
         raise StreamCut()
     resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
@@ -117,8 +132,10 @@ async def write_stream(request: web.Request, events: list[dict[str, Any]],
     try:
         await resp.prepare(request)
         for event in events:
-            await resp.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
+            name = f"event: {event['type']}\n" if named else ""
+            await resp.write(f"{name}data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+        if done:
+            await resp.write(b"data: [DONE]\n\n")
         if _gone(request):
             raise StreamCut(resp)
         await resp.write_eof()

@@ -347,6 +347,39 @@ def test_streaming_with_the_openai_client_records_what_a_whole_completion_would(
     assert decode(tok, b2.tokens).startswith(render(tok, msgs2))
 
 
+def test_the_responses_api_with_the_openai_client_records_what_chat_completions_would(world):
+    from openai import OpenAI
+
+    tok = world["tok"]
+    client = OpenAI(base_url=world["base"] + "/v1", api_key=KEY, max_retries=0)
+    msgs = [{"role": "user", "content": Q1}]
+    via_chat = client.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=6,
+                                              extra_headers={"X-Session-Id": "rs-chat"})
+    kw = {"model": "tiny", "input": Q1, "temperature": 0, "max_output_tokens": 6}
+    whole = client.responses.create(**kw, extra_headers={"X-Session-Id": "rs-whole"})
+    events = list(client.responses.create(**kw, stream=True, extra_headers={"X-Session-Id": "rs-stream"}))
+    assert whole.status == "completed" and whole.output_text == via_chat.choices[0].message.content
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (via_chat.usage.prompt_tokens,
+                                                                     via_chat.usage.completion_tokens)
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == text == whole.output_text
+    want, lps = engine_generate(world, enc(tok, render(tok, msgs)), temperature=0, max_new_tokens=6)
+    for sid in ("rs-chat", "rs-whole", "rs-stream"):
+        (s,) = session(world, sid)
+        assert s.response_tokens == want and s.rollout_log_probs == pytest.approx(lps, abs=1e-6), sid
+    # the next turn, the earlier output items sent back as input, continues the same segment
+    follow = [{"role": "user", "content": Q1}, *[o.model_dump(exclude_none=True) for o in whole.output],
+              {"role": "user", "content": Q2}]
+    client.responses.create(model="tiny", input=follow, temperature=0, max_output_tokens=1,
+                            extra_headers={"X-Session-Id": "rs-whole"})
+    (s2,) = session(world, "rs-whole")
+    assert len(s2.metadata["turns"]) == 2 and s2.tokens[: len(s.tokens)] == s.tokens
+    assert s2.loss_mask.count(1) == len(want) + 1
+    cut = client.responses.create(model="tiny", input="Tell me a long story.", max_output_tokens=1, temperature=0,
+                                  extra_headers={"X-Session-Id": "rs-cut"})
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+
+
 def test_logprobs_are_the_engines_own_whole_and_streamed(world):
     from openai import OpenAI
 
