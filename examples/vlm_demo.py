@@ -11,13 +11,12 @@ in a Parquet binary column (``data.multimodal_keys: {image: image}``). The rewar
 ``rollout.reward: vlm_demo:reward``, this folder on PYTHONPATH) is 1.0 when the answer is exactly the colour's name
 (case, spaces and a final full stop aside), else 0.0: chance is 0.25 once the model answers with colour names.
 
-1. ``slimectl rl --dry-run --tiny-model qwen2_5-vl``: while `rl` refuses VLMs the demo stops here, in one line
-2. ``slimectl init RUN-warmstart``  the tiny offline Qwen2.5-VL (examples/vlm_sft_warmstart.yaml)
-3. SFT samples (each prompt with its image, answered by its label) published as that run's rollouts
-4. ``slimectl train -r RUN-warmstart``  SFT steps (algorithm.loss_type = sft_loss; --sft-steps)
-5. ``slimectl rl --config examples/vlm_demo.yaml -r RUN``  GRPO from the warm start: the embedded engine,
+1. ``slimectl init RUN-warmstart``  the tiny offline Qwen2.5-VL (examples/vlm_sft_warmstart.yaml)
+2. SFT samples (each prompt with its image, answered by its label) published as that run's rollouts
+3. ``slimectl train -r RUN-warmstart``  SFT steps (algorithm.loss_type = sft_loss; --sft-steps)
+4. ``slimectl rl --config examples/vlm_demo.yaml -r RUN``  GRPO from the warm start: the embedded engine,
    rollout -> train -> disk sync, eval with pass@k (--set KEY=VALUE overrides a key of vlm_demo.yaml)
-6. ``slimectl plot -r RUN``  the reward curve, and RUN/plots/curves.png
+5. ``slimectl plot -r RUN``  the reward curve, and RUN/plots/curves.png
 
 Rerunning resumes every step from its run directory. --dry-run prints the resolved configs of the warm start and of
 the RL run (``slimectl init/rl --dry-run``) and writes nothing.
@@ -135,17 +134,6 @@ def slimectl(*args: str, capture: bool = False) -> subprocess.CompletedProcess:
     return proc
 
 
-def check_rl_takes_vlms(run: str) -> None:
-    """Stop in one line (exit 2) while ``slimectl rl`` refuses VLMs: its dry run with the demo's tiny VLM."""
-    proc = slimectl("rl", "--config", str(HERE / "vlm_demo.yaml"), "-r", run, "--tiny-model", TINY_MODEL,
-                    "--dry-run", capture=True)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        print(f"vlm_demo: `slimectl rl` cannot run the demo's {TINY_MODEL} yet: "
-              f"{lines[-1] if lines else f'exit code {proc.returncode}'}", file=sys.stderr)
-        sys.exit(2)
-
-
 def sft_samples(run, rows, rid: int, batch_size: int, rng: random.Random, tok) -> list:
     """One SFT batch: rows drawn by ``rng``, each its prompt ids (images expanded) + its label + eos, every
     response token trained, its images referenced (``multimodal_inputs``)."""
@@ -216,7 +204,6 @@ def main() -> None:
         return
     if a.sft_steps is not None and a.sft_steps < 1:
         ap.error(f"--sft-steps ({a.sft_steps}) must be >= 1")
-    check_rl_takes_vlms(a.run)
     warm = f"{a.run}-warmstart"
     sft = [] if a.sft_steps is None else ["--set", f"rollout.num_rollout={a.sft_steps}",
                                           "--set", f"train.save_interval={a.sft_steps}"]

@@ -122,21 +122,9 @@ def test_the_sft_warm_start_samples_carry_their_images_as_rollout_import_checks_
     assert run.rollouts.ids() == [0, 1] and [run.rollouts.get(rid).meta for rid in (0, 1)] == before
 
 
-def test_the_demo_stops_in_one_line_while_rl_refuses_vlms(tmp_path):
-    """Until `slimectl rl` takes VLMs the demo's first step stops it: one line naming `rl` and the model, exit 2,
-    nothing written. (Delete this test when h-vlm-train lands: see the module docstring.)"""
-    proc = subprocess.run([sys.executable, str(DEMO), str(tmp_path / "demo")], capture_output=True, text=True,
-                          timeout=300, env=ENV)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("vlm_demo: `slimectl rl` cannot run the demo's qwen2_5-vl yet: ")
-    assert "VLM support in `slimectl rl` is not built yet" in last
-    assert list(tmp_path.iterdir()) == []
-
-
 # ------------------------------------------------------------------ for the merger: rename to test_... once `rl` takes VLMs
 
-def pending_test_a_rollout_and_eval_of_the_demo_config_against_the_embedded_engine(tmp_path):
+def test_a_rollout_and_eval_of_the_demo_config_against_the_embedded_engine(tmp_path):
     """`init` + `rollout` + eval of examples/vlm_demo.yaml (the untrained tiny Qwen2.5-VL) on a real embedded engine:
     every sample has its image and at most max_response_len tokens, the custom reward graded them (0 or 1), eval
     covers rows 0-31. Needs `rollout` to take VLMs (stages/rollout/prompts.py::VLM_ROLLOUT_READY on); run once by
@@ -172,7 +160,7 @@ QUICK: list[str] = []
 QUICK_ROLLOUTS = 200
 
 
-def pending_test_the_demo_defaults_resolve_without_running(tmp_path, stage_forks):
+def test_the_demo_defaults_resolve_without_running(tmp_path, stage_forks):
     """`vlm_demo.py --dry-run`: the warm start's and the RL run's configs resolve; nothing is written."""
     import yaml
 
