@@ -30,13 +30,14 @@ from slimectl.commands._options import engine_urls_option, force_option, resolve
 def harness_cmd(ctx: click.Context, run_dir: str | None, engine_urls: tuple[str, ...], model_path: str | None,
                 out_path: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
                 max_tokens: int | None, tool_call_parser: str, reasoning_parser: str, force: bool) -> None:
-    """Serve POST /v1/chat/completions in front of the engines and record, per session, the exact
-    tokens, loss mask (1 on model tokens only) and engine log-probs. Prints the OpenAI base URL,
-    then runs until Ctrl-C/SIGTERM. See docs/agent-harness.md.
+    """Serve POST /v1/chat/completions, /v1/responses (OpenAI) and /v1/messages (Anthropic) in
+    front of the engines and record, per session, the exact tokens, loss mask (1 on model tokens
+    only) and engine log-probs. Prints the OpenAI base URL, then runs until Ctrl-C/SIGTERM. See
+    docs/agent-harness.md.
 
     \b
-    Name each episode with the X-Session-Id header (or the body's `user` field, or the base URL
-    http://HOST:PORT/sessions/ID/v1), then finish it:
+    Name each episode with the X-Session-Id header (or the body's `user` field, `metadata.user_id`
+    on /v1/messages, or the base URL http://HOST:PORT/sessions/ID/v1), then finish it:
       POST /sessions/ID/finish  {"reward": 1.0, "group": "task-7"}
     With -r RUN, POST /publish turns the finished sessions into the run's next rollout.
 

@@ -25,7 +25,8 @@ Session ids (first one given wins): the URL path ``/sessions/ID/v1/chat/completi
 
 OpenAI's Responses API (``POST /v1/responses``, :mod:`slimectl.agents.harness_responses`) and Anthropic's Messages
 API (``POST /v1/messages``, :mod:`slimectl.agents.harness_anthropic`) are served through the same turn
-(:meth:`Harness.serve_turn`), each answered in its own shape (an :class:`Answer`).
+(:meth:`Harness.serve_turn`: render, generate, parse, record), each answered in its own shape by an
+:class:`~slimectl.agents.harness_stream.Answer` (chat completions': :class:`ChatAnswer`).
 
 This module is the server; the requests it accepts are :mod:`slimectl.agents.harness_requests`, the
 recording of token-exact segments :mod:`slimectl.agents.harness_recorder`, the sessions and their export
@@ -44,14 +45,14 @@ from typing import Any, Callable, Protocol
 
 from aiohttp import web
 
-from slimectl.agents.harness_anthropic import AnthropicMessages
+from slimectl.agents import harness_anthropic, harness_responses
 from slimectl.agents.harness_recorder import Prompt, TrajectoryRecorder, Turn
-from slimectl.agents.harness_responses import add_routes as add_responses_routes
-from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, FinishRequest, HarnessError, session_id
+from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, FinishRequest, HarnessError, request_session
 from slimectl.agents.harness_sessions import Session, export_jsonl, samples_from_sessions
 from slimectl.agents.harness_parsers import ParsedReply, parse_reply, parsers_for
 from slimectl.agents.harness_sessions import Reply
-from slimectl.agents.harness_stream import StreamCut, reply_pieces, stream_events, token_logprobs, write_stream
+from slimectl.agents.harness_stream import (Answer, StreamCut, reply_pieces, stream_events, token_logprobs,
+                                            write_stream)
 from slimectl.contract.errors import ArtifactExists, LockHeld, SlimectlError, UsageError
 from slimectl.contract.rundir.atomic import atomic_write_text
 from slimectl.engines.client import EngineError
@@ -154,8 +155,8 @@ class Harness:
         r.add_get("/sessions/{session_id}", self.get_session)
         r.add_post("/sessions/{session_id}/finish", self.finish_session)
         r.add_post("/publish", self.publish)
-        add_responses_routes(self)  # POST /v1/responses: OpenAI's Responses API
-        AnthropicMessages(self).register(self.app)  # POST /v1/messages: Anthropic's Messages API
+        for api in (harness_responses, harness_anthropic):  # POST /v1/responses (OpenAI), /v1/messages (Anthropic)
+            api.add_routes(self)
 
     # ------------------------------------------------------------------ plumbing
     async def _off_loop(self, fn, *args):
@@ -195,18 +196,19 @@ class Harness:
         return sess
 
     # ------------------------------------------------------------------ chat completions
-    async def chat_completions(self, request: web.Request) -> web.Response:
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.serve_turn(request, ChatAnswer)
+
+    async def serve_turn(self, request: web.Request, api: type[Answer]) -> web.StreamResponse:
+        """One turn of a session, whichever API asks: the session and the request checked and translated into a chat
+        request (``api.request``), rendered, generated, parsed, recorded, and answered in ``api``'s shape: chat
+        completions' (:class:`ChatAnswer`), the Responses API's (:mod:`~slimectl.agents.harness_responses`) or
+        the Messages API's (:mod:`~slimectl.agents.harness_anthropic`)."""
         body = await read_object(request, allow_empty=False)
         # the session first, then the body's fields: the first fault of a request is the one answered
-        sid = session_id(request.match_info.get("session_id"), request.headers.get(SESSION_HEADER), body.get("user"))
-        req = validate(ChatRequest, body)
-        return await self.serve_turn(request, sid, req, ChatAnswer(self, req))
-
-    async def serve_turn(self, request: web.Request, sid: str, req: ChatRequest,
-                         answer: Answer) -> web.StreamResponse:
-        """Generate and record one turn of session ``sid`` for ``req`` (its messages, tools and sampling), answered
-        in an API's own shape by ``answer`` (chat completions here; the Responses API in
-        :mod:`slimectl.agents.harness_responses`)."""
+        sid = request_session(request, body, api.user_field)
+        own, req = api.request(body)
+        answer = api(self, own)
         params = req.sampling_params(self.default_max_tokens)
         # Rendering and tokenising a long conversation takes seconds: do it off the event loop, so
         # other sessions (and /health) are served meanwhile.
@@ -241,7 +243,7 @@ class Harness:
             if req.stream:
                 # recorded only once the whole stream was handed to the client: all of the turn or none of it
                 try:
-                    resp = await answer.stream(request, turn, self.recorder.place(sess, prompt))
+                    resp = await self._stream(request, turn, answer)
                 except StreamCut as cut:
                     log.info("session %s: the client closed the stream; the turn was not recorded", sess.id)
                     return cut.response or web.Response(status=499, reason="Client Closed Request")
@@ -250,7 +252,17 @@ class Harness:
                       turn_no, len(prompt.input_ids), len(out["output_ids"]), turn.finish)
         if req.stream:
             return resp
-        return answer.whole(turn, (segment_no, turn_no))
+        return web.json_response(answer.whole(turn), headers=self._place(sess.id, segment_no, turn_no))
+
+    async def _stream(self, request: web.Request, turn: Turn, answer: Answer) -> web.StreamResponse:
+        """Write ``turn`` as ``answer``'s server-sent events (nothing is recorded here): the reasoning and the
+        content token by token, then the tool calls."""
+        reasoning, content = await self._off_loop(reply_pieces, self.recorder.decode, turn.out["output_ids"],
+                                                  turn.reply, turn.parsed)
+        segment_no, turn_no = self.recorder.place(turn.session, turn.prompt)
+        return await write_stream(request, answer.events(turn, reasoning, content),
+                                  self._place(turn.session.id, segment_no, turn_no), named=answer.named,
+                                  done=answer.done)
 
     async def _complete_n(self, sess: Session, req: ChatRequest, params: dict[str, Any],
                           prompt: Prompt) -> web.Response:
@@ -374,37 +386,25 @@ class Harness:
                                   "num_sessions": len(batch), "path": str(result.path), "file": str(path)})
 
 
-class Answer(Protocol):
-    """How one API answers a generated :class:`Turn`: streamed (nothing recorded yet; :class:`StreamCut` when the
-    client goes away) or whole (recorded). ``place``: (segment number, turn number) of the recorded turn."""
-
-    async def stream(self, request: web.Request, turn: Turn, place: tuple[int, int]) -> web.StreamResponse: ...
-
-    def whole(self, turn: Turn, place: tuple[int, int]) -> web.StreamResponse: ...
-
-
-class ChatAnswer:
+class ChatAnswer(Answer):
     """OpenAI's chat completions: a ``chat.completion`` or its ``chat.completion.chunk`` events."""
 
-    def __init__(self, harness: Harness, req: ChatRequest):
-        self.harness, self.req = harness, req
+    @staticmethod
+    def request(body: dict[str, Any]) -> tuple[ChatRequest, ChatRequest]:
+        req = validate(ChatRequest, body)
+        return req, req
 
-    async def stream(self, request: web.Request, turn: Turn, place: tuple[int, int]) -> web.StreamResponse:
-        """The reasoning and the content token by token, then the tool calls."""
+    def whole(self, turn: Turn) -> dict[str, Any]:
         h, req = self.harness, self.req
-        reasoning, content = await h._off_loop(reply_pieces, h.recorder.decode, turn.out["output_ids"], turn.reply,
-                                               turn.parsed)
-        events = stream_events(h._head(req), turn.parsed.message(), turn.finish, _usage(turn.prompt, turn.out),
-                               content, reasoning, req.include_usage, h._logprobs(req, turn.out, turn.reply))
-        return await write_stream(request, events, h._place(turn.session.id, *place))
+        return {**h._head(req), "object": "chat.completion",
+                "choices": [{"index": 0, "message": turn.parsed.message(),
+                             "logprobs": h._logprobs(req, turn.out, turn.reply), "finish_reason": turn.finish}],
+                "usage": _usage(turn.prompt, turn.out)}
 
-    def whole(self, turn: Turn, place: tuple[int, int]) -> web.StreamResponse:
+    def events(self, turn: Turn, reasoning: list[str], content: list[str]) -> list[dict[str, Any]]:
         h, req = self.harness, self.req
-        response = {**h._head(req), "object": "chat.completion",
-                    "choices": [{"index": 0, "message": turn.parsed.message(),
-                                 "logprobs": h._logprobs(req, turn.out, turn.reply), "finish_reason": turn.finish}],
-                    "usage": _usage(turn.prompt, turn.out)}
-        return web.json_response(response, headers=h._place(turn.session.id, *place))
+        return stream_events(h._head(req), turn.parsed.message(), turn.finish, _usage(turn.prompt, turn.out),
+                             content, reasoning, req.include_usage, h._logprobs(req, turn.out, turn.reply))
 
 
 def _finish_reason(reply: Reply, parsed: ParsedReply) -> str:

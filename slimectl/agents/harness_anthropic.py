@@ -25,8 +25,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from slimectl.agents.harness_recorder import Turn
-from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, HarnessError, session_id
-from slimectl.agents.harness_stream import reply_pieces, write_stream
+from slimectl.agents.harness_requests import ChatRequest, HarnessError
+from slimectl.agents.harness_stream import Answer
 from slimectl.web.app import read_object, validate
 
 if TYPE_CHECKING:
@@ -258,56 +258,43 @@ def message_events(message: dict[str, Any], reasoning: list[str], text: list[str
     return events
 
 
-class AnthropicMessages:
-    """``POST /v1/messages`` (and ``/sessions/ID/v1/messages``) on ``harness``: the requests translated into its
-    chat requests, served by :meth:`~slimectl.agents.harness.Harness.serve_turn` and answered by a
-    :class:`MessagesAnswer`."""
+class MessagesAnswer(Answer):
+    """A turn answered as an Anthropic ``message``, or as its named server-sent events (no ``[DONE]``)."""
 
-    def __init__(self, harness: Harness):
-        self.harness = harness
+    user_field = "metadata.user_id"  # where OpenAI has 'user'
+    named, done = True, False
 
-    def register(self, app: web.Application) -> None:
-        for path in PATHS:
-            app.router.add_post(path, self.messages)
-        for path in COUNT_PATHS:
-            app.router.add_post(path, self.count_tokens)
-        app.middlewares.insert(0, anthropic_errors)  # outermost: it sees the guard's refusals too
-
-    async def messages(self, request: web.Request) -> web.StreamResponse:
-        body = await read_object(request, allow_empty=False)
-        meta = body.get("metadata")
-        user = meta.get("user_id") if isinstance(meta, dict) else None
-        sid = session_id(request.match_info.get("session_id"), request.headers.get(SESSION_HEADER), user,
-                         "metadata.user_id")
+    @staticmethod
+    def request(body: dict[str, Any]) -> tuple[ChatRequest, ChatRequest]:
         req = validate(ChatRequest, chat_body(body))
-        return await self.harness.serve_turn(request, sid, req, MessagesAnswer(self.harness, req))
+        return req, req
 
-    async def count_tokens(self, request: web.Request) -> web.Response:
+    def whole(self, turn: Turn) -> dict[str, Any]:
+        return message_of(self.req, turn, self.harness.model_name)
+
+    def events(self, turn: Turn, reasoning: list[str], content: list[str]) -> list[dict[str, Any]]:
+        return message_events(self.whole(turn), reasoning, content)
+
+
+def add_routes(harness: Harness) -> None:
+    """Serve ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (and under ``/sessions/ID``) on ``harness``'s
+    app, its errors in Anthropic's shape (:func:`anthropic_errors`)."""
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        return await harness.serve_turn(request, MessagesAnswer)
+
+    async def count_tokens(request: web.Request) -> web.Response:
         """``{"input_tokens": N}``: the tokens of the request's rendered prompt (no session, nothing recorded)."""
         body = await read_object(request, allow_empty=False)
         req = validate(ChatRequest, chat_body({**body, "max_tokens": body.get("max_tokens", 1)}))
-        h = self.harness
-        text = await h._off_loop(h._render, req.messages, req.tools or None)
-        return web.json_response({"input_tokens": len(await h._off_loop(h.recorder.encode, text))})
+        text = await harness._off_loop(harness._render, req.messages, req.tools or None)
+        return web.json_response({"input_tokens": len(await harness._off_loop(harness.recorder.encode, text))})
 
-
-class MessagesAnswer:
-    """A turn answered as an Anthropic ``message``, or as its server-sent events
-    (an :class:`~slimectl.agents.harness.Answer`)."""
-
-    def __init__(self, harness: Harness, req: ChatRequest):
-        self.harness, self.req = harness, req
-
-    async def stream(self, request: web.Request, turn: Turn, place: tuple[int, int]) -> web.StreamResponse:
-        h = self.harness
-        reasoning, text = await h._off_loop(reply_pieces, h.recorder.decode, turn.out["output_ids"], turn.reply,
-                                            turn.parsed)
-        events = message_events(message_of(self.req, turn, h.model_name), reasoning, text)
-        return await write_stream(request, events, h._place(turn.session.id, *place), named=True, done=False)
-
-    def whole(self, turn: Turn, place: tuple[int, int]) -> web.StreamResponse:
-        return web.json_response(message_of(self.req, turn, self.harness.model_name),
-                                 headers=self.harness._place(turn.session.id, *place))
+    for path in PATHS:
+        harness.app.router.add_post(path, messages)
+    for path in COUNT_PATHS:
+        harness.app.router.add_post(path, count_tokens)
+    harness.app.middlewares.insert(0, anthropic_errors)  # outermost: it sees the guard's refusals too
 
 
 @web.middleware

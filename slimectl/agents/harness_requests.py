@@ -50,6 +50,22 @@ def session_id(path_id: str | None, header_id: str | None, user: Any, user_field
                             f"field, or use the base URL /sessions/ID/v1", code="missing_session_id")
 
 
+def request_session(request: Any, body: dict[str, Any], user_field: str = "user") -> str:
+    """The session of the aiohttp ``request`` with the JSON ``body`` (:func:`session_id`): its path's, its
+    ``X-Session-Id`` header's, then the body's field ``user_field`` (a dotted path: ``metadata.user_id``)."""
+    user: Any = body
+    for key in user_field.split("."):
+        user = user.get(key) if isinstance(user, dict) else None
+    return session_id(request.match_info.get("session_id"), request.headers.get(SESSION_HEADER), user, user_field)
+
+
+def positive_int(v: Any, key: str) -> Any:
+    """``v`` when it is None or a positive integer; else a ValueError naming ``key``."""
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"{key} must be a positive integer, got {v!r}")
+    return v
+
+
 def _number(v: Any, key: str, low: float, high: float, low_open: bool = False) -> Any:
     if v is None:
         return v
@@ -149,9 +165,7 @@ class ChatRequest(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: Any) -> Any:
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"top_k must be a positive integer, got {v!r}")
-        return v
+        return positive_int(v, "top_k")
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -21,10 +21,10 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from slimectl.agents.harness_recorder import Turn
-from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, session_id
+from slimectl.agents.harness_requests import ChatRequest, positive_int
 from slimectl.agents.harness_responses_events import response_events, response_object
-from slimectl.agents.harness_stream import reply_pieces, write_stream
-from slimectl.web.app import Invalid, read_object, validate
+from slimectl.agents.harness_stream import Answer
+from slimectl.web.app import Invalid, validate
 
 if TYPE_CHECKING:
     from slimectl.agents.harness import Harness
@@ -98,9 +98,7 @@ class ResponsesRequest(BaseModel):
     @field_validator("max_output_tokens")
     @classmethod
     def _max_output_tokens(cls, v: Any) -> Any:
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"max_output_tokens must be a positive integer, got {v!r}")
-        return v
+        return positive_int(v, "max_output_tokens")
 
     @field_validator("parallel_tool_calls", "stream")
     @classmethod
@@ -251,34 +249,28 @@ def _output(item: dict[str, Any], where: str, calls: set[str]) -> dict[str, Any]
     return {"role": "tool", "tool_call_id": call_id, "content": _text(output, where + ".output")}
 
 
-class ResponsesAnswer:
-    """A turn answered as a ``response`` object, or as its server-sent events."""
+class ResponsesAnswer(Answer):
+    """A turn answered as a ``response`` object, or as its named server-sent events (no ``[DONE]``)."""
 
-    def __init__(self, harness: Harness, req: ResponsesRequest):
-        self.harness, self.req = harness, req
+    named, done = True, False
 
-    def _response(self, turn: Turn) -> dict[str, Any]:
+    @staticmethod
+    def request(body: dict[str, Any]) -> tuple[ResponsesRequest, ChatRequest]:
+        req = validate(ResponsesRequest, body)
+        return req, req.chat()
+
+    def whole(self, turn: Turn) -> dict[str, Any]:
         return response_object(self.req, turn, self.harness.model_name)
 
-    async def stream(self, request: web.Request, turn: Turn, place: tuple[int, int]) -> web.StreamResponse:
-        h = self.harness
-        reasoning, content = await h._off_loop(reply_pieces, h.recorder.decode, turn.out["output_ids"], turn.reply,
-                                               turn.parsed)
-        events = response_events(self._response(turn), reasoning, content)
-        return await write_stream(request, events, h._place(turn.session.id, *place), named=True, done=False)
-
-    def whole(self, turn: Turn, place: tuple[int, int]) -> web.StreamResponse:
-        return web.json_response(self._response(turn), headers=self.harness._place(turn.session.id, *place))
+    def events(self, turn: Turn, reasoning: list[str], content: list[str]) -> list[dict[str, Any]]:
+        return response_events(self.whole(turn), reasoning, content)
 
 
 def add_routes(harness: Harness) -> None:
     """Serve ``POST /v1/responses`` (and under ``/sessions/ID/v1``) on ``harness``'s app."""
 
     async def responses(request: web.Request) -> web.StreamResponse:
-        body = await read_object(request, allow_empty=False)
-        sid = session_id(request.match_info.get("session_id"), request.headers.get(SESSION_HEADER), body.get("user"))
-        req = validate(ResponsesRequest, body)
-        return await harness.serve_turn(request, sid, req.chat(), ResponsesAnswer(harness, req))
+        return await harness.serve_turn(request, ResponsesAnswer)
 
     for route in ROUTES:
         harness.app.router.add_post(route, responses)

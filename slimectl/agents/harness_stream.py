@@ -1,10 +1,13 @@
-"""The agent harness's streamed answers: a finished completion as OpenAI's server-sent events.
+"""The agent harness's answers: how an API answers a generated turn (:class:`Answer`), and a finished
+completion as server-sent events.
 
 The engines answer whole generations (the embedded engine does not stream), so the harness
-generates the whole completion first, then writes it as ``chat.completion.chunk`` events: the
-role delta, the content (and ``reasoning_content``) deltas, the tool-call deltas, the finish
-reason, a usage chunk when ``stream_options.include_usage`` asks for it, and ``data: [DONE]``.
-Streamed or not, a request is recorded the same way: same tokens, same session.
+generates the whole completion first, then writes it as the API's events, the reasoning and the
+content token by token (:func:`reply_pieces`): for chat completions ``chat.completion.chunk``
+events (:func:`stream_events`): the role delta, the content (and ``reasoning_content``) deltas,
+the tool-call deltas, the finish reason, a usage chunk when ``stream_options.include_usage`` asks
+for it, and ``data: [DONE]``; the Responses and Messages APIs name each event (``event:`` lines)
+and send no ``[DONE]``. Streamed or not, a request is recorded the same way: same tokens, same session.
 
 A stream cut by the client records nothing: the turn is recorded only after the last event was
 handed to the connection (see :func:`write_stream`), so the session stays as it was and the agent
@@ -14,12 +17,18 @@ may send the same request again.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
 
 from slimectl.agents.harness_parsers import ParsedReply
+from slimectl.agents.harness_recorder import Turn
 from slimectl.agents.harness_sessions import Reply
+
+if TYPE_CHECKING:
+    from slimectl.agents.harness import Harness
+    from slimectl.agents.harness_requests import ChatRequest
 
 
 def content_deltas(decode: Callable[[list[int]], str], ids: list[int], content: str) -> list[str]:
@@ -66,6 +75,42 @@ def reply_pieces(decode: Callable[[list[int]], str], ids: list[int], reply: Repl
     reasoning = cut_pieces(pieces, text, parsed.reasoning)
     after = text.find("</think>") + len("</think>") if parsed.reasoning is not None and "</think>" in text else 0
     return reasoning, pieces if parsed.content == text else cut_pieces(pieces, text, parsed.content, after)
+
+
+class Answer(ABC):
+    """One API of the harness: how its request becomes a chat request (:meth:`request`) and how it answers a
+    generated, parsed :class:`~slimectl.agents.harness_recorder.Turn`: whole, as one JSON object (:meth:`whole`),
+    or streamed, as the server-sent events of :meth:`events`, framed as :attr:`named` and :attr:`done` say.
+    :meth:`~slimectl.agents.harness.Harness.serve_turn` does the rest (session, render, generate, parse, record,
+    write) for all of them: ``ChatAnswer`` (chat completions, :mod:`slimectl.agents.harness`), ``ResponsesAnswer``
+    (:mod:`slimectl.agents.harness_responses`), ``MessagesAnswer`` (:mod:`slimectl.agents.harness_anthropic`).
+    ``req``: the API's own request, as :meth:`request` checked it."""
+
+    user_field = "user"
+    """The body field that may name the session, a dotted path
+    (:func:`~slimectl.agents.harness_requests.request_session`)."""
+    named = False
+    """Each event with an ``event:`` line naming its ``type`` (:func:`write_stream`)."""
+    done = True
+    """``data: [DONE]`` after the last event."""
+
+    def __init__(self, harness: Harness, req: Any):
+        self.harness, self.req = harness, req
+
+    @staticmethod
+    @abstractmethod
+    def request(body: dict[str, Any]) -> tuple[Any, ChatRequest]:
+        """The API's request of the JSON ``body``, checked (a 400 naming the first field refused), and the chat
+        request it is generated as."""
+
+    @abstractmethod
+    def whole(self, turn: Turn) -> dict[str, Any]:
+        """The answer as one JSON object."""
+
+    @abstractmethod
+    def events(self, turn: Turn, reasoning: list[str], content: list[str]) -> list[dict[str, Any]]:
+        """The answer as server-sent events; ``reasoning`` and ``content``: the reply's pieces, cut where its
+        tokens end (:func:`reply_pieces`), sent as deltas."""
 
 
 def token_logprobs(decode: Callable[[list[int]], str], ids: list[int], logprobs: list[float]) -> dict[str, Any]:

@@ -177,7 +177,7 @@ def test_a_stream_cut_midway_leaves_the_session_as_it_was(harness, monkeypatch):
     msgs += [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
         "name": "add", "arguments": '{"a": 2, "b": 3}'}}]}, {"role": "tool", "tool_call_id": "c1", "content": "5"}]
 
-    async def broken(request, events, headers):
+    async def broken(request, events, headers, **framing):
         raise StreamCut(None)  # the connection broke while the events were written
 
     monkeypatch.setattr(server, "write_stream", broken)
