@@ -68,3 +68,36 @@ def test_rollout_import_of_a_vlm_sample_whose_image_is_not_in_the_run_is_one_lin
     line = _error_line(slimectl_in_process("rollout", "import", samples, "-r", run))
     assert f"{samples}:1: its image {sha} is not in the run's media/" in line and "does not exist" in line, line
     assert _published(run) == []
+
+
+def test_rl_refuses_a_tiny_vlm_before_writing_anything(tmp_path):
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text("rollout:\n  num_rollout: 1\n")
+    line = _error_line(slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen3-vl"))
+    assert "--tiny-model qwen3-vl is a qwen3_vl vision-language model" in line and "`slimectl rl`" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_images_for_a_text_only_model_are_refused_before_any_engine(tmp_path):
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (28, 28), "red").save(buf, format="PNG")
+    (tmp_path / "red.png").write_bytes(buf.getvalue())
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"input": "Colour?", "label": "red", "images": "red.png"}) + "\n")
+    run = tmp_path / "run"
+    res = slimectl_in_process("init", run, "--tiny-model", "qwen2", "--set", f"data.prompt_data={data}",
+                              "--set", "data.multimodal_keys={image: images}", env={"HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = _error_line(slimectl_in_process("rollout", "-r", run))
+    assert "data.multimodal_keys = {'image': 'images'} gives the prompts images" in line
+    assert "(qwen2) is a text-only model" in line, line
+    assert _published(run) == []
+    # rl checks the data before it writes anything: no run directory is left behind
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(f"model:\n  path: {run / 'models' / 'tiny-qwen2'}\ndata:\n  prompt_data: {data}\n"
+                   f"  multimodal_keys: {{image: images}}\nrollout:\n  num_rollout: 1\n")
+    line = _error_line(slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "rl-run"))
+    assert "(qwen2) is a text-only model" in line, line
+    assert not (tmp_path / "rl-run").exists()
