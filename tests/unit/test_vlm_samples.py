@@ -89,7 +89,8 @@ def test_a_continued_partial_sample_sends_its_images_with_all_its_tokens(tmp_pat
 
 def test_the_request_cuts_each_expanded_image_run_to_one_placeholder(tmp_path):
     """SGLang 0.5.23 expands each image's single placeholder itself (an expanded run is never answered), so a VLM
-    sample's request carries its tokens with each run of the model's image token cut to one; text samples as they are."""
+    sample's request carries its tokens with each run of the model's image token cut to one; text samples as they
+    are."""
     import json
     from types import SimpleNamespace
 

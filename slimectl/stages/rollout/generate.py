@@ -52,8 +52,8 @@ async def default_generate(args: SimpleNamespace, sample: Sample, sampling_param
         # rows already recorded (a partial rollout continuing) are kept; ask only for the new ones
         extra = {"return_routed_experts": True, "routed_experts_start_len": len(sample.rollout_routed_experts or [])}
     extra.update(image_request(args, sample))
-    out = await args.pool.generate(input_ids=engine_input_ids(args, sample), sampling_params=params, return_logprob=True,
-                                   **extra)
+    out = await args.pool.generate(input_ids=engine_input_ids(args, sample), sampling_params=params,
+                                   return_logprob=True, **extra)
     meta = out["meta_info"]
     lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
     sample.append_response_tokens(out["output_ids"], lps, True, meta, out.get("text", ""))

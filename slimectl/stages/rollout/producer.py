@@ -91,7 +91,8 @@ async def teacher_log_probs(samples: list[Sample], urls: list[str], temperature:
             return
         vlm = SimpleNamespace(run_path=run_path, config=cfg)
         out = await pool.generate(input_ids=engine_input_ids(vlm, s), return_logprob=True, logprob_start_len=0,
-                                  sampling_params={"max_new_tokens": 0, "temperature": temperature}, **image_request(vlm, s))
+                                  sampling_params={"max_new_tokens": 0, "temperature": temperature},
+                                  **image_request(vlm, s))
         lps = [float(x[0]) for x in out["meta_info"]["input_token_logprobs"][1:]]
         if len(lps) < s.response_length:
             raise SlimectlError(f"teacher at {out['meta_info'].get('engine_url', urls[0])} returned {len(lps)} log-probs "
