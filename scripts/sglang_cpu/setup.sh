@@ -20,7 +20,9 @@
 #  - the pinned dependencies in requirements.txt;
 #  - stubs/sgl_kernel: our stand-in for the CUDA-only kernel package (every kernel raises if called);
 #  - stubs/_slimectl_tv_cpu_shim.py, loaded by a .pth file: lets PyPI's CUDA-linked torchvision import next
-#    to CPU torch (torchvision from the CPU index does not need it).
+#    to CPU torch (torchvision from the CPU index does not need it);
+#  - stubs/_slimectl_sgl_ops_shim.py, loaded by a .pth file: the four sgl_kernel CPU operator names that
+#    SGLang's Qwen-VL multimodal processor needs to import (each raises if called).
 # Env: PYTHON (default python3.11; sglang 0.5.23 ships cp311 wheels only here), SLIMECTL_SGLANG_VENV,
 #      SLIMECTL_SGLANG_TORCH_INDEX, SGLANG_SPEC (default sglang==0.5.23; a local wheel path works too).
 set -euo pipefail
@@ -29,7 +31,7 @@ PY=${PYTHON:-python3.11}
 SGLANG_SPEC=${SGLANG_SPEC:-sglang==0.5.23}
 TORCH_SPEC=torch==2.13.0
 
-BUILD_STEPS=1  # bump when build() below changes what ends up in the venv (this file's options do not count)
+BUILD_STEPS=2  # bump when build() below changes what ends up in the venv (this file's options do not count)
 
 recipe_key() {
   # what the venv is made of: the pins and the stubs (name and content, in a fixed order), the build
@@ -47,6 +49,7 @@ fi
 command -v "$PY" >/dev/null 2>&1 || die "$PY not found (SGLang 0.5.23 needs Python 3.11 here; set PYTHON=...)"
 V=${SLIMECTL_SGLANG_VENV:-$HOME/.cache/slimectl/sglang-cpu-$(recipe_key)}
 IMPORT_CHECK='import sglang, sgl_kernel; from sglang.srt.entrypoints.http_server import app; import torch
+import sglang.srt.multimodal.processors.qwen_vl  # SGLang serves Qwen-VL models only with it
 print("torch", torch.__version__, "sglang", sglang.__version__, "sgl_kernel", sgl_kernel.__version__)'
 
 case "${1:-}" in
@@ -101,6 +104,8 @@ build() {
   find "$SP/sgl_kernel" -name __pycache__ -prune -exec rm -rf {} +
   cp "$HERE/stubs/_slimectl_tv_cpu_shim.py" "$SP/"
   echo "import _slimectl_tv_cpu_shim" > "$SP/zz_slimectl_tv_cpu_shim.pth"
+  cp "$HERE/stubs/_slimectl_sgl_ops_shim.py" "$SP/"
+  echo "import _slimectl_sgl_ops_shim" > "$SP/zz_slimectl_sgl_ops_shim.pth"
   # scripts in bin/ name the temporary directory in their shebangs: point them at the final place
   { grep -rlIF -- "$T" "$T/bin" || true; } | while IFS= read -r f; do sed -i "s#$T#$V#g" "$f"; done
 }

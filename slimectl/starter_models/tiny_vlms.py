@@ -4,7 +4,7 @@
 config (a vision tower of ``vision_depth`` blocks, the patch merger, a language model with M-RoPE: its
 ``mrope_section`` splits each head's rotary frequencies between time, height and width), ``model.safetensors``
 (random weights), the tokenizer of :mod:`~slimectl.starter_models.tiny_models` plus the vision special tokens, a
-chat template with image placeholders, and the image processor's config (``processor_config.json``). It loads
+chat template with image placeholders, and the image and video processors' config (``processor_config.json``). It loads
 with ``AutoProcessor.from_pretrained`` (torchvision missing: after
 :func:`slimectl.backends.hf.vlm.register_image_only_processors`, see there) and
 ``AutoModelForImageTextToText.from_pretrained``.
@@ -152,6 +152,7 @@ def build_tiny_vlm(family: str, out_dir: str | Path, *, hidden_size: int = 64, n
     processor = _processor(family, tokenizer, max_image_tokens)
     processor.save_pretrained(out)
     _unpin_processor_class(out)
+    _add_video_processor_config(out, family, processor.image_processor)
     model = _random_vlm(spec, ids)
     model.save_pretrained(out)
     info = {"builder": f"{__name__}.build_tiny_vlm", **spec, "model_class": type(model).__name__,
@@ -210,6 +211,22 @@ def _unpin_processor_class(out: Path) -> None:
             cfg.pop("processor_class", None)
             path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     _pin_tokenizer_class(out)
+
+
+def _add_video_processor_config(out: Path, family: str, image) -> None:
+    """Without torchvision the processor saved has no video part; write the stock one's settings into
+    ``processor_config.json`` anyway (the image processor's patch, merge and normalisation), as a real checkpoint
+    has them: a stock AutoProcessor with torchvision (SGLang's venv) otherwise refuses the directory ("Can't load
+    video processor"). The image-only processor ignores the entry."""
+    path = out / "processor_config.json"
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    if "video_processor" in cfg:  # pragma: no cover - saved by the stock processor (torchvision installed)
+        return
+    cls = "Qwen3VLVideoProcessor" if family == "qwen3-vl" else "Qwen2VLVideoProcessor"
+    cfg["video_processor"] = {"video_processor_type": cls, "patch_size": image.patch_size, "merge_size": 2,
+                              "temporal_patch_size": 2, "image_mean": list(image.image_mean),
+                              "image_std": list(image.image_std), "do_convert_rgb": True}
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _random_vlm(spec: dict[str, Any], ids: dict[str, int | None]):

@@ -21,10 +21,10 @@ CPU_ARGS = ("{device: cpu, attention_backend: torch_native, sampling_backend: py
 #: The engines' environment. SGLANG_USE_CPU_ENGINE=1 is REQUIRED on CPU; here it reaches the servers through
 #: the environment slimectl (serve, rl) runs in, which they inherit (`engine.env` is the config's way to set it).
 SGLANG_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
-#: The model modules of sglang/srt/models/ the suite serves (its tiny Llama and Qwen2). SGLang's scheduler
+#: The model modules of sglang/srt/models/ the suite serves (its tiny Llama, Qwen2 and Qwen2.5-VL). SGLang's scheduler
 #: imports every module there to fill its registry (~250; 15 fail on CPU and are logged) unless
 #: SGLANG_DISABLED_MODEL_ARCHS names it: measured 2.3-2.6 CPU-s per engine start (docs/sglang-on-cpu.md).
-SERVED_MODEL_MODULES = frozenset({"llama", "qwen2"})
+SERVED_MODEL_MODULES = frozenset({"llama", "qwen2", "qwen2_5_vl"})
 
 
 @functools.lru_cache(maxsize=None)

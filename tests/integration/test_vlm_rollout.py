@@ -128,8 +128,12 @@ def test_a_vlm_rollout_sends_image_data_and_publishes_image_references(tmp_path,
     pad = proc.image_token_id
     start, end = proc.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
     by_prompt = {tuple(b["input_ids"]): b for b in eng.bodies}
+    from slimectl.stages.rollout.media import collapse_image_runs
+
     for s in samples:
-        body = by_prompt[tuple(s.prompt_tokens)]  # the engine saw exactly the sample's prompt ids
+        # the engine saw the sample's prompt ids with each image's placeholder run cut to one (SGLang expands it)
+        body = by_prompt[tuple(collapse_image_runs(s.prompt_tokens, pad))]
+        assert body["input_ids"].count(pad) == len(s.image_hashes)
         urls = body.get("image_data")
         if not s.image_hashes:
             assert urls is None and pad not in s.tokens

@@ -78,6 +78,8 @@ def test_the_directory_holds_a_vlm_checkpoint(built):
     proc_cfg = json.loads((d / "processor_config.json").read_text())
     assert "processor_class" not in proc_cfg  # AutoProcessor picks it from config.json's model_type
     assert proc_cfg["image_processor"]["patch_size"] == patch
+    # a video processor's settings too, as real checkpoints have (a stock AutoProcessor with torchvision needs them)
+    assert proc_cfg["video_processor"]["patch_size"] == patch and proc_cfg["video_processor"]["merge_size"] == 2
     tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
     assert "processor_class" not in tok_cfg and tok_cfg["tokenizer_class"] == "TokenizersBackend"
     info = json.loads((d / FIXTURE_FILE).read_text())

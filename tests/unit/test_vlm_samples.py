@@ -85,3 +85,26 @@ def test_a_continued_partial_sample_sends_its_images_with_all_its_tokens(tmp_pat
     msg = str(exc.value)
     assert exc.value.exit_code == 2 and "\n" not in msg and f"its image {B} is not in the run" in msg
     assert len(sent) == 1  # nothing was sent for it
+
+
+def test_the_request_cuts_each_expanded_image_run_to_one_placeholder(tmp_path):
+    """SGLang 0.5.23 expands each image's single placeholder itself (an expanded run is never answered), so a VLM
+    sample's request carries its tokens with each run of the model's image token cut to one; text samples as they
+    are."""
+    import json
+    from types import SimpleNamespace
+
+    from slimectl.stages.rollout.generate import engine_input_ids
+    from slimectl.stages.rollout.media import collapse_image_runs, image_token_id
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "image_token_id": 7}))
+    assert image_token_id(str(tmp_path)) == 7 and image_token_id(str(tmp_path / "nothing")) is None
+    toks = [1, 5, 7, 7, 7, 6, 2, 5, 7, 6, 9, 7, 7]
+    assert collapse_image_runs(toks, 7) == [1, 5, 7, 6, 2, 5, 7, 6, 9, 7]
+    assert collapse_image_runs(toks, None) == toks and collapse_image_runs(toks, 8) == toks
+    args = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(path=str(tmp_path / "nothing"),
+                                                                        tokenizer_path=str(tmp_path))))
+    vlm = Sample(group_index=0, index=0, tokens=toks + [4, 4], response_length=2, multimodal_inputs={"image": [A, B]})
+    assert engine_input_ids(args, vlm) == [1, 5, 7, 6, 2, 5, 7, 6, 9, 7, 4, 4]
+    text = Sample(group_index=0, index=0, tokens=toks, response_length=0)
+    assert engine_input_ids(args, text) == toks  # no images: nothing cut

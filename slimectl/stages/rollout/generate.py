@@ -9,7 +9,8 @@ Custom generate functions keep slime's signature::
 
 ``args`` carries ``args.pool`` (call ``await args.pool.generate(input_ids=..., sampling_params=...,
 return_logprob=True)``), ``args.config`` (the run's config), ``args.tokenizer``,
-``args.engine_urls`` and ``args.run_path``; a VLM sample's request adds :func:`image_request` (``image_data``).
+``args.engine_urls`` and ``args.run_path``; a VLM sample's request adds :func:`image_request` (``image_data``) and sends
+:func:`engine_input_ids` (its image placeholders not expanded, as SGLang takes them).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ async def default_generate(args: SimpleNamespace, sample: Sample, sampling_param
         # rows already recorded (a partial rollout continuing) are kept; ask only for the new ones
         extra = {"return_routed_experts": True, "routed_experts_start_len": len(sample.rollout_routed_experts or [])}
     extra.update(image_request(args, sample))
-    out = await args.pool.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True, **extra)
+    out = await args.pool.generate(input_ids=engine_input_ids(args, sample), sampling_params=params,
+                                   return_logprob=True, **extra)
     meta = out["meta_info"]
     lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
     sample.append_response_tokens(out["output_ids"], lps, True, meta, out.get("text", ""))
@@ -61,14 +63,27 @@ async def default_generate(args: SimpleNamespace, sample: Sample, sampling_param
 
 def image_request(args: SimpleNamespace, sample: Sample) -> dict[str, Any]:
     """A VLM sample's images for its ``/generate`` request, in SGLang's shape: ``{"image_data": [data URL, ...]}``
-    (``RUN/media/<sha256>.png`` as ``data:image/png;base64,...``, in prompt order, beside ``input_ids`` whose
-    placeholders the processor expanded); ``{}`` for a text-only sample. A missing image is one line (exit 2)."""
+    (``RUN/media/<sha256>.png`` as ``data:image/png;base64,...``, in prompt order, beside :func:`engine_input_ids`);
+    ``{}`` for a text-only sample. A missing image is one line (exit 2)."""
     hashes = sample.image_hashes
     if not hashes:
         return {}
     from slimectl.stages.rollout.media import image_data
 
     return {"image_data": image_data(args.run_path, hashes, f"sample {sample.index} (group {sample.group_index})")}
+
+
+def engine_input_ids(args: SimpleNamespace, sample: Sample) -> list[int]:
+    """The ``input_ids`` of a sample's ``/generate`` request: its tokens, for a VLM sample with each expanded image
+    placeholder cut back to one token (SGLang 0.5.23 expands them itself: ``media.collapse_image_runs``); the image
+    token is read from the config.json of ``args.config``'s model (or tokenizer)."""
+    cfg = getattr(args, "config", None)
+    if not sample.image_hashes or cfg is None:
+        return sample.tokens
+    from slimectl.stages.rollout.media import collapse_image_runs, image_token_id
+
+    pads = [image_token_id(str(p)) for p in (cfg.model.path, cfg.model.tokenizer_path) if p]
+    return collapse_image_runs(sample.tokens, next((t for t in pads if t is not None), None))
 
 
 @dataclass

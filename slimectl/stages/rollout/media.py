@@ -203,6 +203,30 @@ def image_data(run_path: str | Path, hashes: list[str], where: str) -> list[str]
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def image_token_id(model_path: str) -> int | None:
+    """The image placeholder token (``config.json``'s ``image_token_id``) of the VLM at ``model_path``; None when
+    no config says one."""
+    import json
+
+    try:
+        value = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8")).get("image_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def collapse_image_runs(tokens: list[int], pad: int | None) -> list[int]:
+    """``tokens`` with each run of the image placeholder ``pad`` cut to one token: the ``input_ids`` to send beside
+    ``image_data``. SGLang 0.5.23's Qwen-VL processor expands each single placeholder itself and mis-reads an
+    expanded run (``BaseMultimodalProcessor.build_input_ids`` takes every token followed by the placeholder as an
+    image's start, indexes past the request's images and the request is never answered); the embedded engine
+    takes either form. The engines answer the same tokens and log-probs (tests/conformance/test_vlm_conformance.py)."""
+    if pad is None or pad not in tokens:
+        return tokens
+    return [t for i, t in enumerate(tokens) if t != pad or i == 0 or tokens[i - 1] != pad]
+
+
 def image_refs(images: list[ImageRef]) -> dict[str, list[str]] | None:
     """A prompt's images as a Sample's ``multimodal_inputs`` (None: no image)."""
     return {"image": [im.sha256 for im in images]} if images else None

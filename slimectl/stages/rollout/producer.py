@@ -21,8 +21,8 @@ from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample
 from slimectl.engines.pool import EnginePool
 from slimectl.weight_formats import weight_format
-from slimectl.stages.rollout.generate import (GroupResult, default_generate, generate_batch, image_request,
-                                              load_function, nonzero_std, run_group, trace_groups)
+from slimectl.stages.rollout.generate import (GroupResult, default_generate, engine_input_ids, generate_batch,
+                                              image_request, load_function, nonzero_std, run_group, trace_groups)
 from slimectl.stages.rollout.prompts import PromptSupply
 from slimectl.stages.rollout.publish import publish_rollout, rollout_metrics
 
@@ -89,9 +89,10 @@ async def teacher_log_probs(samples: list[Sample], urls: list[str], temperature:
         if s.response_length == 0:
             s.teacher_log_probs = []
             return
-        out = await pool.generate(input_ids=s.tokens, return_logprob=True, logprob_start_len=0,
+        vlm = SimpleNamespace(run_path=run_path, config=cfg)
+        out = await pool.generate(input_ids=engine_input_ids(vlm, s), return_logprob=True, logprob_start_len=0,
                                   sampling_params={"max_new_tokens": 0, "temperature": temperature},
-                                  **image_request(SimpleNamespace(run_path=run_path), s))
+                                  **image_request(vlm, s))
         lps = [float(x[0]) for x in out["meta_info"]["input_token_logprobs"][1:]]
         if len(lps) < s.response_length:
             raise SlimectlError(f"teacher at {out['meta_info'].get('engine_url', urls[0])} returned {len(lps)} log-probs "
