@@ -14,8 +14,9 @@ def _sample_index(row: dict) -> int:
 
 async def two_turns(base_url: str, api_key: str, row: dict) -> float | None:
     """Two model turns with a user message between them; reward: the first reply's length mod 3. Sample 1 of each
-    rollout raises before it calls the model, sample 2 returns no reward: both fail, the rollout goes on."""
-    index = _sample_index(row)
+    rollout (indices run on across rollouts: 8 samples each in the tests) raises before it calls the model, sample 2
+    returns no reward: both fail, the rollout goes on."""
+    index = _sample_index(row) % 8
     if index == 1:
         raise RuntimeError("the agent's own bug")
     messages = list(row["messages"])

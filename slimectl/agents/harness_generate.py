@@ -140,7 +140,9 @@ def prompt_row(sample: Sample, session: str) -> dict[str, Any]:
     messages = meta.pop("agent_messages", None)
     tools = meta.pop("agent_tools", None)
     if messages is None:
-        messages = sample.prompt if isinstance(sample.prompt, list) else [{"role": "user", "content": sample.prompt}]
+        messages = sample.prompt
+    if isinstance(messages, str):  # a dataset of plain-text prompts: one user message
+        messages = [{"role": "user", "content": messages}]
     row = {"messages": messages, "label": sample.label, "metadata": meta, "session_id": session}
     if tools:
         row["tools"] = tools
@@ -166,9 +168,12 @@ def checked_reward(value: Any) -> float | dict[str, Any]:
         raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
 
 
-def failed(sample: Sample, samples: list[Sample], reason: str) -> list[Sample]:
-    """The sample (or its recorded segments) marked failed, out of the loss, with one log line."""
+def failed(sample: Sample, samples: list[Sample], reason: str, end_token: int) -> list[Sample]:
+    """The sample (or its recorded segments) marked failed, out of the loss, with one log line. A sample the model
+    never answered gets one untrained ``end_token`` as its response (a batch of such failures still has a shape)."""
     log.warning("sample %s (group %s): %s", sample.index, sample.group_index, reason)
+    if not samples and not sample.response_length:
+        sample.append_response_tokens([end_token], None, False)
     out = samples or [sample]
     for s in out:
         s.status, s.remove_sample = Status.FAILED, True
@@ -212,7 +217,9 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
                 error = "the agent returned without calling the model (no request reached the harness)"
             for s in samples:
                 s.reward = reward
-    return failed(sample, samples, f"agent_error: {error}") if error else samples
+    if error:
+        return failed(sample, samples, f"agent_error: {error}", h.harness.tokenizer.eos_token_id)
+    return samples
 
 
 async def reward(args: Any, sample: Sample) -> float | dict[str, Any]:
