@@ -94,6 +94,11 @@ def test_the_example_agent_calls_its_tool_and_its_session_becomes_the_sample(tmp
     # the rollout's sampling parameters rule, whatever the agent asked for
     assert [(p["temperature"], p["top_p"], p["top_k"], p["max_new_tokens"]) for p in args.pool.params] == \
         [(0.7, 0.9, -1, 40)] * 2
+    # a wrong answer after a calculator call that worked earns the agent's tool credit
+    args = make_args(tmp_path, tok, "agent:run")
+    args.pool.script += [CALL, "The product is \\boxed{42}."]
+    ((s,),) = asyncio.run(run_samples(args, [new_sample(7)]))
+    assert s.reward == agent.TOOL_CREDIT == 0.2 and len(s.metadata["turns"]) == 2
 
 
 def test_an_agent_with_the_sync_client_and_an_object_reward(tmp_path, tok):
