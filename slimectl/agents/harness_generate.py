@@ -158,6 +158,13 @@ async def call_agent(h: AgentHarness, session: str, row: dict[str, Any]) -> Any:
     return await asyncio.wait_for(call, h.timeout_s)
 
 
+def agent_error(exc: Exception, timeout_s: float | None) -> str:
+    """What went wrong with the agent's call, in one line."""
+    if isinstance(exc, asyncio.TimeoutError) and timeout_s is not None:
+        return f"the agent ran past rollout.agent_timeout_s ({timeout_s:g} s)"
+    return f"the agent raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+
+
 def checked_reward(value: Any) -> float | dict[str, Any]:
     """The agent's reward, as the harness's finish call takes it; ValueError naming what came back otherwise."""
     if value is None:
@@ -172,8 +179,11 @@ def failed(sample: Sample, samples: list[Sample], reason: str, end_token: int) -
     """The sample (or its recorded segments) marked failed, out of the loss, with one log line. A sample the model
     never answered gets one untrained ``end_token`` as its response (a batch of such failures still has a shape)."""
     log.warning("sample %s (group %s): %s", sample.index, sample.group_index, reason)
-    if not samples and not sample.response_length:
-        sample.append_response_tokens([end_token], None, False)
+    if not samples:
+        for key in [k for k in sample.metadata if k.startswith("agent_")]:
+            del sample.metadata[key]  # the row's messages were the agent's input, not the sample's
+        if not sample.response_length:
+            sample.append_response_tokens([end_token], None, False)
     out = samples or [sample]
     for s in out:
         s.status, s.remove_sample = Status.FAILED, True
@@ -199,12 +209,9 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     h = await harness_of(args, sampling_params)
     sid = f"r{sample.rollout_id}-g{sample.group_index}-s{sample.index}-{uuid.uuid4().hex[:8]}"
     try:
-        value = await call_agent(h, sid, prompt_row(sample, sid))
-        error = None
-    except asyncio.TimeoutError:
-        value, error = None, f"the agent ran past rollout.agent_timeout_s ({h.timeout_s:g} s)"
+        value, error = await call_agent(h, sid, prompt_row(sample, sid)), None
     except Exception as exc:  # the agent's bug must not stop the rollout; the sample is dropped from the loss
-        value, error = None, f"the agent raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        value, error = None, agent_error(exc, h.timeout_s)
     sess = h.harness.sessions.pop(sid, None)
     samples = session_samples(h, sample, sess, None) if sess is not None and sess.segments else []
     if error is None:

@@ -124,6 +124,7 @@ def test_an_agent_that_fails_fails_its_sample_only(tmp_path, tok, caplog, agent,
         ((s,),) = asyncio.run(run_samples(args, [new_sample(1)]))  # index 1: two_turns raises before any request
     assert s.status == Status.FAILED and s.remove_sample and s.metadata["reason"].startswith(why)
     assert s.tokens == [1, 2, 3, tok.eos_token_id] and s.loss_mask == [0] and s.reward is None
+    assert s.metadata == {"row": 3, "sampling_seed": 11, "reason": s.metadata["reason"]}  # agent_messages dropped
     assert asyncio.run(reward(None, s)) == 0.0  # carries no loss either way
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("sample 1 (group 3): " + why), lines
