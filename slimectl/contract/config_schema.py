@@ -172,6 +172,10 @@ class MathVerifySection(Section):
     """Worker processes verifying samples in parallel (each imports Math-Verify once, ~1 s)."""
 
 
+AGENT_GENERATE = "slimectl.agents.harness_generate:generate"
+"""The custom generate that runs ``rollout.agent`` against the harness."""
+
+
 class RolloutSection(Section):
     """How rollouts are generated and scored."""
 
@@ -209,6 +213,12 @@ class RolloutSection(Section):
     """Reward-model server the ``remote`` reward posts samples to."""
     custom_generate: Optional[str] = None
     """``module:function`` of an async custom generate function."""
+    agent: Optional[str] = None
+    """``module:function`` of an agent program each sample runs against a harness on 127.0.0.1
+    (``custom_generate: slimectl.agents.harness_generate:generate``; docs/agent-harness.md): ``run(base_url, api_key,
+    row)`` returns the reward."""
+    agent_timeout_s: Optional[float] = Field(default=None, gt=0)
+    """Longest run of one agent call; past it the sample fails (no loss). Default: no limit."""
     dynamic_filter: Optional[str] = None
     """``nonzero_std`` or ``module:function`` deciding whether to keep a group."""
     partial_rollout: bool = False
@@ -269,6 +279,12 @@ class RolloutSection(Section):
         if any(not 1 <= k <= self.eval_n_samples for k in self.eval_pass_k):
             raise ValueError(f"rollout.eval_pass_k = {self.eval_pass_k}: each k must be in 1..rollout.eval_n_samples "
                              f"({self.eval_n_samples})")
+        if self.custom_generate == AGENT_GENERATE and not self.agent:
+            raise ValueError(f"rollout.custom_generate is {AGENT_GENERATE} but rollout.agent is unset; set it to "
+                             f"your agent program's module:function")
+        if self.agent and self.custom_generate != AGENT_GENERATE:
+            raise ValueError(f"rollout.agent is set but rollout.custom_generate is {self.custom_generate!r}; set "
+                             f"rollout.custom_generate: {AGENT_GENERATE} (it runs the agent)")
         return self
 
 

@@ -81,15 +81,15 @@ async def _eval_async(run: RunDir, cfg: SlimectlConfig, datasets: dict[str, list
                       version: int) -> tuple[dict[str, dict[str, float]], dict[str, list[list[Sample]]]]:
     from slimectl.contract.logs import progress
     from slimectl.stages.rollout.producer import RolloutProducer
-    from slimectl.stages.rollout.prompts import new_group
+    from slimectl.stages.rollout.prompts import agent_fields, new_group
 
     r = cfg.rollout
     n = r.eval_n_samples
     results, all_samples = {}, {}
     async with RolloutProducer.for_eval(run, cfg, urls, tok) as producer:
         for name, rows in datasets.items():
-            groups = [new_group(row, g, n, (r.seed * 7919 + version) * 65_537 + g * n, eval=name)
-                      for g, row in enumerate(rows)]
+            groups = [new_group(row, g, n, (r.seed * 7919 + version) * 65_537 + g * n, eval=name,
+                                **agent_fields(r, row)) for g, row in enumerate(rows)]
             with progress(total=len(groups), mode=cfg.logging.progress, desc=f"eval {name}", unit="group") as bar:
                 async def one(grp):
                     res = await producer.generate_group(grp)

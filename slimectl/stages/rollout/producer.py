@@ -168,11 +168,12 @@ class RolloutProducer:
         return self
 
     def _args(self) -> SimpleNamespace:
-        """What the generate, reward and filter functions get (slime's names); eval's are ``rollout.eval_*``."""
+        """What the generate, reward and filter functions get (slime's names); eval's are ``rollout.eval_*``.
+        ``on_close``: coroutine functions the producer awaits when it closes (a generate function's servers)."""
         cfg, r, evaluating = self.cfg, self.cfg.rollout, self.evaluating
         return SimpleNamespace(
             pool=self.pool, config=cfg, tokenizer=self.tokenizer, engine_urls=self.urls, rollout_id=self.rollout_id,
-            run_path=self.run.path,
+            run_path=self.run.path, on_close=[],
             rollout_max_response_len=self.params["max_new_tokens"],
             n_samples_per_prompt=r.eval_n_samples if evaluating else r.n_samples_per_prompt, reward_key=r.reward_key,
             mask_offpolicy=not evaluating and r.mask_offpolicy_in_partial_rollout,
@@ -182,6 +183,8 @@ class RolloutProducer:
         from slimectl.rewards import close_shared_remotes
 
         try:
+            for close in reversed(self.args.on_close if self.args is not None else []):
+                await close()  # what the generate function started for this producer (the agent harness)
             await close_shared_remotes()
         finally:
             await self.pool.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from slimectl.backends.hf.vlm import vlm_family
-from slimectl.contract.config_schema import SlimectlConfig
+from slimectl.contract.config_schema import RolloutSection, SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import Sample, Status
@@ -163,6 +163,14 @@ def buffered_groups(run: RunDir, rollout_id: int) -> list[list[Sample]]:
     return [groups[g] for g in sorted(groups)]
 
 
+def agent_fields(r: RolloutSection, row: PromptRow) -> dict[str, Any]:
+    """What an agent program (``rollout.agent``) gets of its row besides the label and metadata: the dataset's
+    messages (the rendered prompt is the harness's to make) and tools; nothing without an agent."""
+    if not r.agent:
+        return {}
+    return {"agent_messages": row.prompt, **({"agent_tools": row.tools} if row.tools else {})}
+
+
 def new_group(row: PromptRow, g: int, n: int, first_seed: int, rollout_id: int | None = None,
               **metadata: Any) -> list[Sample]:
     """Prompt ``row``'s group ``g`` of ``n`` samples (indices ``g * n + j``; sampling seeds ``first_seed + j``),
@@ -227,7 +235,8 @@ class PromptSupply:
                 from slimectl.stages.rollout.media import store_images
 
                 store_images(self.media_root, row.images)
-            groups.append(new_group(row, g, k, (r.seed * 1_000_003 + rid) * 65_537 + g * k, rollout_id=rid))
+            groups.append(new_group(row, g, k, (r.seed * 1_000_003 + rid) * 65_537 + g * k, rollout_id=rid,
+                                    **agent_fields(self.r, row)))
         return groups
 
     def state(self) -> dict[str, Any]:
