@@ -46,9 +46,12 @@ class WeightGroup(Protocol):
 
 
 class WeightFormat(ABC):
-    """One form of a weight version. Subclasses: :class:`FullWeights`, ``LoraAdapter``, ``MergedLoraAdapter``."""
+    """One form of a weight version. Subclasses: :class:`FullWeights`, ``DeltaWeights``, ``LoraAdapter``,
+    ``MergedLoraAdapter``."""
 
     name = ""
+    full = True
+    """Its versions are full HF model directories (False: adapters)."""
     adapter_name: str | None = None
     """The adapter every ``/generate`` asks for (``lora_path``), None: the engine's own weights."""
     config: dict[str, Any] | None = None
@@ -74,6 +77,12 @@ class WeightFormat(ABC):
     @abstractmethod
     def write(self, tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, aux_dir: str | Path) -> None:
         """``weights/N``'s files from ``tensors``; ``aux_dir``: the HF model whose config and tokenizer go along."""
+
+    def write_version(self, run: RunDir, version: int, tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path,
+                      aux_dir: str | Path) -> None:
+        """``weights/VERSION``'s files (``out_dir``: its staging directory) in ``run``: :meth:`write`, unless the
+        format needs the versions before (deltas)."""
+        self.write(tensors, out_dir, aux_dir)
 
     # ------------------------------------------------------------------ sources
     def source_from_dir(self, version: int, path: str | Path) -> WeightSource:
