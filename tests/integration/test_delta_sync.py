@@ -21,10 +21,12 @@ from tests.helpers import post, slimectl_in_process, start_serve
 pytestmark = pytest.mark.xdist_group("delta_sync")
 
 
-def publish(run: RunDir, version: int, seed: int, frac: float = 0.01) -> None:
-    """weights/VERSION: weights/VERSION-1 (the model at 1) with ``frac`` of each tensor's elements nudged."""
+def publish(run: RunDir, version: int, seed: int, frac: float = 0.01, encoding: str = "xor") -> None:
+    """weights/VERSION: weights/VERSION-1 (the model at 1) with ``frac`` of each tensor's elements nudged, its
+    delta in ``encoding``."""
     cfg = run.config()
     form = weight_format(cfg)
+    form.encoding = encoding
     base = run.weights.get(version - 1).path if run.weights.exists(version - 1) else cfg.model.path
     g = torch.Generator().manual_seed(seed)
     with HFCheckpoint(base) as ckpt:
@@ -83,16 +85,16 @@ def last_bytes(run) -> float:
 
 
 def test_five_delta_syncs_by_disk_then_group_are_bit_identical_to_full_weights(served):
-    """Versions 1-5 as deltas (xor): by disk (1-3) then over the gloo group (4-5), both engines each time; each
-    sync moves the delta only, and both engines hold weights/N bit for bit. Then an engine that missed versions
-    (put back on 2 by disk) gets the full weights of 5 while the other one applies nothing it cannot."""
+    """Versions 1-5 as deltas, xor and overwrite in turn, by disk (1, 2, 5) and over the gloo group (3, 4), both
+    engines each time: each sync moves the delta only, and both engines hold weights/N bit for bit."""
     run, urls = served
     for v in range(1, 6):
-        publish(run, v, seed=v)
+        encoding = "xor" if v % 2 else "overwrite"
+        publish(run, v, seed=v, encoding=encoding)
         header = read_header(run.weights.get(v).path)
-        assert header["base_version"] == v - 1 and header["encoding"] == "xor"
+        assert header["base_version"] == v - 1 and header["encoding"] == encoding
         full = sum(f.stat().st_size for f in run.weights.get(v).path.glob("*.safetensors"))
-        res = sync(run, "--version", str(v), *(["--transport", "distributed"] if v > 3 else []), "--verify")
+        res = sync(run, "--version", str(v), *(["--transport", "distributed"] if v in (3, 4) else []), "--verify")
         assert res.returncode == 0, res.stderr[-2000:]
         moved = last_bytes(run)
         assert 0 < moved <= 2 * header["blob_bytes"] < full / 5  # the delta crossed, not the model
