@@ -187,4 +187,10 @@ def delta_format(cfg, caps) -> DeltaWeights:
     if cfg.train.lora is not None:
         raise UsageError("sync.mode: delta is for full weights; a LoRA run's versions are adapters of a few MB, "
                          "sent whole (a delta would not pay): set sync.mode: full")
+    try:
+        import xxhash  # noqa: F401
+        if cfg.sync.delta_compression == "zstd":
+            import zstandard  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"sync.mode: delta needs the {exc.name} package: pip install 'slimectl[delta]'") from None
     return DeltaWeights(cfg.sync, caps)

@@ -173,3 +173,29 @@ def test_out_of_order_and_corrupt_deltas_are_refused_and_the_engine_stays(served
     assert res.returncode == 0, res.stderr[-2000:]
     for u in urls:
         assert_engine_holds(run, u, 9)
+
+
+@pytest.mark.parametrize("fault", ["sync.paused:1", "sync.pushed:1"])
+def test_a_sync_killed_around_the_apply_then_rerun_converges(served, tmp_path, stage_forks, fault):
+    """`sync` killed (kill -9) with the engines paused before the delta moved, or after both applied it: the
+    engines are on the base or the new version, never between, and the rerun leaves them on the new one
+    (the delta where they are still on the base, the full weights where they already hold it)."""
+    import signal
+
+    run, urls = served
+    v = run.weights.ids()[-1]
+    assert sync(run, "--version", str(v)).returncode == 0
+    publish(run, v + 1, seed=v + 1)
+    rc = stage_forks.run(["sync", "-r", run.path, "--version", str(v + 1)], tmp_path / "out", tmp_path / "err",
+                         env={"SLIMECTL_FAULT": fault}).wait(timeout=120)
+    assert rc == -signal.SIGKILL, (tmp_path / "err").read_text()[-2000:]
+    for u in urls:
+        with HFCheckpoint(run.weights.get(v if fault.startswith("sync.paused") else v + 1).path) as ckpt:
+            name, want = next(iter(ckpt.iter_tensors()))
+        assert torch.equal(served_tensors(u, [name])[name], want.float())
+    res = sync(run, "--version", str(v + 1), "--verify")
+    assert res.returncode == 0, res.stderr[-2000:]
+    for u in urls:
+        assert_engine_holds(run, u, v + 1)
+        assert post(u, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})["meta_info"][
+            "weight_version"] == str(v + 1)  # continued, generating on the new version
