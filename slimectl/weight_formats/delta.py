@@ -153,6 +153,8 @@ class DeltaWeights(FullWeights):
         from slimectl.backends.hf.weight_delta import DELTA_FILE
         from slimectl.engines.client import EngineError
 
+        if source.hf_dir is None:  # a live trainer's tensors: the delta against what the group last carried
+            return await self._push_live(group, clients, source, flush_cache)
         header = self._delta_of(source)
         on_base = await self._on_base(clients, header)
         version = str(source.version)
@@ -172,6 +174,61 @@ class DeltaWeights(FullWeights):
             log.info("weight version %s: not every engine is on weights/%06d, the delta's base; full weights to all",
                      version, header["base_version"])
         return await super().push_group(group, clients, source, flush_cache)
+
+
+    async def _push_live(self, group, clients: dict, source, flush_cache: bool) -> int:
+        """A version streamed from the trainer (``rl`` over the distributed transport: no ``weights/N``): the
+        trainer keeps on ``group.held`` a copy of the version the engines were last sent (a second copy of the
+        model in its memory, on the CPU), encodes the new one against it in memory and broadcasts that delta
+        when every engine is on it; full weights otherwise (the first sync, a new group, an engine on another
+        version or refusing). Either way ``group.held`` is then the new version."""
+        from slimectl.engines.client import EngineError
+
+        held = group.held
+        version = str(source.version)
+        if held is not None:
+            on_base = await self._on_base(clients, {"base_version": held[0]})
+            if all(on_base.values()):
+                header, blob, kept = self._encode_live(source, held)  # on this thread: the pass is the trainer's
+                try:
+                    moved = await group.exchange([c.update_weights_from_delta(
+                        version, header=header, group_name=group.group_name, flush_cache=flush_cache)
+                        for c in clients.values()], blob)
+                    group.held = (version, kept)
+                    return moved
+                except EngineError as exc:
+                    if not takes_full_instead(exc):
+                        raise
+                    log.warning("an engine refused the delta of weight version %s (%s); every engine gets the full "
+                                "weights", version, exc)
+        group.held = None
+        kept: dict = {}
+
+        def keeping():
+            for name, t in source.iter_tensors():
+                kept[name] = t.detach().to("cpu", copy=True)
+                yield name, t
+
+        moved = await super().push_group(group, clients, type(source).from_tensors(
+            source.version, keeping, form=self), flush_cache)
+        group.held = (version, kept)
+        return moved
+
+    def _encode_live(self, source, held):
+        """(header, the blob as the tensors to broadcast, the new version's CPU copies) of one pass over
+        ``source`` against ``held`` = (version, tensors)."""
+        import torch
+
+        from slimectl.backends.hf.weight_delta import DeltaWriter
+
+        writer = DeltaWriter(None, int(held[0]), self.encoding, self.compression, self.level)
+        kept = {}
+        for name, t in source.iter_tensors():
+            kept[name] = t.detach().to("cpu", copy=True)
+            writer.add(name, held[1][name], kept[name])
+        header = writer.close()
+        data = bytearray(writer.blob)
+        return header, ([("delta", torch.frombuffer(data, dtype=torch.uint8))] if data else []), kept
 
 
 def takes_full_instead(exc) -> bool:

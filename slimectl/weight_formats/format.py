@@ -40,6 +40,8 @@ class WeightGroup(Protocol):
     group_name: str
     bucket_bytes: int
     progress: str
+    held: Any
+    """What the engines hold as the format last left it (None: nothing known), for formats that send deltas."""
 
     async def exchange(self, calls: list, tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Run the engine ``calls`` (coroutines) while ``tensors`` are broadcast, in order; the bytes moved."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimectl.backends.hf.checkpoint import HFCheckpoint, copy_hf_aux_files
-from slimectl.backends.hf.weight_delta import DELTA_FILE, DELTA_META, read_header
+from slimectl.backends.hf.checkpoint import HFCheckpoint
+from slimectl.backends.hf.weight_delta import DELTA_FILE, read_header
 from slimectl.contract.metrics import read_metrics
 from slimectl.contract.rundir import RunDir
 from slimectl.weight_formats import weight_format
@@ -199,3 +199,19 @@ def test_a_sync_killed_around_the_apply_then_rerun_converges(served, tmp_path, s
         assert_engine_holds(run, u, v + 1)
         assert post(u, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})["meta_info"][
             "weight_version"] == str(v + 1)  # continued, generating on the new version
+
+
+def test_rl_fully_async_over_the_group_sends_deltas_of_its_live_weights(tmp_path):
+    """`rl` with rollout.async_mode fully_async (the rollout follower beside train and sync) and the distributed
+    transport: the first sync sends full weights, every later one the delta against the copy the trainer kept,
+    each verified on the engine (sync.verify); the run ends with every rollout trained."""
+    from tests.helpers import write_config
+
+    cfg = write_config(tmp_path, rollout={"num_rollout": 3, "async_mode": "fully_async"},
+                       sync={"mode": "delta", "transport": "distributed", "verify": True})
+    res = slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = RunDir.open(tmp_path / "run")
+    recs = {int(r["sync/weight_version"]): r for r in read_metrics(run.metrics_path("sync"))}
+    full = sum(f.stat().st_size for f in run.config_model_files()) if False else None
+    print({v: r["sync/bytes"] for v, r in recs.items()})

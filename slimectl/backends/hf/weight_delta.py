@@ -62,9 +62,10 @@ def digest(checksums: Iterable[str]) -> str:
     return xxhash.xxh3_128_hexdigest("".join(checksums).encode())
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` flat, as the integer type of its element size (its bit patterns)."""
-    return t.detach().cpu().contiguous().reshape(-1).view(_INT_VIEW[t.element_size()])
+def _bits(t: torch.Tensor):
+    """``t`` flat, as a numpy array of the integer type of its element size (its bit patterns; no copy when
+    contiguous on CPU). numpy, not torch: its XOR, count and nonzero are several times faster here."""
+    return t.detach().cpu().contiguous().reshape(-1).view(_INT_VIEW[t.element_size()]).numpy()
 
 
 @dataclass
@@ -100,54 +101,61 @@ def _decompressor(compression: str):
 
 def encode_tensor(base: torch.Tensor, new: torch.Tensor, encoding: str) -> tuple[bytes, int]:
     """The uncompressed payload of ``new`` against ``base`` and how many elements changed (b"" when none)."""
+    import numpy as np
+
     b, n = _bits(base), _bits(new)
-    diff = b != n
-    changed = int(diff.sum())
+    x = np.bitwise_xor(b, n)
+    changed = int(np.count_nonzero(x))
     if not changed:
         return b"", 0
     if encoding == "xor":
-        return torch.bitwise_xor(b, n).numpy().tobytes(), changed
-    idx = diff.nonzero().reshape(-1)
-    idx = idx.to(torch.int32) if b.numel() < 2**31 else idx
-    return idx.numpy().tobytes() + n[idx.long()].numpy().tobytes(), changed
+        return x.data, changed
+    idx = np.flatnonzero(x)
+    idx = idx.astype(np.int32) if b.size < 2**31 else idx.astype(np.int64)
+    return idx.tobytes() + n[idx].tobytes(), changed
 
 
 def decode_tensor(base: torch.Tensor, payload: bytes, entry: Entry, encoding: str) -> torch.Tensor:
     """A new tensor (a copy: ``base`` is untouched) from ``base`` and its raw ``payload``."""
+    import numpy as np
+
     b = _bits(base)
-    out = b.clone()
     if encoding == "xor":
-        if len(payload) != b.numel() * b.element_size():
-            raise DeltaError(f"delta of {entry.name!r} has {len(payload)} bytes, expected {b.numel() * b.element_size()}")
-        out = torch.bitwise_xor(out, torch.frombuffer(bytearray(payload), dtype=b.dtype))
+        size = b.size * b.itemsize
+        if len(payload) != size:
+            raise DeltaError(f"delta of {entry.name!r} has {len(payload)} bytes, expected {size}")
+        out = np.bitwise_xor(b, np.frombuffer(payload, dtype=b.dtype))
     else:
         k = entry.changed
-        wide = torch.int32 if b.numel() < 2**31 else torch.int64
-        isz = torch.tensor([], dtype=wide).element_size()
-        if len(payload) != k * (isz + b.element_size()):
+        wide = np.int32 if b.size < 2**31 else np.int64
+        isz = np.dtype(wide).itemsize
+        if len(payload) != k * (isz + b.itemsize):
             raise DeltaError(f"delta of {entry.name!r} has {len(payload)} bytes, expected "
-                             f"{k * (isz + b.element_size())} for {k} changed elements")
-        buf = bytearray(payload)
-        idx = torch.frombuffer(buf, dtype=wide, count=k).long()
-        if k and (int(idx.min()) < 0 or int(idx.max()) >= b.numel()):
+                             f"{k * (isz + b.itemsize)} for {k} changed elements")
+        idx = np.frombuffer(payload, dtype=wide, count=k)
+        if k and (int(idx.min()) < 0 or int(idx.max()) >= b.size):
             raise DeltaError(f"delta of {entry.name!r} names elements outside the tensor")
-        out[idx] = torch.frombuffer(buf, dtype=b.dtype, offset=k * isz, count=k)
-    return out.view(torch_dtype(entry.dtype)).reshape(entry.shape)
+        out = b.copy()
+        out[idx] = np.frombuffer(payload, dtype=b.dtype, offset=k * isz, count=k)
+    return torch.from_numpy(out).view(torch_dtype(entry.dtype)).reshape(entry.shape)
 
 
 class DeltaWriter:
-    """Writes one delta into a directory, tensor by tensor (:meth:`add`), then its header (:meth:`close`)."""
+    """Writes one delta into a directory, tensor by tensor (:meth:`add`), then its header (:meth:`close`);
+    ``out_dir`` None: in memory (:attr:`blob` the bytes, the header not written)."""
 
-    def __init__(self, out_dir: Path, base_version: int, encoding: str, compression: str, level: int = 1):
+    def __init__(self, out_dir: Path | None, base_version: int, encoding: str, compression: str, level: int = 1):
         if encoding not in ENCODINGS:
             raise DeltaError(f"unknown delta encoding {encoding!r}; expected one of {', '.join(ENCODINGS)}")
         if compression not in COMPRESSIONS:
             raise DeltaError(f"unknown delta compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
-        self.dir = Path(out_dir)
+        import io
+
+        self.dir = Path(out_dir) if out_dir is not None else None
         self.meta = {"format": DELTA_FORMAT, "base_version": base_version,
                      "encoding": encoding, "compression": compression, "level": level}
         self._compress = _compressor(compression, level)
-        self._blob: BinaryIO = open(self.dir / DELTA_FILE, "wb")
+        self._blob: BinaryIO = open(self.dir / DELTA_FILE, "wb") if self.dir is not None else io.BytesIO()
         self.entries: list[Entry] = []
         self.offset = 0
 
@@ -168,18 +176,23 @@ class DeltaWriter:
         """Seal the blob and write the header; returns it."""
         import os
 
-        self._blob.flush()
-        os.fsync(self._blob.fileno())
+        if self.dir is None:
+            self.blob = self._blob.getvalue()
+        else:
+            self._blob.flush()
+            os.fsync(self._blob.fileno())
         self._blob.close()
         by_name = sorted(self.entries, key=lambda e: e.name)
         header = {**self.meta, "base_digest": digest(e.base for e in by_name),
-                  "digest": digest(e.new for e in by_name), "blob_bytes": self.offset, "tensors": [asdict(e) for e in self.entries]}
-        (self.dir / DELTA_META).write_text(json.dumps(header))
+                  "digest": digest(e.new for e in by_name), "blob_bytes": self.offset,
+                  "tensors": [asdict(e) for e in self.entries]}
+        if self.dir is not None:
+            (self.dir / DELTA_META).write_text(json.dumps(header))
         return header
 
     def abort(self) -> None:
         self._blob.close()
-        for f in (DELTA_FILE, DELTA_META):
+        for f in (DELTA_FILE, DELTA_META) if self.dir is not None else ():
             (self.dir / f).unlink(missing_ok=True)
 
 
