@@ -742,7 +742,9 @@ class SyncSection(Section):
     mode: Literal["full", "delta"] = "full"
     """full: every sync moves every weight; delta: ``weights/N`` also carries what changed since ``weights/N-1``,
     and engines that apply deltas (the embedded engine) and serve N-1 get only that (others: the full weights).
-    Not for LoRA runs (their versions are small adapters)."""
+    Pays in bf16 (an RL step changes ~1 % of the elements); in fp32 nearly every element moves and a delta is
+    ~0.4x of the bytes, slower to apply (docs/benchmarks.md). Not for LoRA runs (their versions are small
+    adapters)."""
     delta_encoding: Literal["xor", "overwrite"] = "xor"
     """sync.mode delta: xor of the old and new bit patterns (zeros where unchanged), or overwrite: the indices
     and new values of the changed elements."""

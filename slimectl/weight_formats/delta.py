@@ -250,7 +250,4 @@ def delta_format(cfg, caps) -> DeltaWeights:
             import zstandard  # noqa: F401
     except ImportError as exc:
         raise UsageError(f"sync.mode: delta needs the {exc.name} package: pip install 'slimectl[delta]'") from None
-    if cfg.model.dtype == "fp32":
-        log.info("sync.mode: delta with fp32 weights: an optimizer step moves nearly every fp32 element, so a delta is "
-                 "~0.4x of the bytes and slower to apply than full weights (docs/benchmarks.md#delta-weight-sync)")
     return DeltaWeights(cfg.sync, caps)
