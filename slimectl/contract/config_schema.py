@@ -773,6 +773,21 @@ class SyncSection(Section):
     """Seconds a sync may take."""
     keep_weights: Optional[int] = Field(default=2, gt=0)
     """Published ``weights/N`` kept (older ones are deleted); null keeps all."""
+    mode: Literal["full", "delta"] = "full"
+    """full: every sync moves every weight; delta: ``weights/N`` also carries what changed since ``weights/N-1``,
+    and engines that apply deltas (the embedded engine) and serve N-1 get only that (others: the full weights).
+    Pays in bf16 (an RL step changes ~1 % of the elements); in fp32 nearly every element moves and a delta is
+    ~0.4x of the bytes, slower to apply (docs/benchmarks.md). Not for LoRA runs (their versions are small
+    adapters)."""
+    delta_encoding: Literal["xor", "overwrite"] = "xor"
+    """sync.mode delta: xor of the old and new bit patterns (zeros where unchanged), or overwrite: the indices
+    and new values of the changed elements."""
+    delta_compression: Literal["zstd", "none"] = "zstd"
+    """sync.mode delta: how each tensor's delta is compressed."""
+    delta_level: int = Field(default=1, ge=1, le=22)
+    """sync.mode delta: the zstd level (1: fastest)."""
+    delta_checksum: Literal["xxh3_128"] = "xxh3_128"
+    """sync.mode delta: the per-tensor checksum of the base and the result that every apply checks."""
 
 
 class LoggingSection(Section):

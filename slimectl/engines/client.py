@@ -258,6 +258,18 @@ class EngineClient:
             body["flush_cache"] = False
         return await self.request("POST", "/update_weights_from_disk", body)
 
+    async def update_weights_from_delta(self, weight_version: str, delta_path: str | None = None,
+                                        header: dict[str, Any] | None = None, group_name: str | None = None,
+                                        flush_cache: bool = True) -> dict[str, Any]:
+        """The embedded engine's ``/update_weights_from_delta``: the delta in ``delta_path`` (a ``weights/N``
+        directory), or its ``header`` here and its blob broadcast over the weight-update group ``group_name``."""
+        body: dict[str, Any] = {"weight_version": weight_version, "flush_cache": flush_cache}
+        if delta_path is not None:
+            body["delta_path"] = delta_path
+        if header is not None:
+            body.update(header=header, group_name=group_name, blob_bytes=int(header["blob_bytes"]))
+        return await self.request("POST", "/update_weights_from_delta", body)
+
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return await self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 

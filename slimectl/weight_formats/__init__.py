@@ -4,9 +4,9 @@
 :mod:`slimectl.engines.caps`): :class:`~slimectl.weight_formats.format.FullWeights` (HF safetensors),
 :class:`~slimectl.weight_formats.lora.LoraAdapter` (a PEFT adapter the engines serve over their base) or
 :class:`~slimectl.weight_formats.lora.MergedLoraAdapter` (the adapter, merged into the base for engines that take
-full weights only). :func:`export_format` reads it back from a checkpoint's metadata. The stages call its
-operations (publish, start engines, push over disk or the distributed group, export) and never branch on it;
-a new form (weight deltas) is one more class here.
+full weights only), or (``sync.mode: delta``) :class:`~slimectl.weight_formats.delta.DeltaWeights` (full
+weights with a delta against the version before). :func:`export_format` reads it back from a checkpoint's metadata. The stages call its
+operations (publish, start engines, push over disk or the distributed group, export) and never branch on it.
 """
 
 from __future__ import annotations
@@ -19,11 +19,17 @@ __all__ = ["EngineStart", "FullWeights", "WeightFormat", "WeightSource", "export
 
 
 def weight_format(cfg, caps=None) -> WeightFormat:
-    """The run's format: full weights, or (``train.lora``) the adapter, merged for engines that serve none.
+    """The run's format: full weights (with deltas under ``sync.mode: delta``), or (``train.lora``) the adapter,
+    merged for engines that serve none.
     ``caps``: what the engines take (default: what ``cfg.engine``'s kind declares)."""
+    from slimectl.engines.caps import engine_caps
+
+    if cfg.sync.mode == "delta":
+        from slimectl.weight_formats.delta import delta_format
+
+        return delta_format(cfg, caps or engine_caps(cfg.engine))
     if cfg.train.lora is None:
         return FULL_WEIGHTS
-    from slimectl.engines.caps import engine_caps
     from slimectl.weight_formats.lora import lora_format
 
     return lora_format(cfg, caps or engine_caps(cfg.engine))

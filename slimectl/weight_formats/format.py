@@ -40,15 +40,20 @@ class WeightGroup(Protocol):
     group_name: str
     bucket_bytes: int
     progress: str
+    held: Any
+    """What the engines hold as the format last left it (None: nothing known), for formats that send deltas."""
 
     async def exchange(self, calls: list, tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Run the engine ``calls`` (coroutines) while ``tensors`` are broadcast, in order; the bytes moved."""
 
 
 class WeightFormat(ABC):
-    """One form of a weight version. Subclasses: :class:`FullWeights`, ``LoraAdapter``, ``MergedLoraAdapter``."""
+    """One form of a weight version. Subclasses: :class:`FullWeights`, ``DeltaWeights``, ``LoraAdapter``,
+    ``MergedLoraAdapter``."""
 
     name = ""
+    full = True
+    """Its versions are full HF model directories (False: adapters)."""
     adapter_name: str | None = None
     """The adapter every ``/generate`` asks for (``lora_path``), None: the engine's own weights."""
     config: dict[str, Any] | None = None
@@ -74,6 +79,12 @@ class WeightFormat(ABC):
     @abstractmethod
     def write(self, tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, aux_dir: str | Path) -> None:
         """``weights/N``'s files from ``tensors``; ``aux_dir``: the HF model whose config and tokenizer go along."""
+
+    def write_version(self, run: RunDir, version: int, tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path,
+                      aux_dir: str | Path) -> None:
+        """``weights/VERSION``'s files (``out_dir``: its staging directory) in ``run``: :meth:`write`, unless the
+        format needs the versions before (deltas)."""
+        self.write(tensors, out_dir, aux_dir)
 
     # ------------------------------------------------------------------ sources
     def source_from_dir(self, version: int, path: str | Path) -> WeightSource:

@@ -39,6 +39,7 @@ class LoraAdapter(WeightFormat):
     ``caps``: what the engines declare they take (None: not known, every push is tried)."""
 
     name = "peft_lora"
+    full = False
 
     def __init__(self, config: dict[str, Any] | None = None, lora=None, adapter_path: str | None = None,
                  caps=None):

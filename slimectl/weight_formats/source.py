@@ -43,7 +43,8 @@ class WeightSource:
         from slimectl.backends.hf.peft_adapter import is_adapter_dir, read_adapter_config
 
         adapter = read_adapter_config(hf_dir) if is_adapter_dir(hf_dir) else None
-        return cls(version, Path(hf_dir), adapter=adapter, form=form if adapter is not None else None)
+        keep = form is not None and form.full == (adapter is None)  # a LoRA run's version 0 is the full base
+        return cls(version, Path(hf_dir), adapter=adapter, form=form if keep else None)
 
     @classmethod
     def from_tensors(cls, version: int, iter_fn: Callable[[], Iterable[tuple[str, torch.Tensor]]],

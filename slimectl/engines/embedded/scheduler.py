@@ -389,6 +389,13 @@ class GenerationScheduler:
             self._run_control(self.weights.receiver(specs, recv, weight_version))
             self.memory.loaded(n for n, _, _ in specs)
 
+    def update_weights_from_delta(self, header: dict, blob, weight_version: str) -> None:
+        """Apply a weight delta against the served version (:meth:`ServedWeights.delta_applier`: computed into
+        copies and checked first, DeltaError and nothing applied), swapped in between scheduler steps."""
+        with self.memory.lock:
+            self.memory.require_weights_loaded("the delta's base weights")
+            self._run_control(self.weights.delta_applier(header, blob, weight_version))
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """SGLang's ``/get_weights_by_name`` (:meth:`ServedWeights.read`), refused while the weights are released
         or not loaded since a resume."""

@@ -55,6 +55,7 @@ ADMIN_PATHS = {
     "/release_memory_occupation", "/resume_memory_occupation",
     "/get_weights_by_name",  # reads the weights out: not for anyone who can reach the port
     "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_distributed",
+    "/update_weights_from_delta",
 }
 
 
@@ -162,6 +163,7 @@ class EngineHTTPServer:
         r.add_post("/load_lora_adapter", self.load_lora_adapter)
         r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         r.add_post("/load_lora_adapter_from_distributed", self.load_lora_adapter_from_distributed)
+        r.add_post("/update_weights_from_delta", self.update_weights_from_delta)
 
     # ------------------------------------------------------------------ plumbing
     async def _in_thread(self, fn, *args):
@@ -355,6 +357,50 @@ class EngineHTTPServer:
         v = self.scheduler.weight_version
         return web.json_response({"success": True, "message": f"Succeeded to update model weights. Weight version updated to {v}.",
                                   "num_paused_requests": paused})
+
+    async def update_weights_from_delta(self, request: web.Request) -> web.Response:
+        """Our own endpoint, in SGLang's style: {weight_version, and delta_path (a ``weights/N`` directory holding
+        ``delta.json`` and ``delta.bin``) or header + blob_bytes + group_name (the blob broadcast over the
+        weight-update group, received first whatever follows), flush_cache}. The delta applies to the served
+        version only; it is checked in full and computed into copies, then swapped in between two steps, so the
+        engine is on the base or the new version, never between. A refusal is 400 with one line: ``(base)`` when
+        this engine is not on the delta's base (the trainer then sends full weights), ``(corrupt)`` otherwise."""
+        from slimectl.backends.hf.weight_delta import DeltaError, read_blob, read_header
+
+        body = await read_object(request)
+        version = body.get("weight_version")
+        try:
+            if isinstance(body.get("delta_path"), str):
+                header = await self._in_thread(read_header, body["delta_path"])
+                blob = await self._in_thread(read_blob, body["delta_path"], header)
+            else:
+                blob = await self._delta_from_group(body)
+                header = body.get("header")
+            await self._in_thread(self.scheduler.update_weights_from_delta, header, blob, version)
+        except DeltaError as exc:
+            return _fail(f"Failed to apply the delta ({exc.kind}): {exc}")
+        except (ValueError, MemoryReleased) as exc:
+            return _fail(f"Failed to apply the delta (base): {exc}")
+        if not self._flushed_after_update(body):
+            return _fail(NOT_FLUSHED)
+        return web.json_response({"success": True, "message": f"Succeeded to apply the delta. Weight version updated "
+                                                              f"to {self.scheduler.weight_version}."})
+
+    async def _delta_from_group(self, body: dict):
+        """The delta's blob, broadcast by the trainer over ``group_name`` (``blob_bytes`` of them)."""
+        import torch
+
+        from slimectl.backends.hf.weight_delta import DeltaError
+
+        name, size = body.get("group_name"), body.get("blob_bytes")
+        if name not in self.groups:
+            raise DeltaError(f"give delta_path, or group_name of a group this engine joined ({sorted(self.groups)})")
+        if not isinstance(size, int) or size < 0:
+            raise DeltaError(f"blob_bytes must be a non-negative integer, got {size!r}")
+        blob = torch.empty(size, dtype=torch.uint8)
+        if size:
+            await self._in_thread(self._receiver(name), blob)
+        return memoryview(blob.numpy())
 
     def _flushed_after_update(self, body: dict) -> bool:
         """SGLang flushes the cache after an update (``flush_cache``, default true) and fails the call, the weights

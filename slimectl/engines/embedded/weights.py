@@ -85,6 +85,35 @@ class ServedWeights:
 
         return fill
 
+    def delta_applier(self, header: dict, blob, weight_version: str) -> Callable[[], None]:
+        """Check a weight delta (:mod:`slimectl.backends.hf.weight_delta`) against the served weights and compute
+        every changed tensor into a copy now (DeltaError, nothing applied: not on its base version, a weight whose
+        bytes are not the base's, a corrupt or truncated delta); return the swap that copies them in and sets the
+        version, run between two scheduler steps (in memory: it cannot stop halfway)."""
+        from slimectl.backends.hf.weight_delta import DeltaError, apply_tensor, read_header
+
+        self.check_version(weight_version)
+        header = read_header(header)
+        if self.version != str(header["base_version"]):
+            raise DeltaError(f"this engine serves weight version {self.version}, the delta applies to "
+                             f"{header['base_version']}", kind="base")
+        targets = self.targets()
+        new: dict[str, torch.Tensor] = {}
+        for e in header["entries"]:
+            if e.name not in targets:
+                raise DeltaError(f"unknown parameter name {e.name!r}", kind="base")
+            out = apply_tensor(targets[e.name].detach(), e, blob, header)
+            if out is not None:
+                new[e.name] = out
+
+        def swap() -> None:
+            with torch.no_grad():
+                for name, t in new.items():
+                    targets[name].copy_(t)
+            self.version = weight_version
+
+        return swap
+
     @contextmanager
     def checkpoint(self, model_path: str) -> Iterator[tuple[list, Callable[[torch.Tensor], None]]]:
         """The safetensors weights of a checkpoint of the same architecture, checked in full from its config and

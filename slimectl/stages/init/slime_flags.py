@@ -260,6 +260,16 @@ def _weight_transport(t: Translator, flag: str, values: list[str]) -> None:
         t.set("sync.backend", "nccl", flag)
 
 
+def _weight_mode(t: Translator, flag: str, values: list[str]) -> None:
+    t.set("sync.mode", "delta" if one_value(flag, values) == "delta" else "full", flag)
+
+
+def _delta_checksum(t: Translator, flag: str, values: list[str]) -> None:
+    t.set("sync.delta_checksum", "xxh3_128", flag)
+    if values and values[0].lower() not in ("xxh3", "xxh3_128", "xxh3-128", "true", "1"):
+        t.notes.append(f"{flag} {values[0]}: slimectl checks every tensor of a delta with xxh3-128")
+
+
 def _num_epoch(t: Translator, flag: str, values: list[str]) -> None:
     if "--num-rollout" not in t.seen:
         t.unmapped.append((flag, "needs the dataset's row count: set rollout.num_rollout = rows // "
@@ -293,7 +303,7 @@ _PLUMBING = (
     "--log-probs-chunk-size", "--distributed-timeout-minutes", "--train-backend",
     "--ckpt-format", "--no-load-optim", "--no-load-rng", "--finetune", "--no-save-optim", "--async-save",
     "--moe-token-dispatcher-type", "--moe-grouped-gemm", "--moe-permute-fusion", "--overlap-grad-reduce",
-    "--overlap-param-gather", "--update-weight-mode", "--optimizer", "--num-gpus-per-node", "--use-fault-tolerance",
+    "--overlap-param-gather", "--optimizer", "--num-gpus-per-node", "--use-fault-tolerance",
     "--calculate-per-token-loss-in-eval", "--loss-mask-type", "--rollout-health-check-interval",
     "--rollout-health-check-timeout", "--rollout-health-check-first-wait",
 )
@@ -416,6 +426,11 @@ _SECOND_PASS: dict[str, Flag] = {
     "--sglang-mem-fraction-static": _key("engine.mem_fraction_static", _unchecked(float)),
     "--update-weight-transport": Flag(rule=_weight_transport),
     "--update-weight-buffer-size": _key("sync.bucket_size_mb", _megabytes),
+    "--update-weight-mode": Flag(rule=_weight_mode),
+    "--update-weight-delta-encoding": _key("sync.delta_encoding"),
+    "--update-weight-delta-checksum": Flag(rule=_delta_checksum),
+    "--update-weight-local-checkpoint-dir": Flag(not_needed="the embedded engine applies a delta in memory; "
+                                                            "SGLang engines get full weights"),
     "--num-epoch": Flag(rule=_num_epoch),
     "--ref-load": Flag(not_needed="the reference model is model.ref_path (an HF folder; default model.path), "
                                   "not a torch_dist checkpoint"),

@@ -93,6 +93,7 @@ class DistributedTransport(WeightTransport):
         self.pg = None
         self.world_size = 0
         self._urls: list[str] = []
+        self.held = None  # the weights the engines hold, kept by a format that sends deltas (WeightGroup.held)
 
     async def connect(self, clients: dict) -> None:
         from slimectl.engines.weight_group import init_custom_process_group
@@ -166,3 +167,4 @@ class DistributedTransport(WeightTransport):
                              return_exceptions=True)
         destroy_group(self.pg)
         self.pg = None
+        self.held = None

@@ -75,7 +75,7 @@ def publish_weights(run: RunDir, actor, cfg: SlimectlConfig, rid: int, version: 
     if rank0:
         meta = {"source": "train", "rollout_id": rid, "weight_version": version, **form.published_meta}
         with run.weights.publish(version, meta=meta, stage="train", overwrite=True) as staging:
-            form.write(tensors, staging, cfg.model.path)
+            form.write_version(run, version, tensors, staging, cfg.model.path)
     else:
         for _ in tensors:
             pass
