@@ -509,6 +509,7 @@ class EngineProcesses:
         start = self.weight_format.engine_start(self.run, path, version,
                                                 base=self.explicit_model_path or self.cfg.model.path)
         self.model_path, self.after_start, self.staging = start.model_path, start.after, start.staging
+        self.weight_version = version  # what _launch_argv starts it at
         if not self.model_path or not Path(self.model_path).is_dir():
             raise UsageError(f"its weights {self.model_path} are not there (no such model directory)")
         argv, env, secrets = self._launch_argv(int(name.rsplit("-", 1)[1]), urlsplit(url).port)

@@ -86,7 +86,8 @@ def test_a_hung_engine_is_replaced_and_one_that_cannot_come_back_is_reported(gro
         g.check_alive()
 
 
-def test_rl_loses_no_sample_when_an_engine_is_killed_mid_rollout(tmp_path, caplog):
+@pytest.mark.slow
+def test_rl_loses_no_sample_when_an_engine_is_killed_mid_rollout(tmp_path):
     """``rl`` (synchronous loop, 2 engines of its own): engine-1 is ``kill -9``ed as rollout 1 begins; its
     requests finish on engine-0, it comes back at weight version 1 and takes the syncs of 2 and 3."""
     from slimectl.contract.samples import SAMPLES_FILE, read_samples
@@ -118,7 +119,8 @@ def test_rl_loses_no_sample_when_an_engine_is_killed_mid_rollout(tmp_path, caplo
     assert res.returncode == 0, res.stderr[-3000:]
     assert killed, "engine-1 was not killed"
     err = res.stderr
-    assert "engine-1 at" in err and "is lost: its process exited (signal 9)" in err, err[-3000:]
+    assert "engine-1 at" in err and "is lost: its process exited" in err, err[-3000:]
+    assert "retrying its requests on the 1 other engine(s)" in err, err[-3000:]  # killed with requests in flight
     assert "is back at weight version 1 (checked)" in err, err[-3000:]
     run = RunDir.open(path)
     for rid in range(n_rollout):  # every group in exactly one rollout, with exactly its samples
