@@ -57,12 +57,12 @@ class Healable(Protocol):
 
 def probe(engine: Watched, heartbeat: bool, timeout: float) -> str | None:
     """Why ``engine`` is lost, or None while it is well."""
-    rc = engine.poll()
+    if engine.poll() is None and (not heartbeat or http_status(engine.url + HEALTH_PATH, timeout=timeout) == 200):
+        return None
+    rc = engine.poll()  # again: a process that died during the heartbeat is dead, not hung
     if rc is not None:
         return f"its process exited ({f'signal {-rc}' if rc < 0 else f'exit code {rc}'})"
-    if heartbeat and http_status(engine.url + HEALTH_PATH, timeout=timeout) != 200:
-        return f"GET {HEALTH_PATH} did not answer 200 within {timeout:g}s (hung)"
-    return None
+    return f"GET {HEALTH_PATH} did not answer 200 within {timeout:g}s (hung)"
 
 
 class EngineWatcher:
