@@ -80,19 +80,26 @@ def _all_back(group: EngineProcesses, count: int) -> bool:
 def inject(group: EngineProcesses, schedule: list[tuple[float, int, str]], done: threading.Event,
            injected: list[dict]) -> None:
     """Apply ``schedule`` ((seconds after the last engine came back, engine index, kill|stop)), one fault at a
-    time: each waits until every engine runs and is registered again."""
+    time: each waits until the heartbeat found the one before, and every engine runs and is registered again."""
     count = len(group.engine_indices)
+    gone: set[int] = set()  # the pids faults were injected into: each must be replaced before the next fault
     for delay, idx, kind in schedule:
-        while not _all_back(group, count):
-            if done.wait(0.05):
+        for wait in (0.0, delay):
+            if done.wait(wait):
                 return
-        if done.wait(delay):
-            return
+            while not _all_back(group, count) or gone & {p.pid for p in group.supervisor.processes}:
+                if done.wait(0.05):
+                    return
         proc = group.supervisor.find(f"engine-{idx}")
         if proc is None:
             continue
+        at = time.monotonic()
         os.kill(proc.pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-        injected.append({"engine": idx, "kind": kind, "at": time.monotonic(), "pid": proc.pid})
+        injected.append({"engine": idx, "kind": kind, "at": at, "pid": proc.pid})
+        gone.add(proc.pid)
+        while not any(x.name == f"engine-{idx}" and x.at >= at for x in list(getattr(group.watcher, "losses", []))):
+            if done.wait(0.05):  # a stopped engine still looks alive until the heartbeat finds it
+                return
 
 
 def main() -> None:
