@@ -59,7 +59,9 @@ def probe(engine: Watched, heartbeat: bool, timeout: float) -> str | None:
     """Why ``engine`` is lost, or None while it is well."""
     if engine.poll() is None and (not heartbeat or http_status(engine.url + HEALTH_PATH, timeout=timeout) == 200):
         return None
-    rc = engine.poll()  # again: a process that died during the heartbeat is dead, not hung
+    deadline = time.monotonic() + 0.5  # a process that died during the heartbeat is dead, not hung: a moment
+    while (rc := engine.poll()) is None and time.monotonic() < deadline:  # for its exit to be seen
+        time.sleep(0.05)
     if rc is not None:
         return f"its process exited ({f'signal {-rc}' if rc < 0 else f'exit code {rc}'})"
     return f"GET {HEALTH_PATH} did not answer 200 within {timeout:g}s (hung)"
