@@ -71,8 +71,10 @@ def serve_cmd(ctx: click.Context, run_dir: str | None, overrides: tuple[str, ...
     if opened is None:
         return
     run, cfg = opened
+    from slimectl.orchestration.heal_check import weights_check
+
     serve(run, cfg, engine_urls, announce=lambda url: click.echo(url),
-          weight_version="initial" if initial else weight_version)
+          weight_version="initial" if initial else weight_version, verify=weights_check(run, cfg))
 
 
 def parse_sglang_passthrough(args: list[str]) -> dict:

@@ -288,6 +288,22 @@ class RolloutSection(Section):
         return self
 
 
+class HealthCheckSection(Section):
+    """The heartbeat on the engines ``serve`` and ``rl`` start (slime's ``--use-fault-tolerance`` and
+    ``--rollout-health-check-*``): an engine whose process dies, or that does not answer ``GET /health_generate``
+    within ``timeout``, is killed (its whole process group), started again on the same port, brought to the
+    weight version it was on (full weights from ``weights/N``, read back and checked) and registered again."""
+
+    enabled: bool = True
+    """Watch the engines (false: an engine that dies stops ``rl``; a hung one is not detected)."""
+    first_wait: float = Field(default=300.0, ge=0)
+    """Seconds after the engines are up before the first heartbeat (a dead process is seen at once)."""
+    interval: float = Field(default=10.0, gt=0)
+    """Seconds between heartbeats."""
+    timeout: float = Field(default=5.0, gt=0)
+    """Seconds ``/health_generate`` may take before the engine counts as hung."""
+
+
 class EngineSection(Section):
     """Inference engines that speak SGLang's HTTP protocol."""
 
@@ -391,6 +407,11 @@ class EngineSection(Section):
     """Seconds an engine may take to become healthy."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Seconds one request to an engine may take."""
+    health_check: HealthCheckSection = Field(default_factory=HealthCheckSection)
+    """The heartbeat that restarts dead or hung engines (see above)."""
+    on_lost: Literal["continue", "stop"] = "continue"
+    """An engine that cannot be restarted (its model gone, its port taken): continue (the run goes on with the
+    others, one line says which was lost) or stop (``rl`` stops with that line, exit 1)."""
 
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

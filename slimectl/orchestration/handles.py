@@ -58,7 +58,17 @@ class EnginesInUse(Protocol):
     def urls(self) -> list[str]: ...
 
     def check_alive(self) -> None:
-        """Raise (one line) when an engine this process started has died."""
+        """Raise (one line) when an engine this process started has died (with the heartbeat on: when one is
+        lost for good and ``engine.on_lost`` is stop, or none is left)."""
+
+    def guard(self) -> Any:
+        """A context held around each weight sync: no engine is probed or restarted meanwhile."""
+
+    def heals(self) -> bool:
+        """Whether a lost engine is restarted (a sync that failed on it is then tried again)."""
+
+    def wait_healed(self, timeout: float) -> None:
+        """Wait until every engine runs again or is lost for good."""
 
 
 class Launcher(Protocol):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import LockHeld, SlimectlError
@@ -74,6 +74,10 @@ class RunEngines:
         stack.callback(serve_lock.release)
         _kill_orphan_engines(run)
         group = (make_group or EngineProcesses)(run, cfg)
+        if isinstance(group, EngineProcesses):
+            from slimectl.orchestration.heal_check import weights_check
+
+            group.verify = weights_check(run, cfg)  # an engine the heartbeat starts again: its weights read back
         stack.callback(group.stop)
         group.start()
         self.group = group
@@ -83,11 +87,33 @@ class RunEngines:
 
     @property
     def urls(self) -> list[str]:
-        return list(self.ids)
+        """The engines in use: every one, less those the heartbeat found lost for good."""
+        lost = getattr(self.group, "lost", {})
+        return [u for u in self.ids if u not in lost]
 
     def check_alive(self) -> None:
         if self.group is not None:
             self.group.check_alive()
+
+    def guard(self):
+        """Held around a weight sync: the heartbeat neither probes nor restarts an engine meanwhile."""
+        lock = getattr(self.group, "lock", None)
+        return lock if lock is not None else nullcontext()
+
+    def heals(self) -> bool:
+        """Whether the engines are watched (a lost one is restarted: a failed sync may be tried again)."""
+        return getattr(self.group, "watcher", None) is not None
+
+    def wait_healed(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` s) until every engine's process runs again or is lost for good."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.guard():
+                if all(w.poll() is None for w in self.group.watched()):
+                    return
+            time.sleep(0.1)
 
 
 def share_cores_with_engines(engine_threads: dict) -> int | None:

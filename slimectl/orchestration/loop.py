@@ -139,13 +139,34 @@ class RLSession:
         """The weight version the engines were last synced to (fully_async: the staleness bound counts from it)."""
 
     def sync(self, version: int) -> float:
-        self.engines.check_alive()
-        with self.critical():
-            metrics, seconds = self.trainer.sync(version)
+        """Load weight version ``version`` into the engines in use; tried once more, after the heartbeat has
+        restarted them, when an engine was lost during it."""
+        for attempt in (1, 2):
+            self.engines.check_alive()
+            self._drop_lost_clients()
+            try:
+                with self.engines.guard(), self.critical():
+                    metrics, seconds = self.trainer.sync(version)
+                break
+            except SlimectlError as exc:
+                if attempt == 2 or not self.engines.heals():
+                    raise
+                log.warning("sync of weight version %d failed (%s); syncing again once the lost engine is back",
+                            version, exc)
+                self.engines.wait_healed(self.cfg.engine.startup_timeout_s)
         self.run.engines.set_weight_version(self.engines.ids.values(), str(version))
         self.synced = version
         self.sync_metrics.log(version, metrics)
         return seconds
+
+    def _drop_lost_clients(self) -> None:
+        """Engines lost for good (``engine.on_lost: continue``) get no more syncs."""
+        for url in [u for u in self.clients if u not in self.engines.urls]:
+            client = self.clients.pop(url)
+            try:
+                self.bridge.run(client.close())
+            except Exception:  # noqa: BLE001 — closing a client of a gone engine
+                pass
 
     def rollout(self, rid: int):
         """``rollouts/RID``, generated unless already published (never regenerated)."""
@@ -235,25 +256,26 @@ class RLSession:
         n_total = self.cfg.rollout.num_rollout
         t1 = time.perf_counter()
         offload = self.cfg.engine.offload_during_train and ahead is None
-        if offload:
-            release_engines(self.bridge, self.clients)
-        try:
-            steps = self.trainer.train(rid, art, last=rid == n_total - 1)
-        except BaseException:
-            if offload:  # engines that outlive this run (a `serve`'s) take their memory back for the rerun's sync
-                _resume_quietly(self.bridge, self.clients)
-            raise
-        t_train = time.perf_counter() - t1
-        self.result.trained.append(rid)
-        t2 = time.perf_counter()
-        if ahead is not None:
-            ahead.result()  # drain: rollout rid+1 finishes on weights rid before they change
-        t_drain = time.perf_counter() - t2
-        if offload:
-            resume_engines(self.bridge, self.clients, ["weights"])
-        t_sync = self.sync(rid + 1)
-        if offload:
-            resume_engines(self.bridge, self.clients, ["kv_cache"])
+        with self.engines.guard() if offload else nullcontext():  # no heartbeat to engines without their memory
+            if offload:
+                release_engines(self.bridge, self.clients)
+            try:
+                steps = self.trainer.train(rid, art, last=rid == n_total - 1)
+            except BaseException:
+                if offload:  # engines that outlive this run (a `serve`'s) take their memory back for the rerun's sync
+                    _resume_quietly(self.bridge, self.clients)
+                raise
+            t_train = time.perf_counter() - t1
+            self.result.trained.append(rid)
+            t2 = time.perf_counter()
+            if ahead is not None:
+                ahead.result()  # drain: rollout rid+1 finishes on weights rid before they change
+            t_drain = time.perf_counter() - t2
+            if offload:
+                resume_engines(self.bridge, self.clients, ["weights"])
+            t_sync = self.sync(rid + 1)
+            if offload:
+                resume_engines(self.bridge, self.clients, ["kv_cache"])
         self.result.weight_version = rid + 1
         t_eval = self.evaluate(rid)
         total = time.perf_counter() - t0

@@ -42,6 +42,7 @@ from typing import Literal, Union
 
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
+from slimectl.contract.faults import fault_point
 from slimectl.contract.net import free_port
 from slimectl.contract.rundir import EngineRecord, RunDir
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV
@@ -143,12 +144,14 @@ class EngineProcesses:
 
     def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
                  model_path: str | None = None, python: str | None = None, engine_indices: list[int] | None = None,
-                 weight_version: WeightChoice = None):
+                 weight_version: WeightChoice = None, verify=None):
         """``engine_indices``: which of the ``engine.num_engines`` engines this group launches (all by
         default; a launcher that places each engine in its own process passes one index each).
         ``weight_version``: the weights launched engines start from (None: the newest published
         ``weights/N``, else ``model.path`` at version 0; N: ``weights/N``; ``"initial"``:
-        ``model.path``). An explicit ``model_path`` is served at version 0 unless a version is given."""
+        ``model.path``). An explicit ``model_path`` is served at version 0 unless a version is given.
+        ``verify(url, version)``: the problems found reading back the weights of an engine started again by the
+        heartbeat (:mod:`slimectl.engines.health`; one line each, empty: they match ``weights/version``)."""
         from slimectl.engines.supervisor import ProcessSupervisor
 
         self.run = run
@@ -170,6 +173,10 @@ class EngineProcesses:
         self.weight_format = weight_format(cfg)  # full weights, or a LoRA run's adapter (merged or not)
         self.after_start = None  # a version launched engines load once healthy (a LoRA run's adapter)
         self.staging: Path | None = None  # a model they start from, written for them (engine.lora_merged)
+        self.verify = verify
+        self.lock = threading.RLock()  # a weight sync, or the heartbeat healing an engine
+        self.watcher = None  # the heartbeat (engine.health_check), once the engines are up
+        self.lost: dict[str, str] = {}  # url -> the line saying why that engine is gone for good
 
     @property
     def urls(self) -> list[str]:
@@ -237,6 +244,10 @@ class EngineProcesses:
                     self._register(f"engine-{i}", url, pid, self.weight_version)
                 if router_python:
                     self._start_router(router_python)
+                if ec.health_check.enabled:
+                    from slimectl.engines.health import EngineWatcher
+
+                    self.watcher = EngineWatcher(self, ec.health_check).start()
         except BaseException:
             self.stop()
             raise
@@ -310,9 +321,9 @@ class EngineProcesses:
                                 f"{exc}") from None
         log.info("engines serve %s with the %s weights %s", self.model_path, source.form.name, source.hf_dir)
 
-    def _resolve_weights(self) -> tuple[str | None, str]:
-        """(the model directory launched engines load, its weight version)."""
-        choice = self.weight_choice
+    def _resolve_weights(self, choice: WeightChoice = None) -> tuple[str | None, str]:
+        """(the model directory launched engines load, its weight version): for ``choice``, else the group's."""
+        choice = self.weight_choice if choice is None else choice
         initial = self.explicit_model_path or self.cfg.model.path
         if choice == "initial" or (choice is None and self.explicit_model_path):
             log.info("serving the initial weights %s at weight version %s", initial, INITIAL_WEIGHT_VERSION)
@@ -417,6 +428,9 @@ class EngineProcesses:
 
     # ------------------------------------------------------------------ stop
     def stop(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
         if self.router is not None:
             self.run.routers.unregister(self.router.id)
             self.router = None
@@ -426,10 +440,113 @@ class EngineProcesses:
         self.supervisor.stop()
 
     def check_alive(self) -> None:
-        """Raise naming the first engine process that has exited (and its log)."""
-        for p in self.supervisor.processes:
-            if p.popen.poll() is not None:
-                raise SlimectlError(f"{p.name} at {p.url} exited with code {p.popen.returncode}; see {p.log_path}")
+        """Raise naming the first engine process that has exited (and its log). With the heartbeat on, a dead
+        engine is its to restart: raise only for an engine lost for good under ``engine.on_lost: stop``, or
+        when every engine is lost."""
+        if self.watcher is None:
+            for p in self.supervisor.processes:
+                if p.popen.poll() is not None:
+                    raise SlimectlError(f"{p.name} at {p.url} exited with code {p.popen.returncode}; see {p.log_path}")
+            return
+        if self.lost and (self.cfg.engine.on_lost == "stop" or len(self.lost) == len(self.engine_indices)):
+            why = "engine.on_lost is stop" if self.cfg.engine.on_lost == "stop" else "no engine is left"
+            raise SlimectlError(f"{next(iter(self.lost.values()))}; stopping: {why}")
+
+    # ------------------------------------------------------------------ heal (the heartbeat's)
+    def watched(self) -> list:
+        """The engines the heartbeat watches (:class:`~slimectl.engines.health.Watched`): every one launched
+        here, less those lost for good."""
+        from slimectl.engines.health import Watched
+
+        return [Watched(p.name, p.url, p.returncode) for p in self.supervisor.processes
+                if p.name.startswith("engine-") and p.url not in self.lost]
+
+    def heal(self, loss) -> None:
+        """Kill the lost engine's process group, start it again on its port at the weight version it was on
+        (``weights/N`` loaded whole), check its weights, register it again; an engine that does not come back
+        is recorded in :attr:`lost` (one line). Its record stays until then: a request that fails on it
+        meanwhile is told its process died."""
+        import time
+
+        served = next((e for e in self.engines if e.url == loss.url), None)
+        version = self._recorded_version(served)
+        log.warning("%s at %s is lost: %s; killing it and starting it again at weight version %s", loss.name,
+                    loss.url, loss.why, version)
+        self.supervisor.stop(timeout=0.0, names=[loss.name])  # SIGKILL to its process group (a stopped one too)
+        fault_point("serve.engine_killed")
+        try:
+            pid = self._restart(loss.name, loss.url, version)
+        except (SlimectlError, OSError) as exc:
+            if served is not None:
+                self.run.engines.unregister(served.id)
+                self.engines.remove(served)
+            self.lost[loss.url] = (f"{loss.name} at {loss.url} is lost ({loss.why}) and could not be started "
+                                   f"again: {exc}")
+            rest = len(self.engine_indices) - len(self.lost)
+            log.error("%s; %s", self.lost[loss.url], f"going on with the other {rest} engine(s)" if rest and
+                      self.cfg.engine.on_lost == "continue" else f"engine.on_lost: {self.cfg.engine.on_lost}")
+            return
+        if served is not None:
+            self.engines.remove(served)
+        self._register(loss.name, loss.url, pid, version)  # the same id: its record, rewritten
+        log.warning("%s at %s is back at weight version %s (checked), %.1fs after it was found lost", loss.name,
+                    loss.url, version, time.monotonic() - loss.at)
+
+    def _recorded_version(self, served: ServedEngine | None) -> str:
+        """The weight version the registry last recorded for ``served`` (the group's when it has no record)."""
+        try:
+            return str(self.run.engines.get(served.id).weight_version) if served else self.weight_version
+        except (SlimectlError, OSError, KeyError):
+            return self.weight_version
+
+    def _restart(self, name: str, url: str, version: str) -> int:
+        """Start engine ``name`` again at ``url`` on ``weights/version``; its pid once healthy and checked."""
+        from urllib.parse import urlsplit
+
+        from slimectl.contract.faults import ENV as FAULT_ENV
+
+        path, version = self._resolve_weights(int(version) if version.isdigit() else "initial")
+        start = self.weight_format.engine_start(self.run, path, version,
+                                                base=self.explicit_model_path or self.cfg.model.path)
+        self.model_path, self.after_start, self.staging = start.model_path, start.after, start.staging
+        self.weight_version = version  # what _launch_argv starts it at
+        if not self.model_path or not Path(self.model_path).is_dir():
+            raise UsageError(f"its weights {self.model_path} are not there (no such model directory)")
+        argv, env, secrets = self._launch_argv(int(name.rsplit("-", 1)[1]), urlsplit(url).port)
+        env.pop(FAULT_ENV, None)  # a fault injected into the engines is injected once
+        nonce = env.get(ENGINE_NONCE_ENV) if self.backend == "embedded" else None
+        proc = self.supervisor.start(name, argv, env=env, secrets=secrets, nonce=nonce, url=url,
+                                     log_path=self.run.path / "logs" / f"{name}.log")
+        try:
+            self.supervisor.wait_healthy(url, timeout=self.cfg.engine.startup_timeout_s, interval=0.25)
+            if self.after_start is not None:
+                self._load_after_start([url])
+            self._check_restarted(url, version)
+        except BaseException:
+            self.supervisor.stop(timeout=0.0, names=[name])
+            raise
+        finally:
+            if self.staging is not None:
+                shutil.rmtree(self.staging, ignore_errors=True)
+        fault_point("serve.engine_restarted")
+        return proc.pid
+
+    def _check_restarted(self, url: str, version: str) -> None:
+        """The engine started again reports ``version``, and its weights read back match (``self.verify``)."""
+        import asyncio
+
+        from slimectl.engines.client import EngineClient
+
+        async def reported() -> str:
+            async with EngineClient(url, token=self.token, retries=1) as c:
+                return await c.weight_version()
+
+        got = asyncio.run(reported())
+        if got != version:
+            raise SlimectlError(f"it came back reporting weight version {got}, not {version}")
+        problems = self.verify(url, version) if self.verify is not None else []
+        if problems:
+            raise SlimectlError(f"its weights do not match weights/{version}: {'; '.join(problems)}")
 
     def __enter__(self) -> "EngineProcesses":
         return self.start()
@@ -440,16 +557,17 @@ class EngineProcesses:
 
 def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
           ready: threading.Event | None = None, stop: threading.Event | None = None, announce=print,
-          weight_version: WeightChoice = None) -> None:
+          weight_version: WeightChoice = None, verify=None) -> None:
     """Start the engines, print their URLs, and keep them up until SIGINT/SIGTERM (or ``stop``).
-    ``weight_version``: see :class:`EngineProcesses` (default: the newest published weights)."""
+    ``weight_version``, ``verify``: see :class:`EngineProcesses` (default: the newest published weights; an
+    engine the heartbeat starts again is checked by the version it reports alone)."""
     with run.stage_log("serve"):
         stop = stop or threading.Event()
         with run.lock("serve"):
             dead = run.engines.prune_dead()  # records of this host's earlier serve, killed before it unregistered
             if dead:
                 log.info("removed the records of dead engines %s", ", ".join(dead))
-            group = EngineProcesses(run, cfg, engine_urls, weight_version=weight_version)
+            group = EngineProcesses(run, cfg, engine_urls, weight_version=weight_version, verify=verify)
             with set_on_signals(stop), group:  # SIGINT/SIGTERM stop the engines; the old handlers come back
                 for url in group.urls:
                     announce(url)

@@ -257,3 +257,11 @@ def test_stop_token_ids_and_the_dynamic_sampling_filters():
         "slime.rollout.filter_hub.other is slime's own code; slimectl has rollout.dynamic_filter: nonzero_std"
     custom = translate_slime_args(["--dynamic-sampling-filter-path", "my_filters.keep_hard"])
     assert custom.data["rollout"]["dynamic_filter"] == "my_filters:keep_hard"
+
+
+def test_fault_tolerance_and_the_health_check_timings_become_engine_health_check():
+    tr = translate_slime_args(["--use-fault-tolerance", "--rollout-health-check-first-wait", "120",
+                               "--rollout-health-check-interval", "5", "--rollout-health-check-timeout", "3"])
+    assert tr.data["engine"]["health_check"] == {"enabled": True, "first_wait": 120.0, "interval": 5.0, "timeout": 3.0}
+    assert build_config(tr.data).engine.health_check.timeout == 3.0
+    assert not any(f.startswith(("--use-fault", "--rollout-health")) for f, _ in tr.ignored + tr.unmapped)

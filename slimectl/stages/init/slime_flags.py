@@ -283,6 +283,18 @@ def _sglang_arg(t: Translator, flag: str, values: list[str]) -> None:
     t.set("engine.sglang_args", args, flag)
 
 
+_HEALTH_CHECK = {"--use-fault-tolerance": "enabled", "--rollout-health-check-first-wait": "first_wait",
+                 "--rollout-health-check-interval": "interval", "--rollout-health-check-timeout": "timeout"}
+
+
+def _health_check(t: Translator, flag: str, values: list[str]) -> None:
+    """slime's fault tolerance -> ``engine.health_check``: its switch, and the heartbeat's three timings."""
+    key = _HEALTH_CHECK[flag]
+    check = t.get("engine.health_check") or {}
+    check[key] = True if key == "enabled" else _float(flag, values)
+    t.set("engine.health_check", check, flag)
+
+
 # --------------------------------------------------------------------------- the table
 
 _ARCHITECTURE = (
@@ -303,9 +315,8 @@ _PLUMBING = (
     "--log-probs-chunk-size", "--distributed-timeout-minutes", "--train-backend",
     "--ckpt-format", "--no-load-optim", "--no-load-rng", "--finetune", "--no-save-optim", "--async-save",
     "--moe-token-dispatcher-type", "--moe-grouped-gemm", "--moe-permute-fusion", "--overlap-grad-reduce",
-    "--overlap-param-gather", "--optimizer", "--num-gpus-per-node", "--use-fault-tolerance",
-    "--calculate-per-token-loss-in-eval", "--loss-mask-type", "--rollout-health-check-interval",
-    "--rollout-health-check-timeout", "--rollout-health-check-first-wait",
+    "--overlap-param-gather", "--optimizer", "--num-gpus-per-node",
+    "--calculate-per-token-loss-in-eval", "--loss-mask-type",
 )
 #: Read by the layout (slime_launch), after the table: trainer and engine GPUs, parallel sizes.
 _LAYOUT = ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus", "--rollout-num-gpus-per-engine",
@@ -400,6 +411,7 @@ _FIRST_PASS: dict[str, Flag] = {
     "--use-tensorboard": _key_switch("logging.tensorboard"),
     "--use-wandb": _key_switch("logging.wandb"),
     "--rollout-function-path": Flag(rule=_rollout_function),
+    **{flag: Flag(rule=_health_check) for flag in _HEALTH_CHECK},
     "--data-source-path": Flag(rule=_data_source),
 }
 

@@ -1,0 +1,118 @@
+"""The heartbeat on the engines a process started (slime's ``--use-fault-tolerance``).
+
+:class:`EngineWatcher` is a daemon thread over a group of engines it can heal (:class:`Healable`: ``serve``'s
+and ``rl``'s :class:`~slimectl.stages.serve.EngineProcesses`). Every ``interval`` seconds it looks at each
+engine: a process that has exited is lost at once; from ``first_wait`` seconds on, an engine whose
+``GET /health_generate`` does not answer 200 within ``timeout`` seconds (hung: alive, never answering, e.g.
+SIGSTOPped) is lost too. A lost engine is handed to the group's ``heal`` (kill its process group, start it
+again, bring it to its weight version, register it again), which runs under the group's ``lock``: the
+heartbeat is not sent while the group holds it for a weight sync (a paused engine answers no generate).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from slimectl.web.client import http_status
+
+log = logging.getLogger("slimectl.engines.health")
+
+HEALTH_PATH = "/health_generate"
+
+
+@dataclass(frozen=True)
+class Watched:
+    """One engine as the watcher sees it: its name, its URL and how to ask its process's exit status (None:
+    running; asked when the engine's turn comes, not when the round began)."""
+
+    name: str
+    url: str
+    poll: Callable[[], int | None]
+
+
+@dataclass(frozen=True)
+class Loss:
+    """An engine the watcher found lost: which, why, and when (``time.monotonic()``)."""
+
+    name: str
+    url: str
+    why: str
+    at: float
+
+
+class Healable(Protocol):
+    lock: threading.RLock
+    """Held by the group while it syncs weights (no heartbeat then) and by ``heal``."""
+
+    def watched(self) -> list[Watched]:
+        """The engines to watch now (the ones lost for good are not among them)."""
+
+    def heal(self, loss: Loss) -> None:
+        """Kill the engine, start it again and bring it back, or record it as lost for good."""
+
+
+def probe(engine: Watched, heartbeat: bool, timeout: float) -> str | None:
+    """Why ``engine`` is lost, or None while it is well."""
+    if engine.poll() is None and (not heartbeat or http_status(engine.url + HEALTH_PATH, timeout=timeout) == 200):
+        return None
+    deadline = time.monotonic() + 0.5  # a process that died during the heartbeat is dead, not hung: a moment
+    while (rc := engine.poll()) is None and time.monotonic() < deadline:  # for its exit to be seen
+        time.sleep(0.05)
+    if rc is not None:
+        return f"its process exited ({f'signal {-rc}' if rc < 0 else f'exit code {rc}'})"
+    return f"GET {HEALTH_PATH} did not answer 200 within {timeout:g}s (hung)"
+
+
+class EngineWatcher:
+    """``EngineWatcher(group, health_check).start()``; :meth:`stop` before the group stops its engines.
+    ``losses`` lists every loss found, in order (what a test or a bench reads back)."""
+
+    def __init__(self, group: Healable, health_check) -> None:
+        self.group = group
+        self.first_wait = float(health_check.first_wait)
+        self.interval = float(health_check.interval)
+        self.timeout = float(health_check.timeout)
+        self.losses: list[Loss] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slimectl-engine-health", daemon=True)
+        self._t0 = time.monotonic()
+
+    def start(self) -> "EngineWatcher":
+        self._t0 = time.monotonic()
+        self._thread.start()
+        log.info("watching the engines: heartbeat %s every %gs (timeout %gs) after %gs", HEALTH_PATH, self.interval,
+                 self.timeout, self.first_wait)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.check_once()
+            except Exception:  # noqa: BLE001 — the watcher must outlive one bad round
+                log.exception("engine health check failed; trying again in %gs", self.interval)
+
+    def check_once(self) -> list[Loss]:
+        """One round over the engines: heal each one found lost; the losses of this round."""
+        heartbeat = time.monotonic() - self._t0 >= self.first_wait
+        found = []
+        with self.group.lock:  # not while a sync holds the engines paused
+            for engine in self.group.watched():
+                if self._stop.is_set():
+                    break
+                why = probe(engine, heartbeat, self.timeout)
+                if why is None:
+                    continue
+                loss = Loss(engine.name, engine.url, why, time.monotonic())
+                self.losses.append(loss)
+                found.append(loss)
+                self.group.heal(loss)
+        return found
