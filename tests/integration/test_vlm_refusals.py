@@ -4,6 +4,7 @@ nothing published."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -68,14 +69,6 @@ def test_rollout_import_of_a_vlm_sample_whose_image_is_not_in_the_run_is_one_lin
     line = _error_line(slimectl_in_process("rollout", "import", samples, "-r", run))
     assert f"{samples}:1: its image {sha} is not in the run's media/" in line and "does not exist" in line, line
     assert _published(run) == []
-
-
-def test_rl_refuses_a_tiny_vlm_before_writing_anything(tmp_path):
-    cfg = tmp_path / "rl.yaml"
-    cfg.write_text("rollout:\n  num_rollout: 1\n")
-    line = _error_line(slimectl_in_process("rl", "-c", cfg, "-r", tmp_path / "run", "--tiny-model", "qwen3-vl"))
-    assert "--tiny-model qwen3-vl is a qwen3_vl vision-language model" in line and "`slimectl rl`" in line
-    assert not (tmp_path / "run").exists()
 
 
 def test_images_for_a_text_only_model_are_refused_before_any_engine(tmp_path):
