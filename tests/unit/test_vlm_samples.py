@@ -100,6 +100,7 @@ def test_a_sampled_vision_token_ends_the_response_before_it(tmp_path):
     async def generate(**body):
         return {"output_ids": [9, 10, 512, 11], "text": "ab<|image_pad|>c",
                 "meta_info": {"finish_reason": {"type": "stop"}, "weight_version": "1",
+                              "weight_versions": [{"version": "1", "start": 0, "end": 4}],
                               "output_token_logprobs": [[-0.1, 9, None], [-0.2, 10, None], [-0.3, 512, None],
                                                         [-0.4, 11, None]]}}
 
@@ -113,3 +114,23 @@ def test_a_sampled_vision_token_ends_the_response_before_it(tmp_path):
     s = asyncio.run(default_generate(args, Sample(group_index=0, index=0, tokens=[1, 2, 3, 4]), {"max_new_tokens": 5}))
     assert s.response_tokens == [9, 10, 512, 11] and s.status == Status.COMPLETED
     assert first_vision_token([512], frozenset({512})) == 0 and first_vision_token([1, 2], frozenset({512})) is None
+
+
+def test_a_vision_token_as_the_first_generated_token_leaves_an_empty_truncated_response(tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from slimectl.contract.samples import Status
+    from slimectl.stages.rollout.generate import default_generate
+
+    async def generate(**body):
+        return {"output_ids": [512, 9], "text": "<|vision_start|>a",
+                "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "12",
+                              "weight_versions": [{"version": "12", "start": 0, "end": 2}],
+                              "output_token_logprobs": [[-0.1, 512, None], [-0.2, 9, None]]}}
+
+    args = SimpleNamespace(pool=SimpleNamespace(generate=generate), run_path=tmp_path, tokenizer=None,
+                           vision_token_ids=frozenset({512}))
+    s = asyncio.run(default_generate(args, Sample(group_index=0, index=0, tokens=[1, 2, 3]), {"max_new_tokens": 2}))
+    assert s.tokens == [1, 2, 3] and s.response_length == 0 and s.response == "" and s.loss_mask == []
+    assert s.status == Status.TRUNCATED and s.weight_version_spans == []

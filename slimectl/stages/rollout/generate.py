@@ -57,7 +57,7 @@ async def default_generate(args: SimpleNamespace, sample: Sample, sampling_param
     ids, text = list(out["output_ids"]), out.get("text", "")
     cut = first_vision_token(ids, getattr(args, "vision_token_ids", None))
     if cut is not None:  # a VLM sampled one of its image tokens: the response ends before it
-        ids, lps = ids[:cut], lps[:cut]
+        ids, lps, meta = ids[:cut], lps[:cut], _meta_cut(meta, cut)
         text = args.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
     sample.append_response_tokens(ids, lps, True, meta, text)
     sample.metadata["engine_url"] = meta.get("engine_url")
@@ -65,6 +65,15 @@ async def default_generate(args: SimpleNamespace, sample: Sample, sampling_param
         sample.status = Status.TRUNCATED
         sample.metadata["vision_token_cut"] = int(out["output_ids"][cut])
     return sample
+
+
+def _meta_cut(meta: dict[str, Any], n: int) -> dict[str, Any]:
+    """``meta_info`` of a response cut to its first ``n`` tokens: its weight-version spans clipped to them."""
+    meta = dict(meta)
+    if isinstance(meta.get("weight_versions"), list):
+        meta["weight_versions"] = [{**s, "start": min(int(s["start"]), n), "end": min(int(s["end"]), n)}
+                                   for s in meta["weight_versions"]]
+    return meta
 
 
 def first_vision_token(ids: list[int], vision_token_ids: frozenset[int] | None) -> int | None:
