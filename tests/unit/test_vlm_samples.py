@@ -108,3 +108,52 @@ def test_the_request_cuts_each_expanded_image_run_to_one_placeholder(tmp_path):
     assert engine_input_ids(args, vlm) == [1, 5, 7, 6, 2, 5, 7, 6, 9, 7, 4, 4]
     text = Sample(group_index=0, index=0, tokens=toks, response_length=0)
     assert engine_input_ids(args, text) == toks  # no images: nothing cut
+
+
+def test_a_sampled_vision_token_ends_the_response_before_it(tmp_path):
+    """A young VLM may sample one of its image tokens (the demo's tiny Qwen2.5-VL did, in rollout 12): the response
+    ends before it (status truncated, log-probs kept for the tokens left), so train never sees a vision token it
+    would refuse to train; a model that is not a VLM (no ids) keeps its whole response."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slimectl.contract.samples import Status
+    from slimectl.stages.rollout.generate import default_generate, first_vision_token
+
+    async def generate(**body):
+        return {"output_ids": [9, 10, 512, 11], "text": "ab<|image_pad|>c",
+                "meta_info": {"finish_reason": {"type": "stop"}, "weight_version": "1",
+                              "weight_versions": [{"version": "1", "start": 0, "end": 4}],
+                              "output_token_logprobs": [[-0.1, 9, None], [-0.2, 10, None], [-0.3, 512, None],
+                                                        [-0.4, 11, None]]}}
+
+    tok = SimpleNamespace(decode=lambda ids, **kw: "".join(chr(ord("a") + i - 9) for i in ids))
+    args = SimpleNamespace(pool=SimpleNamespace(generate=generate), run_path=tmp_path, tokenizer=tok,
+                           vision_token_ids=frozenset({510, 511, 512}))
+    s = asyncio.run(default_generate(args, Sample(group_index=0, index=0, tokens=[1, 2, 3, 4]), {"max_new_tokens": 5}))
+    assert s.response_tokens == [9, 10] and s.rollout_log_probs == [-0.1, -0.2] and s.loss_mask == [1, 1]
+    assert s.response == "ab" and s.status == Status.TRUNCATED and s.metadata["vision_token_cut"] == 512
+    args.vision_token_ids = None
+    s = asyncio.run(default_generate(args, Sample(group_index=0, index=0, tokens=[1, 2, 3, 4]), {"max_new_tokens": 5}))
+    assert s.response_tokens == [9, 10, 512, 11] and s.status == Status.COMPLETED
+    assert first_vision_token([512], frozenset({512})) == 0 and first_vision_token([1, 2], frozenset({512})) is None
+
+
+def test_a_vision_token_as_the_first_generated_token_leaves_an_empty_truncated_response(tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from slimectl.contract.samples import Status
+    from slimectl.stages.rollout.generate import default_generate
+
+    async def generate(**body):
+        return {"output_ids": [512, 9], "text": "<|vision_start|>a",
+                "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "12",
+                              "weight_versions": [{"version": "12", "start": 0, "end": 2}],
+                              "output_token_logprobs": [[-0.1, 512, None], [-0.2, 9, None]]}}
+
+    args = SimpleNamespace(pool=SimpleNamespace(generate=generate), run_path=tmp_path, tokenizer=None,
+                           vision_token_ids=frozenset({512}))
+    s = asyncio.run(default_generate(args, Sample(group_index=0, index=0, tokens=[1, 2, 3]), {"max_new_tokens": 2}))
+    assert s.tokens == [1, 2, 3] and s.response_length == 0 and s.response == "" and s.loss_mask == []
+    assert s.status == Status.TRUNCATED and s.weight_version_spans == []

@@ -56,9 +56,38 @@ async def default_generate(args: SimpleNamespace, sample: Sample, sampling_param
                                    return_logprob=True, **extra)
     meta = out["meta_info"]
     lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
-    sample.append_response_tokens(out["output_ids"], lps, True, meta, out.get("text", ""))
+    ids, text = list(out["output_ids"]), out.get("text", "")
+    cut = first_vision_token(ids, getattr(args, "vision_token_ids", None))
+    if cut is not None:  # a VLM sampled one of its image tokens: the response ends before it
+        ids, lps, meta = ids[:cut], lps[:cut], _meta_cut(meta, cut)
+        text = args.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+    sample.append_response_tokens(ids, lps, True, meta, text)
     sample.metadata["engine_url"] = meta.get("engine_url")
+    if cut is not None:
+        sample.status = Status.TRUNCATED
+        sample.metadata["vision_token_cut"] = int(out["output_ids"][cut])
     return sample
+
+
+def _meta_cut(meta: dict[str, Any], n: int) -> dict[str, Any]:
+    """``meta_info`` of a response cut to its first ``n`` tokens: its weight-version spans clipped to them."""
+    meta = dict(meta)
+    if isinstance(meta.get("weight_versions"), list):
+        meta["weight_versions"] = [{**s, "start": min(int(s["start"]), n), "end": min(int(s["end"]), n)}
+                                   for s in meta["weight_versions"]]
+    return meta
+
+
+def first_vision_token(ids: list[int], vision_token_ids: frozenset[int] | None) -> int | None:
+    """Where the first of a VLM's vision tokens (``image_token_id``, ``vision_start_token_id``, ...) is in generated
+    ``ids``, else None. An engine may sample one (a small or young model gives them some probability); the response
+    ends before it (status truncated), since image tokens are prompt tokens, never trained
+    (contract/sample_checks.py), and M-RoPE would read a generated ``vision_start`` as an image's."""
+    if vision_token_ids:
+        for i, t in enumerate(ids):
+            if t in vision_token_ids:
+                return i
+    return None
 
 
 def image_request(args: SimpleNamespace, sample: Sample) -> dict[str, Any]:

@@ -134,6 +134,11 @@ class RolloutProducer:
         self.reward_fn: Callable | None = None
         self.keep: Callable[[list[Sample]], bool] | None = None
         """The dynamic filter (None: keep every group)."""
+        from slimectl.stages.rollout.importer import model_vision
+
+        vision = model_vision(cfg)[0]
+        self.vision_token_ids = frozenset(vision.values()) if vision else None
+        """A VLM's vision token ids: a response is cut before the first one it samples (generate.py)."""
 
     @classmethod
     def for_rollouts(cls, run: RunDir, cfg: SlimectlConfig, first: int, engine_urls: list[str] | tuple[str, ...],
@@ -173,7 +178,7 @@ class RolloutProducer:
         cfg, r, evaluating = self.cfg, self.cfg.rollout, self.evaluating
         return SimpleNamespace(
             pool=self.pool, config=cfg, tokenizer=self.tokenizer, engine_urls=self.urls, rollout_id=self.rollout_id,
-            run_path=self.run.path, on_close=[],
+            run_path=self.run.path, on_close=[], vision_token_ids=self.vision_token_ids,
             rollout_max_response_len=self.params["max_new_tokens"],
             n_samples_per_prompt=r.eval_n_samples if evaluating else r.n_samples_per_prompt, reward_key=r.reward_key,
             mask_offpolicy=not evaluating and r.mask_offpolicy_in_partial_rollout,
