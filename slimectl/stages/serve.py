@@ -45,6 +45,7 @@ from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.faults import fault_point
 from slimectl.contract.net import free_port
 from slimectl.contract.rundir import EngineRecord, RunDir
+from slimectl.contract.rundir.atomic import process_create_time
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV
 from slimectl.contract.signals import set_on_signals
 from slimectl.weight_formats import weight_format
@@ -420,7 +421,10 @@ class EngineProcesses:
             self._register(f"external-{i}", url.rstrip("/"), None, version)
 
     def _register(self, name: str, url: str, pid: int | None, version: str = INITIAL_WEIGHT_VERSION) -> None:
-        extra = {"log": str(self.run.path / "logs" / f"{name}.log")} if pid is not None else {}  # for "its process died"
+        # "log": for "its process died"; "owner": this process, which heals the engine (the record is not pruned as
+        # dead while its owner lives: registry.prune_dead)
+        extra = {"log": str(self.run.path / "logs" / f"{name}.log"),
+                 "owner": {"pid": os.getpid(), "create_time": process_create_time()}} if pid is not None else {}
         rec = self.run.engines.register(EngineRecord(url=url, backend=self.backend, pid=pid, weight_version=version,
                                                      id=f"{name}-{os.getpid()}", extra=extra))
         self.engines.append(ServedEngine(rec.id, url, self.backend, pid))

@@ -64,7 +64,7 @@ SCRIPT = textwrap.dedent('''
             t = object.__new__(InProcessTrainer)
             t.run = types.SimpleNamespace(stage_log=lambda name: contextlib.nullcontext(),
                                           tracer=lambda stage: NULL_TRACER)
-            t.cfg = types.SimpleNamespace(sync=types.SimpleNamespace(pause_mode="abort", verify=False),
+            t.cfg = types.SimpleNamespace(sync=types.SimpleNamespace(pause_mode="abort", verify=False, mode="full"),
                                           effective_pause_mode="abort", train=types.SimpleNamespace(lora=None),
                                           effective_lora_merged=False)
             t.disk, t.trainer, t.clients, t.transport, t._open_passes = False, Tensors(), {}, None, []

@@ -52,6 +52,16 @@ class EngineRecord:
         return process_alive(self.pid, self.create_time)
 
 
+def _owner_alive(record: EngineRecord) -> bool:
+    """Whether the same-host process named by ``record.extra["owner"]`` (``{"pid", "create_time"}``) is alive."""
+    owner = record.extra.get("owner") if isinstance(record.extra, dict) else None
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
+        return False
+    if not same_host(record.host, record.host_id):
+        return False
+    return process_alive(owner["pid"], owner.get("create_time"))
+
+
 class EngineRegistry:
     def __init__(self, engines_dir: str | Path):
         self.dir = Path(engines_dir)
@@ -131,8 +141,9 @@ class EngineRegistry:
                 pass  # unregistered meanwhile (its serve stopped)
 
     def prune_dead(self) -> list[str]:
-        """Unregister same-host engines whose process is gone."""
-        dead = [r.id for r in self.list() if r.alive() is False]
+        """Unregister same-host engines whose process is gone, unless the process that started them (the record's
+        ``extra["owner"]``: a ``serve`` group) is alive: it restarts or unregisters its own engines (heal)."""
+        dead = [r.id for r in self.list() if r.alive() is False and not _owner_alive(r)]
         for engine_id in dead:
             self.unregister(engine_id)
         return dead
