@@ -1,12 +1,14 @@
 r"""A tool-using agent written against the plain ``openai`` client: it knows a base URL and a key, nothing else.
 
-The task is tool_math's (examples/tool_math/): multiply two numbers, which a small model cannot do in its head but
-can do with a calculator (the demo's data: two 2-digit numbers). The agent offers one tool, ``calculator``, runs the
-calls the model makes, sends each result back as a ``tool`` message, and grades the final answer (``\boxed{N}``, or
-the reply's last number) against the row's label: 1 when right, :data:`TOOL_CREDIT` when wrong after a calculator
-call that worked, else 0. It imports nothing of slimectl: ``slimectl rl`` runs ``run`` once per sample with a base
-URL that points at its harness (see config.yaml and docs/agent-harness.md); anything else that serves OpenAI's chat
-completions runs it as well.
+The task is tool_math's (examples/tool_math/): multiply two numbers with a calculator (the demo's data: two
+1-digit numbers, so that a tiny model can learn to copy them into the call and the result into its answer). The
+agent offers one tool, ``calculator``, runs the calls the model makes, sends each result back as a ``tool`` message,
+and grades the final answer (``\boxed{N}``, or the reply's last number) against the row's label: 1 when right; when
+wrong, partial credit (:func:`partial_credit`) for a calculator call that worked, for each of the question's
+numbers in its expression (the operands copied) and for an answer that is what the calculator returned, else 0. It
+imports nothing of slimectl: ``slimectl rl`` runs ``run`` once per sample with a base URL that points at its
+harness (see config.yaml and docs/agent-harness.md); anything else that serves OpenAI's chat completions runs it as
+well.
 """
 
 from __future__ import annotations
@@ -53,23 +55,46 @@ def grade(answer: str, label: str) -> float:
     return 1.0 if numbers and re.sub(r"[\s,]", "", numbers[-1]) == str(label).strip() else 0.0
 
 
-TOOL_CREDIT = 0.2
-"""The reward of a wrong final answer after a calculator call that worked: a small model learns the call first."""
+TOOL_CREDIT = 0.1
+"""Partial credit for a wrong final answer: a calculator call that worked, ..."""
+NUMBER_CREDIT = 0.2
+"""... plus this for each of the question's numbers in the calls' expressions (the operands copied), ..."""
+COPY_CREDIT = 0.2
+"""... plus this when the answer is what a call returned (the result copied)."""
+
+
+def partial_credit(question: str, expressions: list[str], results: list[str], answer: str) -> float:
+    """The reward of a wrong final answer after calculator calls that worked: ``expressions`` and their ``results``."""
+    if not results:
+        return 0.0
+    used, asked = re.findall(r"\d+", " ".join(expressions)), re.findall(r"\d+", question)
+    extra = max(0, len(used) - len(asked))  # more numbers than the question has cancel credit: no listing every digit
+    found = 0
+    for number in asked:
+        if number in used:
+            used.remove(number)
+            found += 1
+    found = max(0, found - extra)
+    return TOOL_CREDIT + NUMBER_CREDIT * found + COPY_CREDIT * any(grade(answer, r) for r in results)
 
 
 async def run(base_url: str, api_key: str, row: dict) -> float:
     """One episode: the row's messages to the model, its tool calls answered, its final answer graded."""
     messages = list(row["messages"])
-    used_tool = False
+    question = " ".join(str(m["content"]) for m in messages if m["role"] == "user")
+    expressions, results = [], []  # the calls that worked and what the calculator returned
     async with AsyncOpenAI(base_url=base_url, api_key=api_key) as client:
         for _ in range(MAX_TURNS):
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
             message = reply.choices[0].message
             if not message.tool_calls:
-                return grade(message.content or "", row["label"]) or (TOOL_CREDIT if used_tool else 0.0)
+                answer = message.content or ""
+                return grade(answer, row["label"]) or partial_credit(question, expressions, results, answer)
             messages.append(message.model_dump(include={"role", "content", "tool_calls"}))
             for call in message.tool_calls:
                 result = calculator(call.function.arguments)
-                used_tool = used_tool or not result.startswith("error")
+                if not result.startswith("error"):
+                    expressions.append(json.loads(call.function.arguments)["expression"])
+                    results.append(result)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return 0.0  # still calling tools after MAX_TURNS replies

@@ -11,8 +11,11 @@ r"""The agent demo: an unchanged OpenAI-client agent (agent.py) trained by ``sli
    ``agent:run`` against the rollout's harness; GRPO on the agent's reward
 4. ``slimectl plot -r RUN``: the reward curve
 
-Rerunning resumes every step from its run directory. The tasks are products of two 2-digit numbers, so small that
-the tiny model gets them right only by calling the calculator and copying its answer.
+Rerunning resumes every step from its run directory. The tasks are products of two 1-digit numbers. The warm start's
+demonstrator is sloppy on purpose (:data:`SLOPPY`): half its calls miscopy an operand and half its answers miscopy
+the calculator's result, so the warm-started model calls the tool in the right format but is often wrong, and the
+agent's graded reward (1 right; partial credit for a working call, the right operands, the result copied) spreads
+within a group.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def make_rows(n: int = 256, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
         rows.append({"input": [{"role": "user", "content": f"What is {a} * {b}? Use the calculator."}],
                      "label": str(a * b)})
     return rows
@@ -54,11 +57,23 @@ def slimectl(*args: str) -> None:
         sys.exit(f"slimectl {args[0]} failed with exit code {rc}")
 
 
-def episode(tok, row: dict) -> tuple[list[int], list[tuple[list[int], bool]]]:
-    """The prompt tokens and the response pieces (tokens, trained) of one correct episode, as the harness renders
-    and records it."""
+SLOPPY = 0.5
+"""How often the warm start's demonstrator miscopies an operand into the call, and (independently) how often it
+miscopies the calculator's result into its answer. It is meant to leave a warm start that calls the tool in the
+right format but is right only about a quarter of the time, which leaves `rl` something to learn (on the tiny
+model it learned neither copy; docs/agent-harness.md)."""
+
+
+def episode(tok, row: dict, rng: random.Random | None = None) -> tuple[list[int], list[tuple[list[int], bool]]]:
+    """The prompt tokens and the response pieces (tokens, trained) of one episode, as the harness renders and
+    records it. With ``rng`` the demonstrator is sloppy (:data:`SLOPPY`); without, it is always right."""
     messages = row["input"]
     expression = messages[0]["content"].split("What is ")[1].split("?")[0]
+    if rng is not None and rng.random() < SLOPPY:  # one operand miscopied
+        ops = expression.split(" * ")
+        i = rng.randrange(2)
+        ops[i] = rng.choice([d for d in "23456789" if d != ops[i]])
+        expression = " * ".join(ops)
     call = {"id": "call_0", "type": "function",  # the arguments as an object, as the harness renders them
             "function": {"name": "calculator", "arguments": {"expression": expression}}}
     render = lambda msgs: tok.apply_chat_template(msgs, tools=agent.TOOLS, add_generation_prompt=True, tokenize=False)
@@ -68,9 +83,12 @@ def episode(tok, row: dict) -> tuple[list[int], list[tuple[list[int], bool]]]:
     second = render(messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
                                 {"role": "tool", "tool_call_id": "call_0", "content": result}])
     observation = second[len(first) + len(call_text) + len(tok.eos_token):]
+    answer = result
+    if rng is not None and rng.random() < SLOPPY:  # the result miscopied
+        answer = str(rng.choice([n for n in range(4, 82) if str(n) != result]))
     enc = lambda text: tok.encode(text, add_special_tokens=False)
     return enc(first), [(enc(call_text) + [tok.eos_token_id], True), (enc(observation), False),
-                        (enc(f"\\boxed{{{result}}}") + [tok.eos_token_id], True)]
+                        (enc(f"\\boxed{{{answer}}}") + [tok.eos_token_id], True)]
 
 
 def publish_sft_rollouts(run_path: str, seed: int) -> None:
@@ -89,7 +107,7 @@ def publish_sft_rollouts(run_path: str, seed: int) -> None:
         samples = []
         for i in range(cfg.rollout.batch_size):
             row = rng.choice(rows)
-            prompt, pieces = episode(tok, row)
+            prompt, pieces = episode(tok, row, rng)
             s = Sample(group_index=i, index=i, rollout_id=rid, prompt=row["input"], tokens=list(prompt),
                        label=row["label"])
             for ids, trained in pieces:

@@ -94,11 +94,18 @@ def test_the_example_agent_calls_its_tool_and_its_session_becomes_the_sample(tmp
     # the rollout's sampling parameters rule, whatever the agent asked for
     assert [(p["temperature"], p["top_p"], p["top_k"], p["max_new_tokens"]) for p in args.pool.params] == \
         [(0.7, 0.9, -1, 40)] * 2
-    # a wrong answer after a calculator call that worked earns the agent's tool credit
-    args = make_args(tmp_path, tok, "agent:run")
-    args.pool.script += [CALL, "The product is \\boxed{42}."]
-    ((s,),) = asyncio.run(run_samples(args, [new_sample(7)]))
-    assert s.reward == agent.TOOL_CREDIT == 0.2 and len(s.metadata["turns"]) == 2
+    # a wrong answer earns partial credit: a call that worked, plus each of the question's numbers in it (other
+    # numbers cancel that), plus an answer that copied what the calculator returned
+    call = CALL.replace("1234 * 5678", "1234 * 5")
+    for script, answer, credit in [(CALL, "42", agent.TOOL_CREDIT + 2 * agent.NUMBER_CREDIT),
+                                   (call, "42", agent.TOOL_CREDIT + agent.NUMBER_CREDIT),
+                                   (call, "6170", agent.TOOL_CREDIT + agent.NUMBER_CREDIT + agent.COPY_CREDIT),
+                                   (CALL.replace("5678", "5678 * 1 * 1"), "42", agent.TOOL_CREDIT)]:
+        args = make_args(tmp_path, tok, "agent:run")
+        args.pool.script += [script, f"The product is \\boxed{{{answer}}}."]
+        ((s,),) = asyncio.run(run_samples(args, [new_sample(7)]))
+        assert s.reward == pytest.approx(credit) and len(s.metadata["turns"]) == 2
+    assert (agent.TOOL_CREDIT, agent.NUMBER_CREDIT, agent.COPY_CREDIT) == (0.1, 0.2, 0.2)
 
 
 def test_an_agent_with_the_sync_client_and_an_object_reward(tmp_path, tok):
