@@ -172,6 +172,67 @@ class MathVerifySection(Section):
     """Worker processes verifying samples in parallel (each imports Math-Verify once, ~1 s)."""
 
 
+JUDGE_PLACEHOLDERS = ("prompt", "response", "label")
+DEFAULT_JUDGE_TEMPLATE = ("Question:\n{prompt}\n\nReference answer: {label}\n\nResponse:\n{response}\n\n"
+                          "Is the response correct? Answer with a score between 0 and 1.\nScore:")
+
+
+class JudgeSection(Section):
+    """The ``judge`` reward: a generative reward model (an LLM judge) on a frozen engine group
+    (``engine.groups``) or at a URL, as slime's remote RM is used with a model behind it (docs/engine-groups.md).
+    Each sample's prompt, response and label fill ``template``; the judge's reply (its verdict) is parsed into the
+    reward and recorded in the sample's ``metadata["judge"]``."""
+
+    group: Optional[str] = None
+    """The engine group serving the judge (a name in ``engine.groups``; its live engines from ``RUN/engines/groups/``,
+    balanced with fail-over)."""
+    urls: list[str] = Field(default_factory=list)
+    """Judge engines started elsewhere (SGLang's ``/generate``), instead of ``group``."""
+    template: str = DEFAULT_JUDGE_TEMPLATE
+    """The judge's prompt (sent as text, no chat template): ``{prompt}``, ``{response}`` and ``{label}`` are
+    replaced by the sample's (``{{``/``}}`` for literal braces)."""
+    parser: Literal["score", "yes_no", "regex"] = "score"
+    """How the verdict becomes the reward: ``score``, the first number in it, kept if in [0, 1]; ``yes_no``, 1.0 for a
+    verdict starting with yes (or true, correct), 0.0 for no (false, incorrect); ``regex``, the number ``regex``'s
+    first group captures. A verdict the parser finds nothing in is an error (``on_error``)."""
+    regex: Optional[str] = None
+    """The ``regex`` parser's pattern (Python ``re``, searched in the verdict; its first group a number)."""
+    max_tokens: int = Field(default=16, gt=0)
+    """Most tokens of a verdict."""
+    temperature: float = Field(default=0.0, ge=0)
+    """The judge's sampling temperature (0: greedy)."""
+    concurrency: int = Field(default=16, gt=0)
+    """Most judge requests in flight at once (in all)."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds one verdict may take (fail-over to another engine of the group included)."""
+    on_error: Literal["zero", "fail"] = "zero"
+    """A verdict that fails (timeout, no engine, nothing parsed): ``zero`` scores the sample 0.0 (counted in
+    ``metadata["judge"]["error"]``); ``fail`` stops the rollout with that line."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "JudgeSection":
+        import re
+        import string
+
+        for _, field, _, _ in string.Formatter().parse(self.template):
+            if field is not None and field not in JUDGE_PLACEHOLDERS:
+                shown = "{" + field + "}"
+                raise ValueError(f"rollout.judge.template: unknown placeholder {shown}; use {{prompt}}, "
+                                 f"{{response}}, {{label}} (and {{{{ }}}} for literal braces)")
+        if self.parser == "regex":
+            if not self.regex:
+                raise ValueError("rollout.judge.parser is regex but rollout.judge.regex is unset; set a pattern "
+                                 "whose first group captures the score")
+            try:
+                if re.compile(self.regex).groups < 1:
+                    raise ValueError("rollout.judge.regex has no group; put the score in parentheses")
+            except re.error as exc:
+                raise ValueError(f"rollout.judge.regex does not compile: {exc}") from None
+        if self.group and self.urls:
+            raise ValueError("rollout.judge sets both group and urls; keep one")
+        return self
+
+
 AGENT_GENERATE = "slimectl.agents.harness_generate:generate"
 """The custom generate that runs ``rollout.agent`` against the harness."""
 
@@ -236,6 +297,11 @@ class RolloutSection(Section):
     teacher_urls: list[str] = Field(default_factory=list)
     """On-policy distillation: engines serving the teacher (e.g. another ``slimectl serve``); each
     sample gets the teacher's log-probs of its response tokens (``/generate``, max_new_tokens 0)."""
+    teacher_group: Optional[str] = None
+    """On-policy distillation from a frozen engine group (a name in ``engine.groups``): its live engines are the
+    teacher, as ``teacher_urls`` would be (the two add up)."""
+    judge: JudgeSection = Field(default_factory=JudgeSection)
+    """Settings of the ``judge`` reward (used only when ``reward`` is judge)."""
     async_mode: Literal["off", "one_step_off", "fully_async"] = "off"
     """``slimectl rl``: ``one_step_off`` generates rollout N+1 (on weights N) while rollout N trains;
     ``fully_async`` generates all the time (``rollout --follow``, ``train --follow`` and ``sync --follow``
@@ -302,6 +368,59 @@ class HealthCheckSection(Section):
     """Seconds between heartbeats."""
     timeout: float = Field(default=5.0, gt=0)
     """Seconds ``/health_generate`` may take before the engine counts as hung."""
+
+
+#: What an engine group's name may hold (it names its registry folder ``RUN/engines/groups/NAME/``).
+GROUP_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
+#: ``engine`` keys a group's ``options`` may not set: the group has its own key for them, or they are the
+#: actor's alone (its router, its LoRA weights, the group list itself).
+GROUP_OPTIONS_REFUSED = ("name", "groups", "backend", "num_engines", "urls", "health_check", "router",
+                         "router_python", "lora_merged", "offload_during_train")
+
+
+class EngineGroupSection(Section):
+    """A named group of engines beside the actor's (``engine.groups``; slime's ``--sglang-config`` models): an
+    on-policy-distillation teacher, a judge, a reference. ``serve`` (and ``rl`` with engines of its own) starts it
+    from its own ``model`` at weight version 0, registers its engines in ``RUN/engines/groups/NAME/`` and keeps
+    them healthy; no sync ever reaches it and rollouts never generate on it. ``rollout.teacher_group`` and
+    ``rollout.judge.group`` reach it by name (docs/engine-groups.md)."""
+
+    name: str = Field(pattern=GROUP_NAME_PATTERN)
+    """The group's name (letters, digits, ``_``, ``.``, ``-``)."""
+    update_weights: bool = False
+    """Whether the group takes the trained weights. Only the actor's group does (``engine:`` itself, named
+    ``engine.name``): an entry with true must carry that name and nothing else but ``name``."""
+    model: Optional[str] = None
+    """HF model directory the group serves (default: ``model.path``, the actor's initial weights)."""
+    num_engines: int = Field(default=1, gt=0)
+    """How many engines the group has."""
+    backend: Optional[Literal["embedded", "sglang", "external"]] = None
+    """embedded, sglang or external (``urls``); default: ``engine.backend``, or external when ``urls`` is set."""
+    urls: list[str] = Field(default_factory=list)
+    """Engines of this group started elsewhere (backend external): health-checked and registered only."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Other ``engine`` keys for this group only (``tp_size``, ``gpu_ids``, ``sglang_args``, ``env``,
+    ``mem_fraction_static``, ``max_batch_size``, ``num_threads``, ``port``, ...; slime's per-group
+    ``overrides``); unset keys are the actor's ``engine`` values, except ``port`` (free ports) and ``gpu_ids``
+    (each engine picks) that a group sets for itself."""
+    health_check: Optional[HealthCheckSection] = None
+    """The group's heartbeat (default: ``engine.health_check``)."""
+
+    def problem(self) -> str | None:
+        """What is wrong with this entry on its own (checked by :class:`EngineSection`, whose key the line names)."""
+        bad = sorted(k for k in self.options if k in GROUP_OPTIONS_REFUSED)
+        if bad:
+            return (f"engine.groups[{self.name}].options may not set {', '.join(bad)} (a group key of its own, or "
+                    f"the actor's alone); set it beside options, or drop it")
+        if self.urls and self.backend not in (None, "external"):
+            return (f"engine.groups[{self.name}]: urls are engines started elsewhere (backend external), but backend "
+                    f"is {self.backend}; drop urls or the backend")
+        return None
+
+    @property
+    def effective_backend(self) -> str | None:
+        """``backend``, external when ``urls`` are given, else None (the actor's)."""
+        return self.backend or ("external" if self.urls else None)
 
 
 class EngineSection(Section):
@@ -412,6 +531,72 @@ class EngineSection(Section):
     on_lost: Literal["continue", "stop"] = "continue"
     """An engine that cannot be restarted (its model gone, its port taken): continue (the run goes on with the
     others, one line says which was lost) or stop (``rl`` stops with that line, exit 1)."""
+    name: str = Field(default="actor", pattern=GROUP_NAME_PATTERN)
+    """The name of the actor's engine group (this section): what ``rollout.teacher_group`` or
+    ``rollout.judge.group`` would call it, and what ``status`` shows."""
+    groups: list[EngineGroupSection] = Field(default_factory=list)
+    """Frozen engine groups served beside the actor's (a teacher, a judge, a reference; slime's
+    ``--sglang-config`` models with ``update_weights: false``): each ``{name, model, num_engines, backend, urls,
+    options, update_weights, health_check}`` (docs/engine-groups.md). Never synced; rollouts never use them."""
+
+    @model_validator(mode="after")
+    def _groups_check(self) -> "EngineSection":
+        seen = {self.name: "engine.name (the actor's group)"}
+        for g in self.groups:
+            if g.name in seen:
+                if g.name != self.name:
+                    raise ValueError(f"engine.groups: two groups are named {g.name!r}; give each its own name")
+                if not g.update_weights:
+                    raise ValueError(f"engine.groups[{g.name}] is frozen (update_weights: false) but {g.name!r} is the "
+                                     f"actor's group (engine.name), which takes the trained weights; rename the group "
+                                     f"or set engine.name to another name")
+                if g.model_fields_set - {"name", "update_weights"}:
+                    raise ValueError(f"engine.groups[{g.name}] is the actor's group: set its engines in engine: "
+                                     f"itself, and keep only name and update_weights in its entry")
+                seen[g.name] = "the actor's entry"
+                continue
+            if g.update_weights:
+                raise ValueError(f"engine.groups[{g.name}] has update_weights: true, but the actor's group is "
+                                 f"engine: ({self.name!r}) and there can be only one: set update_weights: false, "
+                                 f"or name it {self.name!r}")
+            seen[g.name] = "a group"
+            if g.problem():
+                raise ValueError(g.problem())
+            self.group_engine(g)  # its options, checked now
+        return self
+
+    @property
+    def frozen_groups(self) -> list[EngineGroupSection]:
+        """The groups that never take trained weights."""
+        return [g for g in self.groups if not g.update_weights]
+
+    def group_names(self) -> list[str]:
+        """Every group's name, the actor's first."""
+        return [self.name] + [g.name for g in self.frozen_groups]
+
+    def group_engine(self, group: EngineGroupSection) -> "EngineSection":
+        """The ``engine`` section of a frozen group: the actor's, its options and keys on top, no groups."""
+        base = self.model_dump(exclude={"groups", "name", "router", "router_python", "lora_merged",
+                                        "offload_during_train", "urls", "backend", "port", "gpu_ids"})
+        backend = group.effective_backend or self.backend
+        if backend == "external" and not group.urls:
+            raise ValueError(f"engine.groups[{group.name}] is external (engines started elsewhere) but lists no urls; "
+                             f"set its urls, or its backend to embedded or sglang")
+        base.update(group.options, num_engines=len(group.urls) or group.num_engines, urls=list(group.urls),
+                    name=group.name, backend=backend)
+        if group.health_check is not None:
+            base["health_check"] = group.health_check.model_dump()
+        try:
+            return EngineSection.model_validate(base)
+        except ValueError as exc:
+            from pydantic import ValidationError
+
+            if not isinstance(exc, ValidationError):
+                raise
+            first = exc.errors()[0]
+            loc = ".".join(str(x) for x in first["loc"])
+            msg = "not an engine key" if first["type"] == "extra_forbidden" else first["msg"]
+            raise ValueError(f"engine.groups[{group.name}].options: {loc}: {msg}") from None
 
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -864,13 +1049,33 @@ class SlimectlConfig(Section):
             raise ValueError(f"train.lr_warmup_steps ({t.lr_warmup_steps}) must be below the run's {steps} optimizer "
                              f"steps (rollout.num_rollout x train.num_steps_per_rollout) to decay the LR "
                              f"({t.lr_decay_style}); lower it or train longer")
-        problem = critic_problem(self) or off_policy_problem(self) or lora_problem(self)
+        problem = critic_problem(self) or off_policy_problem(self) or lora_problem(self) or self._group_problem()
         if problem:
             raise ValueError(problem)
         if self.rollout.async_mode == "fully_async" and self.engine.offload_during_train:
             raise ValueError("engine.offload_during_train frees the engines while the trainer runs, but "
                              "rollout.async_mode = fully_async generates all the time; set one of them off")
         return self
+
+    def _group_problem(self) -> str | None:
+        """The first group a key names that ``engine.groups`` does not have, or a judge with nowhere to ask."""
+        r, names = self.rollout, self.engine.group_names()
+        for key, name in (("rollout.teacher_group", r.teacher_group), ("rollout.judge.group", r.judge.group)):
+            if name is not None and name not in names:
+                return (f"{key} = {name}: no engine group has that name (groups: {', '.join(names)}); add it to "
+                        f"engine.groups or fix the name")
+        if r.reward == "judge" and not (r.judge.group or r.judge.urls):
+            return ("rollout.reward is judge but rollout.judge names no group and no urls; set rollout.judge.group "
+                    "to a frozen group of engine.groups, or rollout.judge.urls")
+        return None
+
+    def group_config(self, name: str) -> "SlimectlConfig":
+        """The config a frozen group's engines are started with: its ``engine`` section
+        (:meth:`EngineSection.group_engine`), its model as ``model.path``, full weights (no LoRA)."""
+        group = next(g for g in self.engine.frozen_groups if g.name == name)
+        model = self.model.model_copy(update={"path": group.model or self.model.path, "adapter_path": None})
+        train = self.train.model_copy(update={"lora": None})
+        return self.model_copy(update={"engine": self.engine.group_engine(group), "model": model, "train": train})
 
     @property
     def effective_max_staleness(self) -> int:

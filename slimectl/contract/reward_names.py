@@ -12,13 +12,16 @@ GRADER_NAMES: tuple[str, ...] = ("math", "math_verify", "deepscaler", "dapo", "f
                                  "random")
 #: The remote reward model (``rollout.remote_reward_url``).
 REMOTE_NAMES: tuple[str, ...] = ("remote", "remote_rm")
+#: The generative reward model on an engine group (``rollout.judge``); computed by the rollout producer, which
+#: reaches the judge's engines, not by the hub.
+JUDGE_NAMES: tuple[str, ...] = ("judge",)
 #: ``boxed_<name>``: grade the content of the response's last ``\\boxed{}`` with ``<name>``.
 BOXED_PREFIX = "boxed_"
 
 
 def reward_names() -> list[str]:
     """Every built-in name, sorted (``boxed_<name>`` works for each as well)."""
-    return sorted([*GRADER_NAMES, *REMOTE_NAMES])
+    return sorted([*GRADER_NAMES, *REMOTE_NAMES, *JUDGE_NAMES])
 
 
 def is_custom_reward(reward: str) -> bool:
@@ -29,6 +32,8 @@ def is_custom_reward(reward: str) -> bool:
 def base_reward_name(reward: str) -> str | None:
     """The built-in name a reward value stands for (``boxed_f1`` -> ``f1``), or None if it names none."""
     name = reward.strip()
+    if name in JUDGE_NAMES:
+        return name  # the judge alone: no boxed_ form
     base = name[len(BOXED_PREFIX):] if name.startswith(BOXED_PREFIX) else name
     return base if base in GRADER_NAMES or base in REMOTE_NAMES else None
 

@@ -29,7 +29,8 @@ def _kill_orphan_engines(run: RunDir) -> None:
     leftovers of a killed serve/rl: stop them."""
     import psutil
 
-    for registry, what in ((run.routers, "router"), (run.engines, "engine")):
+    groups = ((run.engine_group(name), f"{name} engine") for name in run.engine_group_names())
+    for registry, what in ((run.routers, "router"), (run.engines, "engine"), *groups):
         for rec in registry.list():
             if rec.alive():
                 try:
@@ -56,6 +57,7 @@ class RunEngines:
 
         self.ids: dict[str, str | None] = {}
         self.group = None  # set when this process started the engines
+        self.frozen = None  # the frozen groups (engine.groups) this process started with them
         given = list(engine_urls) or list(cfg.engine.urls)
         if given:
             self.ids = {u.rstrip("/"): None for u in given}
@@ -81,6 +83,10 @@ class RunEngines:
         stack.callback(group.stop)
         group.start()
         self.group = group
+        if cfg.engine.frozen_groups:  # a teacher, a judge: served beside the actor's engines, never synced
+            from slimectl.stages.serve import FrozenGroups
+
+            self.frozen = stack.enter_context(FrozenGroups(run, cfg))
         self.ids = {e.url: e.id for e in group.engines}
         if cfg.rollout.async_mode == "fully_async":
             share_cores_with_engines(getattr(group, "engine_threads", {}))
@@ -94,6 +100,8 @@ class RunEngines:
     def check_alive(self) -> None:
         if self.group is not None:
             self.group.check_alive()
+        if self.frozen is not None:
+            self.frozen.check_alive()
 
     def guard(self):
         """Held around a weight sync: the heartbeat neither probes nor restarts an engine meanwhile."""

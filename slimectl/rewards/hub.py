@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from slimectl.contract.imports import import_object
-from slimectl.contract.reward_names import BOXED_PREFIX, GRADER_NAMES, REMOTE_NAMES
+from slimectl.contract.reward_names import BOXED_PREFIX, GRADER_NAMES, JUDGE_NAMES, REMOTE_NAMES
 from slimectl.contract.reward_names import is_custom_reward as is_custom_reward
 from slimectl.contract.reward_names import reward_names, unknown_reward_message
 
@@ -94,7 +94,7 @@ def _split_name(rm_type: str) -> tuple[bool, str]:
     name = rm_type.strip()
     boxed = name.startswith(BOXED_PREFIX)
     base = name[len(BOXED_PREFIX):] if boxed else name
-    if base not in GRADERS and base not in REMOTE_NAMES:
+    if base not in GRADERS and base not in REMOTE_NAMES and name not in JUDGE_NAMES:
         raise RewardConfigError(unknown_reward_message(rm_type))
     return boxed and base != "math", base
 
@@ -112,7 +112,7 @@ def needs_label(reward: str) -> bool | None:
     _, base = _split_name(reward)
     if base == MATH_VERIFY:
         require_math_verify()
-    if base in REMOTE_NAMES:
+    if base in REMOTE_NAMES or base in JUDGE_NAMES:
         return None
     return base not in LABEL_FREE
 
@@ -123,6 +123,8 @@ def grade(rm_type: str, response: str | None, label: Any, metadata: dict | None 
     boxed, base = _split_name(rm_type)
     if base in REMOTE_NAMES:
         raise RewardConfigError(f"reward type {rm_type!r} is remote: use compute_reward, not grade")
+    if base in JUDGE_NAMES:
+        raise RewardConfigError(_JUDGE_ELSEWHERE)
     response = response if isinstance(response, str) else ("" if response is None else str(response))
     if boxed:
         response = last_boxed(response) or ""
@@ -169,6 +171,8 @@ def _check_reward(path: str, value: Any, where: str = "") -> float | dict:
 # ------------------------------------------------------------------------------ the hub
 
 _UNSET: Any = object()
+_JUDGE_ELSEWHERE = ("the judge reward asks the engines of rollout.judge (slimectl.rewards.judge.JudgeReward, built "
+                    "by the rollout); it has no per-sample grader here")
 
 
 async def compute_reward(sample: Any, rm_type: str | None = None, label: Any = _UNSET, *, args: Any = None,
@@ -201,6 +205,8 @@ async def compute_reward(sample: Any, rm_type: str | None = None, label: Any = _
         if boxed:
             response = last_boxed(response) or ""
         return await remote.score(getattr(sample, "prompt", None), response, label)
+    if base in JUDGE_NAMES:
+        raise RewardConfigError(_JUDGE_ELSEWHERE)
     if base == MATH_VERIFY:  # worker processes, awaited: the event loop goes on meanwhile
         if boxed:
             box = last_boxed(response)

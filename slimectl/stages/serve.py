@@ -145,18 +145,24 @@ class EngineProcesses:
 
     def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
                  model_path: str | None = None, python: str | None = None, engine_indices: list[int] | None = None,
-                 weight_version: WeightChoice = None, verify=None):
+                 weight_version: WeightChoice = None, verify=None, group: str | None = None):
         """``engine_indices``: which of the ``engine.num_engines`` engines this group launches (all by
         default; a launcher that places each engine in its own process passes one index each).
         ``weight_version``: the weights launched engines start from (None: the newest published
         ``weights/N``, else ``model.path`` at version 0; N: ``weights/N``; ``"initial"``:
         ``model.path``). An explicit ``model_path`` is served at version 0 unless a version is given.
         ``verify(url, version)``: the problems found reading back the weights of an engine started again by the
-        heartbeat (:mod:`slimectl.engines.health`; one line each, empty: they match ``weights/version``)."""
+        heartbeat (:mod:`slimectl.engines.health`; one line each, empty: they match ``weights/version``).
+        ``group``: the name of a frozen engine group (``engine.groups``; ``cfg`` its :meth:`~slimectl.contract.
+        config_schema.SlimectlConfig.group_config`): its model at version 0, always, registered in
+        ``RUN/engines/groups/NAME/`` (:class:`FrozenGroups`)."""
         from slimectl.engines.supervisor import ProcessSupervisor
 
         self.run = run
         self.cfg = cfg
+        self.group = group
+        self.registry = run.engine_group(group) if group else run.engines
+        self.prefix = f"{group}-" if group else ""  # its engines' log files and record ids
         self.engine_urls = list(engine_urls) or list(cfg.engine.urls)
         self.backend = "external" if self.engine_urls else cfg.engine.backend
         self.explicit_model_path = model_path
@@ -225,7 +231,7 @@ class EngineProcesses:
                         nonce = env.get(ENGINE_NONCE_ENV) if self.backend == "embedded" else None
                         proc = self.supervisor.start(f"engine-{i}", argv, env=env, secrets=secrets, nonce=nonce,
                                                      url=None if ports_dir else _url(reach, port),
-                                                     log_path=self.run.path / "logs" / f"engine-{i}.log")
+                                                     log_path=self._log_path(f"engine-{i}"))
                         launched.append((i, proc))
                     if ports_dir:
                         for i, proc in launched:
@@ -326,7 +332,8 @@ class EngineProcesses:
         """(the model directory launched engines load, its weight version): for ``choice``, else the group's."""
         choice = self.weight_choice if choice is None else choice
         initial = self.explicit_model_path or self.cfg.model.path
-        if choice == "initial" or (choice is None and self.explicit_model_path):
+        if choice == "initial" or (choice is None and self.explicit_model_path) or self.group:  # a frozen group: its
+            # model, always (the run's weights/N are the actor's)
             log.info("serving the initial weights %s at weight version %s", initial, INITIAL_WEIGHT_VERSION)
             return initial, INITIAL_WEIGHT_VERSION
         ids = self.run.weights.ids()
@@ -349,6 +356,10 @@ class EngineProcesses:
         raise UsageError(f"--weight-version {choice}: weights/{choice:06d} is not published in {self.run.path} "
                          f"(published versions: {', '.join(map(str, ids))}); pick one of those, or omit "
                          f"--weight-version for the newest")
+
+    def _log_path(self, name: str) -> Path:
+        """``RUN/logs/[GROUP-]NAME.log``: an engine's log (a frozen group's name first)."""
+        return self.run.path / "logs" / f"{self.prefix}{name}.log"
 
     def _check_ports(self) -> None:
         """A fixed ``engine.port`` that something already listens on is refused before any engine
@@ -423,10 +434,12 @@ class EngineProcesses:
     def _register(self, name: str, url: str, pid: int | None, version: str = INITIAL_WEIGHT_VERSION) -> None:
         # "log": for "its process died"; "owner": this process, which heals the engine (the record is not pruned as
         # dead while its owner lives: registry.prune_dead)
-        extra = {"log": str(self.run.path / "logs" / f"{name}.log"),
+        extra = {"log": str(self._log_path(name)),
                  "owner": {"pid": os.getpid(), "create_time": process_create_time()}} if pid is not None else {}
-        rec = self.run.engines.register(EngineRecord(url=url, backend=self.backend, pid=pid, weight_version=version,
-                                                     id=f"{name}-{os.getpid()}", extra=extra))
+        if self.group:
+            extra["group"] = self.group
+        rec = self.registry.register(EngineRecord(url=url, backend=self.backend, pid=pid, weight_version=version,
+                                                  id=f"{self.prefix}{name}-{os.getpid()}", extra=extra))
         self.engines.append(ServedEngine(rec.id, url, self.backend, pid))
         log.info("engine %s ready at %s (%s)", rec.id, url, self.backend)
 
@@ -439,7 +452,7 @@ class EngineProcesses:
             self.run.routers.unregister(self.router.id)
             self.router = None
         for e in self.engines:
-            self.run.engines.unregister(e.id)
+            self.registry.unregister(e.id)
         self.engines = []
         self.supervisor.stop()
 
@@ -482,7 +495,7 @@ class EngineProcesses:
             pid = self._restart(loss.name, loss.url, version)
         except (SlimectlError, OSError) as exc:
             if served is not None:
-                self.run.engines.unregister(served.id)
+                self.registry.unregister(served.id)
                 self.engines.remove(served)
             self.lost[loss.url] = (f"{loss.name} at {loss.url} is lost ({loss.why}) and could not be started "
                                    f"again: {exc}")
@@ -499,7 +512,7 @@ class EngineProcesses:
     def _recorded_version(self, served: ServedEngine | None) -> str:
         """The weight version the registry last recorded for ``served`` (the group's when it has no record)."""
         try:
-            return str(self.run.engines.get(served.id).weight_version) if served else self.weight_version
+            return str(self.registry.get(served.id).weight_version) if served else self.weight_version
         except (SlimectlError, OSError, KeyError):
             return self.weight_version
 
@@ -520,7 +533,7 @@ class EngineProcesses:
         env.pop(FAULT_ENV, None)  # a fault injected into the engines is injected once
         nonce = env.get(ENGINE_NONCE_ENV) if self.backend == "embedded" else None
         proc = self.supervisor.start(name, argv, env=env, secrets=secrets, nonce=nonce, url=url,
-                                     log_path=self.run.path / "logs" / f"{name}.log")
+                                     log_path=self._log_path(name))
         try:
             self.supervisor.wait_healthy(url, timeout=self.cfg.engine.startup_timeout_s, interval=0.25)
             if self.after_start is not None:
@@ -559,6 +572,50 @@ class EngineProcesses:
         self.stop()
 
 
+class FrozenGroups:
+    """``with FrozenGroups(run, cfg) as f: f.urls`` — every frozen group of ``engine.groups`` (a teacher, a judge, a
+    reference) up, healthy and registered in ``RUN/engines/groups/NAME/``, each an :class:`EngineProcesses` of its
+    own (its model at weight version 0, its heartbeat); ``serve`` and ``rl`` hold it beside the actor's group.
+    No sync reaches these engines and no rollout generates on them: they are not in ``RUN/engines/``."""
+
+    def __init__(self, run: RunDir, cfg: SlimectlConfig):
+        self.groups = {g.name: EngineProcesses(run, cfg.group_config(g.name), group=g.name)
+                       for g in cfg.engine.frozen_groups}
+
+    @property
+    def urls(self) -> dict[str, list[str]]:
+        """Each group's engine URLs, by group name."""
+        return {name: group.urls for name, group in self.groups.items()}
+
+    def start(self) -> "FrozenGroups":
+        try:
+            for name, group in self.groups.items():
+                group.start()
+                log.info("engine group %s (frozen, %s) ready: %s", name, group.model_path, ", ".join(group.urls))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for group in self.groups.values():
+            group.stop()
+
+    def check_alive(self) -> None:
+        """:meth:`EngineProcesses.check_alive` of every group (a group's line names it)."""
+        for name, group in self.groups.items():
+            try:
+                group.check_alive()
+            except SlimectlError as exc:
+                raise SlimectlError(f"engine group {name}: {exc}") from None
+
+    def __enter__(self) -> "FrozenGroups":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...] = (),
           ready: threading.Event | None = None, stop: threading.Event | None = None, announce=print,
           weight_version: WeightChoice = None, verify=None) -> None:
@@ -572,11 +629,13 @@ def serve(run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, 
             if dead:
                 log.info("removed the records of dead engines %s", ", ".join(dead))
             group = EngineProcesses(run, cfg, engine_urls, weight_version=weight_version, verify=verify)
-            with set_on_signals(stop), group:  # SIGINT/SIGTERM stop the engines; the old handlers come back
+            frozen = FrozenGroups(run, cfg)
+            with set_on_signals(stop), group, frozen:  # SIGINT/SIGTERM stop the engines; the old handlers come back
                 for url in group.urls:
                     announce(url)
                 if ready is not None:
                     ready.set()
                 while not stop.wait(1.0):
                     group.check_alive()
+                    frozen.check_alive()
             log.info("engines stopped")

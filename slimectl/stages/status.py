@@ -49,6 +49,11 @@ def collect_status(run: RunDir, probe: bool = True, timeout: float = 1.0) -> dic
                                             "workers": list(rec.extra.get("workers") or [])
                                             if isinstance(rec.extra, dict) else []}, probe, timeout)
                       for rec in run.routers.list()]
+    out["engine_groups"] = {name: [_process_status(rec, {"id": rec.id, "url": rec.url, "backend": rec.backend,
+                                                         "host": rec.host, "pid": rec.pid,
+                                                         "weight_version": rec.weight_version, "started": rec.started},
+                                                   probe, timeout) for rec in run.engine_group(name).list()]
+                            for name in run.engine_group_names()}
     locks = {}
     for stage in STAGES:
         holder = run.lock(stage).holder()
@@ -253,6 +258,10 @@ def format_status(st: dict[str, Any]) -> str:
             )
     else:
         lines.append("engines    none registered")
+    for name, engines in st.get("engine_groups", {}).items():
+        lines += [f"group      {name} (frozen): {e['id']} {e['url']} [{e['backend']}] pid {e['pid']}@{e['host']}: "
+                  f"serving weight version {e['weight_version']}; health {e.get('health', e['process'])}"
+                  for e in engines]
     for r in st.get("routers", []):
         lines.append(f"router     {r['id']} {r['url']} [sglang-router] pid {r['pid']}@{r['host']}: routes /generate to "
                      f"{len(r['workers'])} engine(s); health {r.get('health', r['process'])}")

@@ -239,6 +239,17 @@ class RunDir:
         (``extra["workers"]``: the engine URLs it routes to). Not engines: sync never targets it."""
         return EngineRegistry(self.path / "engines" / "routers")
 
+    def engine_group(self, name: str) -> EngineRegistry:
+        """``engines/groups/NAME/ID.json``: the engines of a frozen group (``engine.groups``: a teacher, a judge),
+        each record's ``extra["group"]`` its name. Not the actor's (:attr:`engines`): sync and rollouts never see
+        them."""
+        return EngineRegistry(self.path / "engines" / "groups" / name)
+
+    def engine_group_names(self) -> list[str]:
+        """The frozen groups that have a registry folder here."""
+        root = self.path / "engines" / "groups"
+        return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
     def live_router(self, engine_urls) -> str | None:
         """The URL of a live recorded router that routes to exactly ``engine_urls``, else None."""
         want = sorted(u.rstrip("/") for u in engine_urls)
@@ -291,6 +302,8 @@ class RunDir:
             names.append(f"engines/{rec_id}.json (dead)")
         for rec_id in self.routers.prune_dead():
             names.append(f"engines/routers/{rec_id}.json (dead)")
+        for group in self.engine_group_names():
+            names += [f"engines/groups/{group}/{rec_id}.json (dead)" for rec_id in self.engine_group(group).prune_dead()]
         for stage, info in self._remove_stale_locks():
             names.append(f"locks/{stage}.lock (pid {info.get('pid')} on {info.get('host')}, dead)")
         if announce and names:

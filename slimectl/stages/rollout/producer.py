@@ -162,7 +162,13 @@ class RolloutProducer:
                                lora_path=weight_format(cfg).adapter_name, **routing)
         try:
             self.args = self._args()
-            self.reward_fn = make_reward_fn(cfg, self.args)
+            if r.reward == "judge":  # a generative reward model on an engine group (rollout.judge)
+                from slimectl.stages.rollout.judge import make_judge
+
+                self.reward_fn, close_judge = make_judge(self.run, cfg)
+                self.args.on_close.append(close_judge)
+            else:
+                self.reward_fn = make_reward_fn(cfg, self.args)
             # the rollout's own generate function (multi-turn, tools, ...): eval measures what training sees
             self.generate_fn = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate \
                 else default_generate
@@ -220,9 +226,13 @@ class RolloutProducer:
         """The metrics of a batch started at ``started`` (the teacher's log-probs filled in first under OPD)."""
         cfg, r = self.cfg, self.cfg.rollout
         samples = [s for g in kept for s in g.samples]
-        opd_rkl = await teacher_log_probs(samples, r.teacher_urls, r.temperature, cfg.engine.token(), cfg,
-                                          self.run.path) \
-            if r.teacher_urls else None
+        teachers = list(r.teacher_urls)
+        if r.teacher_group:  # OPD from a frozen engine group: its live engines, as teacher_urls
+            from slimectl.engines.groups import group_urls
+
+            teachers += group_urls(self.run, cfg, r.teacher_group, "rollout.teacher_group")
+        opd_rkl = await teacher_log_probs(samples, teachers, r.temperature, cfg.engine.token(), cfg, self.run.path) \
+            if teachers else None
         metrics = rollout_metrics(samples, counts, time.time() - started, r.reward_key, [g.samples for g in kept],
                                   weight_version)
         if opd_rkl is not None:
