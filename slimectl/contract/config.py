@@ -207,6 +207,10 @@ def _absolutize(data: dict[str, Any], base: Path) -> None:
         sec = data.get(section)
         if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key]:
             sec[key] = _absolute(sec[key], base, f"{section}.{key}")
+    groups = data["engine"].get("groups") if isinstance(data.get("engine"), dict) else None
+    for i, g in enumerate(groups if isinstance(groups, list) else []):  # each engine group's model folder
+        if isinstance(g, dict) and isinstance(g.get("model"), str) and g["model"]:
+            g["model"] = _absolute(g["model"], base, f"engine.groups.{i}.model")
     evals = data["data"].get("eval_data") if isinstance(data.get("data"), dict) else None
     if isinstance(evals, dict):
         data["data"]["eval_data"] = {k: _absolute(v, base, f"data.eval_data.{k}") if isinstance(v, str) and v else v for k, v in evals.items()}

@@ -320,7 +320,8 @@ _PLUMBING = (
 )
 #: Read by the layout (slime_launch), after the table: trainer and engine GPUs, parallel sizes.
 _LAYOUT = ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus", "--rollout-num-gpus-per-engine",
-           "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+           "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+           "--sglang-config")  # (its YAML: slime_sglang_config.py, after the layout)
 _METRICS_WHY = "metrics go to RUN/metrics and TensorBoard under RUN/tensorboard"
 _ROUTER_WHY = "slimectl's rollout balances requests over the engines itself (no router yet)"
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slimectl.stages.init.slime_flags import Translator, flag_spec
+from slimectl.stages.init.slime_flags import Translator, flag_spec, one_value
 from slimectl.stages.init.slime_script import parse_launch_script
 
 __all__ = ["SlimeTranslation", "parse_launch_script", "translate_slime_args", "translate_slime_script"]
@@ -84,9 +84,10 @@ SLIME_DEFAULTS: dict[str, Any] = {
 }
 
 
-def translate_slime_args(argv: list[str], script_name: str = "train.py") -> SlimeTranslation:
+def translate_slime_args(argv: list[str], script_name: str = "train.py", base: Path | None = None) -> SlimeTranslation:
     """Map slime's ``train.py`` argv to slimectl config data (not yet validated): the slime defaults,
-    then each flag by :data:`slimectl.stages.init.slime_flags.FLAGS`, then the GPU layout."""
+    then each flag by :data:`slimectl.stages.init.slime_flags.FLAGS`, then the GPU layout, then the engine groups
+    of ``--sglang-config`` (a relative path: against ``base``, the script's folder, when it is there)."""
     from slimectl.contract.config_schema import SlimectlConfig
 
     flags, stray = _group_flags(argv)
@@ -106,6 +107,8 @@ def translate_slime_args(argv: list[str], script_name: str = "train.py") -> Slim
     _drop_flags_slime_reads_only_with_another(t)
     world = _trainer_layout(t)
     per_engine = _engine_layout(t, world)
+    if "--sglang-config" in t.seen:
+        _engine_groups(t, per_engine, base)
     _closing_notes(t, world, per_engine)
     return SlimeTranslation(t.data, t.unmapped, t.ignored, t.notes)
 
@@ -173,6 +176,25 @@ def _engine_layout(t: Translator, world: int) -> int:
     return per_engine
 
 
+def _engine_groups(t: Translator, per_engine: int, base: Path | None) -> None:
+    """``--sglang-config FILE``: the actor's model sets ``engine:``, the frozen ones ``engine.groups``."""
+    from slimectl.stages.init.slime_sglang_config import map_sglang_config
+
+    path = Path(one_value("--sglang-config", t.seen["--sglang-config"]))
+    if not path.is_absolute() and base is not None and (base / path).is_file():
+        path = base / path
+    actor, groups, notes = map_sglang_config(path, t.get("model.path"), per_engine)
+    for key in ("name", "num_engines", "tp_size"):
+        t.set(f"engine.{key}", actor[key], "--sglang-config")
+    if actor.get("sglang_args"):
+        t.set("engine.sglang_args", {**(t.get("engine.sglang_args") or {}), **actor["sglang_args"]}, "--sglang-config")
+    if groups:
+        t.set("engine.groups", groups, "--sglang-config")
+    t.notes += notes + [f"--sglang-config {path}: the actor's engines are model {actor['name']} ({actor['num_engines']} "
+                        f"engine(s) of {actor['tp_size']} GPU(s)); frozen group(s): "
+                        f"{', '.join(g['name'] for g in groups) or 'none'} (engine.groups)"]
+
+
 def _closing_notes(t: Translator, world: int, per_engine: int) -> None:
     if "--rollout-max-response-len" not in t.seen:
         t.notes.append("no --rollout-max-response-len (slime generates up to the context length): "
@@ -187,7 +209,7 @@ def _closing_notes(t: Translator, world: int, per_engine: int) -> None:
 def translate_slime_script(path: str | Path) -> SlimeTranslation:
     """Read a slime launch script and translate its ``train.py`` flags (see the module docstring)."""
     argv, script_name, notes = parse_launch_script(path)
-    out = translate_slime_args(argv, script_name)
+    out = translate_slime_args(argv, script_name, Path(path).parent)
     out.notes = notes + out.notes
     out.script = str(path)
     return out
