@@ -127,3 +127,20 @@ def test_the_judge_fails_the_rollout_when_told_to():
     judge = _judge({"p|r": "so-so"}, template="{prompt}|{response}", on_error="fail")
     with pytest.raises(RewardError, match=r"judge: no score verdict in 'so-so' \(rollout.judge.on_error is fail"):
         asyncio.run(judge([SimpleNamespace(prompt="p", response="r", label=None, metadata={}, reward=None)]))
+
+
+def test_a_frozen_group_restarts_on_its_model_never_on_the_actors_weights(tmp_path):
+    """The heartbeat restarts a lost engine at its recorded version ("0" for a frozen group): that is its own model,
+    even where the run has published the actor's weights/0 (a LoRA run does at start)."""
+    from slimectl.contract.rundir import RunDir
+    from slimectl.stages.serve import EngineProcesses, FrozenGroups
+
+    cfg = build_config({"model": {"path": "/models/actor"}, "engine": {"groups": [JUDGE]}})
+    run, _ = RunDir.create(tmp_path / "run", cfg)
+    with run.weights.publish(0, meta={"weight_version": 0}) as d:
+        (d / "model.safetensors").write_bytes(b"actor")
+    judge = FrozenGroups(run, cfg).groups["judge"]
+    assert judge.registry.dir == run.path / "engines" / "groups" / "judge" and judge.prefix == "judge-"
+    assert judge._resolve_weights(0) == judge._resolve_weights() == ("/models/judge", "0")
+    actor = EngineProcesses(run, cfg)
+    assert actor._resolve_weights(0) == (str(run.weights.dir_for(0)), "0")  # the actor's group: weights/0
