@@ -211,6 +211,9 @@ def _absolutize(data: dict[str, Any], base: Path) -> None:
     for i, g in enumerate(groups if isinstance(groups, list) else []):  # each engine group's model folder
         if isinstance(g, dict) and isinstance(g.get("model"), str) and g["model"]:
             g["model"] = _absolute(g["model"], base, f"engine.groups.{i}.model")
+    judge = data["rollout"].get("judge") if isinstance(data.get("rollout"), dict) else None
+    if isinstance(judge, dict) and isinstance(judge.get("tokenizer_path"), str) and judge["tokenizer_path"]:
+        judge["tokenizer_path"] = _absolute(judge["tokenizer_path"], base, "rollout.judge.tokenizer_path")
     evals = data["data"].get("eval_data") if isinstance(data.get("data"), dict) else None
     if isinstance(evals, dict):
         data["data"]["eval_data"] = {k: _absolute(v, base, f"data.eval_data.{k}") if isinstance(v, str) and v else v for k, v in evals.items()}

@@ -197,6 +197,11 @@ class JudgeSection(Section):
     first group captures. A verdict the parser finds nothing in is an error (``on_error``)."""
     regex: Optional[str] = None
     """The ``regex`` parser's pattern (Python ``re``, searched in the verdict; its first group a number)."""
+    chat_template: bool = False
+    """Send the filled template as one user message in the judge model's chat template (what an instruct judge
+    expects; its tokenizer from the group's model, or ``tokenizer_path`` with ``urls``); false: as raw text."""
+    tokenizer_path: Optional[str] = None
+    """With ``urls`` and ``chat_template``: the judge model's tokenizer directory."""
     max_tokens: int = Field(default=16, gt=0)
     """Most tokens of a verdict."""
     temperature: float = Field(default=0.0, ge=0)
@@ -230,6 +235,9 @@ class JudgeSection(Section):
                 raise ValueError(f"rollout.judge.regex does not compile: {exc}") from None
         if self.group and self.urls:
             raise ValueError("rollout.judge sets both group and urls; keep one")
+        if self.chat_template and self.urls and not self.tokenizer_path:
+            raise ValueError("rollout.judge.chat_template with rollout.judge.urls needs rollout.judge.tokenizer_path "
+                             "(the judge model's tokenizer directory)")
         return self
 
 
@@ -1073,7 +1081,8 @@ class SlimectlConfig(Section):
         """The config a frozen group's engines are started with: its ``engine`` section
         (:meth:`EngineSection.group_engine`), its model as ``model.path``, full weights (no LoRA)."""
         group = next(g for g in self.engine.frozen_groups if g.name == name)
-        model = self.model.model_copy(update={"path": group.model or self.model.path, "adapter_path": None})
+        model = self.model.model_copy(update={"path": group.model or self.model.path, "adapter_path": None,
+                                              "tokenizer_path": None if group.model else self.model.tokenizer_path})
         train = self.train.model_copy(update={"lora": None})
         return self.model_copy(update={"engine": self.engine.group_engine(group), "model": model, "train": train})
 

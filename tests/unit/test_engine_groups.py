@@ -144,3 +144,20 @@ def test_a_frozen_group_restarts_on_its_model_never_on_the_actors_weights(tmp_pa
     assert judge._resolve_weights(0) == judge._resolve_weights() == ("/models/judge", "0")
     actor = EngineProcesses(run, cfg)
     assert actor._resolve_weights(0) == (str(run.weights.dir_for(0)), "0")  # the actor's group: weights/0
+
+
+def test_the_judge_prompt_in_the_judge_models_chat_template(tmp_path):
+    from slimectl.stages.rollout.judge import judge_prompt
+    from slimectl.starter_models.tiny_models import build_tiny_model
+
+    model = build_tiny_model("qwen2", tmp_path / "judge", seed=1)
+    groups = {"groups": [{"name": "judge", "model": str(model)}]}
+    raw = build_config({"engine": groups, "rollout": {"judge": {"group": "judge"}}})
+    assert judge_prompt(raw)("Is 2 right?") == "Is 2 right?"
+    for judge in ({"group": "judge"}, {"urls": ["http://j:1"], "tokenizer_path": str(model)}):
+        cfg = build_config({"model": {"path": "/models/actor", "tokenizer_path": "/models/actor-tok"}, "engine": groups,
+                            "rollout": {"judge": {**judge, "chat_template": True}}})
+        text = judge_prompt(cfg)("Is 2 right?")  # the group's own tokenizer, not the actor's tokenizer_path
+        assert "<|im_start|>user\nIs 2 right?<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    with pytest.raises(ConfigError, match="needs rollout.judge.tokenizer_path"):
+        build_config({"rollout": {"judge": {"urls": ["http://j:1"], "chat_template": True}}})
