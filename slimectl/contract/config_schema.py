@@ -809,6 +809,15 @@ class SyncSection(Section):
     """sync.mode delta: the zstd level (1: fastest)."""
     delta_checksum: Literal["xxh3_128"] = "xxh3_128"
     """sync.mode delta: the per-tensor checksum of the base and the result that every apply checks."""
+    local_copy: bool = True
+    """sync.mode delta, engines that cannot apply a delta (SGLang) on the sync's host: keep a full copy of the
+    weights on this host's disk, bring it forward with each delta and have the engines load it, so only the delta
+    is read from the run directory (slime's --update-weight-local-checkpoint-dir); false: they load the full
+    ``weights/N``."""
+    local_copy_dir: Optional[str] = None
+    """Where the local copies live (one subdirectory per run, the last version only); null: the temporary
+    directory of the host (``$TMPDIR`` or /tmp) + ``slimectl-weight-copies``. Use host-local disk, not the shared
+    filesystem."""
 
 
 class LoggingSection(Section):
