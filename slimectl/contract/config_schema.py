@@ -796,7 +796,8 @@ class SyncSection(Section):
     """Published ``weights/N`` kept (older ones are deleted); null keeps all."""
     mode: Literal["full", "delta"] = "full"
     """full: every sync moves every weight; delta: ``weights/N`` also carries what changed since ``weights/N-1``,
-    and engines that apply deltas (the embedded engine) and serve N-1 get only that (others: the full weights).
+    and engines that apply deltas (the embedded engine) and serve N-1 get only that; SGLang engines load a host-local
+    copy the sync brings forward with it (``sync.local_copy``); others get the full weights.
     Pays in bf16 (an RL step changes ~1 % of the elements); in fp32 nearly every element moves and a delta is
     ~0.4x of the bytes, slower to apply (docs/benchmarks.md). Not for LoRA runs (their versions are small
     adapters)."""

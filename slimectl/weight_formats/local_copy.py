@@ -110,8 +110,7 @@ class LocalCopy:
         from slimectl.backends.hf.checkpoint import HFCheckpointError
         from slimectl.backends.hf.weight_delta import DeltaError
 
-        self._clean()
-        cur = self.current()
+        cur = self._clean()
         digest = header["digest"] if header else None
         if cur is not None and cur.version == version and (digest is None or cur.digest in (None, digest)):
             return cur, 0
@@ -203,11 +202,19 @@ class LocalCopy:
         os.rename(d, aside)
         shutil.rmtree(aside, ignore_errors=True)
 
-    def _clean(self) -> None:
-        """Leftovers of a killed sync (``.tmp-*``): removed (one sync of a run at a time: its lock)."""
-        if self.root.is_dir():
-            for d in self.root.glob(f"{TMP_PREFIX}*"):
-                shutil.rmtree(d, ignore_errors=True)
+    def _clean(self) -> CopyState | None:
+        """Leftovers of a killed sync (one sync of a run at a time: its lock): ``.tmp-*`` directories, and the
+        copies beside the newest complete one (a sync killed between renaming the new copy into place and
+        removing the old). The newest complete copy, None if none."""
+        if not self.root.is_dir():
+            return None
+        for d in self.root.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(d, ignore_errors=True)
+        cur = self.current()
+        for d in self.root.glob("v[0-9]*"):
+            if cur is None or d != cur.path:
+                self._remove(d)
+        return cur
 
 
 def _read_state(d: Path) -> CopyState | None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import shutil
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -132,6 +134,37 @@ def test_a_missing_or_damaged_copy_is_made_from_the_full_weights(run, tmp_path):
     assert sorted(p.name for p in copy.root.iterdir()) == ["v000004"]
     (state.path / COPY_READY).unlink()  # a copy without its READY is no copy
     assert copy.current() is None
+
+
+@pytest.mark.parametrize("at", ["rename", "remove"])
+def test_a_sync_killed_while_writing_the_copy_leaves_the_old_or_the_new_one(run, tmp_path, at):
+    """A process bringing the copy from 1 to 2 is killed (SIGKILL) as it renames the new copy into place, or as it
+    removes the old one: the copy is then version 1 or version 2, whole; the next sync removes the leftovers and
+    goes on from it with a delta."""
+    copy = LocalCopy(tmp_path / "copy")
+    copy.advance(1, wdir(run, 1), read_header(wdir(run, 1)))
+    src = delta_only(run, 2, tmp_path / "delta-2")
+    pid = os.fork()
+    if pid == 0:  # the child: the sync that dies there (the patch lives and dies with it)
+        try:
+            def die(*_args):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if at == "rename":
+                os.rename = die
+            else:
+                LocalCopy._remove = die
+            copy.advance(2, src, read_header(wdir(run, 2)))
+        finally:
+            os._exit(3)
+    assert os.waitpid(pid, 0)[1] == signal.SIGKILL
+    left = copy.current()
+    want = 1 if at == "rename" else 2
+    assert left.version == want and sums(left.path) == sums(wdir(run, want))
+    assert any(p.name.startswith(".tmp-") for p in copy.root.iterdir()) == (at == "rename")
+    state, read = copy.advance(3, delta_only(run, 3, tmp_path / "delta-3"), read_header(wdir(run, 3))) \
+        if want == 2 else copy.advance(2, src, read_header(wdir(run, 2)))
+    assert read < full_bytes(wdir(run, state.version)) / 5 and sums(state.path) == sums(wdir(run, state.version))
+    assert sorted(p.name for p in copy.root.iterdir()) == [f"v{state.version:06d}"]
 
 
 def test_the_routes_of_engines_that_cannot_apply_a_delta(run):
