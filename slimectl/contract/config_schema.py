@@ -816,9 +816,19 @@ class SyncSection(Section):
     is read from the run directory (slime's --update-weight-local-checkpoint-dir); false: they load the full
     ``weights/N``."""
     local_copy_dir: Optional[str] = None
-    """Where the local copies live (one subdirectory per run, the last version only); null: the temporary
-    directory of the host (``$TMPDIR`` or /tmp) + ``slimectl-weight-copies``. Use host-local disk, not the shared
-    filesystem."""
+    """Where the local copies live (one subdirectory per run, the last version only): an absolute path (``~``
+    expanded) on host-local disk, not the shared filesystem; null: the host's temporary directory (``$TMPDIR`` or
+    /tmp) + ``slimectl-weight-copies``."""
+
+    @field_validator("local_copy_dir")
+    @classmethod
+    def _absolute_copy_dir(cls, value: Optional[str]) -> Optional[str]:
+        import os
+
+        if value is not None and not os.path.isabs(os.path.expanduser(value)):
+            raise ValueError(f"{value!r} is relative; give an absolute path on this host's own disk (a relative "
+                             f"one would land wherever the sync runs, often the shared filesystem)")
+        return value
 
 
 class LoggingSection(Section):

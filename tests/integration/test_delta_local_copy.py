@@ -182,6 +182,27 @@ def test_the_routes_of_engines_that_cannot_apply_a_delta(run):
     assert DeltaWeights(cfg.sync, EMBEDDED).caps.deltas and not EMBEDDED.local_copy
 
 
+def test_the_copy_directory_is_absolute_and_defaults_to_the_hosts_temporary_directory(tmp_path, monkeypatch):
+    from slimectl.contract.config import load_config
+    from slimectl.contract.errors import ConfigError
+    from slimectl.weight_formats.local_copy import default_root
+
+    with pytest.raises(ConfigError, match="sync.local_copy_dir .*'copies' is relative; give an absolute path"):
+        load_config(None, ["sync.local_copy_dir=copies"])
+    monkeypatch.setenv("HOME", str(tmp_path))
+    form = DeltaWeights(load_config(None, ["sync.mode=delta", "sync.local_copy_dir=~/c"]).sync, SGLANG_CPU)
+    source = form.source_from_dir(1, tmp_path / "runs" / "r1" / "weights" / "000001")
+    assert form.local_copy_of(source).root.parent == tmp_path / "c"
+    assert form.local_copy_of(source).root.name.startswith("r1-")
+    other = form.source_from_dir(1, tmp_path / "elsewhere" / "r1" / "weights" / "000001")
+    assert form.local_copy_of(other).root != form.local_copy_of(source).root  # one directory per run
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert default_root() == tmp_path / "tmp" / "slimectl-weight-copies"
+
+
 def test_an_engine_that_loads_from_disk_gets_each_delta_through_the_local_copy(run):
     """The format's disk push with SGLang's capabilities, to our embedded engine (the same
     /update_weights_from_disk): versions 1-5, weights/2-5's safetensors zeroed while they are pushed (only their
