@@ -7,9 +7,9 @@ base version and the base's digest, ``delta.bin``), sealed by the same READY man
 deltas (:attr:`EngineCaps.deltas <slimectl.engines.caps.EngineCaps.deltas>`) and serves the base version gets the
 delta; one that cannot but loads from its host's disk (:attr:`~slimectl.engines.caps.EngineCaps.local_copy`:
 SGLang), on the sync's host, loads the version from a host-local copy that the delta brings forward
-(:mod:`slimectl.weight_formats.local_copy`); every other engine the full weights. An engine that finds its weights are not the delta's base refuses
-(one line) and gets the full weights; a corrupt delta (a flipped byte, truncated) fails the sync loudly and
-leaves the engine on its version.
+(:mod:`slimectl.weight_formats.local_copy`); every other engine the full weights. An engine that finds its
+weights are not the delta's base refuses (one line) and gets the full weights; a corrupt delta (a flipped byte,
+truncated) fails the sync loudly and leaves the engine on its version.
 """
 
 from __future__ import annotations
