@@ -818,7 +818,7 @@ class SyncSection(Section):
     local_copy_dir: Optional[str] = None
     """Where the local copies live (one subdirectory per run, the last version only): an absolute path (``~``
     expanded) on host-local disk, not the shared filesystem; null: the host's temporary directory (``$TMPDIR`` or
-    /tmp) + ``slimectl-weight-copies``."""
+    /tmp) + ``slimectl-weight-copies-<user>``."""
 
     @field_validator("local_copy_dir")
     @classmethod

@@ -54,10 +54,12 @@ class CopyState:
 
 def default_root() -> Path:
     """Where copies live when ``sync.local_copy_dir`` is not set: the host's temporary directory (host-local
-    disk by convention, where a home directory is often the shared filesystem the copy is there to avoid)."""
+    disk by convention, where a home directory is often the shared filesystem the copy is there to avoid), one
+    directory per user."""
+    import getpass
     import tempfile
 
-    return Path(tempfile.gettempdir()) / "slimectl-weight-copies"
+    return Path(tempfile.gettempdir()) / f"slimectl-weight-copies-{getpass.getuser()}"
 
 
 def run_key(weights_dir: Path) -> str:
@@ -106,7 +108,16 @@ class LocalCopy:
 
     def advance(self, version: int, src: Path, header: dict | None) -> tuple[CopyState, int]:
         """The copy brought to ``version`` (``src``: ``weights/N``; ``header``: its delta's, checked, or None) and
-        the bytes read from ``src``: the delta when the copy is on its base, else the full weights."""
+        the bytes read from ``src``: the delta when the copy is on its base, else the full weights. A disk that
+        refuses (full, not writable): :class:`LocalCopyError` naming the directory, the old copy as it was."""
+        try:
+            return self._advance(version, Path(src), header)
+        except OSError as exc:
+            raise LocalCopyError(f"cannot make the local copy of weight version {version} under {self.root} "
+                                 f"({exc}); free space there, set sync.local_copy_dir to another host-local "
+                                 f"directory, or sync.local_copy: false to load the full weights") from None
+
+    def _advance(self, version: int, src: Path, header: dict | None) -> tuple[CopyState, int]:
         from slimectl.backends.hf.checkpoint import HFCheckpointError
         from slimectl.backends.hf.weight_delta import DeltaError
 

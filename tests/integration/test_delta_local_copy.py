@@ -10,6 +10,7 @@ format's disk push with SGLang's capabilities to our embedded engine, which load
 from __future__ import annotations
 
 import asyncio
+import getpass
 import hashlib
 import os
 import shutil
@@ -134,6 +135,11 @@ def test_a_missing_or_damaged_copy_is_made_from_the_full_weights(run, tmp_path):
     assert sorted(p.name for p in copy.root.iterdir()) == ["v000004"]
     (state.path / COPY_READY).unlink()  # a copy without its READY is no copy
     assert copy.current() is None
+    blocked = tmp_path / "a-file"  # a directory that cannot be made: one line naming it and the ways out
+    blocked.write_text("")
+    with pytest.raises(LocalCopyError, match=r"cannot make the local copy of weight version 4 under .*a-file .*"
+                                             r"set sync.local_copy_dir to another host-local directory"):
+        LocalCopy(blocked).advance(4, wdir(run, 4), read_header(wdir(run, 4)))
 
 
 @pytest.mark.parametrize("at", ["rename", "remove"])
@@ -200,7 +206,7 @@ def test_the_copy_directory_is_absolute_and_defaults_to_the_hosts_temporary_dire
     (tmp_path / "tmp").mkdir()
     import tempfile
     monkeypatch.setattr(tempfile, "tempdir", None)
-    assert default_root() == tmp_path / "tmp" / "slimectl-weight-copies"
+    assert default_root() == tmp_path / "tmp" / f"slimectl-weight-copies-{getpass.getuser()}"
 
 
 def test_an_engine_that_loads_from_disk_gets_each_delta_through_the_local_copy(run):
