@@ -989,7 +989,8 @@ class SyncSection(Section):
     """Published ``weights/N`` kept (older ones are deleted); null keeps all."""
     mode: Literal["full", "delta"] = "full"
     """full: every sync moves every weight; delta: ``weights/N`` also carries what changed since ``weights/N-1``,
-    and engines that apply deltas (the embedded engine) and serve N-1 get only that (others: the full weights).
+    and engines that apply deltas (the embedded engine) and serve N-1 get only that; SGLang engines load a host-local
+    copy the sync brings forward with it (``sync.local_copy``); others get the full weights.
     Pays in bf16 (an RL step changes ~1 % of the elements); in fp32 nearly every element moves and a delta is
     ~0.4x of the bytes, slower to apply (docs/benchmarks.md). Not for LoRA runs (their versions are small
     adapters)."""
@@ -1002,6 +1003,25 @@ class SyncSection(Section):
     """sync.mode delta: the zstd level (1: fastest)."""
     delta_checksum: Literal["xxh3_128"] = "xxh3_128"
     """sync.mode delta: the per-tensor checksum of the base and the result that every apply checks."""
+    local_copy: bool = True
+    """sync.mode delta, engines that cannot apply a delta (SGLang) on the sync's host: keep a full copy of the
+    weights on this host's disk, bring it forward with each delta and have the engines load it, so only the delta
+    is read from the run directory (slime's --update-weight-local-checkpoint-dir); false: they load the full
+    ``weights/N``."""
+    local_copy_dir: Optional[str] = None
+    """Where the local copies live (one subdirectory per run, the last version only): an absolute path (``~``
+    expanded) on host-local disk, not the shared filesystem; null: the host's temporary directory (``$TMPDIR`` or
+    /tmp) + ``slimectl-weight-copies-<user>``."""
+
+    @field_validator("local_copy_dir")
+    @classmethod
+    def _absolute_copy_dir(cls, value: Optional[str]) -> Optional[str]:
+        import os
+
+        if value is not None and not os.path.isabs(os.path.expanduser(value)):
+            raise ValueError(f"{value!r} is relative; give an absolute path on this host's own disk (a relative "
+                             f"one would land wherever the sync runs, often the shared filesystem)")
+        return value
 
 
 class LoggingSection(Section):

@@ -5,9 +5,11 @@ verification, a restarted engine and any engine on another version need them) an
 there as it is written, the delta against it (:mod:`slimectl.backends.hf.weight_delta`: ``delta.json`` naming the
 base version and the base's digest, ``delta.bin``), sealed by the same READY manifest. An engine that applies
 deltas (:attr:`EngineCaps.deltas <slimectl.engines.caps.EngineCaps.deltas>`) and serves the base version gets the
-delta; every other engine the full weights. An engine that finds its weights are not the delta's base refuses
-(one line) and gets the full weights; a corrupt delta (a flipped byte, truncated) fails the sync loudly and
-leaves the engine on its version.
+delta; one that cannot but loads from its host's disk (:attr:`~slimectl.engines.caps.EngineCaps.local_copy`:
+SGLang), on the sync's host, loads the version from a host-local copy that the delta brings forward
+(:mod:`slimectl.weight_formats.local_copy`); every other engine the full weights. An engine that finds its
+weights are not the delta's base refuses (one line) and gets the full weights; a corrupt delta (a flipped byte,
+truncated) fails the sync loudly and leaves the engine on its version.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import json
 import logging
 from pathlib import Path
+from typing import Literal
 
 from slimectl.weight_formats.format import FullWeights, dir_bytes
 
@@ -23,6 +26,10 @@ log = logging.getLogger("slimectl.weights")
 
 #: The marker of an engine refusal that means "not my base" (the server's message carries it): full weights then.
 BASE_REFUSAL = "(base)"
+
+#: How one engine gets a version of this format: the delta applied by the engine, the version loaded from the
+#: host-local copy the delta brought forward, or the full ``weights/N``.
+Route = Literal["delta", "local_copy", "full"]
 
 
 class DeltaWeights(FullWeights):
@@ -36,6 +43,8 @@ class DeltaWeights(FullWeights):
         self.compression = getattr(sync, "delta_compression", "zstd")
         self.level = getattr(sync, "delta_level", 1)
         self.caps = caps
+        self.local_copy = bool(getattr(sync, "local_copy", True))
+        self.local_copy_dir = getattr(sync, "local_copy_dir", None)
 
     @property
     def published_meta(self) -> dict:
@@ -119,18 +128,51 @@ class DeltaWeights(FullWeights):
         base = str(header["base_version"])
         return {u: not isinstance(v, BaseException) and str(v) == base for u, v in zip(clients, versions)}
 
+    async def _routes(self, clients: dict, header: dict | None) -> dict[str, Route]:
+        """How each engine gets the version: engines that apply deltas by their base version; engines that cannot
+        (``caps.deltas`` false) from the local copy when they take one (``caps.local_copy``, ``sync.local_copy``)
+        and run on this host; the rest in full."""
+        if header is not None and self.caps is not None and not self.caps.deltas:
+            from slimectl.weight_formats.local_copy import on_this_host
+
+            local = {u: self.caps.local_copy and self.local_copy and on_this_host(u) for u in clients}
+            if self.caps.local_copy and self.local_copy and not all(local.values()):
+                log.info("engines on other hosts (%s) get the full weights: the local copy is on this host",
+                         ", ".join(u for u, here in local.items() if not here))
+            return {u: "local_copy" if here else "full" for u, here in local.items()}
+        on_base = await self._on_base(clients, header)
+        return {u: "delta" if on_base[u] else "full" for u in clients}
+
+    def local_copy_of(self, source):
+        """The host-local copy of ``source``'s run (``sync.local_copy_dir``/<run>)."""
+        import os
+
+        from slimectl.weight_formats.local_copy import LocalCopy, default_root, run_key
+
+        root = Path(os.path.expanduser(self.local_copy_dir)) if self.local_copy_dir else default_root()
+        return LocalCopy(root / run_key(Path(source.hf_dir).parent))
+
     async def push_disk(self, clients: dict, source, flush_cache: bool = True) -> int:
-        """The delta to the engines on its base (``/update_weights_from_delta``), the full weights to the others
-        and to any that refuses it as not its base."""
+        """The delta to the engines on its base (``/update_weights_from_delta``); the host-local copy, brought
+        forward by the delta, to the engines that load from it; the full weights to the others and to any that
+        refuses the delta as not its base. The bytes read from the run directory."""
         from slimectl.engines.client import EngineError
 
         header = self._delta_of(source)
-        on_base = await self._on_base(clients, header)
+        routes = await self._routes(clients, header)
         path, version = str(Path(source.hf_dir).resolve()), str(source.version)
         delta_bytes = header["blob_bytes"] if header else 0
+        local_path, local_bytes = None, 0
+        if "local_copy" in routes.values():
+            copy, local_bytes = await asyncio.to_thread(self.local_copy_of(source).advance, source.version,
+                                                        Path(source.hf_dir), header)
+            local_path = str(copy.path)
 
         async def one(url: str, c) -> int:
-            if on_base[url]:
+            if routes[url] == "local_copy":
+                await c.update_weights_from_disk(local_path, weight_version=version, flush_cache=flush_cache)
+                return 0
+            if routes[url] == "delta":
                 try:
                     await c.update_weights_from_delta(version, delta_path=path, flush_cache=flush_cache)
                     return delta_bytes
@@ -142,7 +184,7 @@ class DeltaWeights(FullWeights):
             await c.update_weights_from_disk(path, weight_version=version, flush_cache=flush_cache)
             return dir_bytes(source.hf_dir)
 
-        return sum(await asyncio.gather(*(one(u, c) for u, c in clients.items())))
+        return local_bytes + sum(await asyncio.gather(*(one(u, c) for u, c in clients.items())))
 
     async def push_group(self, group, clients: dict, source, flush_cache: bool = True) -> int:
         """When every engine is on the delta's base: the delta's blob in one broadcast, each engine applying it

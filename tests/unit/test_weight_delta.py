@@ -178,5 +178,6 @@ def test_slime_flags_map_onto_the_delta_keys():
                                "/tmp/ckpt"])
     assert tr.data["sync"]["mode"] == "delta" and tr.data["sync"]["delta_encoding"] == "overwrite"
     assert tr.data["sync"]["delta_checksum"] == "xxh3_128"
-    assert [f for f, _ in tr.ignored] == ["--update-weight-local-checkpoint-dir"]
+    assert tr.data["sync"]["local_copy_dir"] == "/tmp/ckpt" and tr.data["sync"]["local_copy"] is True
+    assert not tr.ignored and not tr.unmapped
     assert translate_slime_args(["--update-weight-mode", "full"]).data["sync"]["mode"] == "full"

@@ -270,6 +270,13 @@ def _delta_checksum(t: Translator, flag: str, values: list[str]) -> None:
         t.notes.append(f"{flag} {values[0]}: slimectl checks every tensor of a delta with xxh3-128")
 
 
+def _local_checkpoint_dir(t: Translator, flag: str, values: list[str]) -> None:
+    t.set("sync.local_copy_dir", one_value(flag, values), flag)
+    t.set("sync.local_copy", True, flag)
+    t.notes.append(f"{flag}: each run's local copy is a subdirectory of it (the last version only); the embedded "
+                   f"engine applies deltas in memory and needs none")
+
+
 def _num_epoch(t: Translator, flag: str, values: list[str]) -> None:
     if "--num-rollout" not in t.seen:
         t.unmapped.append((flag, "needs the dataset's row count: set rollout.num_rollout = rows // "
@@ -442,8 +449,7 @@ _SECOND_PASS: dict[str, Flag] = {
     "--update-weight-mode": Flag(rule=_weight_mode),
     "--update-weight-delta-encoding": _key("sync.delta_encoding"),
     "--update-weight-delta-checksum": Flag(rule=_delta_checksum),
-    "--update-weight-local-checkpoint-dir": Flag(not_needed="the embedded engine applies a delta in memory; "
-                                                            "SGLang engines get full weights"),
+    "--update-weight-local-checkpoint-dir": Flag(rule=_local_checkpoint_dir),
     "--num-epoch": Flag(rule=_num_epoch),
     "--ref-load": Flag(not_needed="the reference model is model.ref_path (an HF folder; default model.path), "
                                   "not a torch_dist checkpoint"),
