@@ -260,10 +260,13 @@ class ResponsesAnswer(Answer):
         return req, req.chat()
 
     def whole(self, turn: Turn) -> dict[str, Any]:
-        return response_object(self.req, turn, self.harness.model_name)
+        return response_object(self.req, turn, self.harness.model_name, self.uid, self.created)
 
     def events(self, turn: Turn, reasoning: list[str], content: list[str]) -> list[dict[str, Any]]:
         return response_events(self.whole(turn), reasoning, content)
+
+    def error_event(self, message: str, code: str) -> dict[str, Any]:
+        return {"type": "error", "code": code, "message": message, "param": None, "sequence_number": 0}
 
 
 def add_routes(harness: Harness) -> None:

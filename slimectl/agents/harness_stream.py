@@ -17,6 +17,8 @@ may send the same request again.
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -96,6 +98,8 @@ class Answer(ABC):
 
     def __init__(self, harness: Harness, req: Any):
         self.harness, self.req = harness, req
+        # The answer's ids and time, the same in every event of it (a stream's first events go out before its end).
+        self.uid, self.created = uuid.uuid4().hex, int(time.time())
 
     @staticmethod
     @abstractmethod
@@ -111,6 +115,10 @@ class Answer(ABC):
     def events(self, turn: Turn, reasoning: list[str], content: list[str]) -> list[dict[str, Any]]:
         """The answer as server-sent events; ``reasoning`` and ``content``: the reply's pieces, cut where its
         tokens end (:func:`reply_pieces`), sent as deltas."""
+
+    @abstractmethod
+    def error_event(self, message: str, code: str) -> dict[str, Any]:
+        """The event that ends a stream whose generation failed after its first events were sent."""
 
 
 def token_logprobs(decode: Callable[[list[int]], str], ids: list[int], logprobs: list[float]) -> dict[str, Any]:
@@ -160,7 +168,18 @@ class StreamCut(Exception):
         self.response = response
 
 
-def _gone(request: web.Request) -> bool:
+def sse_event(event: dict[str, Any], named: bool) -> bytes:
+    """One server-sent event (``named``: with an ``event:`` line naming its ``type``)."""
+    name = f"event: {event['type']}\n" if named else ""
+    return f"{name}data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+
+def stream_response(headers: dict[str, str]) -> web.StreamResponse:
+    return web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+
+
+def gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
 
@@ -170,18 +189,16 @@ async def write_stream(request: web.Request, events: list[dict[str, Any]], heade
     """Write ``events`` as server-sent events (``named``: each with an ``event:`` line naming its ``type``, as the
     Responses and Messages APIs send them), then ``data: [DONE]`` when ``done`` (chat completions' end marker);
     :class:`StreamCut` when the client is gone before the last one was handed to the connection."""
-    if _gone(request):
+    if gone(request):
         raise StreamCut()
-    resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
-                                                   "Cache-Control": "no-cache"})
+    resp = stream_response(headers)
     try:
         await resp.prepare(request)
         for event in events:
-            name = f"event: {event['type']}\n" if named else ""
-            await resp.write(f"{name}data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+            await resp.write(sse_event(event, named))
         if done:
             await resp.write(b"data: [DONE]\n\n")
-        if _gone(request):
+        if gone(request):
             raise StreamCut(resp)
         await resp.write_eof()
     except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one
