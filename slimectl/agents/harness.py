@@ -210,8 +210,9 @@ class Harness:
         body = await read_object(request, allow_empty=False)
         # the session first, then the body's fields: the first fault of a request is the one answered
         sid = request_session(request, body, api.user_field)
+        body = api.expand(self, sid, body)
         own, req = api.request(body)
-        answer = api(self, own)
+        answer = api(self, own, body)
         params = req.sampling_params(self.default_max_tokens)
         # Rendering and tokenising a long conversation takes seconds: do it off the event loop, so
         # other sessions (and /health) are served meanwhile.
@@ -243,6 +244,7 @@ class Harness:
                 return await self._complete_streamed(request, sess, req, params, prompt, answer)
             turn = self._turn(sess, prompt, req, await self._generate(prompt.input_ids, params))
             segment_no, turn_no = self._record(turn, req)
+            answer.recorded(turn)
         return web.json_response(answer.whole(turn), headers=self._place(sess.id, segment_no, turn_no))
 
     async def _complete_streamed(self, request: web.Request, sess: Session, req: ChatRequest, params: dict[str, Any],
@@ -269,6 +271,7 @@ class Harness:
                         sess.id, exc.message)
             return await live.fail(exc.message, exc.code or "engine_failed")
         self._record(turn, req)
+        answer.recorded(turn)
         return resp
 
     async def _stream(self, request: web.Request, turn: Turn, answer: Answer) -> web.StreamResponse:

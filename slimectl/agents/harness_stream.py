@@ -86,7 +86,8 @@ class Answer(ABC):
     :meth:`~slimectl.agents.harness.Harness.serve_turn` does the rest (session, render, generate, parse, record,
     write) for all of them: ``ChatAnswer`` (chat completions, :mod:`slimectl.agents.harness`), ``ResponsesAnswer``
     (:mod:`slimectl.agents.harness_responses`), ``MessagesAnswer`` (:mod:`slimectl.agents.harness_anthropic`).
-    ``req``: the API's own request, as :meth:`request` checked it."""
+    ``req``: the API's own request, as :meth:`request` checked it; ``body``: its JSON body, as :meth:`expand` made
+    it."""
 
     user_field = "user"
     """The body field that may name the session, a dotted path
@@ -96,8 +97,8 @@ class Answer(ABC):
     done = True
     """``data: [DONE]`` after the last event."""
 
-    def __init__(self, harness: Harness, req: Any):
-        self.harness, self.req = harness, req
+    def __init__(self, harness: Harness, req: Any, body: dict[str, Any] | None = None):
+        self.harness, self.req, self.body = harness, req, body or {}
         # The answer's ids and time, the same in every event of it (a stream's first events go out before its end).
         self.uid, self.created = uuid.uuid4().hex, int(time.time())
 
@@ -106,6 +107,15 @@ class Answer(ABC):
     def request(body: dict[str, Any]) -> tuple[Any, ChatRequest]:
         """The API's request of the JSON ``body``, checked (a 400 naming the first field refused), and the chat
         request it is generated as."""
+
+    @staticmethod
+    def expand(harness: Harness, session: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The request ``body`` of ``session`` with what the harness keeps for it filled in (the Responses API's
+        ``previous_response_id``); as it is by default."""
+        return body
+
+    def recorded(self, turn: Turn) -> None:
+        """``turn`` was recorded (the Responses API keeps the response)."""
 
     @abstractmethod
     def whole(self, turn: Turn) -> dict[str, Any]:
