@@ -1,13 +1,13 @@
-"""The agent harness's answers: how an API answers a generated turn (:class:`Answer`), and a finished
-completion as server-sent events.
+"""The agent harness's answers: how an API answers a generated turn (:class:`Answer`), and a completion as
+server-sent events.
 
-The engines answer whole generations (the embedded engine does not stream), so the harness
-generates the whole completion first, then writes it as the API's events, the reasoning and the
-content token by token (:func:`reply_pieces`): for chat completions ``chat.completion.chunk``
-events (:func:`stream_events`): the role delta, the content (and ``reasoning_content``) deltas,
-the tool-call deltas, the finish reason, a usage chunk when ``stream_options.include_usage`` asks
-for it, and ``data: [DONE]``; the Responses and Messages APIs name each event (``event:`` lines)
-and send no ``[DONE]``. Streamed or not, a request is recorded the same way: same tokens, same session.
+A streamed turn is written while the engine generates it (:mod:`slimectl.agents.harness_live`: the content as soon
+as no later token can change it, tool calls and reasoning held back until whole); what is not sent by the end of the
+generation goes out then, the reasoning and the content token by token (:func:`reply_pieces`). For chat completions,
+``chat.completion.chunk`` events (:func:`stream_events`): the role delta, the content (and ``reasoning_content``)
+deltas, the tool-call deltas, the finish reason, a usage chunk when ``stream_options.include_usage`` asks for it, and
+``data: [DONE]``; the Responses and Messages APIs name each event (``event:`` lines) and send no ``[DONE]``.
+Streamed or not, a request is recorded the same way: same tokens, same session.
 
 A stream cut by the client records nothing: the turn is recorded only after the last event was
 handed to the connection (see :func:`write_stream`), so the session stays as it was and the agent
