@@ -40,6 +40,8 @@ import json
 import logging
 import time
 import uuid
+from contextlib import aclosing
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -49,7 +51,8 @@ from slimectl.agents import harness_anthropic, harness_responses
 from slimectl.agents.harness_recorder import Prompt, TrajectoryRecorder, Turn
 from slimectl.agents.harness_requests import SESSION_HEADER, ChatRequest, FinishRequest, HarnessError, request_session
 from slimectl.agents.harness_sessions import Session, export_jsonl, samples_from_sessions
-from slimectl.agents.harness_parsers import ParsedReply, parse_reply, parsers_for
+from slimectl.agents.harness_live import LiveAnswer
+from slimectl.agents.harness_parsers import ParsedReply, parse_reply, parsers_for, settled
 from slimectl.agents.harness_sessions import Reply
 from slimectl.agents.harness_stream import (Answer, StreamCut, reply_pieces, stream_events, token_logprobs,
                                             write_stream)
@@ -207,8 +210,9 @@ class Harness:
         body = await read_object(request, allow_empty=False)
         # the session first, then the body's fields: the first fault of a request is the one answered
         sid = request_session(request, body, api.user_field)
+        body = api.expand(self, sid, body)
         own, req = api.request(body)
-        answer = api(self, own)
+        answer = api(self, own, body)
         params = req.sampling_params(self.default_max_tokens)
         # Rendering and tokenising a long conversation takes seconds: do it off the event loop, so
         # other sessions (and /health) are served meanwhile.
@@ -236,33 +240,63 @@ class Harness:
             prompt: Prompt = await self._off_loop(self.recorder.prompt, sess, text)
             if req.n > 1:
                 return await self._complete_n(sess, req, params, prompt)
-            out = await self._generate(prompt.input_ids, params)
-            reply = self.recorder.split(out["output_ids"], out["meta_info"].get("finish_reason") or {})
-            parsed = parse_reply(reply.content, self.tool_call_parser, self.reasoning_parser, req.tools)
-            turn = Turn(sess, prompt, out, reply, parsed, _finish_reason(reply, parsed))
             if req.stream:
-                # recorded only once the whole stream was handed to the client: all of the turn or none of it
-                try:
-                    resp = await self._stream(request, turn, answer)
-                except StreamCut as cut:
-                    log.info("session %s: the client closed the stream; the turn was not recorded", sess.id)
-                    return cut.response or web.Response(status=499, reason="Client Closed Request")
-            _, segment_no, turn_no = self.recorder.record(sess, prompt, req.messages, out, parsed.message())
-            log.debug("session %s segment %d turn %d: %d prompt + %d completion tokens, %s", sess.id, segment_no,
-                      turn_no, len(prompt.input_ids), len(out["output_ids"]), turn.finish)
-        if req.stream:
-            return resp
+                return await self._complete_streamed(request, sess, req, params, prompt, answer)
+            turn = self._turn(sess, prompt, req, await self._generate(prompt.input_ids, params))
+            segment_no, turn_no = self._record(turn, req)
+            answer.recorded(turn)
         return web.json_response(answer.whole(turn), headers=self._place(sess.id, segment_no, turn_no))
 
+    async def _complete_streamed(self, request: web.Request, sess: Session, req: ChatRequest, params: dict[str, Any],
+                                 prompt: Prompt, answer: Answer) -> web.StreamResponse:
+        """A streamed turn (under the session's lock): its events written as the engine generates
+        (:class:`~slimectl.agents.harness_live.LiveAnswer`), recorded once the whole stream was handed to the client:
+        all of the turn or none of it. An engine lost after the first events ends the stream with the API's error
+        event, and nothing is recorded."""
+        segment_no, turn_no = self.recorder.place(sess, prompt)
+        hold = partial(settled, tool_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser,
+                       tools=req.tools, stops=params.get("stop") or ())
+        live = LiveAnswer(request, answer, self._place(sess.id, segment_no, turn_no), sess, prompt,
+                          self.recorder.decode, self._off_loop, hold)
+        try:
+            turn = self._turn(sess, prompt, req, await self._generate(prompt.input_ids, params, live))
+            resp = await (live.finish(turn) if live.started else self._stream(request, turn, answer))
+        except StreamCut as cut:
+            log.info("session %s: the client closed the stream; the turn was not recorded", sess.id)
+            return cut.response or web.Response(status=499, reason="Client Closed Request")
+        except HarnessError as exc:
+            if not live.started:
+                raise
+            log.warning("session %s: %s; the stream ends with an error event and the turn was not recorded",
+                        sess.id, exc.message)
+            return await live.fail(exc.message, exc.code or "engine_failed")
+        self._record(turn, req)
+        answer.recorded(turn)
+        return resp
+
     async def _stream(self, request: web.Request, turn: Turn, answer: Answer) -> web.StreamResponse:
-        """Write ``turn`` as ``answer``'s server-sent events (nothing is recorded here): the reasoning and the
-        content token by token, then the tool calls."""
+        """Write the whole ``turn`` as ``answer``'s server-sent events (a reply that had no content to stream while
+        it was generated): the reasoning and the content token by token, then the tool calls."""
         reasoning, content = await self._off_loop(reply_pieces, self.recorder.decode, turn.out["output_ids"],
                                                   turn.reply, turn.parsed)
         segment_no, turn_no = self.recorder.place(turn.session, turn.prompt)
         return await write_stream(request, answer.events(turn, reasoning, content),
                                   self._place(turn.session.id, segment_no, turn_no), named=answer.named,
                                   done=answer.done)
+
+    def _turn(self, sess: Session, prompt: Prompt, req: ChatRequest, out: dict[str, Any]) -> Turn:
+        """The engine's answer ``out`` to ``prompt``, split and parsed."""
+        reply = self.recorder.split(out["output_ids"], out["meta_info"].get("finish_reason") or {})
+        parsed = parse_reply(reply.content, self.tool_call_parser, self.reasoning_parser, req.tools)
+        return Turn(sess, prompt, out, reply, parsed, _finish_reason(reply, parsed))
+
+    def _record(self, turn: Turn, req: ChatRequest) -> tuple[int, int]:
+        """Record ``turn``; its (segment, turn) numbers."""
+        _, segment_no, turn_no = self.recorder.record(turn.session, turn.prompt, req.messages, turn.out,
+                                                      turn.parsed.message())
+        log.debug("session %s segment %d turn %d: %d prompt + %d completion tokens, %s", turn.session.id, segment_no,
+                  turn_no, len(turn.prompt.input_ids), len(turn.out["output_ids"]), turn.finish)
+        return segment_no, turn_no
 
     async def _complete_n(self, sess: Session, req: ChatRequest, params: dict[str, Any],
                           prompt: Prompt) -> web.Response:
@@ -314,9 +348,19 @@ class Harness:
         except Exception as exc:  # jinja2 TemplateError and friends: the template refused these messages
             raise HarnessError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
 
-    async def _generate(self, input_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    async def _generate(self, input_ids: list[int], params: dict[str, Any],
+                        live: LiveAnswer | None = None) -> dict[str, Any]:
+        """The engine's answer (checked: not aborted, a log-prob per token); with ``live``, streamed from the
+        engine, its progress handed to ``live`` (a pool without ``generate_stream`` answers whole)."""
+        stream = getattr(self.pool, "generate_stream", None) if live is not None else None
         try:
-            out = await self.pool.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+            if stream is None:
+                out = await self.pool.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+            else:
+                async with aclosing(stream(input_ids=input_ids, sampling_params=params, return_logprob=True)) as chunks:
+                    async for out in chunks:
+                        if out.get("meta_info", {}).get("finish_reason") is None:
+                            await live.progress(out["output_ids"])
         except EngineError as exc:
             if exc.status is not None and exc.status < 500:
                 raise HarnessError(400, f"the engine refused the request: {exc}") from None
@@ -394,17 +438,23 @@ class ChatAnswer(Answer):
         req = validate(ChatRequest, body)
         return req, req
 
+    def _base(self) -> dict[str, Any]:
+        return {**self.harness._head(self.req), "id": f"chatcmpl-{self.uid}", "created": self.created}
+
     def whole(self, turn: Turn) -> dict[str, Any]:
         h, req = self.harness, self.req
-        return {**h._head(req), "object": "chat.completion",
+        return {**self._base(), "object": "chat.completion",
                 "choices": [{"index": 0, "message": turn.parsed.message(),
                              "logprobs": h._logprobs(req, turn.out, turn.reply), "finish_reason": turn.finish}],
                 "usage": _usage(turn.prompt, turn.out)}
 
     def events(self, turn: Turn, reasoning: list[str], content: list[str]) -> list[dict[str, Any]]:
         h, req = self.harness, self.req
-        return stream_events(h._head(req), turn.parsed.message(), turn.finish, _usage(turn.prompt, turn.out),
+        return stream_events(self._base(), turn.parsed.message(), turn.finish, _usage(turn.prompt, turn.out),
                              content, reasoning, req.include_usage, h._logprobs(req, turn.out, turn.reply))
+
+    def error_event(self, message: str, code: str) -> dict[str, Any]:
+        return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
 
 
 def _finish_reason(reply: Reply, parsed: ParsedReply) -> str:

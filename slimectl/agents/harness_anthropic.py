@@ -207,8 +207,9 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- answers
 
 
-def message_of(req: ChatRequest, turn: Turn, model: str) -> dict[str, Any]:
-    """The Anthropic ``message`` of ``turn``: its thinking, text and tool_use blocks, the stop reason, usage."""
+def message_of(req: ChatRequest, turn: Turn, model: str, uid: str | None = None) -> dict[str, Any]:
+    """The Anthropic ``message`` of ``turn``: its thinking, text and tool_use blocks, the stop reason, usage
+    (``uid``: what its id is made of; None: a new one)."""
     parsed, out = turn.parsed, turn.out
     blocks: list[dict[str, Any]] = []
     if parsed.reasoning is not None:
@@ -227,7 +228,7 @@ def message_of(req: ChatRequest, turn: Turn, model: str) -> dict[str, Any]:
         stop, sequence = "stop_sequence", matched
     else:
         stop, sequence = "end_turn", None
-    return {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
+    return {"id": f"msg_{(uid or uuid.uuid4().hex)[:24]}", "type": "message", "role": "assistant",
             "model": req.model if isinstance(req.model, str) else model, "content": blocks, "stop_reason": stop,
             "stop_sequence": sequence,
             "usage": {"input_tokens": len(turn.prompt.input_ids), "output_tokens": len(out["output_ids"])}}
@@ -270,10 +271,14 @@ class MessagesAnswer(Answer):
         return req, req
 
     def whole(self, turn: Turn) -> dict[str, Any]:
-        return message_of(self.req, turn, self.harness.model_name)
+        return message_of(self.req, turn, self.harness.model_name, self.uid)
 
     def events(self, turn: Turn, reasoning: list[str], content: list[str]) -> list[dict[str, Any]]:
         return message_events(self.whole(turn), reasoning, content)
+
+    def error_event(self, message: str, code: str) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": "overloaded_error" if code == "engine_aborted" else "api_error",
+                                           "message": message}}
 
 
 def add_routes(harness: Harness) -> None:

@@ -60,6 +60,8 @@ class PinnedPool:
 
     def __init__(self, pool, params: dict[str, Any]):
         self.pool, self.params = pool, params
+        if not hasattr(pool, "generate_stream"):
+            self.generate_stream = None  # a pool that answers whole: so does this one
 
     def pin(self, asked: dict[str, Any]) -> dict[str, Any]:
         out = {**asked, **{k: self.params[k] for k in PINNED if k in self.params}}
@@ -72,6 +74,9 @@ class PinnedPool:
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         return await self.pool.generate(input_ids=input_ids, sampling_params=self.pin(sampling_params), **kwargs)
+
+    def generate_stream(self, input_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any):
+        return self.pool.generate_stream(input_ids=input_ids, sampling_params=self.pin(sampling_params), **kwargs)
 
     async def weight_versions(self) -> dict[str, str]:
         return await self.pool.weight_versions()

@@ -68,6 +68,45 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return None, text
 
 
+_TOOL_MARKERS = {"qwen25": "<tool_call>", "glm45": "<tool_call>", "llama3": "<|python_tag|>"}
+
+
+def settled(text: str, tool_parser: str | None, reasoning_parser: str | None, tools: list | None,
+            stops: list[str] | tuple = ()) -> tuple[str | None, str] | None:
+    """What of a reply still being generated (``text``: its text so far) no later text can change, as
+    :func:`parse_reply` will give it: (its reasoning, the start of its content); None while its reasoning is
+    undecided (with the ``qwen3`` parser until ``</think>``: all text before it is reasoning). Held back: a tail
+    that may begin one of the ``stops`` strings, and, when the request offers ``tools``, the text from a tool call's
+    start marker (or a tail that may begin one) on and the whitespace before it (a content followed by calls loses
+    it); with ``llama3``, everything while the content may still be a bare JSON call."""
+    text = before_markers(text, stops)
+    reasoning = None
+    if reasoning_parser == "qwen3":
+        if "</think>" not in text:
+            return None
+        reasoning, text = split_reasoning(text)
+    if tools and tool_parser is not None:
+        if tool_parser == "llama3" and (not text.strip() or text.lstrip().startswith("{")):
+            return reasoning, ""
+        text = before_markers(text, (_TOOL_MARKERS[tool_parser],)).rstrip()
+    return reasoning, text
+
+
+def before_markers(text: str, markers) -> str:
+    """``text`` up to the first of ``markers`` in it, or up to a tail that may begin one."""
+    cut = len(text)
+    for m in markers:
+        at = text.find(m) if m else -1
+        if at >= 0:
+            cut = min(cut, at)
+            continue
+        for k in range(min(len(m) - 1, len(text)), 0, -1):
+            if text.endswith(m[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return text[:cut]
+
+
 def parse_reply(text: str, tool_parser: str | None, reasoning_parser: str | None,
                 tools: list | None) -> ParsedReply:
     """The reply ``text`` as the agent sees it; tool calls only when the request offered ``tools``."""

@@ -8,20 +8,24 @@ chat tools, and the turn is generated, parsed and recorded by the same machinery
 same token-exact segments, so an agent may mix the two APIs in one session. The answer is a
 ``response`` object, or its server-sent events (:mod:`slimectl.agents.harness_responses_events`).
 
-Nothing is kept on the server (``store`` is accepted, never honoured: there is no ``GET
-/v1/responses/ID``), so ``previous_response_id`` and ``conversation`` are refused: the agent
-sends the whole conversation each time, as the Agents SDK does by default.
+Each response is kept in memory (:class:`ResponseStore`: the last :data:`KEPT_RESPONSES`, per session; none with
+``store: false``): its whole input and its output items, so a request with ``previous_response_id`` continues it —
+its input is that response's input, its output and the new input (:meth:`ResponsesAnswer.expand`), as the Agents
+SDK sends it with ``auto_previous_response_id``/``previous_response_id``. An id the harness does not keep (another
+session's, one dropped, ``store: false``) is refused (400, ``previous_response_not_found``). ``conversation`` is
+refused: the harness keeps no conversations. There is no ``GET /v1/responses/ID``.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from slimectl.agents.harness_recorder import Turn
-from slimectl.agents.harness_requests import ChatRequest, positive_int
+from slimectl.agents.harness_requests import ChatRequest, HarnessError, positive_int
 from slimectl.agents.harness_responses_events import response_events, response_object
 from slimectl.agents.harness_stream import Answer
 from slimectl.web.app import Invalid, validate
@@ -30,14 +34,14 @@ if TYPE_CHECKING:
     from slimectl.agents.harness import Harness
 
 ROUTES = ("/v1/responses", "/sessions/{session_id}/v1/responses")
+KEPT_RESPONSES = 1000
+"""The responses a harness keeps for ``previous_response_id`` (the oldest are dropped first)."""
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields that would make the answer other than the harness gives, with the values that mean "off".
-_OFF = {"previous_response_id": (None,), "conversation": (None,), "prompt": (None,), "background": (None, False),
+_OFF = {"conversation": (None,), "prompt": (None,), "background": (None, False),
         "top_logprobs": (None, 0), "max_tool_calls": (None,)}
-_WHY = {"previous_response_id": "the harness keeps no responses (store is never honoured): send the whole "
-                                "conversation in 'input'",
-        "conversation": "the harness keeps no conversations: send the whole conversation in 'input'",
+_WHY = {"conversation": "the harness keeps no conversations: send the whole conversation in 'input'",
         "prompt": "the harness has no stored prompts: send 'instructions' and 'input'",
         "background": "responses are answered while the request waits", "top_logprobs": "no alternatives are kept",
         "max_tool_calls": "the model's tool calls are not capped"}
@@ -46,7 +50,8 @@ _WHY = {"previous_response_id": "the harness keeps no responses (store is never 
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``: the fields the harness honours, checked; ``messages`` and ``chat_tools``: the
     request as chat-template messages and chat tools. Other unknown fields (``metadata``, ``reasoning``,
-    ``truncation``, ``store``, ...) are ignored, those of :data:`_OFF` refused unless off."""
+    ``truncation``, ...) are ignored, those of :data:`_OFF` refused unless off. ``previous_response_id``: the
+    response this one continues (its input already holds that response's: :meth:`ResponsesAnswer.expand`)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -64,6 +69,7 @@ class ResponsesRequest(BaseModel):
     include: Any = None
     text: Any = None
     previous_response_id: Any = None
+    store: Any = None
     conversation: Any = None
     prompt: Any = None
     background: Any = None
@@ -100,7 +106,14 @@ class ResponsesRequest(BaseModel):
     def _max_output_tokens(cls, v: Any) -> Any:
         return positive_int(v, "max_output_tokens")
 
-    @field_validator("parallel_tool_calls", "stream")
+    @field_validator("previous_response_id")
+    @classmethod
+    def _previous(cls, v: Any) -> Any:
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ValueError(f"previous_response_id must be a response's id (a string), got {v!r}")
+        return v
+
+    @field_validator("parallel_tool_calls", "stream", "store")
     @classmethod
     def _flag(cls, v: Any, info: ValidationInfo) -> Any:
         if v is not None and not isinstance(v, bool):
@@ -249,10 +262,60 @@ def _output(item: dict[str, Any], where: str, calls: set[str]) -> dict[str, Any]
     return {"role": "tool", "tool_call_id": call_id, "content": _text(output, where + ".output")}
 
 
+class ResponseStore:
+    """The responses a harness keeps (the last ``limit``): id -> (session, the input items of the next request that
+    continues it: the response's whole input and its output items)."""
+
+    def __init__(self, limit: int = KEPT_RESPONSES):
+        self.limit = limit
+        self.kept: OrderedDict[str, tuple[str, list[Any]]] = OrderedDict()
+
+    def keep(self, response_id: str, session: str, items: list[Any]) -> None:
+        self.kept[response_id] = (session, items)
+        while len(self.kept) > self.limit:
+            self.kept.popitem(last=False)
+
+    def items(self, response_id: str, session: str) -> list[Any]:
+        """The input items that continue ``response_id`` in ``session``; a 400 in OpenAI's shape when it is not
+        kept there."""
+        got = self.kept.get(response_id)
+        if got is None or got[0] != session:
+            raise HarnessError(400, f"previous_response_id {response_id!r}: no such response is kept for session "
+                                    f"{session!r} (the harness keeps the last {self.limit} responses of each run, "
+                                    f"none with store: false); send the whole conversation in 'input'",
+                               param="previous_response_id", code="previous_response_not_found")
+        return list(got[1])
+
+
+def _items(raw: Any) -> list[Any] | None:
+    """A request's ``input`` as a list of items (None when it is neither a string nor a list)."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    return list(raw) if isinstance(raw, list) else None
+
+
 class ResponsesAnswer(Answer):
     """A turn answered as a ``response`` object, or as its named server-sent events (no ``[DONE]``)."""
 
     named, done = True, False
+
+    @staticmethod
+    def expand(harness: Harness, session: str, body: dict[str, Any]) -> dict[str, Any]:
+        """With ``previous_response_id``: the body whose ``input`` is the kept response's input and output, then
+        its own (the Agents SDK sends only the new items when it chains responses)."""
+        previous = body.get("previous_response_id")
+        new = _items(body.get("input"))
+        if not isinstance(previous, str) or not previous or new is None:
+            return body  # no chaining, or a body the request's checks refuse
+        return {**body, "input": harness.response_store.items(previous, session) + new}
+
+    def recorded(self, turn: Turn) -> None:
+        """Keep the response (unless ``store: false``) for a request that continues it."""
+        if self.req.store is False:
+            return
+        response = self.whole(turn)
+        self.harness.response_store.keep(response["id"], turn.session.id, _items(self.body.get("input")) +
+                                         [dict(item) for item in response["output"]])
 
     @staticmethod
     def request(body: dict[str, Any]) -> tuple[ResponsesRequest, ChatRequest]:
@@ -260,14 +323,19 @@ class ResponsesAnswer(Answer):
         return req, req.chat()
 
     def whole(self, turn: Turn) -> dict[str, Any]:
-        return response_object(self.req, turn, self.harness.model_name)
+        return response_object(self.req, turn, self.harness.model_name, self.uid, self.created)
 
     def events(self, turn: Turn, reasoning: list[str], content: list[str]) -> list[dict[str, Any]]:
         return response_events(self.whole(turn), reasoning, content)
 
+    def error_event(self, message: str, code: str) -> dict[str, Any]:
+        return {"type": "error", "code": code, "message": message, "param": None, "sequence_number": 0}
+
 
 def add_routes(harness: Harness) -> None:
-    """Serve ``POST /v1/responses`` (and under ``/sessions/ID/v1``) on ``harness``'s app."""
+    """Serve ``POST /v1/responses`` (and under ``/sessions/ID/v1``) on ``harness``'s app, keeping its responses in
+    ``harness.response_store``."""
+    harness.response_store = ResponseStore()
 
     async def responses(request: web.Request) -> web.StreamResponse:
         return await harness.serve_turn(request, ResponsesAnswer)

@@ -26,16 +26,20 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def output_items(turn: Turn) -> list[dict[str, Any]]:
-    """The output items of ``turn`` (see the module's doc)."""
+def output_items(turn: Turn, uid: str | None = None) -> list[dict[str, Any]]:
+    """The output items of ``turn`` (see the module's doc); ``uid``: what their ids are made of (None: new ones).
+    A reasoning item is ``incomplete`` only when the reply was cut inside it (nothing came after it)."""
     parsed = turn.parsed
     status = "incomplete" if turn.finish == "length" else "completed"
     items: list[dict[str, Any]] = []
     if parsed.reasoning is not None:
-        items.append({"id": _id("rs"), "type": "reasoning", "summary": [], "status": status,
+        cut = status == "incomplete" and not parsed.content and not parsed.tool_calls
+        items.append({"id": f"rs_{uid}" if uid else _id("rs"), "type": "reasoning", "summary": [],
+                      "status": "incomplete" if cut else "completed",
                       "content": [{"type": "reasoning_text", "text": parsed.reasoning}]})
     if parsed.content or not parsed.tool_calls:
-        items.append({"id": _id("msg"), "type": "message", "role": "assistant", "status": status,
+        items.append({"id": f"msg_{uid}" if uid else _id("msg"), "type": "message", "role": "assistant",
+                      "status": status,
                       "content": [{"type": "output_text", "text": parsed.content, "annotations": [],
                                    "logprobs": []}]})
     for call in parsed.tool_calls:
@@ -45,22 +49,26 @@ def output_items(turn: Turn) -> list[dict[str, Any]]:
     return items
 
 
-def response_object(req: ResponsesRequest, turn: Turn, model_name: str) -> dict[str, Any]:
-    """The ``response`` object of ``turn``, answering ``req``; ``usage`` counts the engine's tokens."""
+def response_object(req: ResponsesRequest, turn: Turn, model_name: str, uid: str | None = None,
+                    created: int | None = None) -> dict[str, Any]:
+    """The ``response`` object of ``turn``, answering ``req``; ``usage`` counts the engine's tokens. ``uid`` and
+    ``created``: its ids' stuff and its time (None: new ones, now)."""
     n_in, n_out = len(turn.prompt.input_ids), len(turn.out["output_ids"])
     incomplete = turn.finish == "length"
     now = int(time.time())
     tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
               "parameters": t["function"]["parameters"], "strict": False} for t in req.tools or []]
-    return {"id": _id("resp"), "object": "response", "created_at": now, "completed_at": now,
+    return {"id": f"resp_{uid}" if uid else _id("resp"), "object": "response",
+            "created_at": now if created is None else created, "completed_at": now,
             "status": "incomplete" if incomplete else "completed", "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": req.instructions, "model": req.model if isinstance(req.model, str) else model_name,
-            "output": output_items(turn), "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "output": output_items(turn, uid), "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p, "tool_choice": req.tool_choice or "auto",
-            "tools": tools, "max_output_tokens": req.max_output_tokens, "previous_response_id": None,
-            "store": False, "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
+            "tools": tools, "max_output_tokens": req.max_output_tokens,
+            "previous_response_id": req.previous_response_id, "store": req.store is not False,
+            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
             "reasoning": None, "user": None,
             "usage": {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},

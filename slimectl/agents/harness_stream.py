@@ -1,13 +1,13 @@
-"""The agent harness's answers: how an API answers a generated turn (:class:`Answer`), and a finished
-completion as server-sent events.
+"""The agent harness's answers: how an API answers a generated turn (:class:`Answer`), and a completion as
+server-sent events.
 
-The engines answer whole generations (the embedded engine does not stream), so the harness
-generates the whole completion first, then writes it as the API's events, the reasoning and the
-content token by token (:func:`reply_pieces`): for chat completions ``chat.completion.chunk``
-events (:func:`stream_events`): the role delta, the content (and ``reasoning_content``) deltas,
-the tool-call deltas, the finish reason, a usage chunk when ``stream_options.include_usage`` asks
-for it, and ``data: [DONE]``; the Responses and Messages APIs name each event (``event:`` lines)
-and send no ``[DONE]``. Streamed or not, a request is recorded the same way: same tokens, same session.
+A streamed turn is written while the engine generates it (:mod:`slimectl.agents.harness_live`: the content as soon
+as no later token can change it, tool calls and reasoning held back until whole); what is not sent by the end of the
+generation goes out then, the reasoning and the content token by token (:func:`reply_pieces`). For chat completions,
+``chat.completion.chunk`` events (:func:`stream_events`): the role delta, the content (and ``reasoning_content``)
+deltas, the tool-call deltas, the finish reason, a usage chunk when ``stream_options.include_usage`` asks for it, and
+``data: [DONE]``; the Responses and Messages APIs name each event (``event:`` lines) and send no ``[DONE]``.
+Streamed or not, a request is recorded the same way: same tokens, same session.
 
 A stream cut by the client records nothing: the turn is recorded only after the last event was
 handed to the connection (see :func:`write_stream`), so the session stays as it was and the agent
@@ -17,6 +17,8 @@ may send the same request again.
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -84,7 +86,8 @@ class Answer(ABC):
     :meth:`~slimectl.agents.harness.Harness.serve_turn` does the rest (session, render, generate, parse, record,
     write) for all of them: ``ChatAnswer`` (chat completions, :mod:`slimectl.agents.harness`), ``ResponsesAnswer``
     (:mod:`slimectl.agents.harness_responses`), ``MessagesAnswer`` (:mod:`slimectl.agents.harness_anthropic`).
-    ``req``: the API's own request, as :meth:`request` checked it."""
+    ``req``: the API's own request, as :meth:`request` checked it; ``body``: its JSON body, as :meth:`expand` made
+    it."""
 
     user_field = "user"
     """The body field that may name the session, a dotted path
@@ -94,14 +97,25 @@ class Answer(ABC):
     done = True
     """``data: [DONE]`` after the last event."""
 
-    def __init__(self, harness: Harness, req: Any):
-        self.harness, self.req = harness, req
+    def __init__(self, harness: Harness, req: Any, body: dict[str, Any] | None = None):
+        self.harness, self.req, self.body = harness, req, body or {}
+        # The answer's ids and time, the same in every event of it (a stream's first events go out before its end).
+        self.uid, self.created = uuid.uuid4().hex, int(time.time())
 
     @staticmethod
     @abstractmethod
     def request(body: dict[str, Any]) -> tuple[Any, ChatRequest]:
         """The API's request of the JSON ``body``, checked (a 400 naming the first field refused), and the chat
         request it is generated as."""
+
+    @staticmethod
+    def expand(harness: Harness, session: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The request ``body`` of ``session`` with what the harness keeps for it filled in (the Responses API's
+        ``previous_response_id``); as it is by default."""
+        return body
+
+    def recorded(self, turn: Turn) -> None:
+        """``turn`` was recorded (the Responses API keeps the response)."""
 
     @abstractmethod
     def whole(self, turn: Turn) -> dict[str, Any]:
@@ -111,6 +125,10 @@ class Answer(ABC):
     def events(self, turn: Turn, reasoning: list[str], content: list[str]) -> list[dict[str, Any]]:
         """The answer as server-sent events; ``reasoning`` and ``content``: the reply's pieces, cut where its
         tokens end (:func:`reply_pieces`), sent as deltas."""
+
+    @abstractmethod
+    def error_event(self, message: str, code: str) -> dict[str, Any]:
+        """The event that ends a stream whose generation failed after its first events were sent."""
 
 
 def token_logprobs(decode: Callable[[list[int]], str], ids: list[int], logprobs: list[float]) -> dict[str, Any]:
@@ -160,7 +178,18 @@ class StreamCut(Exception):
         self.response = response
 
 
-def _gone(request: web.Request) -> bool:
+def sse_event(event: dict[str, Any], named: bool) -> bytes:
+    """One server-sent event (``named``: with an ``event:`` line naming its ``type``)."""
+    name = f"event: {event['type']}\n" if named else ""
+    return f"{name}data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+
+def stream_response(headers: dict[str, str]) -> web.StreamResponse:
+    return web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+
+
+def gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
 
@@ -170,18 +199,16 @@ async def write_stream(request: web.Request, events: list[dict[str, Any]], heade
     """Write ``events`` as server-sent events (``named``: each with an ``event:`` line naming its ``type``, as the
     Responses and Messages APIs send them), then ``data: [DONE]`` when ``done`` (chat completions' end marker);
     :class:`StreamCut` when the client is gone before the last one was handed to the connection."""
-    if _gone(request):
+    if gone(request):
         raise StreamCut()
-    resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
-                                                   "Cache-Control": "no-cache"})
+    resp = stream_response(headers)
     try:
         await resp.prepare(request)
         for event in events:
-            name = f"event: {event['type']}\n" if named else ""
-            await resp.write(f"{name}data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+            await resp.write(sse_event(event, named))
         if done:
             await resp.write(b"data: [DONE]\n\n")
-        if _gone(request):
+        if gone(request):
             raise StreamCut(resp)
         await resp.write_eof()
     except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one

@@ -8,8 +8,10 @@ exponential backoff; HTTP errors are not (the request reached the engine and it 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from typing import Any
+from contextlib import aclosing
+from typing import Any, AsyncIterator
 
 import aiohttp
 
@@ -19,6 +21,37 @@ from slimectl.web.errors import HttpError, refusal_message
 from slimectl.web.retry import exponential_backoff, retry_call_async
 
 log = logging.getLogger("slimectl.client")
+
+
+def _generate_body(input_ids, text, sampling_params, return_logprob, logprob_start_len, rid,
+                   extra: dict[str, Any]) -> dict[str, Any]:
+    body: dict[str, Any] = {"sampling_params": sampling_params or {}, "stream": False}
+    if input_ids is not None:
+        body["input_ids"] = input_ids
+    if text is not None:
+        body["text"] = text
+    if return_logprob:
+        body["return_logprob"] = True
+    if logprob_start_len is not None:
+        body["logprob_start_len"] = logprob_start_len
+    if rid is not None:
+        body["rid"] = rid
+    body.update(extra)
+    return body
+
+
+async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | None]:
+    """The ``data:`` payloads of a server-sent event stream as JSON objects (None for ``[DONE]``); events may be
+    longer than aiohttp's line limit (a chunk holds every log-prob so far)."""
+    buf = b""
+    async for data in resp.content.iter_any():
+        buf += data
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    payload = line[5:].strip()
+                    yield None if payload == b"[DONE]" else json.loads(payload)
 
 
 class EngineError(HttpError):
@@ -169,19 +202,48 @@ class EngineClient:
     async def generate(self, input_ids: list[int] | None = None, text: str | None = None,
                        sampling_params: dict[str, Any] | None = None, return_logprob: bool = False,
                        logprob_start_len: int | None = None, rid: str | None = None, **extra: Any) -> dict[str, Any]:
-        body: dict[str, Any] = {"sampling_params": sampling_params or {}, "stream": False}
-        if input_ids is not None:
-            body["input_ids"] = input_ids
-        if text is not None:
-            body["text"] = text
-        if return_logprob:
-            body["return_logprob"] = True
-        if logprob_start_len is not None:
-            body["logprob_start_len"] = logprob_start_len
-        if rid is not None:
-            body["rid"] = rid
-        body.update(extra)
+        body = _generate_body(input_ids, text, sampling_params, return_logprob, logprob_start_len, rid, extra)
         return await self.request("POST", "/generate", body)
+
+    async def generate_stream(self, input_ids: list[int] | None = None, text: str | None = None,
+                              sampling_params: dict[str, Any] | None = None, return_logprob: bool = False,
+                              logprob_start_len: int | None = None, rid: str | None = None,
+                              **extra: Any) -> AsyncIterator[dict[str, Any]]:
+        """``POST /generate`` with ``stream: true``: each chunk the engine sends (SGLang's: the output so far, the
+        last one the whole answer with its ``finish_reason``). Not retried. :class:`EngineError` without a status
+        when the engine cannot be reached or the stream breaks before ``data: [DONE]``, with one when it refused
+        the request or sent an error chunk. Closing the iterator early closes the connection: the engine aborts
+        the request."""
+        body = _generate_body(input_ids, text, sampling_params, return_logprob, logprob_start_len, rid, extra)
+        body["stream"] = True
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
+        try:
+            async with self._sess().post(self.url + "/generate", json=body, headers=headers, timeout=timeout) as resp:
+                if resp.status >= 400:
+                    raise EngineError(refusal_message("engine", self.url, "POST", "/generate", resp.status,
+                                                      await resp.read()), status=resp.status, url=self.url)
+                done = False
+                try:
+                    async with aclosing(_sse_data(resp)) as chunks:
+                        async for chunk in chunks:
+                            if chunk is None:
+                                done = True
+                                return
+                            if isinstance(chunk.get("error"), dict):
+                                err = chunk["error"]
+                                raise EngineError(f"engine {self.url}: POST /generate failed: {err.get('message')}",
+                                                  status=int(err.get("code") or 500), url=self.url)
+                            yield chunk
+                finally:
+                    if not done:
+                        resp.close()  # not read to the end: drop the connection, so the engine aborts the request
+                raise EngineError(f"engine {self.url}: the /generate stream ended before data: [DONE]", url=self.url)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
+            raise EngineError(f"engine {self.url}: the /generate stream failed ({type(exc).__name__}: {exc}); is "
+                              f"it running? (`slimectl status` lists engines and their health)", url=self.url) from None
+        except asyncio.TimeoutError:
+            raise EngineError(f"engine {self.url}: no /generate chunk within {self.timeout:g} s", url=self.url) from None
 
     async def wait_healthy(self, timeout: float = 600.0, interval: float = 0.5) -> None:
         loop = asyncio.get_running_loop()

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from contextlib import aclosing, asynccontextmanager
+from typing import Any, AsyncIterator
 
 from slimectl.contract.errors import SlimectlError
 from slimectl.engines.client import EngineClient, EngineError
@@ -97,6 +98,26 @@ class EnginePool:
         log.warning("%s; %s", self.why[url],
                     f"retrying its requests on the {rest} other engine(s)" if rest else "no engine left")
 
+    @asynccontextmanager
+    async def _on(self, url: str):
+        """One request on engine ``url``: counted in flight, within its concurrency."""
+        self.inflight[url] += 1
+        self.requests[url] += 1
+        try:
+            async with self.sems[url]:
+                yield
+        finally:
+            self.inflight[url] -= 1
+
+    def _router_failed(self, router: str, exc: EngineError) -> None:
+        """After the router failed with ``exc``: a bad request is raised (the engines would refuse it too); else
+        this and later requests go to the engines directly."""
+        if exc.status is not None and exc.status < 500:
+            raise exc
+        if self.router is not None:
+            self.router = None
+            log.warning("router %s failed (%s); sending requests to the engines directly", router, exc)
+
     async def generate(self, **body: Any) -> dict[str, Any]:
         """POST /generate through the router when there is one, else on the least-loaded live
         engine; fail over on connection errors."""
@@ -111,17 +132,11 @@ class EnginePool:
                 out.setdefault("meta_info", {})["engine_url"] = router
                 return out
             except EngineError as exc:
-                if exc.status is not None and exc.status < 500:  # a bad request: the engines would refuse it too
-                    raise
-                if self.router is not None:
-                    self.router = None
-                    log.warning("router %s failed (%s); sending requests to the engines directly", router, exc)
+                self._router_failed(router, exc)
         while True:
             url = self._pick()
-            self.inflight[url] += 1
-            self.requests[url] += 1
             try:
-                async with self.sems[url]:
+                async with self._on(url):
                     out = await self.clients[url].generate(**body)
                 out.setdefault("meta_info", {})["engine_url"] = url
                 return out
@@ -129,8 +144,42 @@ class EnginePool:
                 if exc.status is not None:  # the engine answered: a bad request, not a dead engine
                     raise
                 self.mark_dead(url, exc)
-            finally:
-                self.inflight[url] -= 1
+
+    async def generate_stream(self, **body: Any) -> AsyncIterator[dict[str, Any]]:
+        """A streamed /generate (:meth:`EngineClient.generate_stream`: each chunk the output so far, the last one
+        the whole answer): through the router when there is one, else on the least-loaded live engine. It fails
+        over (another engine, or from the router to the engines) only while no chunk was delivered; after the first
+        one an engine lost is an :class:`EngineError` (``status`` None) the caller ends its answer with. Closing
+        the iterator early closes the connection: the engine aborts the request."""
+        if self.lora_path is not None:
+            body.setdefault("lora_path", self.lora_path)
+        started = [False]  # a chunk was delivered
+        if self.router is not None:
+            router = self.router
+            try:
+                async with self.router_sem, aclosing(_relay(self.router_client, router, body, started)) as chunks:
+                    self.router_requests += 1
+                    async for out in chunks:
+                        yield out
+                return
+            except EngineError as exc:
+                if started[0]:
+                    raise
+                self._router_failed(router, exc)
+        while True:
+            url = self._pick()
+            try:
+                async with self._on(url), aclosing(_relay(self.clients[url], url, body, started)) as chunks:
+                    async for out in chunks:
+                        yield out
+                return
+            except EngineError as exc:
+                if exc.status is not None:  # the engine answered: a bad request, not a dead engine
+                    raise
+                self.mark_dead(url, exc)
+                if started[0]:
+                    raise EngineError(f"{self.why.get(url, url)}: the stream broke after its first tokens were "
+                                      f"delivered; nothing of it can be retried", url=url) from None
 
     async def abort_all(self) -> None:
         await asyncio.gather(*(self.clients[u].abort_request(abort_all=True) for u in self.alive()),
@@ -148,3 +197,14 @@ class EnginePool:
     async def close(self) -> None:
         clients = list(self.clients.values()) + ([self.router_client] if self.router_client else [])
         await asyncio.gather(*(c.close() for c in clients))
+
+
+async def _relay(client: EngineClient, where: str, body: dict[str, Any], started: list[bool]
+                 ) -> AsyncIterator[dict[str, Any]]:
+    """``client``'s streamed /generate, each chunk marked with the ``engine_url`` it came from; ``started[0]`` set
+    once one was delivered."""
+    async with aclosing(client.generate_stream(**body)) as chunks:
+        async for out in chunks:
+            started[0] = True
+            out.setdefault("meta_info", {})["engine_url"] = where
+            yield out

@@ -167,7 +167,7 @@ def test_error_bodies_and_unknown_routes(engine):
     status, body = call(engine, "GET", "/get_weight_version")
     assert status == 404 and body == {"detail": "Not Found"}
     for bad in ({"text": "hi", "input_ids": [1]}, {"input_ids": "abc"}, {"input_ids": [1], "sampling_params": {"temperature": -1}},
-                {"input_ids": [10**9]}, {"input_ids": [1], "stream": True}):
+                {"input_ids": [10**9]}, {"input_ids": [[1], [2]], "stream": True}):
         status, body = call(engine, "POST", "/generate", bad)
         assert status == 400 and body["error"]["message"], (bad, body)
     status, body = call(engine, "POST", "/generate", None)

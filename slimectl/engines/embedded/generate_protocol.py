@@ -7,6 +7,7 @@ the tokenizer, so the HTTP server (:mod:`slimectl.engines.embedded.server`) only
 from __future__ import annotations
 
 import base64
+import json
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # both import torch: the server imports this module before it loads the model
     from slimectl.engines.embedded.requests import GenRequest, GenResult
 
-__all__ = ["BadRequest", "generate_response", "parse_generate"]
+__all__ = ["BadRequest", "error_chunk", "generate_response", "parse_generate", "progress_response", "sse"]
 
 
 class BadRequest(Exception):
@@ -28,8 +29,9 @@ def parse_generate(body: dict[str, Any], tokenizer, vision=None) -> tuple[list[G
     from slimectl.engines.embedded.requests import GenRequest
     from slimectl.engines.embedded.sampling_params import SamplingParams
 
-    if body.get("stream"):
-        raise BadRequest("stream=true is not supported by the embedded engine; send stream=false")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream must be true or false, got {stream!r}")
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise BadRequest("send exactly one of 'text' or 'input_ids'")
@@ -39,6 +41,9 @@ def parse_generate(body: dict[str, Any], tokenizer, vision=None) -> tuple[list[G
         items = [items]
     if not items:
         raise BadRequest("empty batch")
+    if stream and batched:
+        raise BadRequest("stream=true takes one input, not a batch; send each input as its own streamed request "
+                         "(or the batch with stream=false)")
     sp = body.get("sampling_params") or {}
     sps = sp if isinstance(sp, list) else [sp] * len(items)
     if len(sps) != len(items):
@@ -170,3 +175,25 @@ def generate_response(res: GenResult, req: GenRequest, body: dict[str, Any], t0:
         "response_sent_to_client_ts": time.time(),
     })
     return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
+
+
+def progress_response(res: GenResult, req: GenRequest, body: dict[str, Any], t0: float, tokenizer) -> dict[str, Any]:
+    """One intermediate chunk of a streamed /generate, as SGLang sends it (its default, non-incremental
+    streaming): the output so far (``res``: :meth:`GenerationScheduler._progress`) as cumulative ``text`` and
+    ``output_ids``, and ``meta_info`` as the answer's, its ``finish_reason`` null and its log-probs those of the
+    tokens so far. The text leaves out a character whose bytes are not all generated yet."""
+    text = tokenizer.decode(res.output_ids, skip_special_tokens=req.params.skip_special_tokens) \
+        if res.output_ids else ""
+    res.text = text.rstrip("\ufffd")
+    return generate_response(res, req, body, t0, tokenizer)
+
+
+def error_chunk(message: str, code: int) -> dict[str, Any]:
+    """SGLang's chunk for a streamed request that failed: ``{"error": {message, type, code}}``."""
+    kind = "invalid_request_error" if code < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": code, "retryable": code >= 500}}
+
+
+def sse(obj: dict[str, Any] | None) -> bytes:
+    """One server-sent event of a streamed /generate (``None``: the final ``data: [DONE]``)."""
+    return b"data: [DONE]\n\n" if obj is None else b"data: " + json.dumps(obj).encode() + b"\n\n"

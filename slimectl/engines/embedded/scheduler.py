@@ -52,14 +52,14 @@ import logging
 import os
 import threading
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from slimectl.engines.embedded.lora import LoraAdapters
 from slimectl.engines.embedded.memory import EngineBusy, MemoryOccupancy, parse_tags
 from slimectl.engines.embedded.model import load_model, model_dtype
-from slimectl.engines.embedded.requests import ABORT_REASON, GenRequest, RunningRequest
+from slimectl.engines.embedded.requests import ABORT_REASON, GenRequest, GenResult, RunningRequest
 from slimectl.engines.embedded.running_batch import RunningBatch
 from slimectl.engines.embedded.sampling_params import SamplingParams, is_int
 from slimectl.engines.embedded.weights import ServedWeights
@@ -106,6 +106,8 @@ class GenerationScheduler:
         self._waiting: deque[RunningRequest] = deque()
         self._inflight: set[RunningRequest] = set()  # admitted to the scheduler (prefilling or running)
         self._controls: list[tuple[Any, concurrent.futures.Future]] = []
+        # Streamed requests: their progress callback and the output tokens reported to it so far.
+        self._watched: dict[RunningRequest, list] = {}
         self._wake = False  # an abort (or cancellation) needs the scheduler's attention
         self._paused = False
         self._stopping = False
@@ -215,8 +217,11 @@ class GenerationScheduler:
                 fut.set_exception(RuntimeError("the scheduler was stopped"))
 
     # -------------------------------------------------------------------------------- requests
-    def submit(self, req: GenRequest) -> concurrent.futures.Future:
-        """Queue a request; returns a Future of its GenResult. Bad requests raise ValueError now."""
+    def submit(self, req: GenRequest,
+               on_progress: Callable[[GenResult], None] | None = None) -> concurrent.futures.Future:
+        """Queue a request; returns a Future of its GenResult. Bad requests raise ValueError now.
+        ``on_progress`` (a streamed request): called on the scheduler thread after each step that gave the request
+        new tokens, with its output so far (:meth:`_progress`; the last tokens come with the Future's result)."""
         max_new = self._check_request(req)
         self.memory.raise_if_unservable()
         req.input_ids = list(req.input_ids)
@@ -233,6 +238,8 @@ class GenerationScheduler:
                 raise RuntimeError("the scheduler is stopped")
             self.memory.raise_if_unservable()  # again, atomically with a release (which checks the queue under _cv)
             self._check_lora_name(req.lora_name)  # again, atomically with an unload (which counts users under _cv)
+            if on_progress is not None:
+                self._watched[seq] = [on_progress, 0]
             self._waiting.append(seq)
             self._cv.notify_all()
         return seq.future
@@ -515,6 +522,7 @@ class GenerationScheduler:
                     self._in_step = True
                 try:
                     self._step(controls, admitted, compute)
+                    self._report_progress()
                 except Exception as exc:  # a failed forward: fail the affected requests, keep serving
                     self._fail_all(exc, admitted)
                 finally:
@@ -547,6 +555,32 @@ class GenerationScheduler:
         if compute and self.batch.rows:
             self.batch.decode(self.weights.version)
 
+    def _report_progress(self) -> None:
+        """Hand each streamed request that got new tokens in this step its output so far (scheduler thread)."""
+        with self._cv:
+            if not self._watched:
+                return
+            watched = [(s, w) for s, w in self._watched.items() if not s.done and len(s.output_ids) > w[1]]
+        for s, w in watched:
+            w[1] = len(s.output_ids)
+            try:
+                w[0](self._progress(s))
+            except Exception:  # a listener's bug must not stop the engine
+                log.exception("request %s: its stream listener failed", s.req.rid)
+
+    def _progress(self, s: RunningRequest) -> GenResult:
+        """A running request's output so far as a GenResult (``finish_reason`` None, ``text`` left empty: the
+        listener decodes it off this thread)."""
+        n = len(s.output_ids)
+        return GenResult(
+            rid=s.req.rid, output_ids=s.output_ids[:n], text="", finish_reason=None, prompt_tokens=s.prompt_len,
+            output_token_logprobs=s.out_logprobs[:n] if s.out_logprobs is not None else None,
+            input_token_logprobs=s.in_logprobs,
+            weight_versions=[{"version": v, "start": a, "end": b} for v, a, b in s.spans],
+            weight_version=self.weights.version,
+            output_top_logprobs=s.out_top[:n] if s.out_top is not None else None, input_top_logprobs=s.in_top,
+            num_retractions=s.num_retractions)
+
     def _admit_locked(self) -> list[RunningRequest]:
         """Take waiting requests for a prefill (FIFO), within the batch and token budgets."""
         room = self.max_batch_size - len(self.batch.live_rows())
@@ -575,6 +609,7 @@ class GenerationScheduler:
         s.done = True
         with self._cv:
             self._inflight.discard(s)
+            self._watched.pop(s, None)
         fut = s.future
         if error is not None:
             if not fut.done():

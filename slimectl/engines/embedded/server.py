@@ -32,7 +32,8 @@ from aiohttp import web
 from slimectl.contract.errors import RunDirError
 from slimectl.contract.faults import fault_point
 from slimectl.contract.rundir.atomic import atomic_write_text, process_alive
-from slimectl.engines.embedded.generate_protocol import BadRequest, generate_response, parse_generate
+from slimectl.engines.embedded.generate_protocol import (BadRequest, error_chunk, generate_response, parse_generate,
+                                                        progress_response, sse)
 from slimectl.engines.embedded.memory import EngineBusy, MemoryReleased, parse_tags
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV, NONCE_FIELD
 from slimectl.web.app import Guard, Refused, Replies, make_app, read_object
@@ -116,10 +117,11 @@ class EngineHTTPServer:
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, dtype: str = "fp32",
                  max_batch_size: int = 64, weight_version: str = "default", admin_token: str | None = None,
                  num_threads: int | None = None, nonce: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 reserved_socket=None):
+                 reserved_socket=None, stream_interval: int = 1):
         """``nonce``: reported as ``slimectl_nonce`` in ``/get_server_info``, so the launcher can tell
         this engine from another server that answers on the same port. ``reserved_socket``: a socket already
-        bound to ``host:port`` (:func:`~slimectl.web.server.reserve_port`), served by :meth:`start`."""
+        bound to ``host:port`` (:func:`~slimectl.web.server.reserve_port`), served by :meth:`start`.
+        ``stream_interval``: the tokens between two chunks of a streamed /generate (SGLang's ``--stream-interval``)."""
         from slimectl.engines.embedded.scheduler import GenerationScheduler
 
         self.model_path = model_path
@@ -135,6 +137,9 @@ class EngineHTTPServer:
         self.started = time.time()
         self.dtype = dtype
         self.max_body_bytes = max_body_bytes
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be a positive integer, got {stream_interval!r}")
+        self.stream_interval = stream_interval
         self.app = make_app(Guard(REPLIES, log, max_body_bytes, admin_token, needs_token=ADMIN_PATHS.__contains__,
                                   as_refusal=_as_refusal))
         r = self.app.router
@@ -250,6 +255,8 @@ class EngineHTTPServer:
             reqs, batched = await self._in_thread(parse_generate, body, self.tokenizer, vision)
         else:
             reqs, batched = parse_generate(body, self.tokenizer, vision)
+        if body.get("stream"):
+            return await self._generate_stream(request, body, reqs[0], t0)
         futures = []
         try:
             for r in reqs:
@@ -265,6 +272,57 @@ class EngineHTTPServer:
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         out = [generate_response(res, req, body, t0, self.tokenizer) for res, req in zip(results, reqs)]
         return web.json_response(out if batched else out[0])
+
+    async def _generate_stream(self, request: web.Request, body: dict, req, t0: float) -> web.StreamResponse:
+        """A streamed /generate as SGLang answers it: a ``data: {json}`` chunk (:func:`progress_response`) as the
+        scheduler produces tokens (every ``stream_interval``-th; chunks the client is too slow for are skipped:
+        each holds all of the output so far), the finished answer as the last chunk, then ``data: [DONE]``. A
+        client that goes away aborts the request (its KV cache freed at the next step)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        every = self.stream_interval
+
+        def progress(partial) -> None:  # the scheduler thread
+            n = len(partial.output_ids)
+            if n == 1 or n % every == 0:
+                loop.call_soon_threadsafe(queue.put_nowait, partial)
+
+        try:
+            fut = self.scheduler.submit(req, on_progress=progress)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None  # MemoryReleased: 503 (the middleware)
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, None))
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+            while (item := await self._next_chunk(request, queue)) is not None:
+                await resp.write(sse(progress_response(item, req, body, t0, self.tokenizer)))
+            try:
+                final = generate_response(fut.result(), req, body, t0, self.tokenizer)
+            except Exception as exc:  # a failed forward: SGLang's error chunk
+                final = error_chunk(f"generation failed: {exc}", 500)
+            await resp.write(sse(final) + sse(None))
+            await resp.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            fut.cancel()  # the client is gone: the scheduler aborts the request (_on_future_done)
+            log.info("request %s: the client closed the stream; aborted", req.rid)
+            raise
+        return resp
+
+    @staticmethod
+    async def _next_chunk(request: web.Request, queue: asyncio.Queue):
+        """The newest progress of the queue (None: the request finished); ConnectionResetError when the client
+        went away while waiting for one."""
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), 1.0)
+            except asyncio.TimeoutError:
+                if request.transport is None or request.transport.is_closing():
+                    raise ConnectionResetError("the client closed the stream") from None
+                continue
+            while item is not None and not queue.empty():
+                item = queue.get_nowait()
+            return item
 
     # ------------------------------------------------------------------ control
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -591,6 +649,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tokens between two chunks of a streamed /generate (SGLang's --stream-interval)")
     ap.add_argument("--admin-api-key-env", default=None,
                     help="name of an environment variable holding the admin token")
     ap.add_argument("--ready-file", default=None, help="write 'host port' here once serving (for supervisors)")
@@ -623,7 +683,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = EngineHTTPServer(args.model_path, args.host, port, dtype=dtype, max_batch_size=args.max_running_requests,
                               weight_version=args.weight_version, admin_token=token or None,
                               num_threads=args.num_threads, nonce=os.environ.get(ENGINE_NONCE_ENV) or None,
-                              reserved_socket=sock)
+                              reserved_socket=sock, stream_interval=args.stream_interval)
 
     async def serve() -> None:
         app_runner = await engine.start()
