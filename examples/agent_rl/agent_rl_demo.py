@@ -3,19 +3,20 @@ r"""The agent demo: an unchanged OpenAI-client agent (agent.py) trained by ``sli
     python examples/agent_rl/agent_rl_demo.py [RUN_DIR] [--sft-steps N] [--set KEY=VALUE ...]   (default: runs/agent-rl)
     python examples/agent_rl/agent_rl_demo.py --write-data      # (re)write data.jsonl only
 
-1. ``slimectl init RUN-warmstart``  the tiny offline Qwen2 (sft_warmstart.yaml), its chat template replaced by
-   chat_template.jinja (a Qwen2.5-style one that knows tools and ``tool`` messages, tool list shortened)
-2. SFT samples: the agent's episode as the harness records it (the calculator call, the tool's answer with loss
-   mask 0, ``\boxed{product}``), published as the warm start's rollouts; ``slimectl train -r RUN-warmstart``
-3. ``PYTHONPATH=examples/agent_rl slimectl rl --config config.yaml -r RUN``: each sample is one run of
+1. the warm start (``RUN-warmstart``, a Hugging Face folder): the tiny offline Qwen2, its chat template replaced by
+   chat_template.jinja (a Qwen2.5-style one that knows tools and ``tool`` messages, tool list shortened), after
+   :data:`SFT_STEPS` steps of SFT in plain PyTorch on the agent's episodes as the harness records them (the
+   calculator call, the tool's answer untrained, ``\boxed{product}``)
+2. ``PYTHONPATH=examples/agent_rl slimectl rl --config config.yaml -r RUN``: each sample is one run of
    ``agent:run`` against the rollout's harness; GRPO on the agent's reward
-4. ``slimectl plot -r RUN``: the reward curve
+3. ``slimectl plot -r RUN``: the reward curve
 
-Rerunning resumes every step from its run directory. The tasks are products of two 1-digit numbers. The warm start's
-demonstrator is sloppy on purpose (:data:`SLOPPY`): half its calls miscopy an operand and half its answers miscopy
-the calculator's result, so the warm-started model calls the tool in the right format but is often wrong, and the
-agent's graded reward (1 right; partial credit for a working call, the right operands, the result copied) spreads
-within a group.
+Rerunning resumes: a finished warm start is kept, ``rl`` resumes from its run directory. The tasks are products of two
+1-digit numbers. The warm start's demonstrator is right in its first :data:`CLEAN_STEPS` batches (the tiny model
+needs about 200 to learn to copy the operands into the call and the result into its answer), then sloppy on purpose
+(:data:`SLOPPY`): half its calls miscopy an operand and half its answers miscopy the calculator's result. The
+warm-started model calls the tool in the right format and can copy, but often does not, and the agent's graded
+reward (1 right; partial credit for a working call, the right operands, the result copied) spreads within a group.
 """
 
 from __future__ import annotations
@@ -59,9 +60,15 @@ def slimectl(*args: str) -> None:
 
 SLOPPY = 0.5
 """How often the warm start's demonstrator miscopies an operand into the call, and (independently) how often it
-miscopies the calculator's result into its answer. It is meant to leave a warm start that calls the tool in the
-right format but is right only about a quarter of the time, which leaves `rl` something to learn (on the tiny
-model it learned neither copy; docs/agent-harness.md)."""
+miscopies the calculator's result into its answer, after its first :data:`CLEAN_STEPS` batches. It leaves a warm
+start that calls the tool in the right format and can copy, but often does not, which leaves `rl` something to
+learn."""
+CLEAN_STEPS = 260
+"""The warm start's first batches are clean (the demonstrator always right): the tiny model learns to copy the
+operands into the call and the result into its answer only after about 200 such steps (docs/agent-harness.md).
+The batches after them are sloppy."""
+SFT_STEPS = 320
+"""The warm start's steps: :data:`CLEAN_STEPS` clean, the rest sloppy."""
 
 
 def episode(tok, row: dict, rng: random.Random | None = None) -> tuple[list[int], list[tuple[list[int], bool]]]:
@@ -91,39 +98,67 @@ def episode(tok, row: dict, rng: random.Random | None = None) -> tuple[list[int]
                         (enc(f"\\boxed{{{answer}}}") + [tok.eos_token_id], True)]
 
 
-def publish_sft_rollouts(run_path: str, seed: int) -> None:
-    from transformers import AutoTokenizer
+def sft_batch(tok, rows: list[dict], step: int, seed: int, size: int = 32) -> tuple:
+    """Batch ``step`` of the warm start: (input ids, labels), -100 on the prompt and the tool's answer, padded.
+    Clean before :data:`CLEAN_STEPS`, sloppy after."""
+    import torch
 
-    from slimectl.contract.rundir import RunDir
-    from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, write_samples
+    rng = random.Random(f"{seed}-{step}")  # a batch does not depend on the batches before it
+    seqs = []
+    for _ in range(size):
+        prompt, pieces = episode(tok, rng.choice(rows), rng if step >= CLEAN_STEPS else None)
+        ids, labels = list(prompt), [-100] * len(prompt)
+        for piece, trained in pieces:
+            ids, labels = ids + piece, labels + (piece if trained else [-100] * len(piece))
+        seqs.append((ids, labels))
+    width = max(len(ids) for ids, _ in seqs)
+    x = torch.tensor([ids + [tok.pad_token_id] * (width - len(ids)) for ids, _ in seqs])
+    y = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in seqs])
+    return x, y
 
-    run = RunDir.open(run_path)
-    cfg = run.config()
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    rows, rng = make_rows(), random.Random(seed)
-    for rid in range(cfg.rollout.num_rollout):
-        if run.rollouts.exists(rid):
-            continue
-        samples = []
-        for i in range(cfg.rollout.batch_size):
-            row = rng.choice(rows)
-            prompt, pieces = episode(tok, row, rng)
-            s = Sample(group_index=i, index=i, rollout_id=rid, prompt=row["input"], tokens=list(prompt),
-                       label=row["label"])
-            for ids, trained in pieces:
-                s.append_response_tokens(ids, [0.0] * len(ids) if trained else None, trained,
-                                         {"weight_version": "sft"} if trained else None)
-            s.status, s.reward = Status.COMPLETED, 0.0
-            samples.append(s)
-        with run.rollouts.publish(rid, meta={"weight_version": "0", "kind": "sft"}, stage="sft-data") as d:
-            write_samples(samples, d / SAMPLES_FILE)
+
+def warm_start(out: Path, steps: int, seed: int) -> Path:
+    """The tiny offline Qwen2 (chat template: chat_template.jinja) after ``steps`` steps of SFT (AdamW, lr 3e-3, 32
+    episodes a step) on the agent's episodes, saved as a Hugging Face folder at ``out``; kept if already there."""
+    if (out / "model.safetensors").exists():
+        return out
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slimectl.starter_models.tiny_models import build_tiny_model
+
+    part = out.with_name(out.name + ".part")  # built aside, renamed into place: a killed run leaves no half model
+    shutil.rmtree(part, ignore_errors=True)
+    build_tiny_model("qwen2", part, seed=seed)
+    (part / "chat_template.jinja").write_text((HERE / "chat_template.jinja").read_text())
+    tok, rows = AutoTokenizer.from_pretrained(part), make_rows()
+    torch.manual_seed(1234 + seed)
+    torch.set_num_threads(1)  # a 0.1M-parameter model gains nothing from a second thread, and a shared core stalls it
+    model = AutoModelForCausalLM.from_pretrained(part, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(steps):
+        x, y = sft_batch(tok, rows, step, seed)
+        loss = model(input_ids=x, labels=y).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if step % 20 == 0 or step == steps - 1:
+            print(f"warm start step {step + 1}/{steps}: loss {loss.item():.3f}", file=sys.stderr, flush=True)
+    model.save_pretrained(part)
+    tok.save_pretrained(part)
+    (part / "chat_template.jinja").write_text((HERE / "chat_template.jinja").read_text())
+    part.rename(out)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", nargs="?", default="runs/agent-rl")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sft-steps", type=int, default=None, help="default: sft_warmstart.yaml's")
+    ap.add_argument("--sft-steps", type=int, default=SFT_STEPS, help=f"warm start steps (default {SFT_STEPS})")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a key of config.yaml for the rl run, e.g. rollout.num_rollout=60")
     ap.add_argument("--write-data", action="store_true", help="write data.jsonl and exit")
@@ -132,19 +167,7 @@ def main() -> None:
     if a.write_data:
         print(data)
         return
-    warm = f"{a.run}-warmstart"
-    sft = [] if a.sft_steps is None else ["--set", f"rollout.num_rollout={a.sft_steps}",
-                                          "--set", f"train.save_interval={a.sft_steps}"]
-    from slimectl.contract.rundir import RunDir
-
-    if not Path(warm, "run.json").exists():
-        slimectl("init", warm, "--config", str(HERE / "sft_warmstart.yaml"), "--tiny-model", "qwen2",
-                 "--set", f"train.seed={1234 + a.seed}", *sft)
-        template = Path(RunDir.open(warm).config().model.path) / "chat_template.jinja"
-        template.write_text((HERE / "chat_template.jinja").read_text())
-    publish_sft_rollouts(warm, a.seed)
-    slimectl("train", "-r", warm, "--allow-empty")
-    start = str(RunDir.open(warm).weights.latest().path)
+    start = warm_start(Path(f"{a.run}-warmstart").resolve(), a.sft_steps, a.seed)
     slimectl("rl", "--config", str(HERE / "config.yaml"), "-r", a.run, "--set", f"model.path={start}",
              "--set", f"rollout.seed={42 + a.seed}", "--set", f"data.seed={42 + a.seed}",
              "--set", f"train.seed={1234 + a.seed}", *(x for o in a.overrides for x in ("--set", o)))

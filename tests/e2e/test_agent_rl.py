@@ -52,3 +52,59 @@ def test_rl_trains_an_unchanged_agent_program_through_the_harness(tmp_path):
             if s.index % 8 != 2:
                 reply = s.metadata["messages"][1]["content"]  # the first reply as the agent got it
                 assert s.reward == len(reply) % 3 and s.status != Status.FAILED
+
+
+def _load_agent_demo():
+    """examples/agent_rl/agent_rl_demo.py as a module (it puts examples/agent_rl on sys.path for ``agent``)."""
+    import importlib.util
+    import sys
+
+    from tests.helpers import ROOT
+
+    if "agent_rl_demo" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("agent_rl_demo", ROOT / "examples" / "agent_rl" / "agent_rl_demo.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["agent_rl_demo"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["agent_rl_demo"]
+
+
+def test_the_agent_demos_warm_start_trains_the_models_turns_clean_then_sloppy(tmp_path):
+    """The demo's SFT batches (examples/agent_rl/agent_rl_demo.py): labels on the model's two turns only (the call,
+    the boxed answer, each with its end token), never on the prompt or the tool's answer; the batches before
+    CLEAN_STEPS always right, the ones after miscopying an operand or the result about SLOPPY of the time."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from slimectl.starter_models.tiny_models import build_tiny_model
+
+    demo = _load_agent_demo()
+    model = build_tiny_model("qwen2", tmp_path / "m")
+    (model / "chat_template.jinja").write_text((demo.HERE / "chat_template.jinja").read_text())
+    tok, rows = AutoTokenizer.from_pretrained(model), demo.make_rows()
+    labels = {r["input"][0]["content"]: r["label"] for r in rows}
+
+    def episodes(step):
+        x, y = demo.sft_batch(tok, rows, step, seed=0)
+        out = []
+        for ids, lab in zip(x.tolist(), y.tolist()):
+            trained = [t for t, l in zip(ids, lab) if l != -100]
+            assert all(t == l for t, l in zip(ids, lab) if l != -100)
+            prompt = tok.decode(ids[:next(i for i, l in enumerate(lab) if l != -100)])
+            question = re.search(r"What is \d \* \d\? Use the calculator\.", prompt).group(0)
+            text = tok.decode(trained)
+            assert "<tool_response>" not in text and "What is" not in text and text.count(tok.eos_token) == 2
+            call = re.fullmatch(r'<tool_call>\n\{"name": "calculator", "arguments": \{"expression": "(\d \* \d)"\}\}'
+                                r"\n</tool_call><\|im_end\|>\\boxed\{(\d+)\}<\|im_end\|>", text)
+            assert call, text
+            right_call = call.group(1) == question[8:13]
+            answer_is_result = call.group(2) == str(eval(call.group(1)))  # noqa: S307 (two digits and a *)
+            out.append((right_call, answer_is_result, call.group(2) == labels[question]))
+        return out
+
+    clean = episodes(demo.CLEAN_STEPS - 1)
+    assert all(right_call and copied and right for right_call, copied, right in clean)
+    sloppy = episodes(demo.CLEAN_STEPS)
+    miscalls, miscopies = sum(not c for c, _, _ in sloppy), sum(not a for _, a, _ in sloppy)
+    assert 0.25 * len(sloppy) < miscalls < 0.75 * len(sloppy) and 0.25 * len(sloppy) < miscopies < 0.75 * len(sloppy)
