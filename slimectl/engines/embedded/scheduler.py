@@ -402,6 +402,12 @@ class GenerationScheduler:
         self.memory.require_weights_loaded(name)
         return self.weights.read(name, truncate_size)
 
+    def weights_checksums(self, names: list[str] | None = None) -> dict:
+        """Every weight's xxh3-128 checksum (:meth:`ServedWeights.checksums`), taken between two scheduler steps
+        (never across a swap); refused while the weights are released."""
+        self.memory.require_weights_loaded("the weights' checksums")
+        return self._run_control(lambda: self.weights.checksums(names))
+
     def release_memory_occupation(self, tags=None) -> dict:
         """SGLang's ``/release_memory_occupation``: free the memory of ``tags`` (None: all; see
         :mod:`~slimectl.engines.embedded.memory`) between two scheduler steps. Only an idle engine

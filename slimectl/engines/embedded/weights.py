@@ -171,6 +171,26 @@ class ServedWeights:
         with torch.no_grad():
             return p.detach()[: max(0, int(truncate_size))].to(torch.float32).tolist()
 
+    def checksums(self, names: list[str] | None = None) -> dict:
+        """The xxh3-128 checksum of the raw bytes of every weight in ``names`` (every name an update may write when
+        None), with its dtype and shape, and the version they are: ``{"weight_version", "checksums": {name:
+        {"dtype", "shape", "xxh3_128"}}, "unknown": [names this engine has no weight of]}``. ``sync --verify``
+        compares them with ``weights/N``'s: every tensor, bit for bit, a few dozen bytes each on the wire."""
+        from slimectl.backends.hf.dtypes import dtype_name
+        from slimectl.backends.hf.weight_delta import checksum
+
+        targets = self.targets()
+        wanted = list(targets) if names is None else list(names)
+        sums, unknown = {}, []
+        with torch.no_grad():
+            for n in wanted:
+                t = targets.get(n)
+                if t is None:
+                    unknown.append(n)
+                    continue
+                sums[n] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "xxh3_128": checksum(t.detach())}
+        return {"weight_version": self.version, "algorithm": "xxh3_128", "checksums": sums, "unknown": unknown}
+
     def check_specs(self, specs) -> dict[str, torch.Tensor]:
         """ValueError unless every (name, dtype, shape) names a weight of that shape and a floating
         dtype; returns the weight targets."""
