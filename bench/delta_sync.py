@@ -14,7 +14,10 @@ serve``) and, for the last version N, in the same run and process:
 Prints one table and ratios delta/full; the issue's target (#47), in bf16 at lr 1e-6: bytes moved <= 0.1x and a
 sync no slower than full.
 
-    python bench/delta_sync.py [--steps 2] [--runs 3] [--encoding xor] [--out results.jsonl]
+    python bench/delta_sync.py [--steps 2] [--runs 3] [--encoding xor] [--out results.jsonl] [--keep DIR]
+
+``--keep DIR`` keeps each case's ``rl`` run as ``DIR/<dtype>-<lr>`` and reuses it when it is there (its
+``weights/<steps>`` published): the sync figures of two versions of the engine compared on the same weights.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +53,8 @@ def rl(work: Path, model: Path, dtype: str, lr: float, a) -> Path:
     path = work / "rl.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = work / "run"
+    if (run / "weights" / f"{a.steps:06d}" / "READY").is_file():
+        return run  # --keep: this case's run is there already
     p = subprocess.run([sys.executable, "-m", "slimectl", "rl", "-c", str(path), "-r", str(run)], env=ENV,
                        capture_output=True, text=True)
     if p.returncode != 0:
@@ -114,6 +120,17 @@ def write_figures(run_path: Path, version: int, encoding: str) -> dict[str, floa
             "encode_delta_s": delta_s, "changed_frac": changed / total}
 
 
+@contextmanager
+def case_dir(keep: Path | None, name: str):
+    """Where a case's rl run lives: ``keep/name`` (kept) or a temporary directory."""
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix="delta-bench-") as work:
+            yield Path(work)
+        return
+    (keep / name).mkdir(parents=True, exist_ok=True)
+    yield keep / name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="HF model dir (default: SmolLM2-135M, --pretrained)")
@@ -126,6 +143,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--lrs", default="1e-6,1e-5")
     ap.add_argument("--out", type=Path, default=None, help="append each case's figures here (JSON lines)")
+    ap.add_argument("--keep", type=Path, default=None, help="keep (and reuse) each case's rl run under this directory")
     a = ap.parse_args()
     if a.model is None:
         from slimectl.starter_models.pretrained import ensure_pretrained
@@ -134,7 +152,7 @@ def main() -> None:
     rows = []
     for dtype in a.dtypes.split(","):
         for lr in map(float, a.lrs.split(",")):
-            with tempfile.TemporaryDirectory(prefix="delta-bench-") as work:
+            with case_dir(a.keep, f"{dtype}-{lr:g}") as work:
                 t = time.perf_counter()
                 run = rl(Path(work), a.model, dtype, lr, a)
                 rl_s = time.perf_counter() - t

@@ -12,7 +12,8 @@ from slimectl.commands._options import engine_urls_option, stage_options
 @click.option("--version", "version", type=click.IntRange(min=0),
               help="Weight version to push (default: the latest in RUN/weights; 0 = the initial model).")
 @click.option("--transport", type=click.Choice(["disk", "distributed"]), help="Override sync.transport.")
-@click.option("--verify/--no-verify", default=None, help="Read sampled weights back from each engine and compare.")
+@click.option("--verify/--no-verify", default=None, help="Read the weights back from each engine and compare: every tensor by "
+              "checksum (embedded engine), a sample by value.")
 @engine_urls_option
 @click.option("--follow", is_flag=True, help="Keep going: push each new weights/N as soon as it is published, "
               "until weights/{rollout.num_rollout} is in the engines.")

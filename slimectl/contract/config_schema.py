@@ -978,7 +978,7 @@ class SyncSection(Section):
     master_port: int = Field(default=0, ge=0, le=65535)
     """Distributed transport: port of the weight-update group (0 = a free port)."""
     verify: bool = False
-    """After each sync read sampled tensors back from every engine and compare them with the trainer's."""
+    """After each sync read the weights back from every engine and compare them with the trainer's: every tensor by its xxh3-128 checksum where the engine gives them (the embedded engine), and a sample by value (SGLang's get_weights_by_name)."""
     pause_mode: Optional[Literal["abort", "retract", "in_place"]] = None
     """How engines pause for the update (SGLang's /pause_generation modes): ``abort`` ends the requests in
     flight; ``retract`` keeps them and recomputes their KV cache under the new weights; ``in_place`` keeps

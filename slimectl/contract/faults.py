@@ -32,6 +32,7 @@ FAULT_POINTS = (
     "rl.rollout_in_flight",        # one_step_off: rollout N+1 submitted beside the training of rollout N
     "rollout.follow_published",    # rollout --follow: rollouts/N READY, the groups of N+1 in flight
     "engine.generate",             # an embedded engine, at a /generate request (the engine dies mid-rollout)
+    "engine.delta_checked",        # an embedded engine applying a delta: every tensor checked and computed, not swapped
     "serve.engine_killed",         # the heartbeat killed a lost engine; not started again, its record still there
     "serve.engine_restarted",      # the lost engine started again and checked; not registered again
     "export.written",              # export: the HF files written into the temporary directory, not renamed

@@ -335,6 +335,10 @@ class EngineClient:
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return await self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
+    async def get_weights_checksums(self, names: list[str] | None = None) -> dict[str, Any]:
+        """The embedded engine's per-weight xxh3-128 checksums (SGLang has no such endpoint: 404)."""
+        return await self.request("POST", "/get_weights_checksums", {} if names is None else {"names": names})
+
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> dict[str, Any]:
         return await self.request("POST", "/init_weights_update_group", {

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from slimectl.backends.hf.dtypes import dtype_name, torch_dtype
+from slimectl.backends.hf.dtypes import dtype_name
 
 DELTA_FILE = "delta.bin"
 DELTA_META = "delta.json"
@@ -115,29 +115,166 @@ def encode_tensor(base: torch.Tensor, new: torch.Tensor, encoding: str) -> tuple
     return idx.tobytes() + n[idx].tobytes(), changed
 
 
-def decode_tensor(base: torch.Tensor, payload: bytes, entry: Entry, encoding: str) -> torch.Tensor:
-    """A new tensor (a copy: ``base`` is untouched) from ``base`` and its raw ``payload``."""
-    import numpy as np
+CHUNK = 1 << 18
+"""Elements per step of an apply's passes (256 K: 0.5-1 MB, in cache): a tensor is decompressed, combined with its
+base and hashed chunk by chunk, never as a second full-size buffer."""
 
-    b = _bits(base)
-    if encoding == "xor":
-        size = b.size * b.itemsize
-        if len(payload) != size:
-            raise DeltaError(f"delta of {entry.name!r} has {len(payload)} bytes, expected {size}")
-        out = np.bitwise_xor(b, np.frombuffer(payload, dtype=b.dtype))
-    else:
-        k = entry.changed
-        wide = np.int32 if b.size < 2**31 else np.int64
-        isz = np.dtype(wide).itemsize
-        if len(payload) != k * (isz + b.itemsize):
-            raise DeltaError(f"delta of {entry.name!r} has {len(payload)} bytes, expected "
-                             f"{k * (isz + b.itemsize)} for {k} changed elements")
-        idx = np.frombuffer(payload, dtype=wide, count=k)
-        if k and (int(idx.min()) < 0 or int(idx.max()) >= b.size):
-            raise DeltaError(f"delta of {entry.name!r} names elements outside the tensor")
-        out = b.copy()
-        out[idx] = np.frombuffer(payload, dtype=b.dtype, offset=k * isz, count=k)
-    return torch.from_numpy(out).view(torch_dtype(entry.dtype)).reshape(entry.shape)
+
+@dataclass
+class Change:
+    """One tensor's change, checked (:func:`check_tensor`): ``idx``/``bits`` the flat indices of the changed
+    elements (increasing) and their new bits, when few changed (the swap writes only them); ``dense`` every
+    element's new bits, when many did (the swap copies them); or ``xor`` its XOR payload, still compressed
+    (``compression``), when a delta said few changed and many did (the swap XORs it in, chunk by chunk)."""
+
+    name: str
+    idx: Any = None
+    bits: Any = None
+    dense: Any = None
+    xor: Any = None
+    compression: str = "none"
+
+    def write_into(self, target: torch.Tensor) -> None:
+        """The swap: ``target`` (which holds the base) becomes the new value, in place when it is a contiguous CPU
+        tensor; through a copy otherwise (a fused expert's view)."""
+        if self.dense is None and target.is_contiguous() and target.device.type == "cpu":
+            self._apply(_bits(target))
+        else:
+            target.copy_(self.tensor(target))
+
+    def tensor(self, base: torch.Tensor) -> torch.Tensor:
+        """The new value as a tensor of its own (``base``, the base, untouched)."""
+        out = self.dense
+        if out is None:
+            out = _bits(base).copy()
+            self._apply(out)
+        return torch.from_numpy(out).view(base.dtype).reshape(base.shape)
+
+    def _apply(self, b) -> None:
+        import numpy as np
+
+        if self.xor is None:
+            b[self.idx] = self.bits
+            return
+        stream, x = _stream(self.xor, self.compression), np.empty(min(b.size, CHUNK), b.dtype)
+        for i in range(0, b.size, CHUNK):
+            n = min(CHUNK, b.size - i)
+            if _read_exact(stream, x[:n]) != n * b.itemsize:  # checked before: only a changed blob gets here
+                raise DeltaError(f"delta of {self.name!r} changed while it was applied")
+            np.bitwise_xor(b[i:i + n], x[:n], out=b[i:i + n])
+
+
+class _Slice:
+    """An uncompressed payload read like a decompressing stream (``readinto``, ``read``)."""
+
+    def __init__(self, data: memoryview):
+        self.data, self.pos = data, 0
+
+    def readinto(self, buf) -> int:
+        buf = memoryview(buf).cast("B")
+        n = min(len(buf), len(self.data) - self.pos)
+        buf[:n] = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def read(self, n: int) -> bytes:
+        self.pos += len(out := bytes(self.data[self.pos:self.pos + n]))
+        return out
+
+
+def _stream(raw: memoryview, compression: str):
+    if compression == "zstd":
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(raw)
+    return _Slice(raw)
+
+
+def _read_exact(stream, buf) -> int:
+    """Fill ``buf`` from ``stream`` (several reads if it answers short); the bytes read."""
+    view, got = memoryview(buf).cast("B"), 0
+    while got < len(view):
+        n = stream.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _xor_change(b, raw: memoryview, entry: Entry, compression: str) -> Change:
+    """One pass, chunk by chunk: decompress the XOR, combine it with the base and hash the result (it must be the
+    delta's ``new`` checksum). When the delta says more than 1/16 of the elements changed the result goes into one
+    new array (the swap copies it); otherwise into a scratch chunk, keeping the changed elements (the swap writes
+    only them) — and if more than 1/16 did change after all, the swap XORs the payload in again instead."""
+    import numpy as np
+    import xxhash
+
+    size = b.size * b.itemsize
+    dense = np.empty_like(b) if entry.changed > b.size // 16 else None
+    x, new = np.empty(min(b.size, CHUNK), b.dtype), np.empty(min(b.size, CHUNK), b.dtype)
+    stream, hasher = _stream(raw, compression), xxhash.xxh3_128()
+    idx, bits, kept = ([], [], 0) if dense is None else (None, None, 0)
+    for i in range(0, b.size, CHUNK):
+        n = min(CHUNK, b.size - i)
+        got = _read_exact(stream, x[:n])
+        if got != n * b.itemsize:
+            raise DeltaError(f"delta of {entry.name!r} has {i * b.itemsize + got} bytes, expected {size}")
+        out = new[:n] if dense is None else dense[i:i + n]
+        np.bitwise_xor(b[i:i + n], x[:n], out=out)
+        hasher.update(out)
+        if idx is not None:
+            nz = np.flatnonzero(x[:n] != 0)  # on booleans: several times faster than on the integers
+            idx.append(nz + i)
+            bits.append(out[nz])
+            kept += nz.size
+            if kept > b.size // 16:
+                idx = bits = None
+    if stream.read(1):
+        raise DeltaError(f"delta of {entry.name!r} has more than the {size} bytes expected")
+    _check_new(hasher, entry)
+    if dense is not None:
+        return Change(entry.name, dense=dense)
+    if idx is None:
+        return Change(entry.name, xor=raw, compression=compression)
+    return Change(entry.name, idx=np.concatenate(idx), bits=np.concatenate(bits))
+
+
+def _overwrite_change(b, raw: memoryview, entry: Entry, compression: str) -> Change:
+    """The changed elements' indices (strictly increasing) and new bits; the result hashed chunk by chunk."""
+    import numpy as np
+    import xxhash
+
+    k, wide = entry.changed, (np.int32 if b.size < 2**31 else np.int64)
+    isz = np.dtype(wide).itemsize
+    payload = _decompress(raw, compression, b.size * b.itemsize * 2 + 64, entry)
+    if len(payload) != k * (isz + b.itemsize):
+        raise DeltaError(f"delta of {entry.name!r} has {len(payload)} bytes, expected "
+                         f"{k * (isz + b.itemsize)} for {k} changed elements")
+    idx = np.frombuffer(payload, dtype=wide, count=k).astype(np.int64)
+    if k and (int(idx[0]) < 0 or int(idx[-1]) >= b.size or not bool((idx[1:] > idx[:-1]).all())):
+        raise DeltaError(f"delta of {entry.name!r} names elements outside the tensor or out of order")
+    bits = np.frombuffer(payload, dtype=b.dtype, offset=k * isz, count=k)
+    hasher, new = xxhash.xxh3_128(), np.empty(min(b.size, CHUNK), b.dtype)
+    for i in range(0, b.size, CHUNK):
+        n = min(CHUNK, b.size - i)
+        lo, hi = np.searchsorted(idx, [i, i + n])
+        new[:n] = b[i:i + n]
+        new[idx[lo:hi] - i] = bits[lo:hi]
+        hasher.update(new[:n])
+    _check_new(hasher, entry)
+    return Change(entry.name, idx=idx, bits=bits)
+
+
+def _decompress(raw: memoryview, compression: str, bound: int, entry: Entry) -> bytes:
+    try:
+        return _decompressor(compression)(raw, bound)
+    except Exception as exc:  # zstd's error for a corrupt frame
+        raise DeltaError(f"delta of {entry.name!r} does not decompress ({exc})") from None
+
+
+def _check_new(hasher, entry: Entry) -> None:
+    if hasher.hexdigest() != entry.new:
+        raise DeltaError(f"{entry.name!r} after the delta does not match its checksum: the delta is corrupt")
 
 
 class DeltaWriter:
@@ -238,13 +375,25 @@ def read_blob(where: str | Path, header: dict[str, Any]) -> memoryview:
     return memoryview(data)
 
 
-def apply_tensor(base: torch.Tensor, entry: Entry, blob: memoryview, header: dict[str, Any],
-                 base_sum: str | None = None) -> torch.Tensor | None:
-    """The new value of one tensor (a copy), None when it did not change; every check first (DeltaError)."""
+def check_digests(header: dict[str, Any]) -> None:
+    """The header's ``base_digest`` and ``digest`` are those of its tensors' checksums (DeltaError otherwise): an
+    engine that knows the digest of what it serves may then trust ``base_digest`` for every tensor."""
+    entries = sorted(header["entries"], key=lambda e: e.name)
+    if (header.get("base_digest") != digest(e.base for e in entries)
+            or header.get("digest") != digest(e.new for e in entries)):
+        raise DeltaError("the delta's digests are not those of its tensors' checksums: the header is corrupt")
+
+
+def check_tensor(base: torch.Tensor, entry: Entry, blob: memoryview, header: dict[str, Any],
+                 base_known: bool = False) -> Change | None:
+    """Every check of one tensor's delta and its new value (``base`` untouched), None when it did not change
+    (DeltaError: not its base, corrupt, truncated). ``base_known``: the caller knows ``base`` is the delta's base
+    (an engine whose recorded digest is the delta's ``base_digest``), so its checksum is not taken and an unchanged
+    tensor costs nothing."""
     if dtype_name(base.dtype) != entry.dtype or list(base.shape) != list(entry.shape):
         raise DeltaError(f"{entry.name!r} is {dtype_name(base.dtype)} {list(base.shape)} here, the delta's is "
                          f"{entry.dtype} {entry.shape}", kind="base")
-    if (base_sum or checksum(base)) != entry.base:
+    if not base_known and checksum(base) != entry.base:
         raise DeltaError(f"{entry.name!r} is not the delta's base (weight version {header['base_version']}): its "
                          f"checksum differs", kind="base")
     if not entry.nbytes:
@@ -254,15 +403,21 @@ def apply_tensor(base: torch.Tensor, entry: Entry, blob: memoryview, header: dic
     end = entry.offset + entry.nbytes
     if entry.offset < 0 or end > len(blob):
         raise DeltaError(f"delta of {entry.name!r} ends past the blob ({end} > {len(blob)} bytes): truncated")
-    raw_size = base.numel() * base.element_size() * 2 + 64  # bounds the decompressed size
-    try:
-        payload = _decompressor(header["compression"])(blob[entry.offset:end], raw_size)
-    except Exception as exc:  # zstd's error for a corrupt frame
-        raise DeltaError(f"delta of {entry.name!r} does not decompress ({exc})") from None
-    new = decode_tensor(base, payload, entry, header["encoding"])
-    if checksum(new) != entry.new:
-        raise DeltaError(f"{entry.name!r} after the delta does not match its checksum: the delta is corrupt")
-    return new
+    raw = memoryview(blob)[entry.offset:end]
+    if header["encoding"] == "xor":
+        try:
+            return _xor_change(_bits(base), raw, entry, header["compression"])
+        except DeltaError:
+            raise
+        except Exception as exc:  # zstd's error for a corrupt frame
+            raise DeltaError(f"delta of {entry.name!r} does not decompress ({exc})") from None
+    return _overwrite_change(_bits(base), raw, entry, header["compression"])
+
+
+def apply_tensor(base: torch.Tensor, entry: Entry, blob: memoryview, header: dict[str, Any]) -> torch.Tensor | None:
+    """The new value of one tensor (a copy), None when it did not change; every check first (DeltaError)."""
+    change = check_tensor(base, entry, blob, header)
+    return None if change is None else change.tensor(base)
 
 
 def apply_delta(header: dict[str, Any], blob: memoryview,

@@ -62,7 +62,7 @@ from slimectl.engines.embedded.model import load_model, model_dtype
 from slimectl.engines.embedded.requests import ABORT_REASON, GenRequest, GenResult, RunningRequest
 from slimectl.engines.embedded.running_batch import RunningBatch
 from slimectl.engines.embedded.sampling_params import SamplingParams, is_int
-from slimectl.engines.embedded.weights import ServedWeights
+from slimectl.engines.embedded.weights import ServedWeights, recorded_digest
 
 __all__ = ["GenerationScheduler"]
 
@@ -117,6 +117,7 @@ class GenerationScheduler:
         self._occupied = {"num_running_reqs": 0, "num_used_tokens": 0}  # at the end of the last step
 
         self.weights = ServedWeights(m.model, m.config, m.params, weight_version)
+        self.weights.digest = recorded_digest(model_path)
         self.memory = MemoryOccupancy(self.weights)
         self.adapters = LoraAdapters(m.model, m.decoder)
         if decode_log_interval is None:
@@ -384,16 +385,16 @@ class GenerationScheduler:
         first (ValueError, nothing applied)."""
         self.memory.require_weights_resident("load weights")
         with self.weights.checkpoint(model_path) as (specs, read):
-            self.receive_weights(specs, read, weight_version)
+            self.receive_weights(specs, read, weight_version, digest=recorded_digest(model_path))
         self.model_path = str(model_path)
 
     def receive_weights(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], recv,
-                        weight_version: str | None = None) -> None:
+                        weight_version: str | None = None, digest: str | None = None) -> None:
         """Fill weights straight from ``recv(tensor)`` (a collective receive) between scheduler steps
         (:meth:`ServedWeights.receiver`: names and shapes checked before anything is received)."""
         with self.memory.lock:
             self.memory.require_weights_resident("receive weights")
-            self._run_control(self.weights.receiver(specs, recv, weight_version))
+            self._run_control(self.weights.receiver(specs, recv, weight_version, digest))
             self.memory.loaded(n for n, _, _ in specs)
 
     def update_weights_from_delta(self, header: dict, blob, weight_version: str) -> None:
@@ -408,6 +409,12 @@ class GenerationScheduler:
         or not loaded since a resume."""
         self.memory.require_weights_loaded(name)
         return self.weights.read(name, truncate_size)
+
+    def weights_checksums(self, names: list[str] | None = None) -> dict:
+        """Every weight's xxh3-128 checksum (:meth:`ServedWeights.checksums`), taken between two scheduler steps
+        (never across a swap); refused while the weights are released."""
+        self.memory.require_weights_loaded("the weights' checksums")
+        return self._run_control(lambda: self.weights.checksums(names))
 
     def release_memory_occupation(self, tags=None) -> dict:
         """SGLang's ``/release_memory_occupation``: free the memory of ``tags`` (None: all; see

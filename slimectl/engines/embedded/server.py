@@ -56,7 +56,7 @@ ADMIN_PATHS = {
     "/release_memory_occupation", "/resume_memory_occupation",
     "/get_weights_by_name",  # reads the weights out: not for anyone who can reach the port
     "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_distributed",
-    "/update_weights_from_delta",
+    "/update_weights_from_delta", "/get_weights_checksums",
 }
 
 
@@ -169,6 +169,7 @@ class EngineHTTPServer:
         r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         r.add_post("/load_lora_adapter_from_distributed", self.load_lora_adapter_from_distributed)
         r.add_post("/update_weights_from_delta", self.update_weights_from_delta)
+        r.add_post("/get_weights_checksums", self.get_weights_checksums)
 
     # ------------------------------------------------------------------ plumbing
     async def _in_thread(self, fn, *args):
@@ -394,6 +395,15 @@ class EngineHTTPServer:
         except KeyError:
             return _fail("Get parameter by name failed")
         return web.json_response(values)
+
+    async def get_weights_checksums(self, request: web.Request) -> web.Response:
+        """Our own endpoint: {names (optional: every weight)} -> the xxh3-128 checksum of each weight's raw bytes,
+        its dtype and shape, and the weight version (``sync --verify`` compares every tensor with ``weights/N``)."""
+        body = await read_object(request)
+        names = body.get("names")
+        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+            raise BadRequest("names must be a list of weight names (or absent: every weight)")
+        return web.json_response(await self._in_thread(self.scheduler.weights_checksums, names))
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await read_object(request)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from slimectl.contract.faults import fault_point
+
 # Config fields that must agree between the served model and a checkpoint loaded over it.
 _ARCH_FIELDS = (
     "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
@@ -50,6 +52,10 @@ class ServedWeights:
         self._targets: dict[str, torch.Tensor] | None = None
         self._fused_parts: dict[str, list[str]] = {}
         self._state_buffers: dict[str, torch.Tensor] = {}
+        # The digest of the weights served (weight_delta.digest: xxh3-128 over every tensor's checksum) when known:
+        # set by a load whose directory records it (recorded_digest) and by a delta's apply; None after any other
+        # write. A delta whose base_digest it is applies without a checksum of its base tensors.
+        self.digest: str | None = None
 
     @staticmethod
     def check_version(v) -> None:
@@ -57,16 +63,19 @@ class ServedWeights:
             raise ValueError(f"weight_version must be a non-empty string, got {v!r}")
 
     def receiver(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], recv,
-                 weight_version: str | None = None) -> Callable[[], None]:
+                 weight_version: str | None = None, digest: str | None = None) -> Callable[[], None]:
         """Check ``specs`` (name, dtype, shape) and ``weight_version`` now (ValueError, nothing applied) and return
         the function that fills the weights straight from ``recv(tensor)`` (a collective receive): no staging
         copy when the dtype matches the parameter's. If a receive fails midway the model holds a mix, so the
-        version becomes ``<old>-incomplete`` (rollouts refuse mixed versions; the next full update fixes it)."""
+        version becomes ``<old>-incomplete`` (rollouts refuse mixed versions; the next full update fixes it).
+        ``digest``: the digest of every weight once filled (a whole checkpoint's, :func:`recorded_digest`), None
+        when unknown."""
         targets = self.check_specs(specs)
         if weight_version is not None:
             self.check_version(weight_version)
 
         def fill() -> None:
+            self.digest = None
             try:
                 with torch.no_grad():
                     for name, dtype, shape in specs:
@@ -82,35 +91,42 @@ class ServedWeights:
                 raise
             if weight_version is not None:
                 self.version = weight_version
+            self.digest = digest
 
         return fill
 
     def delta_applier(self, header: dict, blob, weight_version: str) -> Callable[[], None]:
         """Check a weight delta (:mod:`slimectl.backends.hf.weight_delta`) against the served weights and compute
-        every changed tensor into a copy now (DeltaError, nothing applied: not on its base version, a weight whose
-        bytes are not the base's, a corrupt or truncated delta); return the swap that copies them in and sets the
-        version, run between two scheduler steps (in memory: it cannot stop halfway)."""
-        from slimectl.backends.hf.weight_delta import DeltaError, apply_tensor, read_header
+        every changed tensor's new value now (DeltaError, nothing applied: not on its base version, a weight whose
+        bytes are not the base's, a corrupt or truncated delta); return the swap that writes them in and sets the
+        version, run between two scheduler steps (in memory: it cannot stop halfway). When the digest of the
+        served weights is known and is the delta's ``base_digest``, the base tensors are not checksummed and an
+        unchanged tensor costs nothing; otherwise every base tensor's checksum is compared with the delta's."""
+        from slimectl.backends.hf.weight_delta import DeltaError, check_digests, check_tensor, read_header
 
         self.check_version(weight_version)
         header = read_header(header)
         if self.version != str(header["base_version"]):
             raise DeltaError(f"this engine serves weight version {self.version}, the delta applies to "
                              f"{header['base_version']}", kind="base")
+        check_digests(header)
+        known = self.digest is not None and self.digest == header["base_digest"]
         targets = self.targets()
-        new: dict[str, torch.Tensor] = {}
+        changes = []
         for e in header["entries"]:
             if e.name not in targets:
                 raise DeltaError(f"unknown parameter name {e.name!r}", kind="base")
-            out = apply_tensor(targets[e.name].detach(), e, blob, header)
-            if out is not None:
-                new[e.name] = out
+            change = check_tensor(targets[e.name].detach(), e, blob, header, base_known=known)
+            if change is not None:
+                changes.append((targets[e.name], change))
+        fault_point("engine.delta_checked")
 
         def swap() -> None:
             with torch.no_grad():
-                for name, t in new.items():
-                    targets[name].copy_(t)
+                for target, change in changes:
+                    change.write_into(target.detach())
             self.version = weight_version
+            self.digest = header["digest"]
 
         return swap
 
@@ -171,6 +187,26 @@ class ServedWeights:
         with torch.no_grad():
             return p.detach()[: max(0, int(truncate_size))].to(torch.float32).tolist()
 
+    def checksums(self, names: list[str] | None = None) -> dict:
+        """The xxh3-128 checksum of the raw bytes of every weight in ``names`` (every name an update may write when
+        None), with its dtype and shape, and the version they are: ``{"weight_version", "checksums": {name:
+        {"dtype", "shape", "xxh3_128"}}, "unknown": [names this engine has no weight of]}``. ``sync --verify``
+        compares them with ``weights/N``'s: every tensor, bit for bit, a few dozen bytes each on the wire."""
+        from slimectl.backends.hf.dtypes import dtype_name
+        from slimectl.backends.hf.weight_delta import checksum
+
+        targets = self.targets()
+        wanted = list(targets) if names is None else list(names)
+        sums, unknown = {}, []
+        with torch.no_grad():
+            for n in wanted:
+                t = targets.get(n)
+                if t is None:
+                    unknown.append(n)
+                    continue
+                sums[n] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "xxh3_128": checksum(t.detach())}
+        return {"weight_version": self.version, "algorithm": "xxh3_128", "checksums": sums, "unknown": unknown}
+
     def check_specs(self, specs) -> dict[str, torch.Tensor]:
         """ValueError unless every (name, dtype, shape) names a weight of that shape and a floating
         dtype; returns the weight targets."""
@@ -225,6 +261,7 @@ class ServedWeights:
                 freed += p.numel() * p.element_size()
                 p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
         self._targets = None  # the fused-expert views of the old storage
+        self.digest = None
         return freed
 
     def reallocate(self) -> int:
@@ -236,11 +273,24 @@ class ServedWeights:
                 p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
                 alloc += p.numel() * p.element_size()
         self._targets = None
+        self.digest = None
         return alloc
 
     def _unique_params(self) -> list[torch.nn.Parameter]:
         """Each parameter once (tied weights appear under several names but are one parameter: freed once)."""
         return list({id(p): p for p in self.params.values()}.values())
+
+
+def recorded_digest(model_path) -> str | None:
+    """The digest of the weights of a ``weights/N`` directory as its ``delta.json`` records it (``digest``: the
+    xxh3-128 over its tensors' checksums, sealed with them by the same READY manifest); None without one."""
+    import json
+
+    try:
+        found = json.loads((Path(model_path) / "delta.json").read_text()).get("digest")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 def persistent_buffers(model) -> dict[str, torch.Tensor]:
