@@ -147,6 +147,9 @@ class RLSession:
             try:
                 with self.engines.guard(), self.critical():
                     metrics, seconds = self.trainer.sync(version)
+                    # recorded before the heartbeat may look again: an engine lost right after this sync is started
+                    # again at the version its record says, which must be this one
+                    self.run.engines.set_weight_version(self.engines.ids.values(), str(version))
                 break
             except SlimectlError as exc:
                 if attempt == 2 or not self.engines.heals():
@@ -154,19 +157,24 @@ class RLSession:
                 log.warning("sync of weight version %d failed (%s); syncing again once the lost engine is back",
                             version, exc)
                 self.engines.wait_healed(self.cfg.engine.startup_timeout_s)
-        self.run.engines.set_weight_version(self.engines.ids.values(), str(version))
         self.synced = version
         self.sync_metrics.log(version, metrics)
         return seconds
 
     def _drop_lost_clients(self) -> None:
-        """Engines lost for good (``engine.on_lost: continue``) get no more syncs."""
-        for url in [u for u in self.clients if u not in self.engines.urls]:
+        """Engines lost for good (``engine.on_lost: continue``) get no more syncs; one a ``serve`` this process is
+        attached to registered again at another URL gets them there (the clients dict is the trainer's too)."""
+        from slimectl.engines.client import EngineClient
+
+        urls = self.engines.urls
+        for url in [u for u in self.clients if u not in urls]:
             client = self.clients.pop(url)
             try:
                 self.bridge.run(client.close())
             except Exception:  # noqa: BLE001 — closing a client of a gone engine
                 pass
+        for url in [u for u in urls if u not in self.clients]:
+            self.clients[url] = EngineClient(url, token=self.cfg.engine.token(), timeout=self.cfg.sync.timeout_s)
 
     def rollout(self, rid: int):
         """``rollouts/RID``, generated unless already published (never regenerated)."""
