@@ -6,6 +6,7 @@ follows the engines that serve's heartbeat starts again."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import threading
@@ -14,8 +15,8 @@ import pytest
 
 from slimectl.contract.rundir import RunDir
 from tests.helpers import post, slimectl_in_process, start_serve, write_config
-from tests.integration.test_engine_heal import (FAST, _wait, assert_rollouts_exact, kill_engine_at_version,
-                                                rl_with_engine_1_killed)
+from tests.integration.test_engine_heal import (FAST, _listener, _wait, assert_rollouts_exact,  # noqa: F401 (group)
+                                                group, kill_engine_at_version, rl_with_engine_1_killed)
 
 pytestmark = pytest.mark.xdist_group("engine_heal")
 
@@ -71,3 +72,48 @@ def test_rl_attached_to_a_serve_follows_its_heal(tmp_path):
     finally:
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_the_pool_takes_back_an_engine_the_heartbeat_registered_again(group):
+    """One pool across the heal (as ``fully_async``'s follower keeps one): engine-1 ``kill -9``ed with requests in
+    flight, they finish on engine-0; once the heartbeat has registered it again the pool sends it requests again;
+    with both engines killed, the requests wait for the heal instead of failing. Every request answered once."""
+    from slimectl.engines.pool import EnginePool
+
+    run, g, _ = group
+    url0, url1 = g.urls
+
+    def healed(url, before):
+        return next((r for r in run.engines.list() if r.url == url and r.pid != before and r.alive()), None)
+
+    async def batch(pool, ids, kill=()):
+        async def one(i):
+            out = await pool.generate(input_ids=[1 + i % 50, 2, 3], rid=f"r{i}",
+                                      sampling_params={"max_new_tokens": 16, "temperature": 0})
+            return i, out["meta_info"]["engine_url"]
+
+        tasks = [asyncio.ensure_future(one(i)) for i in ids]
+        await asyncio.sleep(0.1)
+        for url in kill:  # with requests in flight
+            _listener(url).kill()
+        return await asyncio.gather(*tasks)
+
+    async def go():
+        pool = EnginePool(g.urls, registry=run.engines, timeout=60, heal_wait_s=120)
+        try:
+            pids = {r.url: r.pid for r in run.engines.list()}
+            first = await batch(pool, range(0, 40), kill=[url1])
+            assert url1 in pool.dead
+            await asyncio.to_thread(_wait, "engine-1 registered again", lambda: healed(url1, pids[url1]))
+            second = await batch(pool, range(40, 80))
+            assert url1 not in pool.dead and url1 in {u for _, u in second}  # taken back
+            pids = {r.url: r.pid for r in run.engines.list()}
+            third = await batch(pool, range(80, 100), kill=[url0, url1])  # no engine left: wait for the heal
+            return first + second + third, pids
+        finally:
+            await pool.close()
+
+    answered, pids = asyncio.run(go())
+    assert sorted(i for i, _ in answered) == list(range(100))  # each once
+    assert not g.lost and [loss.url for loss in g.watcher.losses][:1] == [url1] and len(g.watcher.losses) >= 3
