@@ -12,8 +12,9 @@ and sends this and later requests to the engines directly.
 
 With a ``registry``, the pool follows the engines ``serve``'s heartbeat heals (:mod:`slimectl.engines.health`):
 an engine taken out of the pool takes requests again once the registry shows its record (the same id) on a new
-live process, at its URL or a new one; and while every engine is out and one of them is being healed (its
-record says ``heals`` and its owner lives), a request waits for it (bounded) instead of failing.
+live process, at its URL or a new one, on its weights or newer ones; and with ``heal_wait_s``, while every engine
+is out and one of them is being healed (its record says ``heals`` and its owner lives), a request waits for it
+instead of failing.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ class EnginePool:
 
     def __init__(self, urls: list[str], token: str | None = None, concurrency_per_engine: int = 64,
                  timeout: float = 600.0, registry=None, router: str | None = None, connections=None,
-                 lora_path: str | None = None, heal_wait_s: float = 600.0):
+                 lora_path: str | None = None, heal_wait_s: float = 0.0):
         """``connections``: a :class:`~slimectl.engines.client.KeptConnections` whose sessions the
         clients use (kept open after :meth:`close`); None: each client opens and closes its own.
-        ``lora_path``: the adapter every ``/generate`` asks for (a LoRA run's :data:`POLICY_ADAPTER`)."""
+        ``lora_path``: the adapter every ``/generate`` asks for (a LoRA run's :data:`POLICY_ADAPTER`).
+        ``heal_wait_s``: how long a request waits, every engine being out, for one the heartbeat heals (0, the
+        default: it fails at once, and the rollout with it)."""
         if not urls:
             raise SlimectlError("no engines registered; start them with `slimectl serve -r RUN` or pass --engine-url")
         self.router = router.rstrip("/") if router else None
@@ -75,8 +78,9 @@ class EnginePool:
         self.requests = {u: 0 for u in urls}
         self.registry = registry
         self.heal_wait_s = heal_wait_s
-        self.down: dict[str, tuple[str, int | None]] = {}
-        """URL of an engine taken out -> (its record's id, the pid it had then): what :meth:`revive` looks for."""
+        self.down: dict[str, tuple[str, int | None, str | None]] = {}
+        """URL of an engine taken out -> (its record's id, the pid and weight version it had then): what
+        :meth:`revive` looks for."""
         self._looked = float("-inf")
 
     def alive(self) -> list[str]:
@@ -156,7 +160,7 @@ class EnginePool:
     def _remember_down(self, url: str) -> None:
         rec = self._record(lambda r: r.url.rstrip("/") == url.rstrip("/"))
         if rec is not None:
-            self.down[url] = (rec.id, rec.pid)
+            self.down[url] = (rec.id, rec.pid, rec.weight_version)
 
     def _record(self, match):
         """The first registry record ``match`` accepts (None: none, no registry, or the registry unreadable)."""
@@ -170,14 +174,15 @@ class EnginePool:
     def revive(self, force: bool = False) -> list[str]:
         """Put back the engines taken out whose record (the same id) the registry now shows on another live
         process: started again by the heartbeat of the ``serve`` that owns them, at their URL or a new one
-        (a new client for it). Looks at most every :data:`REVIVE_POLL_S` unless ``force``; the URLs put back."""
+        (a new client for it), on the weights it had or newer ones (one started on older weights, e.g. the initial
+        ones, waits for a sync). Looks at most every :data:`REVIVE_POLL_S` unless ``force``; the URLs put back."""
         if not self.down or (not force and time.monotonic() - self._looked < REVIVE_POLL_S):
             return []
         self._looked = time.monotonic()
         back = []
-        for url, (rid, pid) in list(self.down.items()):
+        for url, (rid, pid, version) in list(self.down.items()):
             rec = self._record(lambda r: r.id == rid)
-            if rec is None or rec.pid == pid or rec.alive() is not True:
+            if rec is None or rec.pid == pid or rec.alive() is not True or _older(rec.weight_version, version):
                 continue
             new = rec.url.rstrip("/")
             del self.down[url]
@@ -198,7 +203,7 @@ class EnginePool:
         owner (the serve group that watches it) lives."""
         from slimectl.contract.rundir.registry import owner_alive
 
-        ids = {rid for rid, _ in self.down.values()}
+        ids = {rid for rid, _, _ in self.down.values()}
         return self._record(lambda r: r.id in ids and isinstance(r.extra, dict) and bool(r.extra.get("heals"))
                             and owner_alive(r)) is not None
 
@@ -230,3 +235,13 @@ class EnginePool:
     async def close(self) -> None:
         clients = list(self.clients.values()) + ([self.router_client] if self.router_client else [])
         await asyncio.gather(*(c.close() for c in clients))
+
+
+def _older(version: str | None, than: str | None) -> bool:
+    """Whether weight version ``version`` is older than ``than`` (versions that are not numbers: when they differ)."""
+    if version == than:
+        return False
+    try:
+        return int(version) < int(than)
+    except (TypeError, ValueError):
+        return True

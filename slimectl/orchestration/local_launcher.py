@@ -223,6 +223,18 @@ class InProcessTrainer:
         bridge.run(transport.connect(clients))
         self.transport = transport
 
+    def reconnect(self) -> None:
+        """Build the weight transport again (a new weight-update group under the distributed transport) for the
+        engines now in ``clients``: one the heartbeat started again is not in the old group."""
+        from slimectl.stages.sync.transport import make_transport
+
+        clients, bridge = self.clients, self.bridge
+        bridge.run(self.transport.close(clients))
+        transport = make_transport(self.cfg.sync.transport, self.cfg.sync)
+        self.stack.callback(lambda: bridge.run(transport.close(clients)))
+        bridge.run(transport.connect(clients))
+        self.transport = transport
+
     def _source(self, version: int):
         from slimectl.weight_formats import weight_format
 

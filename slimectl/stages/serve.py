@@ -506,15 +506,19 @@ class EngineProcesses:
             return self.weight_version
 
     def _restart_version(self, served: ServedEngine | None) -> str:
-        """The version ``served`` starts again at: the one recorded, or, when its ``weights/N`` was pruned meanwhile
-        (``sync.keep_weights``: the run went on while it was down), the newest published one."""
+        """The version ``served`` starts again at: the one recorded; when its ``weights/N`` is not on disk (pruned
+        meanwhile, ``sync.keep_weights``; or never written: ``sync.transport: distributed`` between two checkpoints),
+        the newest published one, else the initial weights (version 0). The next sync brings it to the current
+        version (``rl`` builds its weight-update group again for it)."""
         version = self._recorded_version(served)
+        if not (version.isdigit() and int(version) > 0) or self.run.weights.exists(int(version)):
+            return version
         ids = self.run.weights.ids()
-        if version.isdigit() and int(version) > 0 and not self.run.weights.exists(int(version)) and ids:
-            log.info("weights/%06d is no longer on disk; starting %s at the newest, weights/%06d", int(version),
-                     served.id if served else "the engine", ids[-1])
-            return str(ids[-1])
-        return version
+        newest = str(ids[-1]) if ids else INITIAL_WEIGHT_VERSION
+        log.warning("weights/%06d is not on disk; starting %s at %s instead (the next sync brings it to the current "
+                    "version)", int(version), served.id if served else "the engine",
+                    f"weights/{int(newest):06d}" if ids else "the initial weights (version 0)")
+        return newest
 
     def _restart(self, name: str, url: str, version: str) -> tuple[int, str]:
         """Start engine ``name`` again at ``url`` on ``weights/version``; its pid and weight version once healthy

@@ -5,11 +5,13 @@ runs none twice when an engine is ``kill -9``ed in the middle of a rollout."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
 import threading
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -94,9 +96,8 @@ def test_rl_loses_no_sample_when_an_engine_is_killed_mid_rollout(tmp_path):
     rl_with_engine_1_killed(tmp_path, "off")
 
 
-def kill_engine_at_version(path, engine: str, version: str, killed: list[int], timeout: float = 300) -> None:
-    """Wait until ``engine``'s record (``engine-1-``...) in the run at ``path`` says ``version``, then ``kill -9``
-    the process listening on its URL (its pid appended to ``killed``)."""
+def wait_engine_at_version(path, engine: str, version: str, timeout: float = 300):
+    """The record of ``engine`` (``engine-1``: ``engine-1-``...) in the run at ``path``, once it says ``version``."""
     def synced():
         try:
             recs = RunDir.open(path).engines.list()
@@ -104,10 +105,33 @@ def kill_engine_at_version(path, engine: str, version: str, killed: list[int], t
             return None
         return next((r for r in recs if r.id.startswith(f"{engine}-") and r.weight_version == version), None)
 
-    rec = _wait(f"{engine} at weight version {version}", synced, timeout=timeout)
+    return _wait(f"{engine} at weight version {version}", synced, timeout=timeout)
+
+
+def busy(url: str) -> bool:
+    """Whether the engine at ``url`` has requests running or waiting (``GET /v1/loads``)."""
+    try:
+        with urllib.request.urlopen(url + "/v1/loads", timeout=5) as r:
+            load = json.loads(r.read())["loads"][0]
+    except OSError:
+        return False
+    return load["num_running_reqs"] + load["num_waiting_reqs"] > 0
+
+
+def signal_engine_mid_rollout(path, engine: str, version: str, sig: int = signal.SIGKILL) -> int:
+    """Once ``engine``'s record says ``version`` and it has requests in flight, send ``sig`` to the process
+    listening on its URL; its pid."""
+    rec = wait_engine_at_version(path, engine, version)
     p = _listener(rec.url)
-    p.kill()
-    killed.append(p.pid)
+    _wait(f"{engine} generating", lambda: busy(rec.url), timeout=120)
+    p.send_signal(sig)
+    return p.pid
+
+
+def kill_engine_at_version(path, engine: str, version: str, killed: list[int]) -> None:
+    """Once ``engine``'s record says ``version``, ``kill -9`` it with requests in flight (its pid appended to
+    ``killed``)."""
+    killed.append(signal_engine_mid_rollout(path, engine, version))
 
 
 def assert_rollouts_exact(run: RunDir, n_rollout: int, batch: int, n: int) -> None:
@@ -125,13 +149,15 @@ def assert_rollouts_exact(run: RunDir, n_rollout: int, batch: int, n: int) -> No
         seen |= set(groups)
 
 
-def rl_with_engine_1_killed(tmp_path, mode: str, n_rollout: int = 3, batch: int = 4, n: int = 4) -> RunDir:
-    """``rl`` under ``rollout.async_mode`` ``mode`` with 2 engines of its own; engine-1 ``kill -9``ed once it is
-    synced to weight version 1 (rollout 1 generating, or under one_step_off rollout 2): exit 0, every rollout
-    exact, the lost requests retried on engine-0, engine-1 back at version 1 (checked) and the last sync on both."""
+def rl_with_engine_1_killed(tmp_path, mode: str, n_rollout: int = 3, batch: int = 4, n: int = 4, back_at: str = "1",
+                            **sections) -> tuple[RunDir, str]:
+    """``rl`` under ``rollout.async_mode`` ``mode`` with 2 engines of its own (and config ``sections``); engine-1
+    ``kill -9``ed once it is synced to weight version 1 (rollout 1 generating, or under one_step_off rollout 2):
+    exit 0, every rollout exact, the lost requests retried on engine-0, engine-1 back at version ``back_at``
+    (checked) and the last sync on both. The run and rl's stderr."""
     cfg = write_config(tmp_path, rollout={"num_rollout": n_rollout, "batch_size": batch, "n_samples_per_prompt": n,
                                           "max_response_len": 24, "async_mode": mode},
-                       engine={"num_engines": 2, "health_check": FAST})
+                       engine={"num_engines": 2, "health_check": FAST}, **sections)
     path = tmp_path / "run"
     killed: list[int] = []
     killer = threading.Thread(target=kill_engine_at_version, args=(path, "engine-1", "1", killed), daemon=True)
@@ -144,10 +170,10 @@ def rl_with_engine_1_killed(tmp_path, mode: str, n_rollout: int = 3, batch: int 
     assert re.search(r"engine-1 at \S+ is lost: (its process exited|GET /health_generate did not answer)", err), \
         err[-3000:]  # (killed during a heartbeat, and its exit not seen yet: it did not answer)
     assert "retrying its requests on the 1 other engine(s)" in err, err[-3000:]  # killed with requests in flight
-    assert "is back at weight version 1 (checked)" in err, err[-3000:]
+    assert f"is back at weight version {back_at} (checked)" in err, err[-3000:]
     run = RunDir.open(path)
     assert_rollouts_exact(run, n_rollout, batch, n)
     syncs = [(int(r["sync/weight_version"]), int(r["sync/num_engines"])) for r in read_jsonl(run.metrics_path("sync"))]
     assert syncs[-1] == (n_rollout, 2)  # the last sync reached both engines, engine-1 among them
     assert run.engines.list() == []
-    return run
+    return run, err

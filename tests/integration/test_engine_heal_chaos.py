@@ -15,34 +15,28 @@ import pytest
 
 from slimectl.contract.rundir import RunDir
 from tests.helpers import read_jsonl, slimectl_in_process, write_config
-from tests.integration.test_engine_heal import FAST, _listener, _wait, assert_rollouts_exact
+from tests.integration.test_engine_heal import FAST, assert_rollouts_exact, signal_engine_mid_rollout
 
 pytestmark = pytest.mark.xdist_group("engine_heal")
 
 SEED = 48
 
 
-def chaos_schedule(seed: int, engines: int) -> list[tuple[str, int, str, float]]:
-    """(weight version to wait for, engine index, kill|stop, seconds after) for one kill -9 and one SIGSTOP, on two
-    different engines picked by ``seed``; each fault lands as the rollout on that version begins."""
+def chaos_schedule(seed: int, engines: int) -> list[tuple[str, int, str]]:
+    """(weight version to wait for, engine index, kill|stop) for one kill -9 and one SIGSTOP on two different
+    engines, which and in which order picked by ``seed``; each lands in the rollout on that version, with requests
+    in flight on its engine."""
     rng = random.Random(seed)
     killed, stopped = rng.sample(range(engines), 2)
-    return [("1", killed, "kill", rng.uniform(0.0, 0.2)), ("2", stopped, "stop", rng.uniform(0.0, 0.2))]
+    faults = [(killed, "kill"), (stopped, "stop")]
+    rng.shuffle(faults)
+    return [(str(v), idx, kind) for v, (idx, kind) in enumerate(faults, start=1)]
 
 
 def inject(path, schedule, done: list) -> None:
-    """Apply ``schedule`` to the run at ``path``: each fault once its engine's record says the version."""
-    for version, idx, kind, delay in schedule:
-        def at_version():
-            try:
-                recs = RunDir.open(path).engines.list()
-            except Exception:  # noqa: BLE001 — the run is not there yet
-                return None
-            return next((r for r in recs if r.id.startswith(f"engine-{idx}-") and r.weight_version == version), None)
-
-        rec = _wait(f"engine-{idx} at weight version {version}", at_version, timeout=300)
-        threading.Event().wait(delay)
-        _listener(rec.url).send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+    """Apply ``schedule`` to the run at ``path``."""
+    for version, idx, kind in schedule:
+        signal_engine_mid_rollout(path, f"engine-{idx}", version, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
         done.append((idx, kind))
 
 
@@ -61,13 +55,14 @@ def test_rl_under_a_seeded_chaos_schedule_loses_and_repeats_nothing(tmp_path):
     res = slimectl_in_process("rl", "-c", cfg, "-r", path, "--tiny-model", "qwen2")
     faults.join(timeout=5)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert done == [(i, k) for _, i, k, _ in schedule], (done, schedule)
+    assert done == [(i, k) for _, i, k in schedule], (done, schedule)
     err = res.stderr
-    (_, killed, _, _), (_, stopped, _, _) = schedule
+    killed, stopped = (next(i for _, i, k in schedule if k == kind) for kind in ("kill", "stop"))
     assert re.search(rf"engine-{killed} at \S+ is lost: (its process exited|GET /health_generate did not answer)",
                      err), err[-3000:]
     assert re.search(rf"engine-{stopped} at \S+ is lost: GET /health_generate did not answer 200 within 2s \(hung\)",
                      err), err[-3000:]
+    assert err.count("retrying its requests on the 2 other engine(s)") >= 2, err[-3000:]  # both mid-rollout
     for idx in (killed, stopped):
         assert re.search(rf"engine-{idx} at \S+ is back at weight version \d+ \(checked\)", err), err[-3000:]
     run = RunDir.open(path)

@@ -32,6 +32,21 @@ def test_fully_async_loses_no_sample_when_an_engine_is_killed_mid_rollout(tmp_pa
 
 
 @pytest.mark.slow
+def test_distributed_sync_takes_a_restarted_engine_into_a_new_group(tmp_path):
+    """``sync.transport: distributed`` with a checkpoint every 2 rollouts: no ``weights/1`` on disk to start engine-1
+    again at, so it comes back on the initial weights (version 0) and takes no request of the rollout under way (its
+    weights are older than it had); the next sync builds the weight-update group again with it and sends it the
+    trainer's weights: the last sync reaches both engines."""
+    _, err = rl_with_engine_1_killed(tmp_path, "off", back_at="0", sync={"transport": "distributed"},
+                                     train={"lr": 1e-3, "save_interval": 2})
+    assert re.search(r"weights/000001 is not on disk; starting engine-1-\S+ at the initial weights \(version 0\)",
+                     err), err[-3000:]
+    assert re.search(r"engine\(s\) engine-1-\S+ started again or lost since the weight-update group was built; "
+                     r"building it again", err), err[-3000:]
+    assert "sending it requests again" not in err
+
+
+@pytest.mark.slow
 def test_rl_attached_to_a_serve_follows_its_heal(tmp_path):
     """``serve`` (2 engines, its heartbeat) in one process, ``rl`` attached to it in this one: engine-1 ``kill -9``ed
     once synced to weight version 1. serve starts it again (same id, new pid); rl's rollout retries
