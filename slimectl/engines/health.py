@@ -116,3 +116,21 @@ class EngineWatcher:
                 found.append(loss)
                 self.group.heal(loss)
         return found
+
+
+def wait_registered(registry, ids, timeout: float, probe_timeout: float = 5.0, poll: float = 0.1) -> list[str]:
+    """Wait (up to ``timeout`` seconds) until every engine record of ``ids`` in ``registry`` (the run's
+    :class:`~slimectl.contract.rundir.registry.EngineRegistry`) is on a live process that answers
+    ``GET /health_generate``, or is gone (lost for good), or its owner died: what a process attached to a ``serve``
+    that heals its engines does after a sync failed on one. The ids still not back at the deadline."""
+    from slimectl.contract.rundir.registry import owner_alive
+
+    deadline = time.monotonic() + timeout
+    waiting = [i for i in ids if i is not None]
+    while True:
+        recs = {r.id: r for r in registry.list()}
+        waiting = [i for i in waiting if i in recs and owner_alive(recs[i]) and not (
+            recs[i].alive() is not False and http_status(recs[i].url + HEALTH_PATH, timeout=probe_timeout) == 200)]
+        if not waiting or time.monotonic() >= deadline:
+            return waiting
+        time.sleep(poll)

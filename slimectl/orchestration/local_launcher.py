@@ -58,6 +58,7 @@ class RunEngines:
         self.ids: dict[str, str | None] = {}
         self.group = None  # set when this process started the engines
         self.frozen = None  # the frozen groups (engine.groups) this process started with them
+        self.registry = run.engines  # attached to a serve: followed (urls)
         given = list(engine_urls) or list(cfg.engine.urls)
         if given:
             self.ids = {u.rstrip("/"): None for u in given}
@@ -93,9 +94,27 @@ class RunEngines:
 
     @property
     def urls(self) -> list[str]:
-        """The engines in use: every one, less those the heartbeat found lost for good."""
+        """The engines in use: every one, less those the heartbeat found lost for good (attached to a ``serve``:
+        the engines whose records are still there, at the URL each now says)."""
+        if self.group is None and any(i is not None for i in self.ids.values()):
+            self._follow_registry()
         lost = getattr(self.group, "lost", {})
         return [u for u in self.ids if u not in lost]
+
+    def _follow_registry(self) -> None:
+        """Attached to a ``serve``: an engine whose record is gone (its heartbeat could not bring it back) is no
+        longer used; one registered again at another URL is used there."""
+        recs = {r.id: r for r in self.registry.list()}
+        ids = {}
+        for url, rid in self.ids.items():
+            if rid is None:
+                ids[url] = rid
+            elif rid in recs:
+                ids[recs[rid].url.rstrip("/")] = rid
+            else:
+                log.warning("engine %s at %s is no longer registered (its serve lost it); going on without it", rid,
+                            url)
+        self.ids = ids
 
     def check_alive(self) -> None:
         if self.group is not None:
@@ -109,13 +128,27 @@ class RunEngines:
         return lock if lock is not None else nullcontext()
 
     def heals(self) -> bool:
-        """Whether the engines are watched (a lost one is restarted: a failed sync may be tried again)."""
+        """Whether the engines are watched (a lost one is restarted: a failed sync may be tried again): by this
+        process's heartbeat, or by the ``serve`` this process is attached to (its records say so)."""
+        if self.group is None:
+            from slimectl.contract.rundir.registry import owner_alive
+
+            return any(r.id in self.ids.values() and isinstance(r.extra, dict) and r.extra.get("heals") and
+                       owner_alive(r) for r in self.registry.list())
         return getattr(self.group, "watcher", None) is not None
 
     def wait_healed(self, timeout: float) -> None:
-        """Wait (up to ``timeout`` s) until every engine's process runs again or is lost for good."""
+        """Wait (up to ``timeout`` s) until every engine's process runs again or is lost for good (attached to a
+        ``serve``: until every engine's record is on a live process that answers, or gone)."""
         import time
 
+        if self.group is None:
+            from slimectl.engines.health import wait_registered
+
+            late = wait_registered(self.registry, list(self.ids.values()), timeout)
+            if late:
+                log.warning("engine(s) %s not back after %gs; syncing them anyway", ", ".join(late), timeout)
+            return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.guard():
@@ -195,6 +228,18 @@ class InProcessTrainer:
         self.metrics = self.stack.enter_context(MetricsWriter(
             self.run.metrics_path("train"), tb, resume_step=self.trainer.actor.step,
             reason=f"resumed at rollout {self.trainer.next_rollout}"))
+        bridge.run(transport.connect(clients))
+        self.transport = transport
+
+    def reconnect(self) -> None:
+        """Build the weight transport again (a new weight-update group under the distributed transport) for the
+        engines now in ``clients``: one the heartbeat started again is not in the old group."""
+        from slimectl.stages.sync.transport import make_transport
+
+        clients, bridge = self.clients, self.bridge
+        bridge.run(self.transport.close(clients))
+        transport = make_transport(self.cfg.sync.transport, self.cfg.sync)
+        self.stack.callback(lambda: bridge.run(transport.close(clients)))
         bridge.run(transport.connect(clients))
         self.transport = transport
 

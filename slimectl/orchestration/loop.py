@@ -137,6 +137,8 @@ class RLSession:
         stack.callback(self.kept.close)  # (after the rollout thread is shut down)
         self.synced = 0
         """The weight version the engines were last synced to (fully_async: the staleness bound counts from it)."""
+        self._group_processes: dict[str, int | None] | None = None
+        """``sync.transport: distributed``: the engines' processes when the weight-update group was built."""
 
     def sync(self, version: int) -> float:
         """Load weight version ``version`` into the engines in use; tried once more, after the heartbeat has
@@ -146,7 +148,11 @@ class RLSession:
             self._drop_lost_clients()
             try:
                 with self.engines.guard(), self.critical():
+                    self._rebuild_group_for_restarted_engines()
                     metrics, seconds = self.trainer.sync(version)
+                    # recorded before the heartbeat may look again: an engine lost right after this sync is started
+                    # again at the version its record says, which must be this one
+                    self.run.engines.set_weight_version(self.engines.ids.values(), str(version))
                 break
             except SlimectlError as exc:
                 if attempt == 2 or not self.engines.heals():
@@ -154,19 +160,50 @@ class RLSession:
                 log.warning("sync of weight version %d failed (%s); syncing again once the lost engine is back",
                             version, exc)
                 self.engines.wait_healed(self.cfg.engine.startup_timeout_s)
-        self.run.engines.set_weight_version(self.engines.ids.values(), str(version))
         self.synced = version
         self.sync_metrics.log(version, metrics)
         return seconds
 
+    def _engine_processes(self) -> dict[str, int | None]:
+        """Each engine in use's record id -> its process id now (an engine the heartbeat started again: a new one)."""
+        ids = set(self.engines.ids.values()) - {None}
+        return {r.id: r.pid for r in self.run.engines.list() if r.id in ids}
+
+    def _rebuild_group_for_restarted_engines(self) -> None:
+        """``sync.transport: distributed``: an engine started again since the weight-update group was built (or one
+        lost for good) is not in the group; build it again over the engines now in use, and the sync sends it the
+        full weights from the trainer. (Held under the engines' guard: no heal meanwhile.)"""
+        if self.cfg.sync.transport != "distributed":
+            return
+        now = self._engine_processes()
+        if self._group_processes is None or now == self._group_processes:
+            self._group_processes = now
+            return
+        changed = sorted(set(now.items()) ^ set(self._group_processes.items()))
+        reconnect = getattr(self.trainer, "reconnect", None)
+        if reconnect is None:
+            raise SlimectlError(f"engine(s) {', '.join(sorted({i for i, _ in changed}))} were started again since the "
+                                f"weight-update group was built, and this launcher cannot build it again; rerun rl "
+                                f"(it resumes from the last checkpoint)")
+        log.warning("engine(s) %s started again or lost since the weight-update group was built; building it again",
+                    ", ".join(sorted({i for i, _ in changed})))
+        reconnect()
+        self._group_processes = now
+
     def _drop_lost_clients(self) -> None:
-        """Engines lost for good (``engine.on_lost: continue``) get no more syncs."""
-        for url in [u for u in self.clients if u not in self.engines.urls]:
+        """Engines lost for good (``engine.on_lost: continue``) get no more syncs; one a ``serve`` this process is
+        attached to registered again at another URL gets them there (the clients dict is the trainer's too)."""
+        from slimectl.engines.client import EngineClient
+
+        urls = self.engines.urls
+        for url in [u for u in self.clients if u not in urls]:
             client = self.clients.pop(url)
             try:
                 self.bridge.run(client.close())
             except Exception:  # noqa: BLE001 — closing a client of a gone engine
                 pass
+        for url in [u for u in urls if u not in self.clients]:
+            self.clients[url] = EngineClient(url, token=self.cfg.engine.token(), timeout=self.cfg.sync.timeout_s)
 
     def rollout(self, rid: int):
         """``rollouts/RID``, generated unless already published (never regenerated)."""

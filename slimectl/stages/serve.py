@@ -433,9 +433,11 @@ class EngineProcesses:
 
     def _register(self, name: str, url: str, pid: int | None, version: str = INITIAL_WEIGHT_VERSION) -> None:
         # "log": for "its process died"; "owner": this process, which heals the engine (the record is not pruned as
-        # dead while its owner lives: registry.prune_dead)
+        # dead while its owner lives: registry.prune_dead); "heals": whether it does (a pool waits for a healed
+        # engine, engines/pool.py)
         extra = {"log": str(self._log_path(name)),
-                 "owner": {"pid": os.getpid(), "create_time": process_create_time()}} if pid is not None else {}
+                 "owner": {"pid": os.getpid(), "create_time": process_create_time()},
+                 "heals": self.cfg.engine.health_check.enabled} if pid is not None else {}
         if self.group:
             extra["group"] = self.group
         rec = self.registry.register(EngineRecord(url=url, backend=self.backend, pid=pid, weight_version=version,
@@ -486,13 +488,13 @@ class EngineProcesses:
         import time
 
         served = next((e for e in self.engines if e.url == loss.url), None)
-        version = self._recorded_version(served)
+        version = self._restart_version(served)
         log.warning("%s at %s is lost: %s; killing it and starting it again at weight version %s", loss.name,
                     loss.url, loss.why, version)
         self.supervisor.stop(timeout=0.0, names=[loss.name])  # SIGKILL to its process group (a stopped one too)
         fault_point("serve.engine_killed")
         try:
-            pid = self._restart(loss.name, loss.url, version)
+            pid, version = self._restart(loss.name, loss.url, version)
         except (SlimectlError, OSError) as exc:
             if served is not None:
                 self.registry.unregister(served.id)
@@ -516,8 +518,24 @@ class EngineProcesses:
         except (SlimectlError, OSError, KeyError):
             return self.weight_version
 
-    def _restart(self, name: str, url: str, version: str) -> int:
-        """Start engine ``name`` again at ``url`` on ``weights/version``; its pid once healthy and checked."""
+    def _restart_version(self, served: ServedEngine | None) -> str:
+        """The version ``served`` starts again at: the one recorded; when its ``weights/N`` is not on disk (pruned
+        meanwhile, ``sync.keep_weights``; or never written: ``sync.transport: distributed`` between two checkpoints),
+        the newest published one, else the initial weights (version 0). The next sync brings it to the current
+        version (``rl`` builds its weight-update group again for it)."""
+        version = self._recorded_version(served)
+        if not (version.isdigit() and int(version) > 0) or self.run.weights.exists(int(version)):
+            return version
+        ids = self.run.weights.ids()
+        newest = str(ids[-1]) if ids else INITIAL_WEIGHT_VERSION
+        log.warning("weights/%06d is not on disk; starting %s at %s instead (the next sync brings it to the current "
+                    "version)", int(version), served.id if served else "the engine",
+                    f"weights/{int(newest):06d}" if ids else "the initial weights (version 0)")
+        return newest
+
+    def _restart(self, name: str, url: str, version: str) -> tuple[int, str]:
+        """Start engine ``name`` again at ``url`` on ``weights/version``; its pid and weight version once healthy
+        and checked (a newer one when a process attached to the run synced it meanwhile)."""
         from urllib.parse import urlsplit
 
         from slimectl.contract.faults import ENV as FAULT_ENV
@@ -538,7 +556,7 @@ class EngineProcesses:
             self.supervisor.wait_healthy(url, timeout=self.cfg.engine.startup_timeout_s, interval=0.25)
             if self.after_start is not None:
                 self._load_after_start([url])
-            self._check_restarted(url, version)
+            version = self._check_restarted(url, version)
         except BaseException:
             self.supervisor.stop(timeout=0.0, names=[name])
             raise
@@ -546,10 +564,13 @@ class EngineProcesses:
             if self.staging is not None:
                 shutil.rmtree(self.staging, ignore_errors=True)
         fault_point("serve.engine_restarted")
-        return proc.pid
+        return proc.pid, version
 
-    def _check_restarted(self, url: str, version: str) -> None:
-        """The engine started again reports ``version``, and its weights read back match (``self.verify``)."""
+    def _check_restarted(self, url: str, version: str) -> str:
+        """The engine started again reports ``version`` and its weights read back match (``self.verify``); its
+        version. An ``rl`` or ``sync`` attached to the run (another process, which this group's lock does not
+        hold off) may sync it once it answers: a newer published version it then reports is checked instead, and a
+        check that a sync overtook is made again (twice at most)."""
         import asyncio
 
         from slimectl.engines.client import EngineClient
@@ -558,12 +579,17 @@ class EngineProcesses:
             async with EngineClient(url, token=self.token, retries=1) as c:
                 return await c.weight_version()
 
-        got = asyncio.run(reported())
-        if got != version:
-            raise SlimectlError(f"it came back reporting weight version {got}, not {version}")
-        problems = self.verify(url, version) if self.verify is not None else []
-        if problems:
-            raise SlimectlError(f"its weights do not match weights/{version}: {'; '.join(problems)}")
+        for _ in range(3):
+            got = asyncio.run(reported())
+            if got != version and not (got.isdigit() and version.isdigit() and int(got) > int(version)
+                                       and self.run.weights.exists(int(got))):
+                raise SlimectlError(f"it came back reporting weight version {got}, not {version}")
+            problems = self.verify(url, got) if self.verify is not None else []
+            if not problems:
+                return got
+            if asyncio.run(reported()) == got:
+                break
+        raise SlimectlError(f"its weights do not match weights/{got}: {'; '.join(problems)}")
 
     def __enter__(self) -> "EngineProcesses":
         return self.start()

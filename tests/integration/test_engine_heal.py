@@ -5,11 +5,13 @@ runs none twice when an engine is ``kill -9``ed in the middle of a rollout."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
 import threading
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -91,29 +93,74 @@ def test_a_hung_engine_is_replaced_and_one_that_cannot_come_back_is_reported(gro
 def test_rl_loses_no_sample_when_an_engine_is_killed_mid_rollout(tmp_path):
     """``rl`` (synchronous loop, 2 engines of its own): engine-1 is ``kill -9``ed as rollout 1 begins; its
     requests finish on engine-0, it comes back at weight version 1 and takes the syncs of 2 and 3."""
+    rl_with_engine_1_killed(tmp_path, "off")
+
+
+def wait_engine_at_version(path, engine: str, version: str, timeout: float = 300):
+    """The record of ``engine`` (``engine-1``: ``engine-1-``...) in the run at ``path``, once it says ``version``."""
+    def synced():
+        try:
+            recs = RunDir.open(path).engines.list()
+        except Exception:  # noqa: BLE001 — the run is not there yet
+            return None
+        return next((r for r in recs if r.id.startswith(f"{engine}-") and r.weight_version == version), None)
+
+    return _wait(f"{engine} at weight version {version}", synced, timeout=timeout)
+
+
+def busy(url: str) -> bool:
+    """Whether the engine at ``url`` has requests running or waiting (``GET /v1/loads``)."""
+    try:
+        with urllib.request.urlopen(url + "/v1/loads", timeout=5) as r:
+            load = json.loads(r.read())["loads"][0]
+    except OSError:
+        return False
+    return load["num_running_reqs"] + load["num_waiting_reqs"] > 0
+
+
+def signal_engine_mid_rollout(path, engine: str, version: str, sig: int = signal.SIGKILL) -> int:
+    """Once ``engine``'s record says ``version`` and it has requests in flight, send ``sig`` to the process
+    listening on its URL; its pid."""
+    rec = wait_engine_at_version(path, engine, version)
+    p = _listener(rec.url)
+    _wait(f"{engine} generating", lambda: busy(rec.url), timeout=120)
+    p.send_signal(sig)
+    return p.pid
+
+
+def kill_engine_at_version(path, engine: str, version: str, killed: list[int]) -> None:
+    """Once ``engine``'s record says ``version``, ``kill -9`` it with requests in flight (its pid appended to
+    ``killed``)."""
+    killed.append(signal_engine_mid_rollout(path, engine, version))
+
+
+def assert_rollouts_exact(run: RunDir, n_rollout: int, batch: int, n: int) -> None:
+    """Every group in exactly one rollout, with exactly its samples; no prompt group twice across rollouts."""
     from slimectl.contract.samples import SAMPLES_FILE, read_samples
 
-    n_rollout, batch, n = 3, 4, 4
+    seen = set()
+    for rid in range(n_rollout):
+        samples = read_samples(run.rollouts.get(rid).file(SAMPLES_FILE))
+        keys = [(s.group_index, s.index) for s in samples]
+        assert len(samples) == batch * n and len(set(keys)) == len(keys), (rid, keys)
+        groups = [s.group_index for s in samples]
+        assert len(set(groups)) == batch and all(groups.count(gi) == n for gi in groups), (rid, groups)
+        assert not seen & set(groups), (rid, sorted(seen & set(groups)))  # a group lands in one rollout only
+        seen |= set(groups)
+
+
+def rl_with_engine_1_killed(tmp_path, mode: str, n_rollout: int = 3, batch: int = 4, n: int = 4, back_at: str = "1",
+                            **sections) -> tuple[RunDir, str]:
+    """``rl`` under ``rollout.async_mode`` ``mode`` with 2 engines of its own (and config ``sections``); engine-1
+    ``kill -9``ed once it is synced to weight version 1 (rollout 1 generating, or under one_step_off rollout 2):
+    exit 0, every rollout exact, the lost requests retried on engine-0, engine-1 back at version ``back_at``
+    (checked) and the last sync on both. The run and rl's stderr."""
     cfg = write_config(tmp_path, rollout={"num_rollout": n_rollout, "batch_size": batch, "n_samples_per_prompt": n,
-                                          "max_response_len": 24},
-                       engine={"num_engines": 2, "health_check": FAST})
+                                          "max_response_len": 24, "async_mode": mode},
+                       engine={"num_engines": 2, "health_check": FAST}, **sections)
     path = tmp_path / "run"
     killed: list[int] = []
-
-    def kill_engine_1_at_rollout_1() -> None:
-        def synced_to_1():
-            try:
-                recs = RunDir.open(path).engines.list()
-            except Exception:  # noqa: BLE001 — the run is not there yet
-                return None
-            return next((r for r in recs if r.id.startswith("engine-1-") and r.weight_version == "1"), None)
-
-        rec = _wait("the sync of weight version 1", synced_to_1, timeout=300)
-        p = _listener(rec.url)
-        p.kill()
-        killed.append(p.pid)
-
-    killer = threading.Thread(target=kill_engine_1_at_rollout_1, daemon=True)
+    killer = threading.Thread(target=kill_engine_at_version, args=(path, "engine-1", "1", killed), daemon=True)
     killer.start()
     res = slimectl_in_process("rl", "-c", cfg, "-r", path, "--tiny-model", "qwen2")
     killer.join(timeout=5)
@@ -123,15 +170,10 @@ def test_rl_loses_no_sample_when_an_engine_is_killed_mid_rollout(tmp_path):
     assert re.search(r"engine-1 at \S+ is lost: (its process exited|GET /health_generate did not answer)", err), \
         err[-3000:]  # (killed during a heartbeat, and its exit not seen yet: it did not answer)
     assert "retrying its requests on the 1 other engine(s)" in err, err[-3000:]  # killed with requests in flight
-    assert "is back at weight version 1 (checked)" in err, err[-3000:]
+    assert f"is back at weight version {back_at} (checked)" in err, err[-3000:]
     run = RunDir.open(path)
-    for rid in range(n_rollout):  # every group in exactly one rollout, with exactly its samples
-        samples = read_samples(run.rollouts.get(rid).file(SAMPLES_FILE))
-        keys = [(s.group_index, s.index) for s in samples]
-        assert len(samples) == batch * n and len(set(keys)) == len(keys), (rid, keys)
-        groups = [s.group_index for s in samples]
-        assert len(set(groups)) == batch and all(groups.count(gi) == n for gi in groups), (rid, groups)
+    assert_rollouts_exact(run, n_rollout, batch, n)
     syncs = [(int(r["sync/weight_version"]), int(r["sync/num_engines"])) for r in read_jsonl(run.metrics_path("sync"))]
     assert syncs[-1] == (n_rollout, 2)  # the last sync reached both engines, engine-1 among them
     assert run.engines.list() == []
-
+    return run, err

@@ -52,7 +52,7 @@ class EngineRecord:
         return process_alive(self.pid, self.create_time)
 
 
-def _owner_alive(record: EngineRecord) -> bool:
+def owner_alive(record: EngineRecord) -> bool:
     """Whether the same-host process named by ``record.extra["owner"]`` (``{"pid", "create_time"}``) is alive."""
     owner = record.extra.get("owner") if isinstance(record.extra, dict) else None
     if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
@@ -143,7 +143,7 @@ class EngineRegistry:
     def prune_dead(self) -> list[str]:
         """Unregister same-host engines whose process is gone, unless the process that started them (the record's
         ``extra["owner"]``: a ``serve`` group) is alive: it restarts or unregisters its own engines (heal)."""
-        dead = [r.id for r in self.list() if r.alive() is False and not _owner_alive(r)]
+        dead = [r.id for r in self.list() if r.alive() is False and not owner_alive(r)]
         for engine_id in dead:
             self.unregister(engine_id)
         return dead
