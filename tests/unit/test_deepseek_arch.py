@@ -89,3 +89,12 @@ def test_what_megatron_would_compute_otherwise_is_refused_in_one_line(changes, n
     with pytest.raises(UnsupportedModel) as e:
         arch_from_config(cfg(**changes))
     assert names in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lora_on_multi_latent_attention_is_refused_in_one_line():
+    from slimectl.backends.megatron.lora import check_lora_targets
+    from slimectl.contract.errors import UsageError
+
+    with pytest.raises(UsageError, match="multi-latent attention") as e:
+        check_lora_targets(arch_from_config(cfg()), ("q_proj", "o_proj"))
+    assert "\n" not in str(e.value) and "remove train.lora" in str(e.value)
