@@ -21,7 +21,7 @@ from slimectl.commands._options import force_option, resolve_run_dir, run_dir_op
 @click.pass_context
 def convert_cmd(ctx: click.Context, hf_dir: str | None, out_dir: str | None, run_dir: str | None, tp: int, pp: int,
                 dtype: str, force: bool) -> None:
-    """Convert an HF safetensors model (Llama, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5) to a Megatron torch_dist checkpoint.
+    """Convert an HF safetensors model (Llama, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5, DeepSeek-V3) to a Megatron torch_dist checkpoint.
 
     The result loads in Megatron-LM (--ckpt-format torch_dist; tracker "release") and in
     `slimectl train`, at any TP/PP. With --tp/--pp > 1 the command launches tp*pp processes

@@ -27,6 +27,7 @@ EXPECTED = {
     "qwen3": ("Qwen3ForCausalLM", True),
     "qwen3-moe": ("Qwen3MoeForCausalLM", True),
     "glm4-moe": ("Glm4MoeForCausalLM", False),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", False),
 }
 
 MESSAGES = [
@@ -99,6 +100,10 @@ def test_loads_offline_as_expected_family(built, monkeypatch):
     if family == "glm4-moe":  # GLM-4.5: QKV biases, no q/k norm, rotary on half of each head
         assert attn.q_proj.bias is not None and attn.o_proj.bias is None and not hasattr(attn, "q_norm")
         assert model.config.rope_parameters["partial_rotary_factor"] == 0.5
+    if family == "deepseek-v3":  # DeepSeek-V3: multi-latent attention, YaRN, a dense first layer, no MTP layers
+        assert attn.q_a_proj.weight.shape == (48, 64) and attn.kv_a_proj_with_mqa.weight.shape == (32 + 8, 64)
+        assert model.config.rope_parameters["rope_type"] == "yarn" and model.config.num_nextn_predict_layers == 0
+        assert type(model.model.layers[0].mlp).__name__ == "DeepseekV3MLP"
 
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     assert model.config.tie_word_embeddings is tied

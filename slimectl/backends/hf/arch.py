@@ -5,7 +5,9 @@ handles the Llama family as Megatron's GPT model implements it: Llama 2/3, Qwen2
 bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 attention, every layer a top-k softmax-routed
 mixture of SwiGLU experts, no shared expert) and GLM-4.5 (``glm4_moe``: QKV biases, rotary on a
 part of each head, the first ``first_k_dense_replace`` layers dense, the others a sigmoid-routed
-mixture with a per-expert routing bias, a scaling factor and shared experts). Anything else — another rope scaling, sliding-window
+mixture with a per-expert routing bias, a scaling factor and shared experts) and DeepSeek-V3
+(``deepseek_v3``, also Kimi-K2 and Moonlight: GLM-4.5's mixture under multi-latent attention, MLA, with
+low-rank q/kv projections, a decoupled rotary part and YaRN rope scaling). Anything else — another rope scaling, sliding-window
 attention, another MoE layout, biases where the family has none, another activation — is refused by
 name, because converting it silently would give a model that loads but computes something else.
 """
@@ -29,15 +31,34 @@ class CheckpointMismatch(SlimectlError):
     """A checkpoint's tensors do not match its config."""
 
 
+class FamilyMismatch(CheckpointMismatch, UsageError):
+    """A checkpoint holds another family's tensors than its config names (bad input: exit 2)."""
+
+
+def check_attention_family(arch: "ModelArch", names, where: str) -> None:
+    """Refuse a checkpoint whose attention tensors are of the other kind than its config's: multi-latent attention
+    (DeepSeek-V3's ``kv_a_proj_with_mqa``) under a config of q/k/v projections, or the reverse."""
+    mla = any(n.endswith("self_attn.kv_a_proj_with_mqa.weight") for n in names)
+    qkv = any(n.endswith("self_attn.k_proj.weight") for n in names)
+    if arch.is_mla and qkv and not mla:
+        raise FamilyMismatch(f"{where}: the tensors are another family's (self_attn.k_proj, no multi-latent attention) "
+                             f"but config.json says {arch.family}; pass the model directory its config belongs to")
+    if not arch.is_mla and mla and not qkv:
+        raise FamilyMismatch(f"{where}: the tensors are multi-latent attention's (self_attn.kv_a_proj_with_mqa, "
+                             f"DeepSeek-V3) but config.json says {arch.family}; pass the model directory its config "
+                             f"belongs to")
+
+
 FAMILIES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 
 VOCAB_PAD_MULTIPLE = 128
 """Megatron-LM's default ``make_vocab_size_divisible_by``; the padded vocab is a multiple of
@@ -91,6 +112,28 @@ class ModelArch:
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False
     vlm_config: str = ""
+    # Multi-latent attention (DeepSeek-V3; 0 for other families): queries through a q_lora_rank latent (0: one
+    # q_proj, Moonlight/V2-Lite), keys and values through a kv_lora_rank latent shared by every head; each head's
+    # query/key is qk_nope_head_dim un-rotated + qk_rope_head_dim rotated dimensions (the rotated key part shared
+    # by the heads), its value v_head_dim. head_dim is the query/key head size (nope + rope) then.
+    mla_q_lora_rank: int = 0
+    mla_kv_lora_rank: int = 0
+    mla_qk_nope_head_dim: int = 0
+    mla_qk_rope_head_dim: int = 0
+    mla_v_head_dim: int = 0
+    # YaRN rope scaling (DeepSeek-V3; yarn_factor 0: plain RoPE): the frequencies interpolated between
+    # yarn_beta_fast and yarn_beta_slow rotations over yarn_original_max_position positions, cos/sin scaled by
+    # mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim), the softmax by mscale(factor, all_dim)^2.
+    yarn_factor: float = 0.0
+    yarn_original_max_position: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla_kv_lora_rank > 0
 
     @property
     def is_moe(self) -> bool:
@@ -126,7 +169,7 @@ class ModelArch:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         experts = max(self.num_experts, 1)
-        per_layer = h * (q + 2 * kv) + q * h + 2 * h
+        per_layer = h * (q + 2 * kv) + q * h + 2 * h if not self.is_mla else mla_params(self) + 2 * h
         per_layer += (q + 2 * kv) if self.qkv_bias else 0
         per_layer += 2 * self.head_dim if self.qk_norm else 0
         moe = 3 * h * f * experts + self.num_experts * h + 3 * h * self.moe_shared_intermediate_size
@@ -137,6 +180,14 @@ class ModelArch:
                 + V * h * (1 if self.tie_word_embeddings else 2) + h)
 
 
+def mla_params(arch: ModelArch) -> int:
+    """One MLA layer's attention parameters (its projections and latent norms)."""
+    h, n, d, v = arch.hidden_size, arch.num_attention_heads, arch.head_dim, arch.mla_v_head_dim
+    qr, kr, rope = arch.mla_q_lora_rank, arch.mla_kv_lora_rank, arch.mla_qk_rope_head_dim
+    q = (h * qr + qr + qr * n * d) if qr else h * n * d
+    return q + h * (kr + rope) + kr + kr * n * (arch.mla_qk_nope_head_dim + v) + n * v * h
+
+
 def valid_tp_sizes(arch: ModelArch) -> list[int]:
     """Tensor-parallel sizes Megatron can split ``arch`` into: the divisors of the attention heads,
     the key/value heads (query groups) and the MLP's intermediate size alike."""
@@ -145,6 +196,9 @@ def valid_tp_sizes(arch: ModelArch) -> list[int]:
         g = math.gcd(g, arch.intermediate_size)
     if arch.moe_shared_intermediate_size:
         g = math.gcd(g, arch.moe_shared_intermediate_size)
+    if arch.is_mla:  # MLA's down projections are column-parallel too (gathered after)
+        g = math.gcd(g, arch.mla_kv_lora_rank + arch.mla_qk_rope_head_dim)
+        g = math.gcd(g, arch.mla_q_lora_rank) if arch.mla_q_lora_rank else g
     return [d for d in range(1, g + 1) if g % d == 0]
 
 
@@ -280,7 +334,7 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
             raise UnsupportedModel(f"{where}: mlp_bias = true is not supported for llama")
         if cfg.get("pretraining_tp", 1) != 1:
             raise UnsupportedModel(f"{where}: pretraining_tp = {cfg.get('pretraining_tp')} is not supported (must be 1)")
-    if model_type == "glm4_moe" and cfg.get("num_nextn_predict_layers"):
+    if model_type in ("glm4_moe", "deepseek_v3") and cfg.get("num_nextn_predict_layers"):
         # transformers builds no MTP layers (it ignores their tensors) and neither do we: their
         # weights are dropped, so an export holds none of them. Refuse rather than drop silently.
         raise UnsupportedModel(f"{where}: num_nextn_predict_layers = {cfg['num_nextn_predict_layers']} is not "
@@ -294,12 +348,14 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
     if heads % kv_heads:
         raise UnsupportedModel(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     head_dim = cfg.get("head_dim") or hidden // heads
-    if model_type not in ("qwen3", "qwen3_moe", "glm4_moe") and cfg.get("head_dim") is None and hidden % heads:
+    if model_type not in ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3") and cfg.get("head_dim") is None and hidden % heads:
         raise UnsupportedModel(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
     for key in ("attention_dropout", "hidden_dropout"):
         if cfg.get(key):
             raise UnsupportedModel(f"{where}: {key} = {cfg[key]} is not supported for RL training (must be 0)")
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if model_type == "deepseek_v3":
+        return _deepseek_v3(cfg, where, moe, str(dtype))
     return ModelArch(
         family=model_type,
         hidden_size=hidden,
@@ -321,6 +377,85 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
     )
 
 
+def _deepseek_v3(cfg: dict[str, Any], where: str, moe: dict[str, Any], dtype: str) -> ModelArch:
+    """A DeepSeek-V3 config (multi-latent attention, YaRN, GLM-4.5's mixture: ``moe``), refusing what Megatron's
+    MLA would compute differently."""
+    heads = _require(cfg, "num_attention_heads", where)
+    if (cfg.get("num_key_value_heads") or heads) != heads:
+        raise UnsupportedModel(f"{where}: num_key_value_heads = {cfg['num_key_value_heads']} is not supported for "
+                               f"deepseek_v3 (multi-latent attention has one key/value per head); use {heads}")
+    if cfg.get("attention_bias"):
+        raise UnsupportedModel(f"{where}: attention_bias = true is not supported for deepseek_v3 (Megatron's MLA "
+                               f"projections have no biases); use attention_bias = false")
+    if cfg.get("rope_interleave", True) is not True:
+        raise UnsupportedModel(f"{where}: rope_interleave = {cfg.get('rope_interleave')!r} is not supported for "
+                               f"deepseek_v3 (Megatron's MLA rotates interleaved pairs, as DeepSeek's checkpoints "
+                               f"are laid out); use rope_interleave = true")
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if cfg.get(key, want) != want:
+            raise UnsupportedModel(f"{where}: {key} = {cfg[key]!r} is not supported for deepseek_v3 (DeepSeek-V3 "
+                                   f"routes with {key} {want!r}); use {want!r}")
+    q_rank = cfg.get("q_lora_rank")
+    mla = dict(mla_q_lora_rank=0 if q_rank is None else _require(cfg, "q_lora_rank", where),
+               **{f"mla_{k}": _require(cfg, k, where)
+                  for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")})
+    if mla["mla_qk_rope_head_dim"] % 2:
+        raise UnsupportedModel(f"{where}: qk_rope_head_dim = {mla['mla_qk_rope_head_dim']} must be even")
+    return ModelArch(
+        family="deepseek_v3", hidden_size=_require(cfg, "hidden_size", where),
+        intermediate_size=_require(cfg, "intermediate_size", where),
+        num_layers=_require(cfg, "num_hidden_layers", where), num_attention_heads=heads, num_kv_heads=heads,
+        head_dim=mla["mla_qk_nope_head_dim"] + mla["mla_qk_rope_head_dim"], vocab_size=_require(cfg, "vocab_size", where),
+        max_position_embeddings=_require(cfg, "max_position_embeddings", where),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_yarn_theta(cfg, where),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=False, qk_norm=False, dtype=dtype,
+        **moe, **mla, **_yarn(cfg, where))
+
+
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rope parameters, whichever key holds them (transformers 5 ``rope_parameters``, 4.x ``rope_scaling``)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(cfg.get(key), dict) and (cfg[key].get("rope_type") or cfg[key].get("type")):
+            return cfg[key]
+    return {}
+
+
+def _yarn_theta(cfg: dict[str, Any], where: str) -> float:
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _yarn(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """DeepSeek-V3's YaRN fields of ModelArch (none for plain RoPE), as Megatron's YarnRotaryEmbedding computes them."""
+    params = _rope_params(cfg)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return {}
+    if rope_type != "yarn":
+        raise UnsupportedModel(f"{where}: rope scaling type {rope_type!r} is not supported for deepseek_v3 (only "
+                               f"plain RoPE and YaRN)")
+    if params.get("attention_factor") is not None:
+        raise UnsupportedModel(f"{where}: rope attention_factor = {params['attention_factor']!r} is not supported "
+                               f"(Megatron derives it from factor, mscale and mscale_all_dim); remove it")
+    orig = params.get("original_max_position_embeddings")
+    factor = params.get("factor") or (cfg.get("max_position_embeddings", 0) / orig if orig else None)
+    if not isinstance(factor, (int, float)) or factor <= 0 or not isinstance(orig, int) or orig <= 0:
+        raise UnsupportedModel(f"{where}: YaRN needs a positive factor and original_max_position_embeddings "
+                               f"(got {params.get('factor')!r}, {orig!r})")
+    if params.get("truncate", True) is not True:
+        raise UnsupportedModel(f"{where}: YaRN truncate = false is not supported (Megatron rounds the correction "
+                               f"range); remove it")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if bool(mscale) != bool(all_dim) and (all_dim or mscale not in (None, 1, 1.0)):
+        # HF falls back to mscale(factor) for cos/sin unless both are set; Megatron uses their ratio
+        raise UnsupportedModel(f"{where}: YaRN mscale = {mscale!r} with mscale_all_dim = {all_dim!r} is not "
+                               f"supported; set both (DeepSeek-V3: 1.0 and 1.0) or neither")
+    return dict(yarn_factor=float(factor), yarn_original_max_position=orig,
+                yarn_beta_fast=float(params.get("beta_fast") or 32), yarn_beta_slow=float(params.get("beta_slow") or 1),
+                yarn_mscale=float(mscale) if mscale and all_dim else 1.0,
+                yarn_mscale_all_dim=float(all_dim) if mscale and all_dim else 0.0)
+
+
 def _moe(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
     """The MoE fields of ModelArch (empty for dense families, which must carry no MoE keys)."""
     if model_type not in MOE_FAMILIES:
@@ -329,8 +464,8 @@ def _moe(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
                 raise UnsupportedModel(f"{where}: MoE models ({moe_key} = {cfg[moe_key]}) are not supported "
                                        f"for model_type {model_type!r}; slimectl converts MoE as {', '.join(MOE_FAMILIES)}")
         return {}
-    if model_type == "glm4_moe":
-        return _glm_moe(cfg, where)
+    if model_type in ("glm4_moe", "deepseek_v3"):
+        return _glm_moe(cfg, where, model_type)
     # transformers 5 writes num_local_experts (num_experts is an alias); real Qwen3-MoE configs say num_experts.
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     topk = _experts_topk(cfg, where, model_type, "num_experts", experts)
@@ -358,21 +493,21 @@ def _experts_topk(cfg: dict[str, Any], where: str, model_type: str, experts_key:
     return topk
 
 
-def _glm_moe(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """GLM-4.5's MoE fields, refusing what Megatron's sigmoid router would compute differently."""
+def _glm_moe(cfg: dict[str, Any], where: str, model_type: str = "glm4_moe") -> dict[str, Any]:
+    """GLM-4.5's (and DeepSeek-V3's) MoE fields, refusing what Megatron's sigmoid router would compute differently."""
     experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
-    topk = _experts_topk(cfg, where, "glm4_moe", "n_routed_experts", experts)
+    topk = _experts_topk(cfg, where, model_type, "n_routed_experts", experts)
     layers = _require(cfg, "num_hidden_layers", where)
-    dense = cfg.get("first_k_dense_replace", 1)
+    dense = cfg.get("first_k_dense_replace", 3 if model_type == "deepseek_v3" else 1)
     if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense < layers:
         raise UnsupportedModel(f"{where}: first_k_dense_replace = {dense!r} must be an integer in 0..{layers - 1} "
                                f"(at least one MoE layer)")
     # Megatron's sigmoid router always renormalises more than one pick (and never one): HF only with norm_topk_prob.
     if not cfg.get("norm_topk_prob", True):
-        raise UnsupportedModel(f"{where}: norm_topk_prob = false is not supported for glm4_moe (Megatron's sigmoid "
+        raise UnsupportedModel(f"{where}: norm_topk_prob = false is not supported for {model_type} (Megatron's sigmoid "
                                f"router renormalises the top-k weights); use norm_topk_prob = true")
     if topk < 2:
-        raise UnsupportedModel(f"{where}: num_experts_per_tok = 1 is not supported for glm4_moe (Megatron's sigmoid "
+        raise UnsupportedModel(f"{where}: num_experts_per_tok = 1 is not supported for {model_type} (Megatron's sigmoid "
                                f"router does not renormalise a single pick, HF does); use num_experts_per_tok >= 2")
     groups, group_topk = cfg.get("n_group", 1) or 1, cfg.get("topk_group", 1) or 1
     for key, value in (("n_group", groups), ("topk_group", group_topk)):
@@ -435,10 +570,13 @@ def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
-        out[p + "self_attn.q_proj.weight"] = (q, h)
-        out[p + "self_attn.k_proj.weight"] = (kv, h)
-        out[p + "self_attn.v_proj.weight"] = (kv, h)
-        out[p + "self_attn.o_proj.weight"] = (h, q)
+        if arch.is_mla:
+            out.update(mla_shapes(arch, p))
+        else:
+            out[p + "self_attn.q_proj.weight"] = (q, h)
+            out[p + "self_attn.k_proj.weight"] = (kv, h)
+            out[p + "self_attn.v_proj.weight"] = (kv, h)
+            out[p + "self_attn.o_proj.weight"] = (h, q)
         if arch.qkv_bias:
             out[p + "self_attn.q_proj.bias"] = (q,)
             out[p + "self_attn.k_proj.bias"] = (kv,)
@@ -465,6 +603,19 @@ def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         out[p + "mlp.down_proj.weight"] = (h, f)
     if arch.vlm:
         return _with_vision(arch, out)
+    return out
+
+
+def mla_shapes(arch: ModelArch, p: str) -> dict[str, tuple[int, ...]]:
+    """One MLA layer's attention tensors (HF names under layer prefix ``p``), with their shapes."""
+    h, n, d, v = arch.hidden_size, arch.num_attention_heads, arch.head_dim, arch.mla_v_head_dim
+    qr, kr = arch.mla_q_lora_rank, arch.mla_kv_lora_rank
+    out = {p + "self_attn.q_a_proj.weight": (qr, h), p + "self_attn.q_a_layernorm.weight": (qr,),
+           p + "self_attn.q_b_proj.weight": (n * d, qr)} if qr else {p + "self_attn.q_proj.weight": (n * d, h)}
+    out[p + "self_attn.kv_a_proj_with_mqa.weight"] = (kr + arch.mla_qk_rope_head_dim, h)
+    out[p + "self_attn.kv_a_layernorm.weight"] = (kr,)
+    out[p + "self_attn.kv_b_proj.weight"] = (n * (arch.mla_qk_nope_head_dim + v), kr)
+    out[p + "self_attn.o_proj.weight"] = (h, n * v)
     return out
 
 

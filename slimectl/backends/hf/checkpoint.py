@@ -16,7 +16,7 @@ import torch
 
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir.atomic import record_written_digest
-from slimectl.backends.hf.arch import CheckpointMismatch, ModelArch, expected_hf_shapes
+from slimectl.backends.hf.arch import CheckpointMismatch, ModelArch, check_attention_family, expected_hf_shapes
 from slimectl.backends.hf.dtypes import SAFETENSORS_DTYPES
 
 SINGLE = "model.safetensors"
@@ -218,6 +218,7 @@ class HFCheckpoint:
     def validate(self, arch: ModelArch) -> None:
         """Every expected tensor is present with the config's shape; nothing unexpected is there."""
         expected = expected_hf_shapes(arch)
+        check_attention_family(arch, self._where, str(self.dir))
         for name, shape in expected.items():
             if name not in self._where:
                 raise CheckpointMismatch(f"{self.dir}: tensor {name} is missing (config.json implies shape {list(shape)})")

@@ -97,8 +97,7 @@ def layer_rules(arch: ModelArch, moe: bool | None = None) -> list[Rule]:
 def _layer_rules(arch: ModelArch, moe: bool | None = None) -> list[Rule]:
     p, m = "model.layers.{i}.", "decoder.layers.{i}."
     moe = arch.is_moe if moe is None else moe
-    rules = [
-        Rule(m + "input_layernorm.weight", (p + "input_layernorm.weight",), "copy", None),
+    attention = mla_rules(arch, p, m) if arch.is_mla else [
         Rule(
             m + "self_attention.linear_qkv.weight",
             (p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
@@ -106,6 +105,10 @@ def _layer_rules(arch: ModelArch, moe: bool | None = None) -> list[Rule]:
             0,
         ),
         Rule(m + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), "copy", 1),
+    ]
+    rules = [
+        Rule(m + "input_layernorm.weight", (p + "input_layernorm.weight",), "copy", None),
+        *attention,
         Rule(m + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",), "copy", None),
     ]
     if moe:
@@ -139,6 +142,25 @@ def _layer_rules(arch: ModelArch, moe: bool | None = None) -> list[Rule]:
         rules.append(Rule(m + "self_attention.q_layernorm.weight", (p + "self_attn.q_norm.weight",), "copy", None))
         rules.append(Rule(m + "self_attention.k_layernorm.weight", (p + "self_attn.k_norm.weight",), "copy", None))
     return rules
+
+
+def mla_rules(arch: ModelArch, p: str, m: str) -> list[Rule]:
+    """Multi-latent attention (DeepSeek-V3): every projection copied as it is (megatron-core's MLA keeps HF's row
+    layouts: q per head [nope; rope], kv_down [latent; rope], kv_up per head [k nope; v]; its rotary embedding
+    takes the rope dimensions as interleaved pairs, as ``rope_interleave`` checkpoints hold them). The projections
+    are column-parallel (split by rows, the down projections' outputs gathered), ``linear_proj`` row-parallel, the
+    latent norms replicated."""
+    a, s = p + "self_attn.", m + "self_attention."
+    q = [Rule(s + "linear_q_down_proj.weight", (a + "q_a_proj.weight",), "copy", 0),
+         Rule(s + "q_layernorm.weight", (a + "q_a_layernorm.weight",), "copy", None),
+         Rule(s + "linear_q_up_proj.weight", (a + "q_b_proj.weight",), "copy", 0)] if arch.mla_q_lora_rank else \
+        [Rule(s + "linear_q_proj.weight", (a + "q_proj.weight",), "copy", 0)]
+    return q + [
+        Rule(s + "linear_kv_down_proj.weight", (a + "kv_a_proj_with_mqa.weight",), "copy", 0),
+        Rule(s + "kv_layernorm.weight", (a + "kv_a_layernorm.weight",), "copy", None),
+        Rule(s + "linear_kv_up_proj.weight", (a + "kv_b_proj.weight",), "copy", 0),
+        Rule(s + "linear_proj.weight", (a + "o_proj.weight",), "copy", 1),
+    ]
 
 
 def expert_rules() -> list[Rule]:

@@ -193,7 +193,7 @@ def causal_by_length(q, k, v, seg: Sequence[int], scale: float):
     sequence alone. Each ``[n, n]`` block is computed as it would be alone (batched matrix products
     and row-wise reductions treat every batch entry the same way), so the result and its gradients
     are bit for bit the per-sequence loop's; ``tests/unit/test_segment_attention.py`` checks it."""
-    h, _, d = q.shape
+    h, dv = q.shape[0], v.shape[-1]
 
     def alone(s: int, n: int):  # one sequence's block, as the per-sequence loop computes it
         return torch.bmm(_causal_probs(q[:, s:s + n], k[:, s:s + n], scale), v[:, s:s + n])
@@ -217,11 +217,12 @@ def causal_by_length(q, k, v, seg: Sequence[int], scale: float):
             outs.append(alone(group[0], n))
             continue
         index = torch.tensor(idx, dtype=torch.long, device=q.device)
-        # [h, c*n, d] -> [c*h, n, d]: one attention block per (sequence, head)
-        qg, kg, vg = (t.index_select(1, index).view(h, c, n, d).transpose(0, 1).reshape(c * h, n, d)
+        # [h, c*n, d] -> [c*h, n, d]: one attention block per (sequence, head); values may have another
+        # head size than queries and keys (multi-latent attention)
+        qg, kg, vg = (t.index_select(1, index).view(h, c, n, t.shape[-1]).transpose(0, 1).reshape(c * h, n, -1)
                       for t in (q, k, v))
-        og = torch.bmm(_causal_probs(qg, kg, scale), vg)  # [c*h, n, d]
-        outs.append(og.view(c, h, n, d).transpose(0, 1).reshape(h, c * n, d))
+        og = torch.bmm(_causal_probs(qg, kg, scale), vg)  # [c*h, n, dv]
+        outs.append(og.view(c, h, n, dv).transpose(0, 1).reshape(h, c * n, dv))
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
     return torch.cat(outs, dim=1).index_select(1, inverse.to(q.device))
@@ -276,13 +277,13 @@ def attend_layout(q, k, v, layout: Sequence, scale: float, dropout=None):
     ``[c*h, n, m]`` product. The prompt's keys and values are gathered once per response; autograd
     sums their gradients over the responses. ``dropout`` (training): applied to the probabilities
     under megatron's RNG tracker."""
-    h, _, d = q.shape
+    h, dv = q.shape[0], v.shape[-1]
     plan, inverse = _layout_plan(tuple(layout))
     outs = []
     for n, m, qrows, krows in plan:
         c = qrows.numel() // n
-        qg = q.index_select(1, qrows.to(q.device)).view(h, c, n, d).transpose(0, 1).reshape(c * h, n, d)
-        kg, vg = (t.index_select(1, krows.to(q.device)).view(h, c, m, d).transpose(0, 1).reshape(c * h, m, d)
+        qg = q.index_select(1, qrows.to(q.device)).view(h, c, n, -1).transpose(0, 1).reshape(c * h, n, -1)
+        kg, vg = (t.index_select(1, krows.to(q.device)).view(h, c, m, t.shape[-1]).transpose(0, 1).reshape(c * h, m, -1)
                   for t in (k, v))
         probs = _causal_probs(qg, kg, scale)
         if dropout is not None:
@@ -290,8 +291,8 @@ def attend_layout(q, k, v, layout: Sequence, scale: float, dropout=None):
 
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 probs = dropout(probs)
-        og = torch.bmm(probs, vg)  # [c*h, n, d]
-        outs.append(og.view(c, h, n, d).transpose(0, 1).reshape(h, c * n, d))
+        og = torch.bmm(probs, vg)  # [c*h, n, dv]
+        outs.append(og.view(c, h, n, dv).transpose(0, 1).reshape(h, c * n, dv))
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     return out.index_select(1, inverse.to(q.device))
 

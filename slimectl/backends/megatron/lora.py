@@ -43,6 +43,9 @@ ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
 
 def check_lora_targets(arch: ModelArch, modules: tuple[str, ...]) -> None:
     """MoE layers' MLPs are experts: LoRA there is not supported (one line naming the fix)."""
+    if arch.is_mla:
+        raise UsageError(f"train.lora: {arch.family} has multi-latent attention (q_a_proj, kv_b_proj, ...), whose "
+                         f"projections LoRA does not adapt here; train it without LoRA (remove train.lora)")
     mlp = [m for m in modules if m in ("gate_proj", "up_proj", "down_proj")]
     if arch.is_moe and mlp:
         raise UsageError(f"train.lora.target_modules: {', '.join(mlp)} of an MoE model are its experts, which "

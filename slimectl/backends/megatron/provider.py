@@ -150,20 +150,25 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "
 
     cpu = not torch.cuda.is_available()
     params_dtype = torch_dtype(dtype)
-    cfg = TransformerConfig(
+    config_class, attention = TransformerConfig, dict(kv_channels=arch.head_dim, qk_layernorm=arch.qk_norm)
+    if arch.is_mla:  # DeepSeek-V3's multi-latent attention (slimectl/backends/megatron/mla.py)
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        from slimectl.backends.megatron.mla import mla_config_kwargs
+
+        config_class, attention = MLATransformerConfig, mla_config_kwargs(arch)
+    cfg = config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.intermediate_size,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -176,6 +181,7 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, dtype: str = "
         perform_initialization=init,
         sequence_parallel=False,
         **moe_config_kwargs(arch, ep, aux_loss_coeff),
+        **attention,
     )
     # Packed micro-batches differ in length, so pipeline stages exchange tensor shapes before each
     # transfer. Set after construction: the constructor refuses it for MoE's allgather token
@@ -207,6 +213,11 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
     cfg = transformer_config(arch, tp, pp, dtype, init, ep=ep, aux_loss_coeff=aux_loss_coeff)
     from slimectl.backends.megatron.attention import SegmentAttention
 
+    if arch.is_mla:
+        from slimectl.backends.megatron.mla import MLASegmentAttention as SegmentAttention  # noqa: N814
+        from slimectl.backends.megatron.mla import patch_mla_without_te
+
+        patch_mla_without_te()
     if arch.moe_first_dense_layers:
         # dense and MoE layers (moe_layer_freq as a list): megatron's block spec picks each layer's,
         # for this pipeline stage's layers
@@ -216,8 +227,9 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
         for layer_spec in spec.layer_specs:
             _local_layer_spec(layer_spec, SegmentAttention, moe=True)
     else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm,
-                                        num_experts=arch.num_experts or None, moe_grouped_gemm=False)
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm,
+                                        num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+                                        multi_latent_attention=arch.is_mla)
         _local_layer_spec(spec, SegmentAttention, moe=arch.is_moe)
     kwargs = dict(
         config=cfg,
