@@ -157,3 +157,113 @@ def test_bad_mtp_input_is_one_line_exit_2(tmp_path):
         lines = [x for x in res.stderr.splitlines() if x.strip()]
         assert res.returncode == 2 and len(lines) == 1 and "train.mtp.num_layers = 1" in lines[0], lines
         assert not (tmp_path / "other").exists()
+
+
+def test_train_mtp_publishes_a_trained_mtp_layer_that_export_keeps_and_the_engine_ignores(tmp_path):
+    # The stages in this process: init --tiny-model glm4-moe-mtp with train.mtp, convert, one rollout, `slimectl
+    # train`: the step line has train/mtp_loss; weights/1 holds every tensor of the checkpoint, the MTP layer's
+    # trained; `slimectl export` equals weights/1; the embedded engine serving the model loads weights/1 from disk
+    # (the MTP layer's tensors skipped) and generates.
+    import random
+
+    from slimectl.contract.metrics import read_metrics
+    from slimectl.contract.rundir import RunDir
+    from slimectl.contract.samples import SAMPLES_FILE, Sample, Status, write_samples
+    from slimectl.engines.embedded.requests import GenRequest
+    from slimectl.engines.embedded.sampling_params import SamplingParams
+    from slimectl.engines.embedded.scheduler import GenerationScheduler
+    from tests.helpers import slimectl_in_process
+
+    init = slimectl_in_process("init", tmp_path / "run", "--tiny-model", "glm4-moe-mtp", "--set", "train.lr=1e-2",
+                               "--set", "train.mtp.num_layers=1", "--set", "train.mtp.loss_scale=0.5",
+                               "--set", "logging.tensorboard=false")
+    assert init.returncode == 0, init.stderr[-3000:]
+    run = RunDir.open(tmp_path / "run")
+    assert slimectl_in_process("convert", "-r", run.path).returncode == 0
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for idx in range(8):
+        s = Sample(group_index=idx // 2, index=idx, rollout_id=0, prompt="p",
+                   tokens=torch.randint(3, 500, (4 + idx % 3,), generator=g).tolist())
+        resp = torch.randint(3, 500, (6 + idx % 4,), generator=g).tolist()
+        s.append_response_tokens(resp, [-2.0] * len(resp), True, {"weight_version": "0"})
+        s.status, s.reward = Status.COMPLETED, float(idx % 2 == 0)
+        samples.append(s)
+    with run.rollouts.publish(0, meta={"weight_version": "0"}) as d:
+        write_samples(samples, d / SAMPLES_FILE)
+    res = slimectl_in_process("train", "-r", run.path, "--max-rollouts", "1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = read_metrics(run.metrics_path("train"))
+    assert len(m) == 1 and 0 < m[0]["train/mtp_loss"] < 2 * math.log(512)
+    model = Path(run.config().model.path)
+    original, published = hf_tensors(model), hf_tensors(run.weights.get(1).path)
+    assert sorted(published) == sorted(original)
+    assert not torch.equal(published[MTP + "eh_proj.weight"], original[MTP + "eh_proj.weight"])
+    assert torch.equal(published[MTP + "embed_tokens.weight"], published["model.embed_tokens.weight"])
+    exp = slimectl_in_process("export", "-r", run.path, "--out", tmp_path / "exported")
+    assert exp.returncode == 0, exp.stderr[-3000:]
+    exported = hf_tensors(tmp_path / "exported")
+    assert sorted(exported) == sorted(published) and all(torch.equal(exported[n], published[n]) for n in published)
+    scheduler = GenerationScheduler(str(model), max_batch_size=2)
+    scheduler.start()
+    try:
+        scheduler.update_weights_from_disk(str(run.weights.get(1).path), weight_version="1")
+        name = "model.layers.3.self_attn.q_proj.weight"
+        assert torch.equal(torch.tensor(scheduler.get_weights_by_name(name, 1000)), published[name])
+        req = GenRequest(rid="g", input_ids=[random.Random(1).randrange(3, 500) for _ in range(5)],
+                         params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+        out = scheduler.submit(req).result(60)
+        assert len(out.output_ids) == 4
+    finally:
+        scheduler.stop()
+
+
+def test_slime_mtp_flags_map_to_train_mtp():
+    from slimectl.contract.config import load_config
+    from slimectl.stages.init.slime_launch import translate_slime_args
+
+    base = ["--hf-checkpoint", "/m", "--actor-num-gpus-per-node", "1"]
+    tr = translate_slime_args(base + ["--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor",
+                                      "0.3"])
+    assert tr.data["train"]["mtp"] == {"num_layers": 1, "loss_scale": 0.3}
+    left_out = {f for f, _ in tr.unmapped + tr.ignored}
+    assert not left_out & {"--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor"}
+    assert load_config(None, (), base=tr.data).train.mtp.num_layers == 1
+    tr = translate_slime_args(base + ["--mtp-num-layers", "1"])  # built, not trained: carried through
+    assert "mtp" not in tr.data.get("train", {}) and "carried through" in dict(tr.ignored)["--mtp-num-layers"]
+    tr = translate_slime_args(base + ["--enable-mtp-training"])
+    assert "needs --mtp-num-layers" in dict(tr.unmapped)["--enable-mtp-training"]
+
+
+def test_the_engine_weights_skip_mtp_tensors_in_every_update_path(glm):
+    # ServedWeights of the MTP fixture: a distributed update (specs + receive, in the trainer's order) and a delta
+    # that both carry the MTP layer's tensors apply the model's and drop the MTP layer's; an unknown name is still
+    # refused
+    from slimectl.backends.hf.weight_delta import DeltaWriter, read_header
+    from slimectl.engines.embedded.model import load_model
+    from slimectl.engines.embedded.weights import ServedWeights
+
+    m = load_model(str(glm), torch.float32)
+    w = ServedWeights(m.model, m.config, m.params, "0")
+    t = hf_tensors(glm)
+    new = {n: v + 0.5 for n, v in t.items()}
+    names = ["model.layers.1.self_attn.q_proj.weight", MTP + "eh_proj.weight", "model.norm.weight",
+             MTP + "mlp.experts.3.up_proj.weight"]
+    assert [w.ignores(n) for n in names] == [False, True, False, True]
+    queue = [new[n] for n in names]
+
+    def recv(out: torch.Tensor) -> None:
+        out.copy_(queue.pop(0))
+
+    w.receiver([(n, new[n].dtype, tuple(new[n].shape)) for n in names], recv, "1")()
+    assert not queue and w.version == "1"
+    assert torch.equal(w.targets()[names[0]], new[names[0]]) and torch.equal(w.targets()[names[2]], new[names[2]])
+    with pytest.raises(ValueError, match="unknown parameter name 'model.layers.5.enorm.weight'"):
+        w.check_specs([("model.layers.5.enorm.weight", torch.float32, (64,))])
+    writer = DeltaWriter(None, 1, "xor", "zstd")
+    for n in ("model.layers.2.self_attn.k_proj.weight", MTP + "hnorm.weight"):
+        writer.add(n, t[n], new[n])
+    header = writer.close()
+    w.delta_applier(read_header(header), memoryview(writer.blob), "2")()
+    k = "model.layers.2.self_attn.k_proj.weight"
+    assert w.version == "2" and torch.equal(w.targets()[k], new[k])
