@@ -76,6 +76,12 @@ def test_convert_and_export_are_bit_exact_with_the_mtp_layer_at_tp1_tp2_and_pp2(
         assert [n for n in want if not torch.equal(got[n], want[n])] == [], (tp, pp)
     # the MTP layer's 29 Megatron tensors are read into memory, the decoder's copied file to file (82 at tp 1)
     assert copied[(1, 1)] == [3 + 7 + 3 * 8 + 3 * 8 * 2]
+    import argparse
+
+    extra = [] if argparse.Namespace in torch.serialization.get_safe_globals() else [argparse.Namespace]
+    with torch.serialization.safe_globals(extra):
+        args = torch.load(tmp_path / "tp1pp1" / "release" / "common.pt", weights_only=True)["args"]
+    assert args.mtp_num_layers == 1  # what Megatron-LM's loader (slime's --mtp-num-layers) reads
 
 
 def test_the_sync_path_carries_the_mtp_layer_at_ep2_and_tp2_and_trains_it(glm, two_ranks):
