@@ -656,6 +656,20 @@ FREEZABLE_PARTS = ("vision", "language")
 """``train.freeze``'s names (slimectl.backends.megatron.vlm.apply_freeze)."""
 
 
+class MtpSection(Section):
+    """Multi-token-prediction (MTP) layers trained online during RL (slime's ``--mtp-num-layers N
+    --enable-mtp-training --mtp-loss-scaling-factor S``), for models whose checkpoint has them (GLM-4.5,
+    DeepSeek-V3: ``num_nextn_predict_layers``). The MTP loss (next-next-token cross entropy over the response
+    tokens) trains the MTP layers only, as slime's does; logged as ``train/mtp_loss``."""
+
+    num_layers: int = Field(default=0, ge=0)
+    """MTP layers trained: the model's ``num_nextn_predict_layers``, or 0 (not trained: carried through unchanged
+    from convert to export and to the engines)."""
+    loss_scale: float = Field(default=0.2, ge=0)
+    """Weight of the MTP loss beside the policy loss (megatron-core's ``mtp_loss_scaling_factor``: each layer's
+    loss times loss_scale / num_layers)."""
+
+
 class TrainSection(Section):
     """The Megatron actor."""
 
@@ -729,6 +743,8 @@ class TrainSection(Section):
     """Checkpoints kept (older ones are deleted; the initial checkpoint 0 is always kept); null keeps all."""
     seed: int = 1234
     """Seed of the actor's initialisation and dropout."""
+    mtp: MtpSection = Field(default_factory=MtpSection)
+    """Multi-token-prediction layers trained online (``train.mtp.num_layers > 0``)."""
     lora: Optional[LoraSection] = None
     """LoRA: train adapters on the frozen base instead of the full weights (``weights/N`` is then a PEFT
     adapter); null trains every weight."""
@@ -760,6 +776,12 @@ class TrainSection(Section):
             raise ValueError(f"train.ep ({self.ep}) must divide train.dp ({self.dp}): expert-parallel ranks are "
                              f"data-parallel ranks (megatron-core: tp*ep*pp must divide tp*pp*dp); "
                              f"set train.dp to a multiple of {self.ep}")
+        if self.mtp.num_layers and self.lora is not None:
+            raise ValueError(f"train.mtp.num_layers = {self.mtp.num_layers} with train.lora: the MTP layers are not "
+                             f"trained with LoRA adapters; set train.mtp.num_layers: 0 or train.lora: null")
+        if self.mtp.num_layers and self.pp > 1:
+            raise ValueError(f"train.mtp.num_layers = {self.mtp.num_layers} trains at train.pp 1 (the MTP layers, "
+                             f"on the last stage, need the embedding); set train.pp: 1 or train.mtp.num_layers: 0")
         return self
 
 

@@ -16,7 +16,7 @@ def check_train_sizes(cfg: SlimectlConfig) -> bool:
     reading only its config.json, as ``convert`` and ``train`` do. Returns False when the model is not
     there yet (``--tiny-model`` builds it at init), True when checked or not needed."""
     t = cfg.train
-    if t.tp == 1 and t.pp == 1 and t.ep == 1:
+    if t.tp == 1 and t.pp == 1 and t.ep == 1 and not t.mtp.num_layers:  # (train.mtp: the model's MTP layers)
         return True
     if cfg.model.path is None or not (Path(cfg.model.path) / "config.json").is_file():
         return False

@@ -201,6 +201,7 @@ def _megatron_args(arch, padded: int, tp: int, pp: int, dtype: str):
         ckpt_format="torch_dist",
         **_megatron_moe_args(arch),
         **({"mrope_section": list(arch.mrope_section)} if getattr(arch, "vlm", "") else {}),
+        **({"mtp_num_layers": arch.mtp_layers} if getattr(arch, "mtp_layers", 0) else {}),  # (slime's --mtp-num-layers)
     )
 
 

@@ -241,7 +241,7 @@ def test_glm_group_routing_is_read_when_megatron_computes_it_the_same_way():
     ({"norm_topk_prob": False}, "norm_topk_prob = false is not supported for glm4_moe"),
     ({"num_experts_per_tok": 1}, "num_experts_per_tok = 1 is not supported for glm4_moe"),
     ({"first_k_dense_replace": 4}, "first_k_dense_replace = 4 must be an integer in 0..3"),
-    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers = 1 is not supported"),
+    ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers = -1 must be a non-negative integer"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}},
      "partial_rotary_factor = 0.1 rotates 1 of head_dim 16"),
     ({"routed_scaling_factor": 0}, "routed_scaling_factor = 0 must be a positive number"),

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from slimectl.backends.hf.mtp import extra_shapes as mtp_extra_shapes, mtp_layers_from_config
 from slimectl.contract.errors import SlimectlError, UsageError
 
 
@@ -112,6 +113,9 @@ class ModelArch:
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False
     vlm_config: str = ""
+    # multi-token-prediction layers after the decoder layers (HF's num_nextn_predict_layers: GLM-4.5, DeepSeek-V3;
+    # slimectl/backends/hf/mtp.py), each an MoE decoder layer like the last plus its own norms and projection
+    mtp_layers: int = 0
     # Multi-latent attention (DeepSeek-V3; 0 for other families): queries through a q_lora_rank latent (0: one
     # q_proj, Moonlight/V2-Lite), keys and values through a kv_lora_rank latent shared by every head; each head's
     # query/key is qk_nope_head_dim un-rotated + qk_rope_head_dim rotated dimensions (the rotated key part shared
@@ -334,12 +338,6 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
             raise UnsupportedModel(f"{where}: mlp_bias = true is not supported for llama")
         if cfg.get("pretraining_tp", 1) != 1:
             raise UnsupportedModel(f"{where}: pretraining_tp = {cfg.get('pretraining_tp')} is not supported (must be 1)")
-    if model_type in ("glm4_moe", "deepseek_v3") and cfg.get("num_nextn_predict_layers"):
-        # transformers builds no MTP layers (it ignores their tensors) and neither do we: their
-        # weights are dropped, so an export holds none of them. Refuse rather than drop silently.
-        raise UnsupportedModel(f"{where}: num_nextn_predict_layers = {cfg['num_nextn_predict_layers']} is not "
-                               f"supported (multi-token-prediction layers are not converted); use a checkpoint "
-                               f"without MTP layers (num_nextn_predict_layers 0)")
     if model_type in ("qwen3", "qwen3_moe") and cfg.get("attention_bias"):
         raise UnsupportedModel(f"{where}: attention_bias = true is not supported for {model_type}")
     hidden = _require(cfg, "hidden_size", where)
@@ -373,6 +371,7 @@ def arch_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelAr
         qk_norm=model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
         dtype=str(dtype),
         rotary_percent=_rotary_percent(cfg, model_type, where, head_dim),
+        mtp_layers=mtp_layers_from_config(cfg, model_type, where, UnsupportedModel),
         **moe,
     )
 
@@ -566,7 +565,7 @@ def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     }
     if not arch.tie_word_embeddings:
         out["lm_head.weight"] = (arch.vocab_size, h)
-    for i in range(arch.num_layers):
+    for i in range(arch.num_layers + arch.mtp_layers):  # an MTP layer holds a decoder layer (hf/mtp.py)
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
@@ -601,6 +600,7 @@ def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         out[p + "mlp.gate_proj.weight"] = (f, h)
         out[p + "mlp.up_proj.weight"] = (f, h)
         out[p + "mlp.down_proj.weight"] = (h, f)
+    out.update(mtp_extra_shapes(arch.num_layers, arch.mtp_layers, h, arch.vocab_size))
     if arch.vlm:
         return _with_vision(arch, out)
     return out

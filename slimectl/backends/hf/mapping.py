@@ -37,6 +37,8 @@ from typing import Sequence
 import torch
 
 from slimectl.backends.hf.arch import ModelArch, hf_prefixes
+from slimectl.backends.hf.mtp import MEGATRON_LAYER as MTP_LAYER, MEGATRON_OWN as MTP_OWN, MEGATRON_PREFIX as MTP_PREFIX
+from slimectl.backends.hf.mtp import hf_layer_prefix
 
 Tensor = torch.Tensor
 
@@ -194,7 +196,24 @@ def all_rules(arch: ModelArch) -> list[Rule]:
     out = global_rules(arch)
     for i in range(arch.num_layers):
         out.extend(r.layer(i) for r in layer_rules(arch, arch.is_moe_layer(i)))
-    return out + vision_rules(arch)
+    return out + vision_rules(arch) + mtp_rules(arch)
+
+
+def mtp_rules(arch: ModelArch) -> list[Rule]:
+    """The multi-token-prediction layers' rules (none without; ``slimectl.backends.hf.mtp``): MTP layer ``k``'s own
+    norms and projection, and its decoder layer, whose rules are HF layer ``num_layers + k``'s under Megatron's
+    ``mtp.layers.{k}.transformer_layer.`` (experts included). ``eh_proj`` is column-parallel: split by rows under TP.
+    Its copies of the embedding and LM head have no rule (Megatron shares the model's)."""
+    out = []
+    for k in range(arch.mtp_layers):
+        i, m = arch.num_layers + k, f"{MTP_PREFIX}{k}."
+        hf = hf_layer_prefix(arch.num_layers, k)
+        out += [Rule(m + name, (hf + hf_name,), "copy", 0 if name == "eh_proj.weight" else None)
+                for name, hf_name in MTP_OWN.items()]
+        layer = [r.layer(i) for r in layer_rules(arch, arch.is_moe_layer(i))]  # (experts included)
+        prefix = f"decoder.layers.{i}."
+        out += [Rule(m + MTP_LAYER + r.megatron[len(prefix):], r.hf, r.kind, r.tp_dim, r.expert) for r in layer]
+    return out
 
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -203,6 +222,12 @@ _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 def rule_for(arch: ModelArch, megatron_name: str) -> Rule:
     """The rule of a *global* Megatron parameter name."""
+    if megatron_name.startswith(MTP_PREFIX):
+        for r in mtp_rules(arch):
+            if r.megatron == megatron_name:
+                return r
+        raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r} (the model has {arch.mtp_layers} "
+                       f"multi-token-prediction layers)")
     m = _LAYER_RE.match(megatron_name)
     if m:
         i = int(m.group(1))

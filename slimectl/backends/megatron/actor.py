@@ -85,6 +85,11 @@ class MegatronActor:
             from slimectl.backends.megatron.vlm import apply_freeze
 
             apply_freeze(gpt, train.freeze)
+        # multi-token prediction (train.mtp): the MTP layers train with their own loss, or are frozen
+        from slimectl.backends.megatron.mtp import freeze_unless_trained
+
+        self.mtp_layers = train.mtp.num_layers if getattr(train, "mtp", None) is not None else 0
+        freeze_unless_trained(gpt, self.mtp_layers, arch)
         set_recompute(gpt, train, pp, moe=arch.is_moe)
         release_before_layers_backward(gpt)
         # LoRA (train.lora): adapters on the frozen base; checkpoints and the optimizer hold the adapters only
@@ -127,7 +132,7 @@ class MegatronActor:
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
         rope = getattr(gpt, "rotary_pos_emb", None)
-        self.share_prompts = (train.share_prompts and self.replay is None
+        self.share_prompts = (train.share_prompts and self.replay is None and not self.mtp_layers
                               and (rope is None or type(rope) is RotaryEmbedding))
 
     @property
@@ -400,18 +405,21 @@ class MegatronActor:
             out.append(list(layout) + [(smallest, None)] * (want - len(layout)))
         return out
 
-    def _micro_batch_loss(self, res, gidx: list[int] | None, rows: SampleRows, step_size: float
-                          ) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_batch_loss(self, res, gidx: list[int] | None, rows: SampleRows, step_size: float,
+                          mtp: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss to backpropagate for one micro-batch (already weighted by its share of the global
         batch and scaled for DDP's averaging) and its weighted metric contributions. ``step_size``:
         the global batch's samples (per-sample mean) or loss tokens (per-token mean). ``gidx`` None:
-        an expert-parallel padding micro-batch (a zero loss through the whole graph, no metrics)."""
+        an expert-parallel padding micro-batch (a zero loss through the whole graph, no metrics). ``mtp``:
+        ``train.mtp``'s (scaled loss, logged value) of the micro-batch, weighted as the policy loss is."""
         if gidx is None:
-            return sum(r.log_probs.sum() for r in res) * 0.0, {}
+            return sum(r.log_probs.sum() for r in res) * 0.0 + (mtp[0] * 0.0 if mtp else 0.0), {}
         batch = rows.batch(gidx, [r.log_probs for r in res], entropy=pad_rows([r.entropy for r in res]))
         share = len(gidx) if self.algo.reduction == "sample_mean" else float(loss_token_count(batch.mask))
         w = share / step_size
         loss, metrics = compute_objective(self.algo, batch)
+        if mtp is not None:
+            loss, metrics = loss + mtp[0], {**metrics, "train/mtp_loss": mtp[1]}
         # DDP averages gradients over data-parallel ranks; w is relative to the global batch.
         return loss * (w * self.model.dp), {k: float(v) * w for k, v in metrics.items()}
 
@@ -434,8 +442,8 @@ class MegatronActor:
                 if self.replay is not None:
                     self.replay.prepare(ddp, mb, gidx)
                 with cpu_compat.suspended():  # forward + backward: no CUDA literal, no per-call mode overhead
-                    res = compute_log_probs(ddp, mb, self.arch.vocab_size, temperature, True, tp_group)
-                    loss, part = self._micro_batch_loss(res, gidx, rows, step_size)
+                    res, mtp = self._train_forward(ddp, mb, temperature, tp_group)
+                    loss, part = self._micro_batch_loss(res, gidx, rows, step_size, mtp)
                     # the forward's freed blocks (under recompute: every layer's internals) back to the
                     # OS before the LM head's backward allocates its own, larger ones
                     release_free_memory()
@@ -457,6 +465,19 @@ class MegatronActor:
             merge(part)
         self.model.finish_grads()  # DP reduction + tied embedding grads across first/last stage
         return acc
+
+    def _train_forward(self, ddp, mb, temperature: float, tp_group):
+        """A training micro-batch's per-sequence log-probs (with entropy) and, with ``train.mtp``, its MTP loss
+        (:func:`slimectl.backends.megatron.mtp.mtp_loss`: scaled, and its logged value), else None."""
+        if not self.mtp_layers:
+            return compute_log_probs(ddp, mb, self.arch.vocab_size, temperature, True, tp_group), None
+        from slimectl.backends.megatron.logprobs import forward_micro_batch, log_probs_from_hidden
+        from slimectl.backends.megatron.mtp import mtp_loss
+
+        hidden = forward_micro_batch(ddp, mb, hidden=True)
+        res = log_probs_from_hidden(ddp, hidden, mb, self.arch.vocab_size, temperature, True, tp_group)
+        mtp = self.train_cfg.mtp
+        return res, mtp_loss(ddp, hidden, mb, self.arch.vocab_size, mtp.num_layers, mtp.loss_scale, tp_group)
 
     def _train_step(self, layout: Layout, idx: list[int], rows: SampleRows, temperature: float) -> dict[str, float]:
         from slimectl.backends.host_memory import release_free_memory
@@ -480,7 +501,7 @@ class MegatronActor:
         ok, grad_norm, waited = self.model.optimizer_step()  # (after a save still reading the state)
         dt = time.perf_counter() - t0
         m = {"train/loss": 0.0, "train/pg_loss": 0.0, "train/pg_clipfrac": 0.0, "train/ppo_kl": 0.0,
-             "train/kl_loss": 0.0, "train/entropy": 0.0}
+             "train/kl_loss": 0.0, "train/entropy": 0.0, **({"train/mtp_loss": 0.0} if self.mtp_layers else {})}
         m.update(acc)
         m.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/update_successful": float(ok),
                   "train/num_micro_batches": float(len(layout)), "train/step": float(self.step),

@@ -165,8 +165,18 @@ def model_to_hf_tensors(model, arch: ModelArch, tp_group=None) -> Iterator[tuple
     """Yield (HF name, full tensor) for this pipeline stage's parameters, gathering TP shards.
 
     Every rank of the TP group must iterate together (the gather is collective). With tied
-    embeddings the output layer copy is skipped: HF has no lm_head.
+    embeddings the output layer copy is skipped: HF has no lm_head. A model with multi-token-prediction
+    layers: each MTP layer's copies of the embedding and LM head follow them (``slimectl.backends.hf.mtp``).
     """
+    from slimectl.backends.hf.mtp import with_shared_copies
+
+    own = _model_to_hf_tensors(model, arch, tp_group)
+    if arch.mtp_layers:
+        own = with_shared_copies(own, arch.num_layers, arch.mtp_layers, arch.tie_word_embeddings)
+    return own
+
+
+def _model_to_hf_tensors(model, arch: ModelArch, tp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
     import torch.distributed as dist
 
     from slimectl.backends.megatron.provider import global_param_names, named_weights

@@ -82,7 +82,8 @@ class RowSource:
         return len(self._params)
 
     def accepts(self, name: str) -> bool:
-        return not (self.tied_output and name == "output_layer.weight")
+        # (MTP layers, whose checkpoint keys megatron-core's MTP block maps its own way, are read into memory)
+        return not (self.tied_output and name == "output_layer.weight") and not name.startswith("mtp.")
 
     def add(self, name: str, blocks: list[RowBlock], full_rows: int, trailing: tuple[int, ...],
             dtype: torch.dtype) -> None:

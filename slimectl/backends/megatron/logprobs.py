@@ -301,8 +301,19 @@ def log_probs_from_hidden(model, hidden: torch.Tensor, micro_batch: MicroBatch, 
     the LM head over the response positions only, ``chunk_elements`` logits at a time (default
     ``LOGITS_CHUNK_ELEMENTS``), each chunk recomputed in the backward rather than kept."""
     temperature = logprob_temperature(temperature)  # 0 (greedy): the unscaled distribution
-    weight = output_weight(model)
     rows, targets, counts = response_positions(micro_batch)
+    lp, ent = log_probs_from_rows(hidden, output_weight(model), rows, targets, vocab_size, tp_group, temperature,
+                                  with_entropy, chunk_elements)
+    return [SeqLogProbs(s.sample_index, lp_i, ent_i) for s, lp_i, ent_i in zip(
+        micro_batch.seqs, lp.split(counts), ent.split(counts) if ent is not None else [None] * len(counts))]
+
+
+def log_probs_from_rows(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+                        vocab_size: int, tp_group=None, temperature: float = 1.0, with_entropy: bool = False,
+                        chunk_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 log-probs (and entropy) of ``targets`` at rows ``rows`` of hidden states ``[S, 1, H]`` (or ``[S, H]``)
+    under the LM head ``weight`` (this rank's vocab shard), ``chunk_elements`` logits at a time (default
+    ``LOGITS_CHUNK_ELEMENTS``), each chunk recomputed in the backward rather than kept."""
     h = hidden[:, 0] if hidden.dim() == 3 else hidden
     h = h.index_select(0, rows.to(h.device))  # [N, H]
     targets = targets.to(h.device)
@@ -323,13 +334,9 @@ def log_probs_from_hidden(model, hidden: torch.Tensor, micro_batch: MicroBatch, 
         parts = [head(torch.nn.functional.linear(h[i:i + step], weight), targets[i:i + step])
                  for i in range(0, h.shape[0], step)]
     if parts:
-        lp = torch.cat([p[0] for p in parts])
-        ent = torch.cat([p[1] for p in parts]) if with_entropy else None
-    else:
-        lp = h.new_zeros(0, dtype=torch.float32)
-        ent = h.new_zeros(0, dtype=torch.float32) if with_entropy else None
-    return [SeqLogProbs(s.sample_index, lp_i, ent_i) for s, lp_i, ent_i in zip(
-        micro_batch.seqs, lp.split(counts), ent.split(counts) if ent is not None else [None] * len(counts))]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None
+    empty = h.new_zeros(0, dtype=torch.float32)
+    return empty, empty.clone() if with_entropy else None
 
 
 def log_probs_from_output(out: torch.Tensor, micro_batch: MicroBatch, vocab_size: int, temperature: float = 1.0,

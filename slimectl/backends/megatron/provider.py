@@ -7,6 +7,7 @@ run in processes that only relaunch themselves under torchrun and must not pay f
 from __future__ import annotations
 
 from slimectl.backends.hf.arch import ModelArch
+from slimectl.backends.hf.mtp import MEGATRON_PREFIX as MTP_PREFIX
 
 
 # The MoE token dispatcher on CPU/gloo: "alltoall" (what slime's Qwen3-MoE scripts use). "allgather"
@@ -46,6 +47,10 @@ def check_train_layout(arch: ModelArch, train) -> None:
     if train.tp > 1 or train.pp > 1:
         check_parallel_sizes(arch, train.tp, train.pp, "train.tp", "train.pp")
     check_expert_parallel(arch, train.ep)
+    if getattr(train, "mtp", None) is not None:  # train.mtp: the model's MTP layers, all of them
+        from slimectl.backends.hf.mtp import check_mtp_training
+
+        check_mtp_training(arch, train.mtp.num_layers)
     if getattr(train, "freeze", None) and not arch.vlm:
         raise ConfigError(f"train.freeze = {train.freeze}: this model ({arch.family}) is text-only (no vision tower, "
                           f"and freezing its language model leaves nothing to train); set train.freeze: []")
@@ -248,6 +253,10 @@ def build_gpt_model(arch: ModelArch, padded_vocab: int, tp: int = 1, pp: int = 1
         model = MegatronVLM(arch, **kwargs)
     else:
         model = GPTModel(position_embedding_type="rope", **kwargs)
+    if arch.mtp_layers and ps.is_pipeline_last_stage():  # multi-token prediction (GLM-4.5, DeepSeek-V3)
+        from slimectl.backends.megatron.mtp import build_mtp_block
+
+        build_mtp_block(model, cfg, spec, arch.mtp_layers)
     _params_to_dtype(model, cfg.params_dtype)
     return model
 
@@ -326,6 +335,10 @@ def global_param_names(model) -> dict[str, str]:
                 e, after = tail[len(_LOCAL_EXPERT):].split(".", 1)
                 tail = f"{_LOCAL_EXPERT}{expert_offsets[int(j)] + int(e)}.{after}"
             out[name] = f"decoder.layers.{offsets[int(j)]}.{tail}"
+        elif name.startswith(MTP_PREFIX):
+            from slimectl.backends.megatron.mtp import global_mtp_name
+
+            out[name] = global_mtp_name(model, name)
         else:
             out[name] = name
     return out

@@ -58,10 +58,11 @@ def _replay_class():
 
 
 def routers_of(model) -> list:
-    """The TopKRouters of ``model`` in layer order."""
+    """The TopKRouters of ``model``'s decoder layers in layer order (not a multi-token-prediction layer's: the
+    engine records no routes for it, and it routes by itself, as slime's replay skips MTP routers)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+    return [m for n, m in model.named_modules() if isinstance(m, TopKRouter) and ".mtp." not in f".{n}"]
 
 
 def sample_routes(sample: Any, num_layers: int, topk: int) -> torch.Tensor:

@@ -13,6 +13,10 @@ name them PER EXPERT (``mlp.experts.{e}.gate_proj.weight`` [I, H], ``up_proj``, 
 parameter, so every update path and ``get_weights_by_name`` accept both spellings: a per-expert
 tensor is copied into (or received straight into) its slice, and read back from it.
 
+Multi-token-prediction layers (GLM-4.5, DeepSeek-V3: ``model.layers.{num_hidden_layers + k}.``) are not served:
+transformers builds none, and every update skips their tensors (:meth:`ServedWeights.ignores`), so a trainer that
+publishes or sends them (``train.mtp``) updates the engine as any other.
+
 A few MoE families also keep model state in a *buffer*: GLM-4.5's and DeepSeek-V3's routers hold
 ``mlp.gate.e_score_correction_bias`` (the per-expert routing bias that training moves). It is in
 every checkpoint (a persistent buffer), so it is a weight here like a parameter: updated, required
@@ -57,6 +61,13 @@ class ServedWeights:
         # write. A delta whose base_digest it is applies without a checksum of its base tensors.
         self.digest: str | None = None
 
+    def ignores(self, name: str) -> bool:
+        """Whether an update's tensor ``name`` is skipped: a multi-token-prediction layer's (not served)."""
+        from slimectl.backends.hf.mtp import is_mtp_hf_name
+
+        mtp = getattr(self.config, "num_nextn_predict_layers", 0) or 0
+        return bool(mtp) and is_mtp_hf_name(name, int(self.config.num_hidden_layers), int(mtp))
+
     @staticmethod
     def check_version(v) -> None:
         if not isinstance(v, str) or not v:
@@ -79,8 +90,10 @@ class ServedWeights:
             try:
                 with torch.no_grad():
                     for name, dtype, shape in specs:
-                        p = targets[name]
-                        if p.dtype == dtype and p.is_contiguous():
+                        p = targets.get(name)
+                        if p is None:  # an ignored tensor (ignores): received and dropped
+                            recv(torch.empty(tuple(shape), dtype=dtype))
+                        elif p.dtype == dtype and p.is_contiguous():
                             recv(p.data)
                         else:
                             buf = torch.empty(tuple(shape), dtype=dtype, device=p.device)
@@ -114,6 +127,8 @@ class ServedWeights:
         targets = self.targets()
         changes = []
         for e in header["entries"]:
+            if self.ignores(e.name):
+                continue
             if e.name not in targets:
                 raise DeltaError(f"unknown parameter name {e.name!r}", kind="base")
             change = check_tensor(targets[e.name].detach(), e, blob, header, base_known=known)
@@ -145,7 +160,7 @@ class ServedWeights:
         except SlimectlError as exc:
             raise ValueError(str(exc)) from None
         with ckpt:
-            specs = [(n, ckpt.dtype(n), ckpt.shape(n)) for n in ckpt.names()]
+            specs = [(n, ckpt.dtype(n), ckpt.shape(n)) for n in ckpt.names() if not self.ignores(n)]
             self.check_specs(specs)
             missing = self.missing_from({n for n, _, _ in specs})
             if missing:
@@ -213,6 +228,8 @@ class ServedWeights:
         targets = self.targets()
         for name, dtype, shape in specs:
             param = targets.get(name)
+            if param is None and self.ignores(name):
+                continue
             if param is None:
                 raise ValueError(f"unknown parameter name {name!r}")
             if tuple(shape) != tuple(param.shape):

@@ -290,6 +290,27 @@ def _sglang_arg(t: Translator, flag: str, values: list[str]) -> None:
     t.set("engine.sglang_args", args, flag)
 
 
+def _mtp(t: Translator, flag: str, values: list[str]) -> None:
+    """slime's MTP flags -> ``train.mtp``: ``--mtp-num-layers N`` trains N MTP layers with ``--enable-mtp-training``
+    (without it slime builds them and never trains them, as slimectl carries them through);
+    ``--mtp-loss-scaling-factor`` is the loss scale."""
+    mtp = dict(t.get("train.mtp") or {})
+    if flag == "--mtp-loss-scaling-factor":
+        mtp["loss_scale"] = _float(flag, values)
+    elif flag == "--mtp-num-layers" and "--enable-mtp-training" in t.seen:
+        mtp["num_layers"] = _int(flag, values)
+    elif flag == "--mtp-num-layers":
+        t.ignored.append((flag, "without --enable-mtp-training the checkpoint's MTP layers are carried through, "
+                                "not trained (train.mtp.num_layers 0)"))
+        return
+    elif "--mtp-num-layers" not in t.seen:  # --enable-mtp-training alone (slime asserts --mtp-num-layers)
+        t.unmapped.append((flag, "needs --mtp-num-layers (train.mtp.num_layers: the model's MTP layers)"))
+        return
+    else:
+        return  # --enable-mtp-training: --mtp-num-layers sets train.mtp.num_layers
+    t.set("train.mtp", mtp, flag)
+
+
 _HEALTH_CHECK = {"--use-fault-tolerance": "enabled", "--rollout-health-check-first-wait": "first_wait",
                  "--rollout-health-check-interval": "interval", "--rollout-health-check-timeout": "timeout"}
 
@@ -386,6 +407,9 @@ _FIRST_PASS: dict[str, Flag] = {
     "--seed": _key("train.seed", _int),
     "--use-rollout-logprobs": _key_switch("train.use_rollout_logprobs"),
     "--use-rollout-routing-replay": _key_switch("train.use_rollout_routing_replay"),
+    "--mtp-num-layers": Flag(rule=_mtp),
+    "--enable-mtp-training": Flag(rule=_mtp),
+    "--mtp-loss-scaling-factor": Flag(rule=_mtp),
     "--use-distributed-optimizer": _key_switch("train.use_distributed_optimizer"),
     "--advantage-estimator": _key("algorithm.advantage_estimator"),
     "--loss-type": _key("algorithm.loss_type"),

@@ -34,9 +34,10 @@ def resume_point(run: RunDir) -> tuple[object | None, int]:
 
 def check_layout(run: RunDir, cfg: SlimectlConfig) -> None:
     """Refuse (one line) a ``train.tp``/``train.pp``/``train.ep`` the model cannot be split into (listing the
-    sizes that work) and a critic layout the trainer's ranks cannot hold."""
+    sizes that work), ``train.mtp`` on a model without those MTP layers, and a critic layout the trainer's ranks
+    cannot hold."""
     t = cfg.train
-    if t.tp > 1 or t.pp > 1 or t.ep > 1:
+    if t.tp > 1 or t.pp > 1 or t.ep > 1 or t.mtp.num_layers:
         from slimectl.backends.megatron.provider import check_train_layout
 
         check_train_layout(initial_arch(run, cfg)[0], t)
