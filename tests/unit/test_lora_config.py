@@ -34,8 +34,8 @@ def test_moe_experts_are_refused():
     from slimectl.backends.megatron.lora import check_lora_targets
 
     with pytest.raises(UsageError, match="experts"):
-        check_lora_targets(SimpleNamespace(is_moe=True), ("q_proj", "gate_proj"))
-    check_lora_targets(SimpleNamespace(is_moe=True), ("q_proj", "o_proj"))  # attention only: fine
+        check_lora_targets(SimpleNamespace(is_moe=True, is_mla=False), ("q_proj", "gate_proj"))
+    check_lora_targets(SimpleNamespace(is_moe=True, is_mla=False), ("q_proj", "o_proj"))  # attention only: fine
 
 
 ARCH = SimpleNamespace(hidden_size=8, mlp_intermediate_size=12, head_dim=2, num_attention_heads=4, num_kv_heads=2,

@@ -394,6 +394,7 @@ def _deepseek_v3(cfg: dict[str, Any], where: str, moe: dict[str, Any], dtype: st
         if cfg.get(key, want) != want:
             raise UnsupportedModel(f"{where}: {key} = {cfg[key]!r} is not supported for deepseek_v3 (DeepSeek-V3 "
                                    f"routes with {key} {want!r}); use {want!r}")
+    mtp_layers_from_config(cfg, "deepseek_v3", where, UnsupportedModel)  # refused: MTP_FAMILIES lacks it
     q_rank = cfg.get("q_lora_rank")
     mla = dict(mla_q_lora_rank=0 if q_rank is None else _require(cfg, "q_lora_rank", where),
                **{f"mla_{k}": _require(cfg, k, where)
