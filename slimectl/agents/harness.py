@@ -257,7 +257,8 @@ class Harness:
         hold = partial(settled, tool_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser,
                        tools=req.tools, stops=params.get("stop") or ())
         live = LiveAnswer(request, answer, self._place(sess.id, segment_no, turn_no), sess, prompt,
-                          self.recorder.decode, self._off_loop, hold)
+                          self.recorder.decode, self._off_loop, hold,
+                          thinking=(self.reasoning_parser, params.get("stop") or ()))
         try:
             turn = self._turn(sess, prompt, req, await self._generate(prompt.input_ids, params, live))
             resp = await (live.finish(turn) if live.started else self._stream(request, turn, answer))

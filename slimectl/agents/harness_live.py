@@ -2,14 +2,16 @@
 
 The engine's stream (:meth:`~slimectl.engines.pool.EnginePool.generate_stream`) brings the output so far; its text
 (decoded token by token, a character whose bytes are not all there yet held back: :class:`Detokenizer`) goes out as
-content deltas as soon as no later token can change it — what :func:`~slimectl.agents.harness_parsers.settled` lets
-through: nothing while a reasoning block may still be open, nothing from a tool call's start marker (or a tail that
-may begin one) on, nor a tail that may begin a stop string. The first such text opens the stream: the API's events
-before its first content delta (:meth:`~slimectl.agents.harness_stream.Answer.events` of a provisional turn, cut at
-a marked piece), then one delta per new piece. At the end the whole answer's events are made as an unstreamed
-stream's are, their content pieces those sent and the rest; the events already sent are their first ones (ids and
-times are the answer's own, sequence numbers counted here), and the rest follows: the remaining content, the
-tool calls, the finish. A reply that never had content to stream goes out whole at the end
+deltas as soon as no later token can change it: the reasoning of an open think block
+(:func:`~slimectl.agents.harness_parsers.open_reasoning`), then the content as
+:func:`~slimectl.agents.harness_parsers.settled` lets it through — nothing while a reasoning block may still be
+open, nothing from a tool call's start marker (or a tail that may begin one) on, nor a tail that may begin a stop
+string. Before the first delta of each (the reasoning's, the content's) go the API's events that precede it: those
+of :meth:`~slimectl.agents.harness_stream.Answer.events` for a provisional turn, cut at a marked piece, less the
+ones sent. At the end the whole answer's events are made as an unstreamed stream's are, their pieces those sent and
+the rest; the events already sent are their first ones (ids and times are the answer's own, sequence numbers counted
+here; a difference is logged as a warning), and the rest follows: the remaining text, the tool calls, the finish. A
+reply that never had anything to stream goes out whole at the end
 (:meth:`~slimectl.agents.harness.Harness.serve_turn`), as before.
 """
 
@@ -20,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from aiohttp import web
 
-from slimectl.agents.harness_parsers import ParsedReply
+from slimectl.agents.harness_parsers import ParsedReply, open_reasoning
 from slimectl.agents.harness_recorder import Prompt, Turn
 from slimectl.agents.harness_sessions import Reply, Session
-from slimectl.agents.harness_stream import StreamCut, cut_pieces, gone, reply_pieces, sse_event, stream_response
+from slimectl.agents.harness_stream import StreamCut, gone, reply_pieces, sse_event, stream_response
 
 if TYPE_CHECKING:
     from slimectl.agents.harness_stream import Answer
@@ -86,58 +88,78 @@ class LiveAnswer:
     """One streamed turn's answer in ``answer``'s shape, written to ``request``'s client as the tokens come
     (:meth:`progress`), finished with the whole turn (:meth:`finish`) or ended by an error event (:meth:`fail`).
     ``hold``: the text so far -> (reasoning, settled content) or None (:func:`~slimectl.agents.harness_parsers.
-    settled` for the request); ``off_loop``: runs the tokenizer off the event loop. :class:`StreamCut` when the
-    client is gone."""
+    settled` for the request), ``thinking``: the reasoning parser and stop strings (an open think block streams
+    as it is written, :func:`~slimectl.agents.harness_parsers.open_reasoning`); ``off_loop``: runs the tokenizer
+    off the event loop. :class:`StreamCut` when the client is gone."""
 
     def __init__(self, request: web.Request, answer: Answer, headers: dict[str, str], session: Session,
                  prompt: Prompt, decode: Callable[[list[int]], str],
-                 off_loop: Callable[..., Awaitable[Any]], hold: Callable[[str], tuple[str | None, str] | None]):
+                 off_loop: Callable[..., Awaitable[Any]], hold: Callable[[str], tuple[str | None, str] | None],
+                 thinking: tuple = (None, ())):
         self.request, self.answer, self.headers = request, answer, headers
         self.session, self.prompt, self.decode, self.off_loop, self.hold = session, prompt, decode, off_loop, hold
+        self.thinking = thinking  # open_reasoning's (reasoning parser, stop strings)
         self.detok = Detokenizer(decode)
         self.resp: web.StreamResponse | None = None
         self.sent: list[dict[str, Any]] = []  # the events written, as written
         self.reasoning: list[str] = []  # the reasoning pieces sent
         self.pieces: list[str] = []  # the content pieces sent
         self.template: dict[str, Any] = {}
+        self.phase: str | None = None  # whose deltas the template makes: "reasoning" or "content"
 
     @property
     def started(self) -> bool:
         return self.resp is not None
 
     async def progress(self, ids: list[int]) -> None:
-        """The engine's output so far is ``ids``: send what of its content is settled and not sent yet."""
+        """The engine's output so far is ``ids``: send what of its reasoning and content is settled and not sent
+        yet."""
         if gone(self.request):
             raise StreamCut(self.resp)
         text = await self.off_loop(self.detok.feed, list(ids))
         settled = self.hold(text)
-        if settled is None or not settled[1]:
+        if settled is None:  # the reasoning is undecided: the start of an open think block may go
+            thought = open_reasoning(text, *self.thinking)
+            if thought:
+                await self._send("reasoning", ids, text, thought, "")
             return
         reasoning, content = settled
-        if not self.started:
-            await self._open(ids, text, reasoning, content)
-        sent = sum(len(p) for p in self.pieces)
-        if len(content) > sent:
-            self.pieces.append(content[sent:])
-            await self._write([_fill(self.template, content[sent:])])
+        if reasoning is not None and (self.reasoning or content):  # the whole reasoning before any content
+            await self._send("reasoning", ids, text, reasoning, content)
+        if content:
+            await self._send("content", ids, text, reasoning, content)
 
-    async def _open(self, ids: list[int], text: str, reasoning: str | None, content: str) -> None:
-        """Start the response: the events before the first content delta, of a provisional turn whose reply is the
-        settled text."""
-        if reasoning is not None:
-            self.reasoning = cut_pieces(self.detok.pieces, text, reasoning)
+    async def _send(self, kind: str, ids: list[int], text: str, reasoning: str | None, content: str) -> None:
+        """Send the part of ``kind``'s settled text (the reasoning or the content) not sent yet as one delta."""
+        pieces = self.reasoning if kind == "reasoning" else self.pieces
+        whole = (reasoning or "") if kind == "reasoning" else content
+        sent = sum(len(p) for p in pieces)
+        if len(whole) <= sent:
+            return
+        if self.phase != kind:
+            await self._begin(kind, ids, text, reasoning, content)
+        pieces.append(whole[sent:])
+        await self._write([_fill(self.template, whole[sent:])])
+
+    async def _begin(self, kind: str, ids: list[int], text: str, reasoning: str | None, content: str) -> None:
+        """Start sending ``kind``'s deltas: the events before its first delta (of a provisional turn whose reply is
+        the settled text) not sent yet; the response is begun first if it was not."""
         out = {"output_ids": list(ids), "meta_info": {"finish_reason": None, "output_token_logprobs": []}}
-        turn = Turn(self.session, self.prompt, out, Reply(text, "stop", text, 0, 0), ParsedReply(content, reasoning),
-                    "stop")
-        events = self.answer.events(turn, self.reasoning, [_MARK])
+        parsed = ParsedReply(content, reasoning) if kind == "content" else ParsedReply("", reasoning)
+        turn = Turn(self.session, self.prompt, out, Reply(text, "stop", text, 0, 0), parsed, "stop")
+        events = (self.answer.events(turn, self.reasoning, [_MARK]) if kind == "content" else
+                  self.answer.events(turn, [_MARK], []))
         at = next(i for i, e in enumerate(events) if _holds_mark(e))
-        self.template = events[at]
-        self.resp = stream_response(self.headers)
-        try:
-            await self.resp.prepare(self.request)
-        except ConnectionError as exc:
-            raise StreamCut(self.resp) from exc
-        await self._write(events[:at])
+        if events[:len(self.sent)] != self.sent:
+            log.warning("session %s: the events streamed differ from the start of the answer's", self.session.id)
+        if not self.started:
+            self.resp = stream_response(self.headers)
+            try:
+                await self.resp.prepare(self.request)
+            except ConnectionError as exc:
+                raise StreamCut(self.resp) from exc
+        self.template, self.phase = events[at], kind
+        await self._write(events[len(self.sent):at])
 
     async def _write(self, events: list[dict[str, Any]]) -> None:
         try:
@@ -151,12 +173,14 @@ class LiveAnswer:
 
     async def finish(self, turn: Turn) -> web.StreamResponse:
         """Write the rest of the answer to the generated ``turn`` (once :attr:`started`)."""
-        _, content = await self.off_loop(reply_pieces, self.decode, turn.out["output_ids"], turn.reply, turn.parsed)
-        sent = "".join(self.pieces)
-        if not turn.parsed.content.startswith(sent):
-            log.warning("session %s: the streamed content %r is not the start of the reply's %r", self.session.id,
-                        sent[-80:], turn.parsed.content[:200])
-        events = self.answer.events(turn, self.reasoning, self.pieces + pieces_after(content, len(sent)))
+        reasoning, content = await self.off_loop(reply_pieces, self.decode, turn.out["output_ids"], turn.reply,
+                                                 turn.parsed)
+        thought, sent = "".join(self.reasoning), "".join(self.pieces)
+        if not turn.parsed.content.startswith(sent) or not (turn.parsed.reasoning or "").startswith(thought):
+            log.warning("session %s: the streamed text %r is not the start of the reply's %r", self.session.id,
+                        (thought + sent)[-80:], turn.parsed.message())
+        events = self.answer.events(turn, self.reasoning + pieces_after(reasoning, len(thought)),
+                                    self.pieces + pieces_after(content, len(sent)))
         k = len(self.sent)
         if events[:k] != self.sent:
             log.warning("session %s: the events streamed differ from the start of the answer's", self.session.id)

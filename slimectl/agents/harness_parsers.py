@@ -92,6 +92,16 @@ def settled(text: str, tool_parser: str | None, reasoning_parser: str | None, to
     return reasoning, text
 
 
+def open_reasoning(text: str, reasoning_parser: str | None, stops: list[str] | tuple = ()) -> str | None:
+    """The start of the reasoning of a reply still being generated that opened a think block which is not closed
+    yet (``qwen3``: it begins with ``<think>``), as :func:`parse_reply` will give it whatever comes next; None
+    otherwise. Held back: its trailing whitespace and a tail that may begin ``</think>`` or a stop string."""
+    text = before_markers(text, stops).lstrip()
+    if reasoning_parser != "qwen3" or not text.startswith("<think>") or "</think>" in text:
+        return None
+    return before_markers(text[len("<think>"):], ("</think>",)).strip()
+
+
 def before_markers(text: str, markers) -> str:
     """``text`` up to the first of ``markers`` in it, or up to a tail that may begin one."""
     cut = len(text)

@@ -8,8 +8,8 @@ chat tools, and the turn is generated, parsed and recorded by the same machinery
 same token-exact segments, so an agent may mix the two APIs in one session. The answer is a
 ``response`` object, or its server-sent events (:mod:`slimectl.agents.harness_responses_events`).
 
-Each response is kept in memory (:class:`ResponseStore`: the last :data:`KEPT_RESPONSES`, per session; none with
-``store: false``): its whole input and its output items, so a request with ``previous_response_id`` continues it —
+Each response is kept in memory with its session (:class:`ResponseStore`: the last :data:`KEPT_RESPONSES` of all
+sessions; none with ``store: false``): its whole input and its output items, so a request with ``previous_response_id`` continues it —
 its input is that response's input, its output and the new input (:meth:`ResponsesAnswer.expand`), as the Agents
 SDK sends it with ``auto_previous_response_id``/``previous_response_id``. An id the harness does not keep (another
 session's, one dropped, ``store: false``) is refused (400, ``previous_response_not_found``). ``conversation`` is
@@ -281,7 +281,7 @@ class ResponseStore:
         got = self.kept.get(response_id)
         if got is None or got[0] != session:
             raise HarnessError(400, f"previous_response_id {response_id!r}: no such response is kept for session "
-                                    f"{session!r} (the harness keeps the last {self.limit} responses of each run, "
+                                    f"{session!r} (the harness keeps the last {self.limit} responses of all sessions, "
                                     f"none with store: false); send the whole conversation in 'input'",
                                param="previous_response_id", code="previous_response_not_found")
         return list(got[1])

@@ -75,17 +75,19 @@ def _chat(h, sid, stream):
     if not stream:
         m = oa.chat.completions.create(**kw).choices[0].message
         return m.content, m.model_extra["reasoning_content"], [c.function.model_dump() for c in m.tool_calls], ""
-    content, reasoning, calls, before = "", "", [], ""
+    content, reasoning, calls, before, thoughts = "", "", [], "", 0
     for c in oa.chat.completions.create(stream=True, **kw):
         d = c.choices[0].delta if c.choices else None
         if d is None:
             continue
         content += d.content or ""
         reasoning += d.model_extra.get("reasoning_content") or ""
+        thoughts += bool(d.model_extra.get("reasoning_content"))
         calls += [t.function.model_dump() for t in d.tool_calls or []]
         if content and not h["pool"].gate.is_set():
             before = content + "".join(json.dumps(x) for x in calls)  # what came before the last chunk
             h["pool"].gate.set()
+    assert thoughts > 1  # the reasoning streamed token by token too, before the content
     return content, reasoning, calls, before
 
 
@@ -139,8 +141,23 @@ def _blocks(blocks):
     return out["text"].text, out["thinking"].thinking, [{"name": "add", "arguments": json.dumps(out["tool_use"].input)}]
 
 
+@pytest.fixture
+def warnings_logged():
+    """The harness's warnings while the test runs (a handler of its own: the slimectl logger may not propagate)."""
+    import logging
+
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("slimectl.harness")
+    logger.addHandler(handler)
+    yield seen
+    logger.removeHandler(handler)
+
+
 @pytest.mark.parametrize("api", [_chat, _responses, _messages], ids=["chat", "responses", "messages"])
-def test_content_streams_before_the_generation_ends_and_the_tool_call_comes_whole_at_the_end(scripted, api):
+def test_content_streams_before_the_generation_ends_and_the_tool_call_comes_whole_at_the_end(scripted, api,
+                                                                                             warnings_logged):
     h, pool = scripted, scripted["pool"]
     name = api.__name__
     pool.script += [REPLY, REPLY]
@@ -153,6 +170,8 @@ def test_content_streams_before_the_generation_ends_and_the_tool_call_comes_whol
     assert json.loads(streamed[2][0]["arguments"]) == {"a": 2, "b": 3}
     # what arrived while the engine was still generating: content, no tool-call markup, no tool call
     assert streamed[3] and "Let me add.".startswith(streamed[3]) and "<" not in streamed[3], streamed[3]
+    # the events sent early were the start of the answer's (LiveAnswer checks, and warns otherwise)
+    assert not warnings_logged
     a, b = recorded(h, f"{name}-whole"), recorded(h, f"{name}-stream")
     assert [(s["tokens"], s["loss_mask"], s["rollout_log_probs"]) for s in a] == \
         [(s["tokens"], s["loss_mask"], s["rollout_log_probs"]) for s in b]

@@ -39,6 +39,18 @@ def test_a_response_continued_by_its_id_is_the_whole_conversation(harness):  # n
         assert e["param"] == "previous_response_id" and e["code"] == "previous_response_not_found", e
         return e["message"]
 
+    # a streamed response is kept too: the next request continues it
+    h["pool"].script += ["You are welcome."]
+    same = {"tools": [ADD_TOOL], "instructions": "Use the tools."}  # sent again each time, as OpenAI's API wants
+    events = list(oa.responses.create(model="tiny", previous_response_id=r2.id, input="Thanks!", stream=True, **same))
+    r3 = events[-1].response
+    assert r3.output_text == "You are welcome." and r3.previous_response_id == r2.id
+    h["pool"].script += ["Bye."]
+    assert oa.responses.create(model="tiny", previous_response_id=r3.id, input="Bye.", **same).output_text == "Bye."
+    s = assert_recorded_exactly(h, "chain", 4)
+    assert s.metadata["messages"][-3:] == [{"role": "assistant", "content": "You are welcome."},
+                                           {"role": "user", "content": "Bye."}, {"role": "assistant", "content": "Bye."}]
+
     assert "'resp_nope'" in refused("chain", previous_response_id="resp_nope")
     assert r2.id in refused("other", previous_response_id=r2.id)  # another session's response
     h["pool"].script += ["Hello."]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from slimectl.agents.harness_live import Detokenizer, pieces_after
-from slimectl.agents.harness_parsers import parse_reply, settled
+from slimectl.agents.harness_parsers import open_reasoning, parse_reply, settled
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
@@ -30,6 +30,8 @@ def test_what_is_let_through_is_always_the_start_of_the_final_content(parser, te
     assert final.tool_calls or parser != "qwen25" or "no call" in text or "not JSON" in text
     for n in range(len(text) + 1):
         got = settled(text[:n], parser, reasoning, TOOLS)
+        thought = open_reasoning(text[:n], reasoning)
+        assert thought is None or (got is None and final.reasoning.startswith(thought)), (text[:n], thought)
         if got is None:
             assert reasoning and "</think>" not in text[:n]
             continue
@@ -49,6 +51,9 @@ def test_markup_and_stop_string_tails_are_held_back():
     assert settled("<think>hm", None, "qwen3", None) is None  # reasoning undecided: nothing
     assert settled("hm</think>  Yes", None, "qwen3", None) == ("hm", "Yes")
     assert settled('  {"na', "llama3", None, TOOLS) == (None, "")
+    assert open_reasoning("  <think>\n I am </th", "qwen3") == "I am"  # an open think block streams
+    assert open_reasoning("<think> a</think>", "qwen3") is None and open_reasoning("<think> a", None) is None
+    assert open_reasoning("<think> a b", "qwen3", stops=[" b!"]) == "a"
 
 
 def byte_decode(ids: list[int]) -> str:
