@@ -65,6 +65,7 @@ class EnginePool:
             if self.router else None
         self.router_sem = asyncio.Semaphore(concurrency_per_engine * len(urls))
         self.router_requests = 0
+
         def client(u: str) -> EngineClient:
             return EngineClient(u, token=token, timeout=timeout, retries=1, backoff=0.2,
                                 retry_log_level=logging.DEBUG, session=session(u))

@@ -5,13 +5,11 @@ runs none twice when an engine is ``kill -9``ed in the middle of a rollout."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import signal
 import threading
 import time
-import urllib.request
 
 import psutil
 import pytest
@@ -96,35 +94,34 @@ def test_rl_loses_no_sample_when_an_engine_is_killed_mid_rollout(tmp_path):
     rl_with_engine_1_killed(tmp_path, "off")
 
 
-def wait_engine_at_version(path, engine: str, version: str, timeout: float = 300):
-    """The record of ``engine`` (``engine-1``: ``engine-1-``...) in the run at ``path``, once it says ``version``."""
+def wait_engine_at_version(path, engine: str, version: str | None, timeout: float = 300):
+    """The record of ``engine`` (``engine-1``: ``engine-1-``...) in the run at ``path``, once it says ``version``
+    (None: once there is one)."""
     def synced():
         try:
             recs = RunDir.open(path).engines.list()
         except Exception:  # noqa: BLE001 — the run is not there yet
             return None
-        return next((r for r in recs if r.id.startswith(f"{engine}-") and r.weight_version == version), None)
+        return next((r for r in recs if r.id.startswith(f"{engine}-") and version in (None, r.weight_version)), None)
 
     return _wait(f"{engine} at weight version {version}", synced, timeout=timeout)
 
 
-def busy(url: str) -> bool:
-    """Whether the engine at ``url`` has requests running or waiting (``GET /v1/loads``)."""
-    try:
-        with urllib.request.urlopen(url + "/v1/loads", timeout=5) as r:
-            load = json.loads(r.read())["loads"][0]
-    except OSError:
-        return False
-    return load["num_running_reqs"] + load["num_waiting_reqs"] > 0
+HOLD_S = 1.0
+"""How long an engine is held stopped before it is killed: the rollout's requests on it hang meanwhile (below the
+heartbeat's 2 s timeout, so the heartbeat does not take it for hung first)."""
 
 
 def signal_engine_mid_rollout(path, engine: str, version: str, sig: int = signal.SIGKILL) -> int:
-    """Once ``engine``'s record says ``version`` and it has requests in flight, send ``sig`` to the process
-    listening on its URL; its pid."""
-    rec = wait_engine_at_version(path, engine, version)
-    p = _listener(rec.url)
-    _wait(f"{engine} generating", lambda: busy(rec.url), timeout=120)
-    p.send_signal(sig)
+    """Once ``engine``'s record says ``version`` (the rollout on it beginning), ``SIGSTOP`` it: the requests the
+    rollout sends it hang, so the rollout cannot end before the fault; for ``sig`` SIGKILL, ``kill -9`` it
+    :data:`HOLD_S` later with those requests in flight (SIGSTOP: it stays hung, for the heartbeat). Its pid."""
+    p = _listener(wait_engine_at_version(path, engine, None).url)  # looked up first: the fault lands at once
+    wait_engine_at_version(path, engine, version)
+    p.suspend()
+    if sig == signal.SIGKILL:
+        time.sleep(HOLD_S)
+        p.kill()
     return p.pid
 
 
