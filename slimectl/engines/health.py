@@ -84,6 +84,15 @@ def lost_for_good(lost: dict[str, str], engines: int, on_lost: str) -> str | Non
     return f"{next(iter(lost.values()))}; stopping: {why}"
 
 
+def give_up(lost: dict[str, str], loss: Loss, exc: BaseException, engines: int, on_lost: str) -> None:
+    """Record ``loss`` in a group's ``lost`` (url -> one line) as an engine that could not be started again
+    (``exc``), and log what the run does now."""
+    lost[loss.url] = f"{loss.name} at {loss.url} is lost ({loss.why}) and could not be started again: {exc}"
+    rest = engines - len(lost)
+    log.error("%s; %s", lost[loss.url], f"going on with the other {rest} engine(s)" if rest and
+              on_lost == "continue" else f"engine.on_lost: {on_lost}")
+
+
 class EngineWatcher:
     """``EngineWatcher(group, health_check).start()``; :meth:`stop` before the group stops its engines.
     ``losses`` lists every loss found, in order (what a test or a bench reads back)."""

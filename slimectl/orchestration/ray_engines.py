@@ -227,6 +227,7 @@ class RayEngineActors:
         import time
 
         from slimectl.contract.faults import fault_point
+        from slimectl.engines.health import give_up
 
         i = next(i for i, info in enumerate(self.infos) if info["url"] == loss.url)
         info, old = self.infos[i], self.workers[i]
@@ -243,11 +244,7 @@ class RayEngineActors:
         except SlimectlError as exc:
             self.launcher.ray.kill(new)
             self.run.engines.unregister(info["id"])
-            self.lost[loss.url] = (f"{loss.name} at {loss.url} is lost ({loss.why}) and could not be started "
-                                   f"again: {exc}")
-            rest = len(self.workers) - len(self.lost)
-            log.error("%s; %s", self.lost[loss.url], f"going on with the other {rest} engine(s)" if rest and
-                      self.cfg.engine.on_lost == "continue" else f"engine.on_lost: {self.cfg.engine.on_lost}")
+            give_up(self.lost, loss, exc, len(self.workers), self.cfg.engine.on_lost)
             return
         self.workers[i], self.infos[i] = new, {**info, **back}
         self.watching[i] = new.wait_engine.remote()

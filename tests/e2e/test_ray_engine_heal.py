@@ -12,36 +12,20 @@ import pytest
 
 from slimectl.contract.rundir import RunDir
 from tests.helpers import read_jsonl, write_config
-from tests.integration.test_engine_heal import FAST, _listener, _wait
+from tests.integration.test_engine_heal import FAST, assert_each_group_once, kill_engine_1_at_rollout_1
 
 pytestmark = pytest.mark.xdist_group("ray")  # one Ray instance at a time on a worker
 
 
 @pytest.mark.slow
 def test_rl_on_ray_heals_an_engine_killed_mid_rollout(tmp_path, stage_forks):
-    from slimectl.contract.samples import SAMPLES_FILE, read_samples
-
     n_rollout, batch, n = 3, 4, 4
     cfg = write_config(tmp_path, rollout={"num_rollout": n_rollout, "batch_size": batch, "n_samples_per_prompt": n,
                                           "max_response_len": 24},
                        engine={"num_engines": 2, "health_check": FAST})
     path = tmp_path / "run"
     killed: dict = {}
-
-    def kill_engine_1_at_rollout_1() -> None:
-        def synced_to_1():
-            try:
-                recs = RunDir.open(path).engines.list()
-            except Exception:  # noqa: BLE001 — the run is not there yet
-                return None
-            return next((r for r in recs if r.id.startswith("engine-1-") and r.weight_version == "1"), None)
-
-        rec = _wait("the sync of weight version 1", synced_to_1, timeout=300)
-        p = _listener(rec.url)
-        killed.update(pid=p.pid, actor=rec.extra["actor_pid"], url=rec.url)
-        p.kill()
-
-    killer = threading.Thread(target=kill_engine_1_at_rollout_1, daemon=True)
+    killer = threading.Thread(target=kill_engine_1_at_rollout_1, args=(path, killed), daemon=True)
     killer.start()
     res = stage_forks.slimectl("rl", "-c", cfg, "-r", path, "--tiny-model", "qwen2", "--launcher", "ray",
                                out_dir=tmp_path, timeout=400)
@@ -54,16 +38,11 @@ def test_rl_on_ray_heals_an_engine_killed_mid_rollout(tmp_path, stage_forks):
                      rf".*killing its Ray actor", err), err[-3000:]
     back = re.search(rf"engine-1 at {url} is back at weight version 1 \(checked\) in actor \S+ \(pid (\d+)\)", err)
     assert back, err[-3000:]
-    assert int(back.group(1)) != killed["actor"]  # a new actor, on the same URL
-    assert not psutil.pid_exists(killed["actor"]) or \
-        psutil.Process(killed["actor"]).status() == psutil.STATUS_ZOMBIE  # the old actor was killed
+    assert int(back.group(1)) != killed["extra"]["actor_pid"]  # a new actor, on the same URL
+    assert not psutil.pid_exists(killed["extra"]["actor_pid"]) or \
+        psutil.Process(killed["extra"]["actor_pid"]).status() == psutil.STATUS_ZOMBIE  # the old actor was killed
     run = RunDir.open(path)
-    for rid in range(n_rollout):  # every group in exactly one rollout, with exactly its samples
-        samples = read_samples(run.rollouts.get(rid).file(SAMPLES_FILE))
-        keys = [(s.group_index, s.index) for s in samples]
-        assert len(samples) == batch * n and len(set(keys)) == len(keys), (rid, keys)
-        groups = [s.group_index for s in samples]
-        assert len(set(groups)) == batch and all(groups.count(gi) == n for gi in groups), (rid, groups)
+    assert_each_group_once(run, n_rollout, batch, n)
     assert run.cursor("train").read().consumed == list(range(n_rollout))
     syncs = [(int(r["sync/weight_version"]), int(r["sync/num_engines"])) for r in read_jsonl(run.metrics_path("sync"))]
     assert syncs[-1] == (n_rollout, 2)  # the last sync reached both engines, the healed one among them

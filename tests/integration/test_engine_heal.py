@@ -40,6 +40,34 @@ def _wait(what, cond, timeout: float = 120.0):
     return got
 
 
+def kill_engine_1_at_rollout_1(path, killed: dict) -> None:
+    """``kill -9`` engine-1 of the run at ``path`` once it is synced to weight version 1 (rollout 1 begins); what
+    was killed goes in ``killed`` (the engine's pid, its URL, its record's ``extra``)."""
+    def synced_to_1():
+        try:
+            recs = RunDir.open(path).engines.list()
+        except Exception:  # noqa: BLE001 — the run is not there yet
+            return None
+        return next((r for r in recs if r.id.startswith("engine-1-") and r.weight_version == "1"), None)
+
+    rec = _wait("the sync of weight version 1", synced_to_1, timeout=300)
+    p = _listener(rec.url)
+    killed.update(pid=p.pid, url=rec.url, extra=rec.extra)
+    p.kill()
+
+
+def assert_each_group_once(run: RunDir, n_rollout: int, batch: int, n: int) -> None:
+    """Every group in exactly one rollout, with exactly its ``n`` samples."""
+    from slimectl.contract.samples import SAMPLES_FILE, read_samples
+
+    for rid in range(n_rollout):
+        samples = read_samples(run.rollouts.get(rid).file(SAMPLES_FILE))
+        keys = [(s.group_index, s.index) for s in samples]
+        assert len(samples) == batch * n and len(set(keys)) == len(keys), (rid, keys)
+        groups = [s.group_index for s in samples]
+        assert len(set(groups)) == batch and all(groups.count(gi) == n for gi in groups), (rid, groups)
+
+
 @pytest.fixture
 def group(tmp_path):
     """Two embedded engines of a run on a copy of the tiny model (a test may delete it), watched with a fast
@@ -91,29 +119,13 @@ def test_a_hung_engine_is_replaced_and_one_that_cannot_come_back_is_reported(gro
 def test_rl_loses_no_sample_when_an_engine_is_killed_mid_rollout(tmp_path):
     """``rl`` (synchronous loop, 2 engines of its own): engine-1 is ``kill -9``ed as rollout 1 begins; its
     requests finish on engine-0, it comes back at weight version 1 and takes the syncs of 2 and 3."""
-    from slimectl.contract.samples import SAMPLES_FILE, read_samples
-
     n_rollout, batch, n = 3, 4, 4
     cfg = write_config(tmp_path, rollout={"num_rollout": n_rollout, "batch_size": batch, "n_samples_per_prompt": n,
                                           "max_response_len": 24},
                        engine={"num_engines": 2, "health_check": FAST})
     path = tmp_path / "run"
-    killed: list[int] = []
-
-    def kill_engine_1_at_rollout_1() -> None:
-        def synced_to_1():
-            try:
-                recs = RunDir.open(path).engines.list()
-            except Exception:  # noqa: BLE001 — the run is not there yet
-                return None
-            return next((r for r in recs if r.id.startswith("engine-1-") and r.weight_version == "1"), None)
-
-        rec = _wait("the sync of weight version 1", synced_to_1, timeout=300)
-        p = _listener(rec.url)
-        p.kill()
-        killed.append(p.pid)
-
-    killer = threading.Thread(target=kill_engine_1_at_rollout_1, daemon=True)
+    killed: dict = {}
+    killer = threading.Thread(target=kill_engine_1_at_rollout_1, args=(path, killed), daemon=True)
     killer.start()
     res = slimectl_in_process("rl", "-c", cfg, "-r", path, "--tiny-model", "qwen2")
     killer.join(timeout=5)
@@ -125,12 +137,7 @@ def test_rl_loses_no_sample_when_an_engine_is_killed_mid_rollout(tmp_path):
     assert "retrying its requests on the 1 other engine(s)" in err, err[-3000:]  # killed with requests in flight
     assert "is back at weight version 1 (checked)" in err, err[-3000:]
     run = RunDir.open(path)
-    for rid in range(n_rollout):  # every group in exactly one rollout, with exactly its samples
-        samples = read_samples(run.rollouts.get(rid).file(SAMPLES_FILE))
-        keys = [(s.group_index, s.index) for s in samples]
-        assert len(samples) == batch * n and len(set(keys)) == len(keys), (rid, keys)
-        groups = [s.group_index for s in samples]
-        assert len(set(groups)) == batch and all(groups.count(gi) == n for gi in groups), (rid, groups)
+    assert_each_group_once(run, n_rollout, batch, n)
     syncs = [(int(r["sync/weight_version"]), int(r["sync/num_engines"])) for r in read_jsonl(run.metrics_path("sync"))]
     assert syncs[-1] == (n_rollout, 2)  # the last sync reached both engines, engine-1 among them
     assert run.engines.list() == []
