@@ -226,7 +226,6 @@ class RayEngineActors:
         come back is recorded in :attr:`lost` (one line)."""
         import time
 
-        from slimectl.contract.faults import fault_point
         from slimectl.engines.health import give_up
 
         i = next(i for i, info in enumerate(self.infos) if info["url"] == loss.url)
@@ -235,8 +234,7 @@ class RayEngineActors:
         log.warning("%s at %s is lost: %s; killing its Ray actor and starting it again at weight version %s",
                     loss.name, loss.url, loss.why, version)
         stale = self._stale(info)
-        self._kill(old)
-        fault_point("serve.engine_killed")
+        self._kill(old)  # (the fault point serve.engine_restarted is the new actor's, in EngineProcesses)
         new = self._worker(i)
         try:
             back = self.launcher.get(new.restart.remote(str(self.run.path), self.cfg.to_dict(), i, loss.url, version,
