@@ -13,9 +13,9 @@ SGLang starts six times in the whole suite (20-35 s each on an idle 2-core machi
 `serve` with two engines and sglang-router in front (test_sglang_serve.py's module fixture: every test of
 the serve, protocol, sync and router paths shares it, in order), the engine the 2-rollout `rl` of
 test_sglang_rl.py starts itself, the one engine of test_sglang_inflight.py (the in-flight updates change
-its weights and leave stale prefixes in its cache), the tiny Qwen2.5-VL of test_vlm_conformance.py, and the engine of test_sglang_heal.py twice (a
-`kill -9` and the heartbeat's restart). The
-modules are one xdist group (one worker runs them one after another, never two servers of the suite at once).
+its weights and leave stale prefixes in its cache), the tiny Qwen2.5-VL of test_vlm_conformance.py, and the
+engine of test_sglang_heal.py twice (a `kill -9` and the heartbeat's restart). The modules are one xdist group
+(one worker runs them one after another, never two servers of the suite at once).
 """
 
 from __future__ import annotations
