@@ -1,8 +1,10 @@
 """The heartbeat on the engines a process started (slime's ``--use-fault-tolerance``).
 
 :class:`EngineWatcher` is a daemon thread over a group of engines it can heal (:class:`Healable`: ``serve``'s
-and ``rl``'s :class:`~slimectl.stages.serve.EngineProcesses`). Every ``interval`` seconds it looks at each
-engine: a process that has exited is lost at once; from ``first_wait`` seconds on, an engine whose
+and ``rl``'s :class:`~slimectl.stages.serve.EngineProcesses`, child processes of this one, and the Ray
+launcher's :class:`~slimectl.orchestration.ray_engines.RayEngineActors`, one Ray actor per engine). Every
+``interval`` seconds it looks at each engine: a process that has exited (or, under Ray, an engine actor that
+died) is lost at once; from ``first_wait`` seconds on, an engine whose
 ``GET /health_generate`` does not answer 200 within ``timeout`` seconds (hung: alive, never answering, e.g.
 SIGSTOPped) is lost too. A lost engine is handed to the group's ``heal`` (kill its process group, start it
 again, bring it to its weight version, register it again), which runs under the group's ``lock``: the
@@ -27,11 +29,12 @@ HEALTH_PATH = "/health_generate"
 @dataclass(frozen=True)
 class Watched:
     """One engine as the watcher sees it: its name, its URL and how to ask its process's exit status (None:
-    running; asked when the engine's turn comes, not when the round began)."""
+    running; a string: a line saying why it is gone, e.g. its Ray actor died; asked when the engine's turn comes,
+    not when the round began)."""
 
     name: str
     url: str
-    poll: Callable[[], int | None]
+    poll: Callable[[], int | str | None]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class Loss:
 
 
 class Healable(Protocol):
+    """A group of engines the watcher heals: :class:`~slimectl.stages.serve.EngineProcesses` (child processes),
+    :class:`~slimectl.orchestration.ray_engines.RayEngineActors` (Ray actors)."""
+
     lock: threading.RLock
     """Held by the group while it syncs weights (no heartbeat then) and by ``heal``."""
 
@@ -62,9 +68,29 @@ def probe(engine: Watched, heartbeat: bool, timeout: float) -> str | None:
     deadline = time.monotonic() + 0.5  # a process that died during the heartbeat is dead, not hung: a moment
     while (rc := engine.poll()) is None and time.monotonic() < deadline:  # for its exit to be seen
         time.sleep(0.05)
+    if isinstance(rc, str):
+        return rc
     if rc is not None:
         return f"its process exited ({f'signal {-rc}' if rc < 0 else f'exit code {rc}'})"
     return f"GET {HEALTH_PATH} did not answer 200 within {timeout:g}s (hung)"
+
+
+def lost_for_good(lost: dict[str, str], engines: int, on_lost: str) -> str | None:
+    """The line a group's ``check_alive`` raises with when its heartbeat gave engines up (``lost``: url -> why):
+    one lost under ``engine.on_lost: stop``, or all ``engines`` lost; None while the run may go on."""
+    if not lost or (on_lost != "stop" and len(lost) < engines):
+        return None
+    why = "engine.on_lost is stop" if on_lost == "stop" else "no engine is left"
+    return f"{next(iter(lost.values()))}; stopping: {why}"
+
+
+def give_up(lost: dict[str, str], loss: Loss, exc: BaseException, engines: int, on_lost: str) -> None:
+    """Record ``loss`` in a group's ``lost`` (url -> one line) as an engine that could not be started again
+    (``exc``), and log what the run does now."""
+    lost[loss.url] = f"{loss.name} at {loss.url} is lost ({loss.why}) and could not be started again: {exc}"
+    rest = engines - len(lost)
+    log.error("%s; %s", lost[loss.url], f"going on with the other {rest} engine(s)" if rest and
+              on_lost == "continue" else f"engine.on_lost: {on_lost}")
 
 
 class EngineWatcher:

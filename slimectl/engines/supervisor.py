@@ -431,6 +431,27 @@ def _group_members(pgids: set[int]) -> list[psutil.Process]:
     return out
 
 
+def kill_tree(pid: int, create_time: float | None = None) -> None:
+    """SIGKILL what is left of a process a supervisor elsewhere started (in its own session, so its group):
+    the process while it is still that one (``create_time``), its descendants, and every member of its process
+    group (SGLang's scheduler and detokenizer outlive a ``kill -9`` of their server; a group id is not reused
+    while a member lives). For a process whose supervisor died with it (a killed Ray actor's engine)."""
+    from slimectl.contract.rundir.atomic import process_alive
+
+    if process_alive(pid, create_time):
+        tree = _descendants(pid)
+        _killpg(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in tree:
+            _signal_proc(p, signal.SIGKILL)
+    elif not psutil.pid_exists(pid):
+        for p in _group_members({pid}):
+            _signal_proc(p, signal.SIGKILL)
+
+
 def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)

@@ -6,9 +6,10 @@
 The driver (``slimectl rl``, this process) still runs :func:`slimectl.orchestration.loop.run_rl`'s
 loop and the rollout stage (HTTP clients of the engines); only where engines and trainer live changes:
 
-- one :class:`EngineWorker` per engine, which starts that engine exactly as ``slimectl serve``
-  does (:class:`~slimectl.stages.serve.EngineProcesses` for its one index: a child process of the
-  worker, registered in ``RUN/engines/``, dying with the worker);
+- one :class:`~slimectl.orchestration.ray_engines.EngineWorker` per engine, which starts that engine exactly
+  as ``slimectl serve`` does (:class:`~slimectl.stages.serve.EngineProcesses` for its one index: a child
+  process of the worker, registered in ``RUN/engines/``, dying with the worker), watched and healed from the
+  driver (:mod:`slimectl.orchestration.ray_engines`);
 - one :class:`TrainerWorker` per trainer rank (``train.tp*pp*dp`` of them). Rank 0 runs
   :class:`~slimectl.orchestration.local_launcher.InProcessTrainer` — the same train stage
   (``train`` lock, cursor, checkpoints, ``weights/N``) and the same weight sync that a local
@@ -42,6 +43,7 @@ from slimectl.contract.config import build_config
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
+from slimectl.orchestration.ray_engines import RayEngineActors, is_loopback, url_host
 from slimectl.orchestration.ray_workers import (
     import_ray,
     node_address,
@@ -130,16 +132,6 @@ def critic_world(cfg: SlimectlConfig) -> int:
     return c.tp * c.pp * c.dp
 
 
-def _url_host(url: str) -> str:
-    from urllib.parse import urlsplit
-
-    return urlsplit(url).hostname or ""
-
-
-def _is_loopback(host: str) -> bool:
-    return host == "localhost" or host.startswith("127.") or host == "::1"
-
-
 # ------------------------------------------------------------------------------------ workers
 class TrainerWorker:
     """One trainer rank in its own Ray worker process (a Ray actor): the train stage and the weight
@@ -192,8 +184,8 @@ class TrainerWorker:
         from slimectl.orchestration.local_launcher import open_engine_clients
 
         sync = self.cfg.sync
-        if sync.transport == "distributed" and _is_loopback(sync.master_addr) and \
-                not all(_is_loopback(_url_host(u)) for u in urls):
+        if sync.transport == "distributed" and is_loopback(sync.master_addr) and \
+                not all(is_loopback(url_host(u)) for u in urls):
             # Engines elsewhere join the weight-update group at this actor, wherever Ray placed it.
             import ray
 
@@ -222,35 +214,6 @@ class TrainerWorker:
         if self.rank == 0 and self.trainer is not None:
             self.trainer.stop()
         self.stack.close()
-
-
-class EngineWorker:
-    """One engine, in its own Ray worker process (a Ray actor), started exactly as ``slimectl serve`` starts it."""
-
-    def __init__(self) -> None:
-        self.group = None
-
-    def start(self, run_path: str, cfg_data: dict, index: int, log_level: int) -> dict:
-        """Launch engine ``index``, wait until healthy, register it (the record names this actor)."""
-        from slimectl.stages.serve import EngineProcesses
-
-        worker_logging(log_level)
-        run = RunDir.open(run_path)
-        cfg = build_config(cfg_data, origin="the rl driver's config")
-        self.group = EngineProcesses(run, cfg, engine_indices=[index]).start()
-        engine = self.group.engines[0]
-        where = worker_context()
-        run.engines.update(engine.id, extra={"launcher": "ray", **where})
-        return {"id": engine.id, "url": engine.url, "backend": engine.backend, "pid": engine.pid, **where}
-
-    def check_alive(self) -> None:
-        self.group.check_alive()
-
-    def stop(self) -> None:
-        """Unregister and stop the engine (also what happens when the actor's process dies)."""
-        if self.group is not None:
-            self.group.stop()
-            self.group = None
 
 
 # ------------------------------------------------------------------------------ driver side
@@ -290,44 +253,6 @@ class RayTrainer:
 
     def checkpoint_if_behind(self) -> bool:
         return self._call("checkpoint_if_behind")
-
-
-class RayEngineActors:
-    """What :class:`slimectl.orchestration.local_launcher.RunEngines` starts under Ray: one
-    :class:`EngineWorker` per engine, with :class:`~slimectl.stages.serve.EngineProcesses`'s
-    ``start``/``stop``/``engines``/``check_alive``."""
-
-    def __init__(self, launcher: "RayLauncher", run: RunDir, cfg: SlimectlConfig):
-        self.launcher, self.run, self.cfg = launcher, run, cfg
-        self.workers: list = []
-        self.engines: list = []
-
-    def start(self) -> "RayEngineActors":
-        from slimectl.contract.rundir.atomic import hostname
-        from slimectl.stages.serve import ServedEngine
-
-        launcher = self.launcher
-        self.workers = [launcher.worker(EngineWorker, slot) for slot in launcher.layout.engines]
-        infos = launcher.get([a.start.remote(str(self.run.path), self.cfg.to_dict(), i, launcher.log_level)
-                              for i, a in enumerate(self.workers)], "engine")
-        for info in infos:
-            self.engines.append(ServedEngine(info["id"], info["url"], info["backend"], info["pid"]))
-            log.info("ray: engine %s at %s in actor %s (pid %d) on node %s", info["id"], info["url"],
-                     info["ray_actor_id"][:12], info["actor_pid"], info["ray_node_id"][:12])
-        here = {hostname(), launcher.trainer_host}
-        for info in infos:
-            if _is_loopback(_url_host(info["url"])) and here != {info["actor_host"]}:
-                raise UsageError(f"engine {info['id']} runs on host {info['actor_host']} but listens on "
-                                 f"{info['url']}, which the driver and trainer ({', '.join(sorted(here))}) cannot reach; "
-                                 f"set engine.host=0.0.0.0 (and engine.advertise_host if needed)")
-        return self
-
-    def check_alive(self) -> None:
-        self.launcher.get([a.check_alive.remote() for a in self.workers], "engine")
-
-    def stop(self) -> None:
-        workers, self.workers, self.engines = self.workers, [], []
-        self.launcher.stop_workers(workers, "engine")
 
 
 class RayLauncher:
@@ -430,14 +355,15 @@ class RayLauncher:
         self._groups[name] = pg
         return pg
 
-    def worker(self, cls: type, slot: Slot):
-        """An actor of ``cls`` in its slot (placement groups are reserved on first use)."""
+    def worker(self, cls: type, slot: Slot, **options):
+        """An actor of ``cls`` in its slot (placement groups are reserved on first use); ``options``: Ray's
+        (``max_concurrency``)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(self._placement_group(slot.group),
                                                     placement_group_bundle_index=slot.bundle)
         return self.ray.remote(cls).options(num_cpus=slot.num_cpus, num_gpus=slot.num_gpus, max_restarts=0,
-                                            scheduling_strategy=strategy).remote()
+                                            scheduling_strategy=strategy, **options).remote()
 
     def get(self, refs, what: str):
         """``ray.get`` with remote failures turned into slimectl's one-line errors."""

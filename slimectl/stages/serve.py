@@ -467,9 +467,11 @@ class EngineProcesses:
                 if p.popen.poll() is not None:
                     raise SlimectlError(f"{p.name} at {p.url} exited with code {p.popen.returncode}; see {p.log_path}")
             return
-        if self.lost and (self.cfg.engine.on_lost == "stop" or len(self.lost) == len(self.engine_indices)):
-            why = "engine.on_lost is stop" if self.cfg.engine.on_lost == "stop" else "no engine is left"
-            raise SlimectlError(f"{next(iter(self.lost.values()))}; stopping: {why}")
+        from slimectl.engines.health import lost_for_good
+
+        line = lost_for_good(self.lost, len(self.engine_indices), self.cfg.engine.on_lost)
+        if line:
+            raise SlimectlError(line)
 
     # ------------------------------------------------------------------ heal (the heartbeat's)
     def watched(self) -> list:
@@ -499,11 +501,9 @@ class EngineProcesses:
             if served is not None:
                 self.registry.unregister(served.id)
                 self.engines.remove(served)
-            self.lost[loss.url] = (f"{loss.name} at {loss.url} is lost ({loss.why}) and could not be started "
-                                   f"again: {exc}")
-            rest = len(self.engine_indices) - len(self.lost)
-            log.error("%s; %s", self.lost[loss.url], f"going on with the other {rest} engine(s)" if rest and
-                      self.cfg.engine.on_lost == "continue" else f"engine.on_lost: {self.cfg.engine.on_lost}")
+            from slimectl.engines.health import give_up
+
+            give_up(self.lost, loss, exc, len(self.engine_indices), self.cfg.engine.on_lost)
             return
         if served is not None:
             self.engines.remove(served)

@@ -40,6 +40,22 @@ def _wait(what, cond, timeout: float = 120.0):
     return got
 
 
+def kill_engine_1_at_rollout_1(path, killed: dict) -> None:
+    """``kill -9`` engine-1 of the run at ``path`` once it is synced to weight version 1 (rollout 1 begins); what
+    was killed goes in ``killed`` (the engine's pid, its URL, its record's ``extra``)."""
+    def synced_to_1():
+        try:
+            recs = RunDir.open(path).engines.list()
+        except Exception:  # noqa: BLE001 — the run is not there yet
+            return None
+        return next((r for r in recs if r.id.startswith("engine-1-") and r.weight_version == "1"), None)
+
+    rec = _wait("the sync of weight version 1", synced_to_1, timeout=300)
+    p = _listener(rec.url)
+    killed.update(pid=p.pid, url=rec.url, extra=rec.extra)
+    p.kill()
+
+
 @pytest.fixture
 def group(tmp_path):
     """Two embedded engines of a run on a copy of the tiny model (a test may delete it), watched with a fast
