@@ -214,3 +214,79 @@ def test_an_engine_killed_mid_apply_and_the_next_sync_converges(engine, tmp_path
         assert verify(run, url, v + 1) == []
     finally:
         stop_engine(proc)
+
+
+def republish(run, version: int, header=None, blob=None) -> None:
+    """weights/VERSION published again (sealed by a new READY manifest: the run directory's own check passes) with
+    its delta's header or blob replaced, as a faulty publisher would leave it."""
+    import shutil
+
+    from slimectl.backends.hf.weight_delta import DELTA_FILE, DELTA_META
+
+    src = run.weights.get(version).path
+    keep = src.parent.parent / f"keep-{version}"
+    shutil.rmtree(keep, ignore_errors=True)
+    shutil.copytree(src, keep, ignore=shutil.ignore_patterns("READY", ".writer.json"))
+    meta = run.weights.get(version).meta
+    with run.weights.publish(version, meta=meta, overwrite=True) as d:
+        for f in keep.iterdir():
+            if f.name != "READY":
+                shutil.copy2(f, d / f.name)
+        if header is not None:
+            (d / DELTA_META).write_text(__import__("json").dumps(header))
+        if blob is not None:
+            (d / DELTA_FILE).write_bytes(blob)
+    shutil.rmtree(keep)
+
+
+def test_unusable_deltas_are_refused_by_the_cli_with_exit_2_and_nothing_applied(engine):
+    """Through `slimectl sync`: a delta whose blob is shorter than its header says, and one of an unknown encoding
+    (each sealed by its READY manifest: the run directory's check passes) are refused before any engine is
+    touched: exit 2, one line naming the version and the fix; the engine keeps every tensor of its version."""
+    import json
+
+    from slimectl.backends.hf.weight_delta import DELTA_FILE, DELTA_META
+
+    run, url, _ = engine
+    v = run.weights.ids()[-1]
+    assert sync(run, url, v).returncode == 0
+    publish(run, v + 1, seed=80)
+    d = run.weights.get(v + 1).path
+    header, blob = json.loads((d / DELTA_META).read_text()), (d / DELTA_FILE).read_bytes()
+    for bad, words in (({"blob": blob[:-7]}, "truncated; republish"),
+                       ({"header": {**header, "encoding": "bitplane"}}, "unknown delta encoding 'bitplane'")):
+        republish(run, v + 1, **bad)
+        res = sync(run, url, v + 1)
+        lines = error_lines(res.stderr)
+        assert res.returncode == 2 and len(lines) == 1, res.stderr
+        assert f"the delta of weight version {v + 1} is unusable" in lines[0] and words in lines[0], lines[0]
+        assert verify(run, url, v) == []  # nothing applied, nothing half-applied
+    republish(run, v + 1, header=header, blob=blob)
+    assert sync(run, url, v + 1, "--verify").returncode == 0
+
+
+def test_retention_keeps_what_the_chain_needs_and_no_more(engine):
+    """sync.keep_weights 1, as train prunes after each publish: weights/N+1 still gets its delta (weights/N is there
+    while N+1 is written), then weights/N goes. An engine on N applies N+1's delta with weights/N gone from the disk
+    (its base is in its memory); an engine on another version gets the full weights/N+1, the one version kept."""
+    from slimectl.backends.hf.weight_delta import DELTA_META
+
+    run, url, _ = engine
+    v = run.weights.ids()[-1]
+    assert sync(run, url, v).returncode == 0
+    run.weights.prune(1)
+    assert run.weights.ids() == [v]
+    publish(run, v + 1, seed=90)
+    run.weights.prune(1)
+    assert run.weights.ids() == [v + 1] and (run.weights.get(v + 1).path / DELTA_META).is_file()
+    res = sync(run, url, v + 1, "--verify")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert read_metrics(run.metrics_path("sync"))[-1]["sync/bytes"] == read_header(
+        run.weights.get(v + 1).path)["blob_bytes"]
+    publish(run, v + 2, seed=91)
+    run.weights.prune(1)
+    assert sync(run, url, 0).returncode == 0  # the engine back on the model (version 0): off the chain
+    res = sync(run, url, v + 2, "--verify")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert read_metrics(run.metrics_path("sync"))[-1]["sync/bytes"] > 50 * read_header(
+        run.weights.get(v + 2).path)["blob_bytes"]  # the full weights

@@ -7,10 +7,12 @@ tensor's raw bytes (bf16/fp32 bit patterns, never rounded) encoded against the b
 - ``overwrite``: the flat indices of the changed elements (int32, or int64 past 2**31) then their new values.
 
 A tensor that did not change has no payload. The header names the base version and its digest and, per tensor,
-the xxh3-128 checksum of the base's bytes and of the new ones: :func:`apply_tensor` refuses a base whose bytes are
-not the recorded ones and a result whose bytes are not (a flipped byte, a wrong base): :class:`DeltaError`, one
-line. Both sides (the trainer's writer, an engine applying it) import this module; it imports torch, zstandard and
-xxhash only.
+the xxh3-128 checksum of the base's bytes and of the new ones: :func:`check_tensor` refuses a base whose bytes are
+not the recorded ones (unless the caller vouches for the base: an engine whose recorded digest is the delta's
+``base_digest``) and a result whose bytes are not (a flipped byte, a wrong base): :class:`DeltaError`, one line.
+It works chunk by chunk (:data:`CHUNK`) and returns a :class:`Change` that holds no copy of the tensor when few
+elements changed; :meth:`Change.write_into` is the swap. Both sides (the trainer's writer, an engine applying it)
+import this module; it imports torch, numpy, zstandard and xxhash only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ DELTA_FORMAT = 1
 ENCODINGS = ("xor", "overwrite")
 COMPRESSIONS = ("zstd", "none")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+SPARSE = 64
+"""An apply keeps the changed elements (the swap writes only them) while they are at most 1/SPARSE of a tensor."""
 
 
 class DeltaError(ValueError):
@@ -203,14 +209,14 @@ def _read_exact(stream, buf) -> int:
 
 def _xor_change(b, raw: memoryview, entry: Entry, compression: str) -> Change:
     """One pass, chunk by chunk: decompress the XOR, combine it with the base and hash the result (it must be the
-    delta's ``new`` checksum). When the delta says more than 1/16 of the elements changed the result goes into one
+    delta's ``new`` checksum). When the delta says more than 1/SPARSE of the elements changed the result goes into one
     new array (the swap copies it); otherwise into a scratch chunk, keeping the changed elements (the swap writes
-    only them) — and if more than 1/16 did change after all, the swap XORs the payload in again instead."""
+    only them) — and if more than 1/SPARSE did change after all, the swap XORs the payload in again instead."""
     import numpy as np
     import xxhash
 
     size = b.size * b.itemsize
-    dense = np.empty_like(b) if entry.changed > b.size // 16 else None
+    dense = np.empty_like(b) if entry.changed > b.size // SPARSE else None
     x, new = np.empty(min(b.size, CHUNK), b.dtype), np.empty(min(b.size, CHUNK), b.dtype)
     stream, hasher = _stream(raw, compression), xxhash.xxh3_128()
     idx, bits, kept = ([], [], 0) if dense is None else (None, None, 0)
@@ -227,7 +233,7 @@ def _xor_change(b, raw: memoryview, entry: Entry, compression: str) -> Change:
             idx.append(nz + i)
             bits.append(out[nz])
             kept += nz.size
-            if kept > b.size // 16:
+            if kept > b.size // SPARSE:
                 idx = bits = None
     if stream.read(1):
         raise DeltaError(f"delta of {entry.name!r} has more than the {size} bytes expected")
