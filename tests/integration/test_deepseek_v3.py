@@ -119,6 +119,22 @@ def test_convert_at_tp2_or_pp2_then_export_is_bit_exact(dsv3, two_ranks, tmp_pat
     assert [n for n in ref if not torch.equal(got[n], ref[n])] == []
 
 
+@pytest.mark.slow
+def test_without_a_query_latent_as_moonlight(tmp_path, tmp_path_factory):
+    # q_lora_rank null (Moonlight, DeepSeek-V2-Lite): one q_proj <-> megatron's linear_q_proj; logits as HF's at
+    # TP=1, export bit-exact
+    from slimectl.starter_models.tiny_models import build_tiny_model
+
+    hf = build_tiny_model("deepseek-v3", tmp_path / "hf", initializer_range=0.3, seed=3, q_lora_rank=None)
+    assert convert_tp1(hf, tmp_path / "ckpt") == [3 + 9 + 3 * 10 + 3 * 8 * 2]  # one q projection, no q norm
+    check(script_results(run_script_in_process(MOE_LOGITS, "1", "1", "1", str(tmp_path / "ckpt"), str(hf),
+                                               env=hf_logits_env(hf, tmp_path_factory))), 1, 1, 1, 1)
+    run_script_in_process(SCRIPTS / "export_batch.py", str(tmp_path / "ckpt"), str(tmp_path / "back"))
+    ref, got = (load_file(str(d / "model.safetensors")) for d in (hf, tmp_path / "back"))
+    assert "model.layers.0.self_attn.q_proj.weight" in ref and sorted(got) == sorted(ref)
+    assert [n for n in ref if not torch.equal(got[n], ref[n])] == []
+
+
 def _damaged(src: Path, dst: Path, edit) -> Path:
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())

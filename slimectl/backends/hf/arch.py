@@ -407,7 +407,7 @@ def _deepseek_v3(cfg: dict[str, Any], where: str, moe: dict[str, Any], dtype: st
         num_layers=_require(cfg, "num_hidden_layers", where), num_attention_heads=heads, num_kv_heads=heads,
         head_dim=mla["mla_qk_nope_head_dim"] + mla["mla_qk_rope_head_dim"], vocab_size=_require(cfg, "vocab_size", where),
         max_position_embeddings=_require(cfg, "max_position_embeddings", where),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_yarn_theta(cfg, where),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_yarn_theta(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=False, qk_norm=False, dtype=dtype,
         **moe, **mla, **_yarn(cfg, where))
 
@@ -420,7 +420,8 @@ def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def _yarn_theta(cfg: dict[str, Any], where: str) -> float:
+def _yarn_theta(cfg: dict[str, Any]) -> float:
+    """rope_theta (transformers 5 keeps it in rope_parameters)."""
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
