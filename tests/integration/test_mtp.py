@@ -54,6 +54,10 @@ def test_the_tiny_checkpoint_has_the_mtp_layer_as_published_checkpoints_do(glm):
     assert len(own) == 44 and tuple(t[MTP + "eh_proj.weight"].shape) == (64, 128)
     assert torch.equal(t[MTP + "embed_tokens.weight"], t["model.embed_tokens.weight"])
     assert torch.equal(t[MTP + "shared_head.head.weight"], t["lm_head.weight"])
+    from slimectl.backends.hf.mtp import without_mtp_layers
+
+    # what sync --verify reads back from an engine (which serves no MTP layer)
+    assert without_mtp_layers(sorted(t)) == sorted(n for n in t if not n.startswith(MTP))
     llama = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 512}
     assert arch_from_config(llama).mtp_layers == 0

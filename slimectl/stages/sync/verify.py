@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from slimectl.backends.hf.dtypes import canonical_dtype_name, dtype_name
+from slimectl.backends.hf.mtp import without_mtp_layers
 from slimectl.engines.client import EngineError
 from slimectl.weight_formats import WeightSource
 
@@ -130,7 +131,8 @@ async def verify_engines(clients: dict, source: WeightSource, num_tensors: int =
 
     A tensor an engine answers with an HTTP error is skipped (see the module docstring) and one
     warning covers them all; an engine that does not answer at all is a problem."""
-    expected = source.heads(lambda names: pick_names(names, num_tensors), rows)
+    # (a model's multi-token-prediction layers are not served: slimectl.backends.hf.mtp)
+    expected = source.heads(lambda names: pick_names(without_mtp_layers(names), num_tensors), rows)
     names = list(expected)
 
     async def one(url: str, c) -> EngineCheck:
