@@ -54,6 +54,10 @@ def test_the_tiny_checkpoint_has_the_mtp_layer_as_published_checkpoints_do(glm):
     assert len(own) == 44 and tuple(t[MTP + "eh_proj.weight"].shape) == (64, 128)
     assert torch.equal(t[MTP + "embed_tokens.weight"], t["model.embed_tokens.weight"])
     assert torch.equal(t[MTP + "shared_head.head.weight"], t["lm_head.weight"])
+    from slimectl.backends.hf.mtp import without_mtp_layers
+
+    # what sync --verify reads back from an engine (which serves no MTP layer)
+    assert without_mtp_layers(sorted(t)) == sorted(n for n in t if not n.startswith(MTP))
     llama = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 512}
     assert arch_from_config(llama).mtp_layers == 0
@@ -273,3 +277,54 @@ def test_the_engine_weights_skip_mtp_tensors_in_every_update_path(glm):
     w.delta_applier(read_header(header), memoryview(writer.blob), "2")()
     k = "model.layers.2.self_attn.k_proj.weight"
     assert w.version == "2" and torch.equal(w.targets()[k], new[k])
+
+
+def test_the_converted_mtp_layer_computes_what_the_nextn_draft_head_computes(glm):
+    # SGLang's glm4_moe_nextn / deepseek_nextn draft head, written out with transformers' modules: the model's final
+    # (normed) hidden state h_i and the embedding of token i+1 -> eh_proj([enorm(e); hnorm(h)]) -> the MTP layer's
+    # decoder layer (transformers' own, built as layer 4 of a 5-layer model) -> shared_head.norm -> LM head. The
+    # Megatron MTP block converted from the same checkpoint gives the same logits for token i+2.
+    from transformers import AutoModelForCausalLM
+
+    from slimectl.backends.hf.arch import arch_from_dir
+    from slimectl.backends.megatron.actor import MegatronActor
+    from slimectl.backends.megatron.logprobs import forward_micro_batch, output_weight
+    from slimectl.backends.megatron.mtp import mtp_hidden_states
+    from slimectl.backends.megatron.packing import pack_samples
+    from slimectl.backends.megatron.parallel import init_parallel
+    from slimectl.contract.config_schema import AlgorithmSection, MtpSection, TrainSection
+    from slimectl.contract.samples import Sample
+    from tests.helpers import in_process_stage
+
+    ids = torch.randint(3, 500, (18,), generator=torch.Generator().manual_seed(2))
+    t = hf_tensors(glm)
+    with torch.inference_mode():
+        main = AutoModelForCausalLM.from_pretrained(glm, dtype=torch.float32).eval()
+        five = AutoModelForCausalLM.from_pretrained(glm, dtype=torch.float32, num_hidden_layers=5).eval()
+        h = main.model(input_ids=ids[None]).last_hidden_state[0]  # after the final norm
+        eps = main.config.rms_norm_eps
+
+        def norm(x, w):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+        e = main.model.embed_tokens(ids[1:])
+        u = torch.cat([norm(e, t[MTP + "enorm.weight"]), norm(h[:-1], t[MTP + "hnorm.weight"])], -1)
+        u = (u @ t[MTP + "eh_proj.weight"].T)[None]
+        pos = torch.arange(len(ids) - 1)[None]
+        out = five.model.layers[4](u, attention_mask=None, position_ids=pos,
+                                   position_embeddings=five.model.rotary_emb(u, pos))
+        out = out[0] if isinstance(out, tuple) else out
+        want = norm(out[0], t[MTP + "shared_head.norm.weight"]) @ t[MTP + "shared_head.head.weight"].T
+    with in_process_stage():
+        init_parallel()
+        arch = arch_from_dir(glm)
+        a = MegatronActor(arch, arch.padded_vocab_size(1), TrainSection(mtp=MtpSection(num_layers=1)),
+                          AlgorithmSection(), ep=1)
+        a.load_hf(glm)
+        mb = pack_samples([Sample(index=0, tokens=ids.tolist(), response_length=8)], 64)[0]
+        with torch.inference_mode():
+            hidden = forward_micro_batch(a.module, mb, hidden=True)
+            (got,) = mtp_hidden_states(a.module, hidden, mb, 1)
+            got = (got[:, 0] @ output_weight(a.module).T)[: len(ids) - 1, : arch.vocab_size]
+    assert want.abs().max() > 1.0
+    assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())

@@ -97,6 +97,13 @@ def with_shared_copies(tensors, num_layers: int, mtp_layers: int, tied: bool):
             yield copy, t
 
 
+def without_mtp_layers(names: list[str]) -> list[str]:
+    """``names`` (a checkpoint's tensor names) less the MTP layers' (a layer holding ``eh_proj.weight`` is one):
+    what an engine serving the model can read back."""
+    layers = {n[: -len("eh_proj.weight")] for n in names if n.startswith("model.layers.") and n.endswith(".eh_proj.weight")}
+    return [n for n in names if not any(n.startswith(p) for p in layers)]
+
+
 def is_mtp_hf_name(name: str, num_layers: int, mtp_layers: int) -> bool:
     """Whether HF tensor ``name`` belongs to an MTP layer (``model.layers.{L + k}.``)."""
     if not name.startswith("model.layers."):
