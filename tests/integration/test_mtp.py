@@ -28,6 +28,20 @@ def glm(tmp_path_factory) -> Path:
     return build_tiny_model("glm4-moe-mtp", tmp_path_factory.mktemp("hf") / "glm", initializer_range=0.3, seed=3)
 
 
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> Path:
+    # DeepSeek-V3's MTP layer (its layer 61): the decoder layer inside is a multi-latent-attention + MoE layer
+    from slimectl.starter_models.tiny_models import build_tiny_model
+
+    return build_tiny_model("deepseek-v3-mtp", tmp_path_factory.mktemp("hf") / "ds", initializer_range=0.3, seed=3)
+
+
+@pytest.fixture(params=["glm", "deepseek"])
+def mtp_model(request) -> Path:
+    """Each family with MTP layers (GLM-4.5's attention, DeepSeek-V3's multi-latent attention)."""
+    return request.getfixturevalue(request.param)
+
+
 def hf_tensors(d: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in sorted(d.glob("*.safetensors")):
@@ -66,7 +80,25 @@ def test_the_tiny_checkpoint_has_the_mtp_layer_as_published_checkpoints_do(glm):
         arch_from_config({**llama, "num_nextn_predict_layers": 1})
 
 
-def test_convert_and_export_are_bit_exact_with_the_mtp_layer_at_tp1_tp2_and_pp2(glm, two_ranks, tmp_path):
+def test_the_deepseek_mtp_layer_holds_an_mla_and_moe_decoder_layer_as_deepseek_v3_s_layer_61(deepseek):
+    from slimectl.backends.hf.arch import arch_from_dir, expected_hf_shapes
+
+    t = hf_tensors(deepseek)
+    arch = arch_from_dir(deepseek)
+    assert arch.is_mla and arch.mtp_layers == 1
+    assert {n: tuple(v.shape) for n, v in t.items()} == expected_hf_shapes(arch)
+    own = {n[len(MTP):] for n in t if n.startswith(MTP)}
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",
+            "shared_head.head.weight", "self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight",
+            "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+            "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "mlp.gate.e_score_correction_bias",
+            "mlp.experts.7.down_proj.weight", "mlp.shared_experts.up_proj.weight"} <= own
+    assert not any(n.startswith("self_attn.q_proj") or n.startswith("self_attn.k_proj") for n in own)
+    assert torch.equal(t[MTP + "shared_head.head.weight"], t["lm_head.weight"])
+
+
+def test_convert_and_export_are_bit_exact_with_the_mtp_layer_at_tp1_tp2_and_pp2(mtp_model, two_ranks, tmp_path):
+    glm = mtp_model
     want = hf_tensors(glm)
     copied = {}
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
@@ -78,8 +110,11 @@ def test_convert_and_export_are_bit_exact_with_the_mtp_layer_at_tp1_tp2_and_pp2(
         got = hf_tensors(back)
         assert sorted(got) == sorted(want), (tp, pp)
         assert [n for n in want if not torch.equal(got[n], want[n])] == [], (tp, pp)
-    # the MTP layer's 29 Megatron tensors are read into memory, the decoder's copied file to file (82 at tp 1)
-    assert copied[(1, 1)] == [3 + 7 + 3 * 8 + 3 * 8 * 2]
+    # the decoder's Megatron tensors are copied file to file (the MTP layer's are read into memory): GLM's 82 at
+    # tp 1 (an MoE layer of 3 + 8 + 8 * 2 expert tensors in 3 files, 7 dense-layer tensors, 3 others); DeepSeek's
+    # attention has 7 tensors instead of 3 (two latents and their norms)
+    mla = 4 * 4 if glm.name == "ds" else 0
+    assert copied[(1, 1)] == [3 + 7 + 3 * 8 + 3 * 8 * 2 + mla]
     import argparse
 
     extra = [] if argparse.Namespace in torch.serialization.get_safe_globals() else [argparse.Namespace]
@@ -125,6 +160,20 @@ def _grpo_step(glm, mtp_layers: int, rewards: list[float]):
     # expert_bias buffers move outside the optimizer (load balancing), so they are left out
     moved = {n for n in before if not torch.equal(before[n], after[n]) and not n.endswith("e_score_correction_bias")}
     return metrics, moved
+
+
+def test_mtp_gradients_reach_the_deepseek_mtp_layer_only(deepseek):
+    # slime's check_mtp_only_grad under multi-latent attention: a zero policy loss, train.mtp on: only the MTP layer
+    # moves, its latent projections and norms included
+    from tests.helpers import in_process_stage
+
+    with in_process_stage():
+        metrics, moved = _grpo_step(deepseek, 1, [1.0, 1.0, 0.0, 0.0, 0.5, 0.5])
+    assert moved and all(n.startswith(MTP) for n in moved), sorted(n for n in moved if not n.startswith(MTP))[:5]
+    assert {MTP + n for n in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
+                              "self_attn.q_a_proj.weight", "self_attn.kv_b_proj.weight", "self_attn.kv_a_layernorm.weight",
+                              "self_attn.o_proj.weight", "mlp.shared_experts.down_proj.weight")} <= moved
+    assert 0 < metrics["train/mtp_loss"] < 2 * math.log(512) and metrics["train/pg_loss"] == 0.0
 
 
 def test_mtp_gradients_reach_the_mtp_layer_only_as_slime_checks(glm):
@@ -279,7 +328,7 @@ def test_the_engine_weights_skip_mtp_tensors_in_every_update_path(glm):
     assert w.version == "2" and torch.equal(w.targets()[k], new[k])
 
 
-def test_the_converted_mtp_layer_computes_what_the_nextn_draft_head_computes(glm):
+def test_the_converted_mtp_layer_computes_what_the_nextn_draft_head_computes(mtp_model):
     # SGLang's glm4_moe_nextn / deepseek_nextn draft head, written out with transformers' modules: the model's final
     # (normed) hidden state h_i and the embedding of token i+1 -> eh_proj([enorm(e); hnorm(h)]) -> the MTP layer's
     # decoder layer (transformers' own, built as layer 4 of a 5-layer model) -> shared_head.norm -> LM head. The
@@ -296,6 +345,7 @@ def test_the_converted_mtp_layer_computes_what_the_nextn_draft_head_computes(glm
     from slimectl.contract.samples import Sample
     from tests.helpers import in_process_stage
 
+    glm = mtp_model
     ids = torch.randint(3, 500, (18,), generator=torch.Generator().manual_seed(2))
     t = hf_tensors(glm)
     with torch.inference_mode():
@@ -327,4 +377,8 @@ def test_the_converted_mtp_layer_computes_what_the_nextn_draft_head_computes(glm
             (got,) = mtp_hidden_states(a.module, hidden, mb, 1)
             got = (got[:, 0] @ output_weight(a.module).T)[: len(ids) - 1, : arch.vocab_size]
     assert want.abs().max() > 1.0
-    assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
+    # DeepSeek: 1.2e-4 measured on this 0.3-init fixture (logits ~10; its main model alone is 2.3e-5 from HF's, and
+    # HF's eager and sdpa attention differ by 2e-5 there: fp32 noise through one more MLA + MoE layer), most
+    # entries ~1e-6; a mapping error (e.g. [h; e] for [e; h]) is ~10
+    tol = 3e-4 if glm.name == "ds" else 1e-4
+    assert (got - want).abs().max() < tol, float((got - want).abs().max())

@@ -394,7 +394,6 @@ def _deepseek_v3(cfg: dict[str, Any], where: str, moe: dict[str, Any], dtype: st
         if cfg.get(key, want) != want:
             raise UnsupportedModel(f"{where}: {key} = {cfg[key]!r} is not supported for deepseek_v3 (DeepSeek-V3 "
                                    f"routes with {key} {want!r}); use {want!r}")
-    mtp_layers_from_config(cfg, "deepseek_v3", where, UnsupportedModel)  # refused: MTP_FAMILIES lacks it
     q_rank = cfg.get("q_lora_rank")
     mla = dict(mla_q_lora_rank=0 if q_rank is None else _require(cfg, "q_lora_rank", where),
                **{f"mla_{k}": _require(cfg, k, where)
@@ -409,7 +408,7 @@ def _deepseek_v3(cfg: dict[str, Any], where: str, moe: dict[str, Any], dtype: st
         max_position_embeddings=_require(cfg, "max_position_embeddings", where),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_yarn_theta(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=False, qk_norm=False, dtype=dtype,
-        **moe, **mla, **_yarn(cfg, where))
+        mtp_layers=mtp_layers_from_config(cfg, "deepseek_v3", where, UnsupportedModel), **moe, **mla, **_yarn(cfg, where))
 
 
 def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:

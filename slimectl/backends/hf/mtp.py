@@ -25,7 +25,7 @@ from typing import Any
 
 from slimectl.contract.errors import ConfigError, SlimectlError
 
-MTP_FAMILIES = ("glm4_moe",)  # deepseek_v3: its MTP block under multi-latent attention is not built yet
+MTP_FAMILIES = ("glm4_moe", "deepseek_v3")
 """HF model types whose checkpoints may carry MTP layers (``num_nextn_predict_layers``)."""
 
 MTP_CONFIG_KEY = "num_nextn_predict_layers"
