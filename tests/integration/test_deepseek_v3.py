@@ -145,10 +145,9 @@ def _damaged(src: Path, dst: Path, edit) -> Path:
 
 @pytest.mark.parametrize("case", ["glm_tensors", "no_kv_lora_rank"])
 def test_bad_deepseek_input_is_one_line_exit_2(dsv3, tmp_path, case):
-    # A checkpoint of another family under a deepseek_v3 config (bad input: exit 2), or a config without MLA's
-    # fields (a model slimectl does not convert: UnsupportedModel, exit 1 as for every family; the other refusals:
-    # tests/unit/test_deepseek_arch.py): `slimectl convert` refuses in one line naming the thing and leaves no
-    # checkpoint behind.
+    # A checkpoint of another family under a deepseek_v3 config, or a config without MLA's fields (a model slimectl
+    # does not convert: UnsupportedModel; the other refusals: tests/unit/test_deepseek_arch.py): bad input, so
+    # `slimectl convert` refuses in one line naming the thing, exits 2 and leaves no checkpoint behind.
     from slimectl.starter_models.tiny_models import build_tiny_model
     from tests.helpers import slimectl_in_process
 
@@ -163,7 +162,7 @@ def test_bad_deepseek_input_is_one_line_exit_2(dsv3, tmp_path, case):
         want = "kv_lora_rank"
     out = tmp_path / "ckpt"
     res = slimectl_in_process("convert", "--hf", model, "--out", out)
-    assert res.returncode == (2 if case == "glm_tensors" else 1), (res.stdout, res.stderr)
+    assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and want in lines[0], res.stderr
     assert not out.exists() or not any(out.iterdir())

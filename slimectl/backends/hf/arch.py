@@ -24,8 +24,8 @@ from slimectl.backends.hf.mtp import extra_shapes as mtp_extra_shapes, mtp_layer
 from slimectl.contract.errors import SlimectlError, UsageError
 
 
-class UnsupportedModel(SlimectlError):
-    """The HF config describes an architecture slimectl does not convert."""
+class UnsupportedModel(UsageError):
+    """The HF config describes an architecture slimectl does not convert (bad input: one line, exit 2)."""
 
 
 class CheckpointMismatch(SlimectlError):
