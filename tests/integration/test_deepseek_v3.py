@@ -56,13 +56,13 @@ def exported(converted, tmp_path_factory) -> Path:
     return out
 
 
-def check(res, n, tp, pp, ep):
+def check(res, n, tp, pp, ep, tol=TOL, scale=1.0):
     assert len(res) == n
     for r in res:
         assert r["hf_logits_from"] == "file"
         assert (r["tp"], r["pp"], r["ep"]) == (tp, pp, ep)
-        assert r["max_abs_diff"] <= TOL, r
-        assert r["scale"] > 1.0
+        assert r["max_abs_diff"] <= tol, r
+        assert r["scale"] > scale
         print(f"deepseek-v3 parity tp={tp} pp={pp} ep={ep}: max |megatron - hf| = {r['max_abs_diff']:.3g}")
 
 
@@ -103,6 +103,24 @@ def test_logits_parity_ep2_tp2_and_pp2(dsv3, converted, two_ranks, hf_logits):
     check(script_results(two_ranks.run(MOE_LOGITS, "2", "1", "1", str(converted), str(dsv3), env=hf_logits)), 1, 2, 1, 1)
     # PP=2: the first stage holds the dense layer and one MoE layer
     check(script_results(two_ranks.run(MOE_LOGITS, "1", "2", "1", str(converted), str(dsv3), env=hf_logits)), 1, 1, 2, 1)
+
+
+def test_logits_parity_within_1e5_at_hf_default_init_tp1_tp2_and_ep2(two_ranks, tmp_path_factory):
+    # The bound, 1e-5 in fp32, on the fixture at HF's initializer_range 0.02 (logits of scale ~0.8; 2.4e-7
+    # measured at TP 1): at 0.3 (above, logits ~10) HF's own eager and sdpa attention already differ by 2e-5, so
+    # the sensitive fixture keeps TOL. A mapping mistake is orders of magnitude above either bound.
+    from slimectl.starter_models.tiny_models import build_tiny_model
+
+    model = build_tiny_model("deepseek-v3", tmp_path_factory.mktemp("hf") / "default_init", seed=5)
+    ckpt = tmp_path_factory.mktemp("mcore") / "default_init"
+    convert_tp1(model, ckpt)
+    env = hf_logits_env(model, tmp_path_factory)
+    check(script_results(run_script_in_process(MOE_LOGITS, "1", "1", "1", str(ckpt), str(model), env=env)),
+          1, 1, 1, 1, tol=1e-5, scale=0.1)
+    check(script_results(two_ranks.run(MOE_LOGITS, "2", "1", "1", str(ckpt), str(model), env=env)),
+          1, 2, 1, 1, tol=1e-5, scale=0.1)
+    check(script_results(two_ranks.run(MOE_LOGITS, "1", "1", "2", str(ckpt), str(model), env=env)),
+          2, 1, 1, 2, tol=1e-5, scale=0.1)
 
 
 @pytest.mark.parametrize("layout", [("2", "1"), ("1", "2")], ids=["tp2", "pp2"])
