@@ -407,3 +407,28 @@ def test_rl_trains_deepseek_s_mtp_layer_online_with_routing_replay(tmp_path):
     assert sorted(trained) == sorted(original)
     for n in ("eh_proj.weight", "self_attn.kv_b_proj.weight", "self_attn.q_a_layernorm.weight"):
         assert not torch.equal(trained[MTP + n], original[MTP + n]), n
+
+
+@pytest.mark.slow
+def test_rl_at_ep2_trains_deepseek_v3_and_its_mtp_layer(tmp_path):
+    # `slimectl rl` with train.ep=2 (dp=2: two trainer ranks under torchrun, experts 0-3 and 4-7), 2 rollouts, on
+    # deepseek-v3-mtp with train.mtp and routing replay, disk sync verified
+    from slimectl.contract.metrics import read_metrics
+    from slimectl.contract.rundir import RunDir
+    from tests.helpers import slimectl_in_process, write_config
+
+    cfg = write_config(tmp_path, rollout={"num_rollout": 2}, sync={"transport": "disk", "verify": True},
+                       train={"lr": 1e-3, "ep": 2, "dp": 2, "use_rollout_routing_replay": True,
+                              "mtp": {"num_layers": 1}})
+    init = slimectl_in_process("init", tmp_path / "run", "-c", cfg, "--tiny-model", "deepseek-v3-mtp")
+    assert init.returncode == 0, init.stderr[-3000:]
+    res = slimectl_in_process("rl", "-r", tmp_path / "run")
+    assert res.returncode == 0 and "launching 2 processes" in res.stderr, res.stderr[-3000:]
+    run = RunDir.open(tmp_path / "run")
+    m = read_metrics(run.metrics_path("train"))
+    assert [x["step"] for x in m] == [1, 2] and all(0 < x["train/mtp_loss"] < 2 * math.log(512) for x in m)
+    assert all(x["train/train_rollout_logprob_abs_diff"] < 1e-5 for x in m)
+    original, trained = hf_tensors(Path(run.config().model.path)), hf_tensors(run.weights.get(2).path)
+    assert sorted(trained) == sorted(original)
+    for n in ("mlp.experts.0.up_proj.weight", "mlp.experts.7.up_proj.weight", "self_attn.kv_b_proj.weight"):
+        assert not torch.equal(trained[MTP + n], original[MTP + n]), n
