@@ -77,7 +77,7 @@ def test_shapes_rules_and_tp_sizes_with_and_without_a_query_latent():
     ({"attention_bias": True}, "attention_bias = true"),
     ({"rope_interleave": False}, "rope_interleave = False"),
     ({"kv_lora_rank": None}, "lacks 'kv_lora_rank'"),
-    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers = 1"),
+    ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers = -1"),
     ({"scoring_func": "softmax"}, "scoring_func = 'softmax'"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "'linear'"),
     ({"rope_parameters": {**BASE["rope_parameters"], "attention_factor": 1.2}}, "attention_factor"),
@@ -98,3 +98,19 @@ def test_lora_on_multi_latent_attention_is_refused_in_one_line():
     with pytest.raises(UsageError, match="multi-latent attention") as e:
         check_lora_targets(arch_from_config(cfg()), ("q_proj", "o_proj"))
     assert "\n" not in str(e.value) and "remove train.lora" in str(e.value)
+
+
+def test_an_mtp_layer_is_an_mla_and_moe_layer_with_its_own_names():
+    # DeepSeek-V3's layer 61: the MTP layer's latent projections map as the decoder's do, under megatron-core's
+    # mtp.layers.0.transformer_layer.
+    a = arch_from_config(cfg(num_nextn_predict_layers=1))
+    shapes = expected_hf_shapes(a)
+    assert a.mtp_layers == 1 and shapes["model.layers.4.eh_proj.weight"] == (64, 128)
+    assert shapes["model.layers.4.self_attn.kv_a_proj_with_mqa.weight"] == (40, 64)
+    rules = all_rules(a)  # every tensor but the MTP layer's copies of the embedding and LM head (Megatron shares them)
+    copies = {"model.layers.4.embed_tokens.weight", "model.layers.4.shared_head.head.weight"}
+    assert sorted(n for r in rules for n in r.hf) == sorted(set(shapes) - copies)
+    kv = rule_for(a, "mtp.layers.0.transformer_layer.self_attention.linear_kv_down_proj.weight")
+    assert (kv.hf, kv.kind, kv.tp_dim) == (("model.layers.4.self_attn.kv_a_proj_with_mqa.weight",), "copy", 0)
+    q = rule_for(a, "mtp.layers.0.transformer_layer.self_attention.linear_q_up_proj.weight")
+    assert q.hf == ("model.layers.4.self_attn.q_b_proj.weight",)

@@ -55,8 +55,8 @@ def _load(d):
 
 
 def test_the_families_are_listed_and_the_text_ones_unchanged():
-    assert TEXT_FAMILIES == ("llama", "qwen2", "qwen3", "qwen3-moe", "glm4-moe")
-    assert FAMILIES == TEXT_FAMILIES + ("qwen2_5-vl", "qwen3-vl", "glm4-moe-mtp")  # (glm4-moe with an MTP layer)
+    assert TEXT_FAMILIES == ("llama", "qwen2", "qwen3", "qwen3-moe", "glm4-moe", "deepseek-v3")
+    assert FAMILIES == TEXT_FAMILIES + ("qwen2_5-vl", "qwen3-vl", "glm4-moe-mtp", "deepseek-v3-mtp")  # (with an MTP layer)
     from slimectl.backends.hf.vlm import TINY_VLMS
 
     assert tuple(TINY_VLMS) == VLM_FAMILIES  # the stages' refusals know the same names

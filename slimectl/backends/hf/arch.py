@@ -24,8 +24,8 @@ from slimectl.backends.hf.mtp import extra_shapes as mtp_extra_shapes, mtp_layer
 from slimectl.contract.errors import SlimectlError, UsageError
 
 
-class UnsupportedModel(SlimectlError):
-    """The HF config describes an architecture slimectl does not convert."""
+class UnsupportedModel(UsageError):
+    """The HF config describes an architecture slimectl does not convert (bad input: one line, exit 2)."""
 
 
 class CheckpointMismatch(SlimectlError):
@@ -394,7 +394,6 @@ def _deepseek_v3(cfg: dict[str, Any], where: str, moe: dict[str, Any], dtype: st
         if cfg.get(key, want) != want:
             raise UnsupportedModel(f"{where}: {key} = {cfg[key]!r} is not supported for deepseek_v3 (DeepSeek-V3 "
                                    f"routes with {key} {want!r}); use {want!r}")
-    mtp_layers_from_config(cfg, "deepseek_v3", where, UnsupportedModel)  # refused: MTP_FAMILIES lacks it
     q_rank = cfg.get("q_lora_rank")
     mla = dict(mla_q_lora_rank=0 if q_rank is None else _require(cfg, "q_lora_rank", where),
                **{f"mla_{k}": _require(cfg, k, where)
@@ -407,9 +406,9 @@ def _deepseek_v3(cfg: dict[str, Any], where: str, moe: dict[str, Any], dtype: st
         num_layers=_require(cfg, "num_hidden_layers", where), num_attention_heads=heads, num_kv_heads=heads,
         head_dim=mla["mla_qk_nope_head_dim"] + mla["mla_qk_rope_head_dim"], vocab_size=_require(cfg, "vocab_size", where),
         max_position_embeddings=_require(cfg, "max_position_embeddings", where),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_yarn_theta(cfg, where),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_yarn_theta(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=False, qk_norm=False, dtype=dtype,
-        **moe, **mla, **_yarn(cfg, where))
+        mtp_layers=mtp_layers_from_config(cfg, "deepseek_v3", where, UnsupportedModel), **moe, **mla, **_yarn(cfg, where))
 
 
 def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -420,7 +419,8 @@ def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def _yarn_theta(cfg: dict[str, Any], where: str) -> float:
+def _yarn_theta(cfg: dict[str, Any]) -> float:
+    """rope_theta (transformers 5 keeps it in rope_parameters)."""
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 

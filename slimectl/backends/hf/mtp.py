@@ -25,7 +25,7 @@ from typing import Any
 
 from slimectl.contract.errors import ConfigError, SlimectlError
 
-MTP_FAMILIES = ("glm4_moe",)  # deepseek_v3: its MTP block under multi-latent attention is not built yet
+MTP_FAMILIES = ("glm4_moe", "deepseek_v3")
 """HF model types whose checkpoints may carry MTP layers (``num_nextn_predict_layers``)."""
 
 MTP_CONFIG_KEY = "num_nextn_predict_layers"
@@ -95,6 +95,13 @@ def with_shared_copies(tensors, num_layers: int, mtp_layers: int, tied: bool):
         yield name, t
         for copy in copies.get(name, ()):
             yield copy, t
+
+
+def without_mtp_layers(names: list[str]) -> list[str]:
+    """``names`` (a checkpoint's tensor names) less the MTP layers' (a layer holding ``eh_proj.weight`` is one):
+    what an engine serving the model can read back."""
+    layers = {n[: -len("eh_proj.weight")] for n in names if n.startswith("model.layers.") and n.endswith(".eh_proj.weight")}
+    return [n for n in names if not any(n.startswith(p) for p in layers)]
 
 
 def is_mtp_hf_name(name: str, num_layers: int, mtp_layers: int) -> bool:

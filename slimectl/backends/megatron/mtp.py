@@ -96,13 +96,13 @@ def mtp_targets(micro_batch, depth: int) -> MtpTargets:
     return MtpTargets(torch.cat(rows), ids[torch.cat(tgt)])
 
 
-def mtp_loss(model, hidden: torch.Tensor, micro_batch, vocab_size: int, num_layers: int, loss_scale: float,
-             tp_group=None) -> tuple[torch.Tensor, float]:
-    """(the loss to add for ``micro_batch``: each MTP layer's mean cross entropy times ``loss_scale / num_layers``;
-    the unscaled sum over the layers of their mean cross entropy, for ``train/mtp_loss``). ``hidden``: the main
-    model's final hidden states ``[S, 1, H]`` (detached here). Shared-prompt rows are refused by the config."""
+def mtp_hidden_states(model, hidden: torch.Tensor, micro_batch, num_layers: int) -> tuple[torch.Tensor, ...]:
+    """Each MTP layer's output ``[S, 1, H]`` (after its final norm: the LM head's input) for ``micro_batch``, from
+    the main model's final hidden states ``hidden`` (detached here); row ``i`` of layer ``k`` predicts token
+    ``i + k + 2`` (rows near a sequence's end read the next sequence's tokens: :func:`mtp_targets` never scores
+    them). Rotary by row, as the main forward (attention is causal within each packed sequence)."""
     from slimectl.backends.megatron.attention import packed_segments
-    from slimectl.backends.megatron.logprobs import gpt_model, log_probs_from_rows, output_weight
+    from slimectl.backends.megatron.logprobs import gpt_model
 
     gpt = gpt_model(model)
     device = hidden.device
@@ -116,9 +116,19 @@ def mtp_loss(model, hidden: torch.Tensor, micro_batch, vocab_size: int, num_laye
     with packed_segments(micro_batch.layout):
         out = gpt.mtp(input_ids=ids, position_ids=positions, hidden_states=hidden.detach(), attention_mask=None,
                       rotary_pos_emb=rope, embedding=embedding)
+    return out.chunk(1 + num_layers, dim=0)[1:]
+
+
+def mtp_loss(model, hidden: torch.Tensor, micro_batch, vocab_size: int, num_layers: int, loss_scale: float,
+             tp_group=None) -> tuple[torch.Tensor, float]:
+    """(the loss to add for ``micro_batch``: each MTP layer's mean cross entropy times ``loss_scale / num_layers``;
+    the unscaled sum over the layers of their mean cross entropy, for ``train/mtp_loss``). ``hidden``: the main
+    model's final hidden states ``[S, 1, H]``. Shared-prompt rows never come here (the actor packs without)."""
+    from slimectl.backends.megatron.logprobs import log_probs_from_rows, output_weight
+
     weight = output_weight(model).detach()  # slime: the MTP loss does not train the LM head
     total, logged = hidden.new_zeros((), dtype=torch.float32), 0.0
-    for k, h in enumerate(out.chunk(1 + num_layers, dim=0)[1:]):
+    for k, h in enumerate(mtp_hidden_states(model, hidden, micro_batch, num_layers)):
         where = mtp_targets(micro_batch, k + 1)
         if where.rows.numel() == 0:
             total = total + h.sum() * 0.0  # the MTP layers still join the backward (DDP waits for their grads)
