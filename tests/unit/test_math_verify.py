@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from slimectl.contract.config import build_config
-from slimectl.contract.reward_names import GRADER_NAMES, REMOTE_NAMES
+from slimectl.contract.reward_names import GRADER_NAMES, JUDGE_NAMES, REMOTE_NAMES
 from slimectl.rewards import GRADERS, RewardConfigError, RewardInput, compute_reward, compute_rewards, rm_types
 from slimectl.rewards import math_verify as mv
 from slimectl.rewards.math_grader import grade_math
@@ -115,7 +115,7 @@ def test_the_hub_reads_the_run_config_and_per_sample_rm_type():
 
 def test_the_reward_names_are_one_list():
     assert sorted(GRADERS) == sorted(GRADER_NAMES) and "math_verify" in rm_types()
-    assert set(rm_types()) == set(GRADER_NAMES) | set(REMOTE_NAMES)
+    assert set(rm_types()) == set(GRADER_NAMES) | set(REMOTE_NAMES) | set(JUDGE_NAMES)
 
 
 # ------------------------------------------------------------------ the time bound
