@@ -210,6 +210,7 @@ HF = [
     ("hf-config-list", "config:[1, 2]", ["config.json"]),
     ("hf-config-empty", "config:", ["config.json"]),
     ("hf-config-non-utf8", "configbytes", ["config.json"]),
+    # exit 2: a readable config whose values the architecture check refuses (UnsupportedModel is a usage error)
     ("hf-config-no-model-type", "drop:model_type", ["config.json", "model_type"]),
     ("hf-config-no-hidden-size", "drop:hidden_size", ["config.json", "hidden_size"]),
     ("hf-config-string-size", "set:hidden_size=\"64\"", ["config.json", "hidden_size"]),
@@ -627,9 +628,14 @@ def test_dataset(world, cid, name, content, spec, needles):
     run_case(world, f"rollout -r {{RUN}} --set data.prompt_data={{T}}/d/{name}{spec}", 2, needles, "{RUN}")
 
 
+REFUSED_CONFIGS = {"hf-config-no-model-type", "hf-config-no-hidden-size", "hf-config-string-size",
+                   "hf-config-negative-layers", "hf-config-zero-heads"}
+"""The cases exiting 2: configs that parse but that the architecture check refuses (bad input, not damage)."""
+
+
 @pytest.mark.parametrize("cid, how, needles", HF, ids=[c[0] for c in HF])
 def test_hf_checkpoint(world, cid, how, needles):
-    code = 2 if cid == "hf-path-is-file" else 1
+    code = 2 if cid == "hf-path-is-file" or cid in REFUSED_CONFIGS else 1
     run_case(world, f"convert --hf {{T}}/hf/{cid} --out {{T}}/o-{cid}", code, needles, None, new=f"{{T}}/o-{cid}")
 
 
