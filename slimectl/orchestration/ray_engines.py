@@ -90,7 +90,8 @@ class EngineWorker:
         run = RunDir.open(run_path)
         cfg = unwatched_config(cfg_data)
         self.group = EngineProcesses(run, cfg, engine_indices=[index], verify=weights_check(run, cfg))
-        pid = self.group._restart(f"engine-{index}", url, version)  # healthy, at `version`, weights checked
+        # healthy and checked: at `version`, or a newer one a sync of the driver reached it with meanwhile
+        pid, version = self.group._restart(f"engine-{index}", url, version)
         extra = {"log": str(run.path / "logs" / f"engine-{index}.log"), "launcher": "ray", **where,
                  "owner": {"pid": os.getpid(), "create_time": process_create_time()}}
         run.engines.register(EngineRecord(url=url, backend=self.group.backend, pid=pid, weight_version=version,
