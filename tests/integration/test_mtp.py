@@ -208,7 +208,8 @@ def test_bad_mtp_input_is_one_line_exit_2(tmp_path):
     res = slimectl_in_process("train", "-r", tmp_path / "run", "--max-rollouts", "1")
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [x for x in res.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "train.mtp.num_layers = 1: the model (glm4_moe) has none" in lines[0], lines
+    assert len(lines) == 1 and \
+        "train.mtp.num_layers = 1: the model (glm4_moe) has no multi-token-prediction layers" in lines[0], lines
     # MTP with LoRA, or with pipeline parallelism: refused by the config, nothing written
     for extra in (["--set", "train.lora.rank=4"], ["--set", "train.pp=2"]):
         res = slimectl_in_process("init", tmp_path / "other", "--tiny-model", "glm4-moe-mtp",

@@ -118,9 +118,9 @@ def check_mtp_training(arch, num_layers: int, name: str = "train.mtp.num_layers"
     if not num_layers:
         return
     if num_layers > arch.mtp_layers:
-        have = (f"has {arch.mtp_layers}" if arch.mtp_layers
-                else f"has none (its config.json sets no {MTP_CONFIG_KEY})")
-        raise ConfigError(f"{name} = {num_layers}: the model ({arch.family}) {have} multi-token-prediction layers; "
+        have = (f"has {arch.mtp_layers} multi-token-prediction layers" if arch.mtp_layers
+                else f"has no multi-token-prediction layers (its config.json sets no {MTP_CONFIG_KEY})")
+        raise ConfigError(f"{name} = {num_layers}: the model ({arch.family}) {have}; "
                           f"set {name} to {arch.mtp_layers or 0}" + ("" if arch.mtp_layers else
                                                                    " or use a checkpoint with MTP layers"))
     if num_layers != arch.mtp_layers:
