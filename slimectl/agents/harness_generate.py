@@ -196,6 +196,14 @@ def failed(sample: Sample, samples: list[Sample], reason: str, end_token: int) -
     return out
 
 
+async def turns_done(harness: Any, sid: str, timeout_s: float = 30.0) -> None:
+    """Wait (up to ``timeout_s``) until no request of session ``sid`` is being answered: a streamed turn is recorded
+    after its last event reached the agent, so an agent may return before its last turn is in the session."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while harness._in_flight.get(sid) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+
+
 def session_samples(h: AgentHarness, sample: Sample, sess: Session, reward: Any) -> list[Sample]:
     """The session's segments as the sample's training samples (its group, index, label and metadata)."""
     sess.finished, sess.reward = True, reward
@@ -217,6 +225,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         value, error = await call_agent(h, sid, prompt_row(sample, sid)), None
     except Exception as exc:  # the agent's bug must not stop the rollout; the sample is dropped from the loss
         value, error = None, agent_error(exc, h.timeout_s)
+    await turns_done(h.harness, sid)
     sess = h.harness.sessions.pop(sid, None)
     samples = session_samples(h, sample, sess, None) if sess is not None and sess.segments else []
     if error is None:

@@ -74,7 +74,10 @@ def test_rl_attached_to_a_serve_follows_its_heal(tmp_path):
         assert killed, "engine-1 was not killed"
         assert_rollouts_exact(run, n_rollout, batch, n)
         back = re.compile(r"engine-1 at \S+ is back at weight version [1-3] \(checked\)")  # (a sync of rl's may
-        _wait("serve's heal of engine-1", lambda: back.search(serve_err.read_text()))  # reach it first: checked then)
+        try:  # (reach it first: checked then)
+            _wait("serve's heal of engine-1", lambda: back.search(serve_err.read_text()), timeout=300)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; serve's log ends: {serve_err.read_text()[-3000:]}") from None
         recs = {r.id: r for r in run.engines.list()}
         assert recs.keys() == first.keys()  # the same engines, engine-1 on a new process
         e1 = next(i for i in recs if i.startswith("engine-1-"))
