@@ -198,6 +198,11 @@ class Harness:
                                     f"request (header {SESSION_HEADER})", code="session_not_found")
         return sess
 
+    def turns_in_flight(self, sid: str) -> int:
+        """How many requests of session ``sid`` are being answered (a streamed turn is recorded just after its
+        last event reached the client: a reader of the session waits for 0)."""
+        return self._in_flight.get(sid, 0)
+
     # ------------------------------------------------------------------ chat completions
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.serve_turn(request, ChatAnswer)

@@ -200,7 +200,7 @@ async def turns_done(harness: Any, sid: str, timeout_s: float = 30.0) -> None:
     """Wait (up to ``timeout_s``) until no request of session ``sid`` is being answered: a streamed turn is recorded
     after its last event reached the agent, so an agent may return before its last turn is in the session."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while harness._in_flight.get(sid) and asyncio.get_running_loop().time() < deadline:
+    while harness.turns_in_flight(sid) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.01)
 
 

@@ -83,7 +83,7 @@ def recorded(h, sid):
     import time
 
     deadline = time.monotonic() + 10  # a streamed turn is recorded just after its last event reached the client
-    while h["harness"]._in_flight.get(sid) and time.monotonic() < deadline:
+    while h["harness"].turns_in_flight(sid) and time.monotonic() < deadline:
         time.sleep(0.01)
     sess = h["harness"].sessions[sid]
     from slimectl.agents.harness_sessions import samples_from_sessions
