@@ -496,7 +496,7 @@ class EngineProcesses:
         self.supervisor.stop(timeout=0.0, names=[loss.name])  # SIGKILL to its process group (a stopped one too)
         fault_point("serve.engine_killed")
         try:
-            pid, version = self._restart(loss.name, loss.url, version)
+            pid, version = self._restart_while_pruned(loss.name, loss.url, version, served)
         except (SlimectlError, OSError) as exc:
             if served is not None:
                 self.registry.unregister(served.id)
@@ -532,6 +532,24 @@ class EngineProcesses:
                     "version)", int(version), served.id if served else "the engine",
                     f"weights/{int(newest):06d}" if ids else "the initial weights (version 0)")
         return newest
+
+    def _restart_while_pruned(self, name: str, url: str, version: str, served: ServedEngine | None
+                              ) -> tuple[int, str]:
+        """:meth:`_restart` at ``version``; when it fails because ``weights/version`` left the disk meanwhile (an
+        attached ``rl`` pruned it, ``sync.keep_weights``, while the engine loaded it or its weights were checked
+        against it), again at the version :meth:`_restart_version` picks now (the newest published), up to three
+        times. Any other failure is raised as it is."""
+        for _ in range(2):
+            try:
+                return self._restart(name, url, version)
+            except (SlimectlError, OSError) as exc:
+                now = self._restart_version(served)
+                if now == version or not version.isdigit() or self.run.weights.exists(int(version)):
+                    raise
+                log.warning("starting %s again at weight version %s failed (%s): weights/%06d left the disk "
+                            "meanwhile; starting it at weight version %s", name, version, exc, int(version), now)
+                version = now
+        return self._restart(name, url, version)
 
     def _restart(self, name: str, url: str, version: str) -> tuple[int, str]:
         """Start engine ``name`` again at ``url`` on ``weights/version``; its pid and weight version once healthy

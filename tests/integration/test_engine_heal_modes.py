@@ -57,10 +57,7 @@ def test_rl_attached_to_a_serve_follows_its_heal(tmp_path):
     n_rollout, batch, n = 3, 4, 4
     cfg = write_config(tmp_path, rollout={"num_rollout": n_rollout, "batch_size": batch, "n_samples_per_prompt": n,
                                           "max_response_len": 24},
-                       engine={"num_engines": 2, "health_check": FAST},
-                       # every weights/N kept: a heal racing sync.keep_weights' pruning of the version it restarts
-                       # at is a known gap (the issue note), not what this test checks
-                       sync={"keep_weights": None})
+                       engine={"num_engines": 2, "health_check": FAST})
     path = tmp_path / "run"
     assert slimectl_in_process("init", path, "-c", cfg, "--tiny-model", "qwen2").returncode == 0
     run = RunDir.open(path)
