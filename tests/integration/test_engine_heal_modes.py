@@ -129,6 +129,13 @@ def test_the_pool_takes_back_an_engine_the_heartbeat_registered_again(group):
             assert url1 not in pool.dead and url1 in {u for _, u in second}  # taken back
             pids = {r.url: r.pid for r in run.engines.list()}
             third = await batch(pool, range(80, 100), kill=[url0, url1])  # no engine left: wait for the heal
+            # asked for the engines' versions with every engine out (both healed, then killed again): waits too
+            await asyncio.to_thread(_wait, "both engines registered again",
+                                    lambda: all(healed(u, pids[u]) for u in (url0, url1)))
+            for url in (url0, url1):
+                _listener(url).kill()
+            versions = await pool.weight_versions()
+            assert versions and set(versions) <= {url0, url1}, versions
             return first + second + third, pids
         finally:
             await pool.close()
