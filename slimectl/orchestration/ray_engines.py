@@ -328,7 +328,6 @@ class RayEngineActors:
         ray.kill(actor, no_restart=True)
 
 
-
 def frozen_group_actors(launcher, run: RunDir, cfg: SlimectlConfig):
     """:class:`~slimectl.stages.serve.FrozenGroups` under ``rl --launcher ray``: each frozen group of
     ``engine.groups`` (a teacher, a judge) as engine actors of its own (:class:`RayEngineActors` with its ``group``:

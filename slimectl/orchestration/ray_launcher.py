@@ -149,6 +149,13 @@ def ray_frozen_groups(cfg: SlimectlConfig, gpus: bool) -> dict[str, tuple[int, i
     return out
 
 
+def _placement_knob(group: str) -> str:
+    """The config key that sizes placement group ``group`` (for the line saying it could not be placed)."""
+    if group.startswith("group-"):
+        return f"the num_engines of engine.groups {group[len('group-'):]}"
+    return "engine.num_engines" + (" or critic.tp x pp x dp" if group == "critic" else "")
+
+
 def critic_world(cfg: SlimectlConfig) -> int:
     """Ranks of PPO's critic group under Ray (``critic.tp*pp*dp``), 0 without a critic."""
     if cfg.algorithm.advantage_estimator != "ppo":
@@ -379,7 +386,7 @@ class RayLauncher:
         if not pg.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
             raise SlimectlError(f"the Ray cluster could not place the {name} bundles {bundles} within "
                                 f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {self.ray.available_resources()}); add nodes or "
-                                f"lower engine.num_engines{' or critic.tp x pp x dp' if name == 'critic' else ''}")
+                                f"lower {_placement_knob(name)}")
         self._groups[name] = pg
         return pg
 

@@ -13,7 +13,7 @@ import pytest
 
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.samples import SAMPLES_FILE, read_samples
-from slimectl.orchestration.ray_launcher import Slot, placement_layout, with_frozen_groups
+from slimectl.orchestration.ray_launcher import Slot, _placement_knob, placement_layout, with_frozen_groups
 from tests.helpers import assert_trained_once, read_jsonl, write_config
 from tests.integration.test_engine_heal import FAST, _listener, _wait
 
@@ -113,3 +113,5 @@ def test_each_frozen_group_gets_a_placement_group_of_its_own():
     assert lay.frozen == {"judge": [Slot("group-judge", 0, 1.0, 0.0), Slot("group-judge", 1, 1.0, 0.0)],
                           "teacher": [Slot("group-teacher", 0, 1.0, 2.0)]}
     assert with_frozen_groups(base, {}) == base
+    assert _placement_knob("group-judge") == "the num_engines of engine.groups judge"  # what to lower, unplaced
+    assert _placement_knob("engines") == "engine.num_engines"
