@@ -584,6 +584,14 @@ class EngineProcesses:
         fault_point("serve.engine_restarted")
         return proc.pid, version
 
+    def restart(self, name: str, url: str, version: str) -> tuple[int, str]:
+        """Start engine ``name`` (``engine-N``) of this group again at ``url`` on ``weights/version`` (a frozen group:
+        its model at version 0), wait until it is healthy and checked (``verify``); its pid and the weight version it
+        reports (a newer one when a process attached to the run synced it meanwhile). It is not registered: the
+        caller does that (the Ray launcher's engine actor, :mod:`slimectl.orchestration.ray_engines`). What is left
+        of an earlier process under that name is the caller's to kill first."""
+        return self._restart(name, url, version)
+
     def _check_restarted(self, url: str, version: str) -> str:
         """The engine started again reports ``version`` and its weights read back match (``self.verify``); its
         version. An ``rl`` or ``sync`` attached to the run (another process, which this group's lock does not
