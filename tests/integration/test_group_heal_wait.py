@@ -67,3 +67,53 @@ def test_group_urls_waits_for_the_group_engine_being_healed(judge_run):
     registry.register(_record(url, _dead_pid(), DEAD_CREATE_TIME, nobody))  # dead, and its healer gone too
     with pytest.raises(SlimectlError, match="rollout.judge.group = judge: no live engines of that group"):
         group_urls(run, cfg, "judge", "rollout.judge.group")
+
+
+
+def test_the_judges_pool_waits_for_its_only_engine_being_healed(tmp_path):
+    """The judge reward's pool (``make_judge``) over a frozen group of one engine: the engine dies and a verdict is
+    asked while it is down; its record (``heals``, its healer alive) comes back on a new engine at another URL, and
+    the request is answered there instead of failing the sample's verdict."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slimectl.stages.init import init_run
+    from slimectl.stages.rollout.judge import make_judge
+
+    run = init_run(tmp_path / "run", tiny_model="qwen2", overrides=[
+        "engine.groups=[{name: judge}]", "engine.startup_timeout_s=60", "rollout.reward=judge",
+        "rollout.judge.group=judge", "rollout.judge.timeout_s=120"]).run
+    cfg, registry = run.config(), run.engine_group("judge")
+    me = {"pid": os.getpid(), "create_time": process_create_time()}
+    first, url = start_engine(cfg.model.path, tmp_path / "judge-0.log", own_process=True)
+    procs = [first]
+    try:
+        wait_healthy(url)
+        registry.register(_record(url, first.pid, None, me))
+        judge, close = make_judge(run, cfg)
+        first.kill()
+        first.wait()
+
+        def heal() -> None:  # the heartbeat's part: a new engine started and registered under the same id
+            proc, new_url = start_engine(cfg.model.path, tmp_path / "judge-1.log", own_process=True)
+            procs.append(proc)
+            wait_healthy(new_url)
+            registry.register(_record(new_url, proc.pid, None, me))
+
+        async def go():
+            healer = threading.Thread(target=heal, daemon=True)
+            healer.start()
+            try:
+                sample = SimpleNamespace(prompt="1+1=", response="2", label="2", metadata={})
+                await judge.score(sample)
+                return sample.metadata["judge"]
+            finally:
+                healer.join()
+                await close()
+
+        verdict = asyncio.run(go())
+        assert isinstance(verdict["verdict"], str), verdict  # answered (the tiny model's text need not parse)
+        assert verdict["engine_url"].rstrip("/") not in (url, None)  # by the engine healed at the new URL
+    finally:
+        for p in procs:
+            stop_engine(p)

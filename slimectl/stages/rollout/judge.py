@@ -50,7 +50,7 @@ def make_judge(run: RunDir, cfg: SlimectlConfig) -> tuple[JudgeReward, Callable[
     urls = judge_urls(run, cfg)
     registry = run.engine_group(j.group) if j.group and j.group != cfg.engine.name else None
     pool = EnginePool(urls, token=cfg.engine.token(), concurrency_per_engine=j.concurrency, timeout=j.timeout_s,
-                      registry=registry)
+                      registry=registry, heal_wait_s=cfg.engine.startup_timeout_s)  # its lost engine being healed
     params = {"max_new_tokens": j.max_tokens, "temperature": j.temperature}
     prompt = judge_prompt(cfg)
 

@@ -78,12 +78,13 @@ def group_filter(r, args):
 
 
 async def teacher_log_probs(samples: list[Sample], urls: list[str], temperature: float, token: str | None,
-                            cfg: SlimectlConfig, run_path=None) -> float:
+                            cfg: SlimectlConfig, run_path=None, registry=None) -> float:
     """Fill ``sample.teacher_log_probs`` (one per response token) from the teacher engines; return
     the mean per-token reverse-KL estimate ``student_lp - teacher_lp`` over trained tokens. A VLM sample's images
     (from ``run_path``'s ``media/``) go with its request."""
     pool = EnginePool([u.rstrip("/") for u in urls], token=token, concurrency_per_engine=cfg.rollout.concurrency_per_engine,
-                      timeout=cfg.engine.request_timeout_s)
+                      timeout=cfg.engine.request_timeout_s, registry=registry,  # the teacher group's: a lost
+                      heal_wait_s=cfg.engine.startup_timeout_s)  # engine the heartbeat heals is waited for
 
     async def one(s: Sample) -> None:
         if s.response_length == 0:
@@ -228,13 +229,14 @@ class RolloutProducer:
         """The metrics of a batch started at ``started`` (the teacher's log-probs filled in first under OPD)."""
         cfg, r = self.cfg, self.cfg.rollout
         samples = [s for g in kept for s in g.samples]
-        teachers = list(r.teacher_urls)
+        teachers, registry = list(r.teacher_urls), None
         if r.teacher_group:  # OPD from a frozen engine group: its live engines, as teacher_urls
-            from slimectl.engines.groups import group_urls
+            from slimectl.engines.groups import group_registry, group_urls
 
             teachers += group_urls(self.run, cfg, r.teacher_group, "rollout.teacher_group")
-        opd_rkl = await teacher_log_probs(samples, teachers, r.temperature, cfg.engine.token(), cfg, self.run.path) \
-            if teachers else None
+            registry = group_registry(self.run, cfg, r.teacher_group)
+        opd_rkl = await teacher_log_probs(samples, teachers, r.temperature, cfg.engine.token(), cfg, self.run.path,
+                                          registry) if teachers else None
         metrics = rollout_metrics(samples, counts, time.time() - started, r.reward_key, [g.samples for g in kept],
                                   weight_version)
         if opd_rkl is not None:
