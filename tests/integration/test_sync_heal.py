@@ -5,6 +5,7 @@ named in one line (exit 1), the others synced."""
 from __future__ import annotations
 
 import signal
+import threading
 
 import pytest
 
@@ -30,6 +31,17 @@ def _back(run: RunDir, pid: int):
     return rec if rec.pid != pid and rec.alive() else None
 
 
+def _serve(tmp_path, **rollout):
+    """A run (tiny qwen2) and its ``serve`` of 2 engines with a fast heartbeat: (run, serve, urls, serve's log)."""
+    cfg = write_config(tmp_path, engine={"num_engines": 2, "health_check": FAST}, rollout=rollout)
+    path = tmp_path / "run"
+    assert slimectl_in_process("init", path, "-c", cfg, "--tiny-model", "qwen2").returncode == 0
+    run = RunDir.open(path)
+    serve_err = tmp_path / "serve.err"
+    serve, urls = start_serve(run, "--num-engines", "2", stderr_file=serve_err)
+    return run, serve, urls, serve_err
+
+
 @pytest.mark.slow
 def test_a_standalone_sync_follows_a_serves_heal(tmp_path):
     """``serve`` (2 engines, its heartbeat) and weights/1; engine-1 ``kill -9``ed and ``slimectl sync`` run at once:
@@ -37,12 +49,8 @@ def test_a_standalone_sync_follows_a_serves_heal(tmp_path):
     ``sync --verify`` clean. Then weights/2 with serve stopped (SIGSTOP: no heartbeat, no heal) and engine-1 killed
     again: the sync waits ``engine.startup_timeout_s`` for it, syncs engine-0 and exits 1 naming engine-1 and the
     fix; once serve goes on and engine-1 is back (at version 1), the sync it names brings it to version 2."""
-    cfg = write_config(tmp_path, engine={"num_engines": 2, "health_check": FAST})
-    path = tmp_path / "run"
-    assert slimectl_in_process("init", path, "-c", cfg, "--tiny-model", "qwen2").returncode == 0
-    run = RunDir.open(path)
-    serve_err = tmp_path / "serve.err"
-    serve, urls = start_serve(run, "--num-engines", "2", stderr_file=serve_err)
+    run, serve, urls, serve_err = _serve(tmp_path)
+    path = run.path
     try:
         publish_weights(run, 1, seed=1)
         first = _engine_1(run)
@@ -50,8 +58,8 @@ def test_a_standalone_sync_follows_a_serves_heal(tmp_path):
         res = slimectl_in_process("sync", "-r", path)
         assert res.returncode == 0, res.stderr[-3000:] + serve_err.read_text()[-3000:]
         assert "weight version 1 ->" in res.stdout and all(u in res.stdout for u in urls)
-        healed = _engine_1(run)
-        assert healed.pid != first.pid and healed.alive()  # synced on its new process
+        # synced on its new process (once registered again: a sync may reach it just before serve registers it)
+        healed = _wait("engine-1 registered again", lambda: _back(run, first.pid))
         assert {r.weight_version for r in run.engines.list()} == {"1"}
         assert [_served_version(u) for u in urls] == ["1", "1"]
         res = slimectl_in_process("sync", "-r", path, "--version", "1", "--verify")
@@ -80,5 +88,42 @@ def test_a_standalone_sync_follows_a_serves_heal(tmp_path):
         assert res.returncode == 0 and "verified" in res.stdout, res.stderr[-3000:]
         assert [_served_version(u) for u in urls] == ["2", "2"]
     finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_sync_follow_follows_a_serves_heal(tmp_path):
+    """``sync --follow`` (its library call, on a thread) beside ``serve``: weights/1 reaches both engines; engine-1
+    ``kill -9``ed and weights/2 published at once: the push that meets the restarting engine waits for it and is
+    made again, and the follower ends (weights/{num_rollout} in every engine) with both engines on version 2."""
+    from slimectl.stages.sync.stage import follow_sync
+
+    run, serve, urls, serve_err = _serve(tmp_path, num_rollout=2)
+    stop, out = threading.Event(), {}
+
+    def follow():
+        try:
+            out["pushed"] = follow_sync(run, run.stage_config("sync"), stop=stop)
+        except BaseException as exc:  # noqa: BLE001 — reported by the assertion below
+            out["error"] = exc
+
+    follower = threading.Thread(target=follow, daemon=True)
+    try:
+        follower.start()
+        publish_weights(run, 1, seed=1)
+        _wait("weights/1 in both engines", lambda: {r.weight_version for r in run.engines.list()} == {"1"})
+        first = _engine_1(run)
+        _listener(first.url).kill()
+        publish_weights(run, 2, seed=2)
+        follower.join(timeout=120)
+        assert not follower.is_alive() and "error" not in out, (out, serve_err.read_text()[-3000:])
+        assert out["pushed"] == [1, 2]
+        _wait("engine-1 registered again", lambda: _back(run, first.pid))
+        assert {r.weight_version for r in run.engines.list()} == {"2"}
+        assert [_served_version(u) for u in urls] == ["2", "2"]
+    finally:
+        stop.set()
+        follower.join(timeout=30)
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=60)
