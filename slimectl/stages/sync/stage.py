@@ -159,6 +159,7 @@ class EngineSync:
             await self._open()
         except SlimectlError as exc:
             if not await self._follow_heal(exc, before):
+                await self._close()  # (connected again meanwhile, maybe)
                 raise
         return self
 
