@@ -46,8 +46,8 @@ async def wait_back(run: RunDir, targets: list[EngineTarget], ids: list[str],
     record gone: lost for good)."""
     from slimectl.engines.health import wait_registered
 
-    log.warning("engine(s) %s are being restarted by their serve; waiting up to %gs for them to be back",
-                ", ".join(ids), timeout)
+    log.warning("waiting up to %gs for engine(s) %s to be back on a live process that answers (their serve "
+                "restarts a lost one)", timeout, ", ".join(ids))
     late = set(await asyncio.to_thread(wait_registered, run.engines, ids, timeout))
     recs = {r.id: r for r in run.engines.list()}
     kept, left = [], []
