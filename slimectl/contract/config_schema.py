@@ -531,7 +531,8 @@ class EngineSection(Section):
     max_batch_size: int = Field(default=64, gt=0)
     """Embedded engine: most sequences decoded together."""
     startup_timeout_s: float = Field(default=600.0, gt=0)
-    """Seconds an engine may take to become healthy."""
+    """Seconds an engine may take to become healthy (also how long a rollout with every engine out waits for
+    one the heartbeat is starting again)."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Seconds one request to an engine may take."""
     health_check: HealthCheckSection = Field(default_factory=HealthCheckSection)

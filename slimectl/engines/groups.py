@@ -24,7 +24,13 @@ def group_registry(run: RunDir, cfg: SlimectlConfig, name: str) -> EngineRegistr
 
 def group_urls(run: RunDir, cfg: SlimectlConfig, name: str, key: str) -> list[str]:
     """The URLs of group ``name``'s live engines (``key``: the config key that named it, for the error)."""
-    recs = group_registry(run, cfg, name).live()
+    registry = group_registry(run, cfg, name)
+    recs = registry.live()
+    if not recs:  # its engines being healed (a heartbeat starting them again): wait for them
+        from slimectl.engines.health import wait_healing
+
+        wait_healing(registry, cfg.engine.startup_timeout_s)
+        recs = registry.live()
     if not recs:
         raise SlimectlError(f"{key} = {name}: no live engines of that group are registered in {run.path}/engines; "
                             f"start `slimectl serve -r {run.path}` (it starts every group of engine.groups), or run "

@@ -274,13 +274,20 @@ class EnginePool:
                              return_exceptions=True)
 
     async def weight_versions(self) -> dict[str, str]:
-        out = {}
-        for u in self.alive():
-            try:
-                out[u] = await self.clients[u].weight_version()
-            except EngineError as exc:
-                self.mark_dead(u, exc)
-        return out
+        """The weight version each engine in the pool serves (those that fail are taken out); with every engine out
+        and one being healed, waits (up to ``heal_wait_s``) for it to come back, as a request does."""
+        deadline = time.monotonic() + self.heal_wait_s
+        while True:
+            self.revive()
+            out = {}
+            for u in self.alive():
+                try:
+                    out[u] = await self.clients[u].weight_version()
+                except EngineError as exc:
+                    self.mark_dead(u, exc)
+            if out or time.monotonic() >= deadline or not self._healing():
+                return out
+            await asyncio.sleep(REVIVE_POLL_S)
 
     async def close(self) -> None:
         clients = list(self.clients.values()) + ([self.router_client] if self.router_client else [])

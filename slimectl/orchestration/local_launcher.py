@@ -49,10 +49,11 @@ def _kill_orphan_engines(run: RunDir) -> None:
 class RunEngines:
     """The engines a run uses (:class:`~slimectl.orchestration.handles.EnginesInUse`): a running ``slimectl serve``'s,
     or an :class:`~slimectl.orchestration.handles.EngineSet` this process starts and owns — ``make_group(run, cfg)``,
-    default :class:`~slimectl.stages.serve.EngineProcesses` (child processes)."""
+    default :class:`~slimectl.stages.serve.EngineProcesses` (child processes) — with the frozen groups of
+    ``engine.groups`` beside it (``make_frozen(run, cfg)``, default :class:`~slimectl.stages.serve.FrozenGroups`)."""
 
     def __init__(self, run: RunDir, cfg: SlimectlConfig, engine_urls: list[str] | tuple[str, ...], stack: ExitStack,
-                 make_group=None):
+                 make_group=None, make_frozen=None):
         from slimectl.stages.serve import EngineProcesses
 
         self.ids: dict[str, str | None] = {}
@@ -87,7 +88,7 @@ class RunEngines:
         if cfg.engine.frozen_groups:  # a teacher, a judge: served beside the actor's engines, never synced
             from slimectl.stages.serve import FrozenGroups
 
-            self.frozen = stack.enter_context(FrozenGroups(run, cfg))
+            self.frozen = stack.enter_context((make_frozen or FrozenGroups)(run, cfg))
         self.ids = {e.url: e.id for e in group.engines}
         if cfg.rollout.async_mode == "fully_async":
             share_cores_with_engines(getattr(group, "engine_threads", {}))

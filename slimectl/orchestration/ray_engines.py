@@ -12,6 +12,12 @@ new actor in the same placement-group bundle (the same node) kills what is left 
 tree there, starts the engine on the same URL at the weight version the registry recorded for it (full
 weights), checks its weights against ``weights/N`` (:func:`~slimectl.orchestration.heal_check.weights_check`) and
 registers it again under its id, before the driver hands it requests again.
+
+The frozen groups of ``engine.groups`` (an OPD teacher, the judge reward's engines) are engine actors too
+(:func:`frozen_group_actors`): one :class:`RayEngineActors` per group, its actors in a placement group of its own
+(``group-NAME``), each engine started from the group's model at version 0 and registered in
+``RUN/engines/groups/NAME/``, watched by a heartbeat of its own (the group's ``health_check``) and healed the same
+way, at version 0 (not checked against ``weights/N``, which are the actor's); no sync reaches them.
 """
 
 from __future__ import annotations
@@ -42,9 +48,32 @@ def is_loopback(host: str) -> bool:
     return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
-def unwatched_config(cfg_data: dict) -> SlimectlConfig:
-    """The driver's config as an engine actor uses it: its engine is watched by the driver, not by the actor."""
+def healer(watched: bool) -> dict | None:
+    """What the driver tells its engine actors to record as the ``owner`` of their engines when its heartbeat watches
+    them (``watched``): itself, the process that heals them (its pid, start time and process table); None else."""
+    from slimectl.contract.rundir.atomic import host_id, process_create_time
+
+    return {"pid": os.getpid(), "create_time": process_create_time(), "host_id": host_id()} if watched else None
+
+
+def owner_extra(owner: dict | None) -> dict:
+    """An engine record's ``owner`` and ``heals``, written by an engine actor: the driver that heals the engine
+    (``owner``, from :func:`healer`) when it shares this process table — a record is not pruned as dead while its
+    owner lives (``registry.prune_dead``), and a pool waits for an engine being healed (``engines/pool.py``) —
+    else this actor, which does not heal it."""
+    from slimectl.contract.rundir.atomic import host_id, process_create_time
+
+    if owner is not None and owner.get("host_id") == host_id():
+        return {"owner": {"pid": owner["pid"], "create_time": owner["create_time"]}, "heals": True}
+    return {"owner": {"pid": os.getpid(), "create_time": process_create_time()}, "heals": False}
+
+
+def unwatched_config(cfg_data: dict, group: str | None = None) -> SlimectlConfig:
+    """The driver's config as an engine actor uses it (a frozen ``group``'s: its
+    :meth:`~slimectl.contract.config_schema.SlimectlConfig.group_config`): its engine is watched by the driver, not
+    by the actor."""
     cfg = build_config(cfg_data, origin="the rl driver's config")
+    cfg = cfg.group_config(group) if group else cfg
     cfg.engine.health_check.enabled = False
     return cfg
 
@@ -56,26 +85,32 @@ class EngineWorker:
     def __init__(self) -> None:
         self.group = None
 
-    def start(self, run_path: str, cfg_data: dict, index: int, log_level: int) -> dict:
-        """Launch engine ``index``, wait until healthy, register it (the record names this actor)."""
+    def start(self, run_path: str, cfg_data: dict, index: int, log_level: int, group: str | None = None,
+              owner: dict | None = None) -> dict:
+        """Launch engine ``index`` (of frozen group ``group``: its model at version 0, registered in
+        ``RUN/engines/groups/NAME/``), wait until healthy, register it (the record names this actor, and the driver
+        that heals it: ``owner``, :func:`owner_extra`)."""
         from slimectl.stages.serve import EngineProcesses
 
         worker_logging(log_level)
         run = RunDir.open(run_path)
-        self.group = EngineProcesses(run, unwatched_config(cfg_data), engine_indices=[index]).start()
-        engine = self.group.engines[0]
+        self.group = EngineProcesses(run, unwatched_config(cfg_data, group), engine_indices=[index],
+                                     group=group).start()
+        engine, registry = self.group.engines[0], self.group.registry
         where = worker_context()
-        run.engines.update(engine.id, extra={**run.engines.get(engine.id).extra, "launcher": "ray", **where})
+        registry.update(engine.id, extra={**registry.get(engine.id).extra, "launcher": "ray", **where,
+                                          **owner_extra(owner)})
         return {"id": engine.id, "url": engine.url, "backend": engine.backend, "pid": engine.pid,
                 "weight_version": self.group.weight_version, **where}
 
     def restart(self, run_path: str, cfg_data: dict, index: int, url: str, version: str, engine_id: str,
-                stale: dict, log_level: int) -> dict:
+                stale: dict, log_level: int, group: str | None = None, owner: dict | None = None) -> dict:
         """Start lost engine ``index`` again at ``url`` on ``weights/version`` (full weights), check its weights
         and register it again as ``engine_id``. ``stale``: the lost engine's pid, start time and host: what is
-        left of its process tree on this node is killed first, and a new actor on another node is refused."""
+        left of its process tree on this node is killed first, and a new actor on another node is refused.
+        ``group``: a frozen group's engine (its model at version 0, not checked against ``weights/N``); ``owner``:
+        the driver that heals it (:func:`owner_extra`)."""
         from slimectl.contract.rundir import EngineRecord
-        from slimectl.contract.rundir.atomic import process_create_time
         from slimectl.engines.supervisor import kill_tree
         from slimectl.orchestration.heal_check import weights_check
         from slimectl.stages.serve import EngineProcesses, ServedEngine
@@ -88,14 +123,15 @@ class EngineWorker:
         if stale.get("pid"):
             kill_tree(stale["pid"], stale.get("create_time"))
         run = RunDir.open(run_path)
-        cfg = unwatched_config(cfg_data)
-        self.group = EngineProcesses(run, cfg, engine_indices=[index], verify=weights_check(run, cfg))
+        cfg = unwatched_config(cfg_data, group)
+        self.group = EngineProcesses(run, cfg, engine_indices=[index], group=group,
+                                     verify=None if group else weights_check(run, cfg))
         # healthy and checked: at `version`, or a newer one a sync of the driver reached it with meanwhile
-        pid, version = self.group._restart(f"engine-{index}", url, version)
-        extra = {"log": str(run.path / "logs" / f"engine-{index}.log"), "launcher": "ray", **where,
-                 "owner": {"pid": os.getpid(), "create_time": process_create_time()}}
-        run.engines.register(EngineRecord(url=url, backend=self.group.backend, pid=pid, weight_version=version,
-                                          id=engine_id, extra=extra))
+        pid, version = self.group.restart(f"engine-{index}", url, version)
+        extra = {"log": str(run.path / "logs" / f"{self.group.prefix}engine-{index}.log"), "launcher": "ray",
+                 **where, **owner_extra(owner), **({"group": group} if group else {})}
+        self.group.registry.register(EngineRecord(url=url, backend=self.group.backend, pid=pid,
+                                                  weight_version=version, id=engine_id, extra=extra))
         self.group.engines.append(ServedEngine(engine_id, url, self.group.backend, pid))
         return {"id": engine_id, "url": url, "backend": self.group.backend, "pid": pid, "weight_version": version,
                 **where}
@@ -133,11 +169,18 @@ class EngineWorker:
 class RayEngineActors:
     """What :class:`slimectl.orchestration.local_launcher.RunEngines` starts under Ray: one
     :class:`EngineWorker` per engine, with :class:`~slimectl.stages.serve.EngineProcesses`'s
-    ``start``/``stop``/``engines``/``check_alive``, and its ``lock``/``watched``/``heal``/``watcher``/``lost`` for
-    the heartbeat (:class:`~slimectl.engines.health.Healable`)."""
+    ``start``/``stop``/``engines``/``urls``/``check_alive``, and its ``lock``/``watched``/``heal``/``watcher``/``lost``
+    for the heartbeat (:class:`~slimectl.engines.health.Healable`). ``group``: a frozen group of ``engine.groups``
+    (its engines in placement group ``group-NAME``, registered in ``RUN/engines/groups/NAME/``, never synced)."""
 
-    def __init__(self, launcher, run: RunDir, cfg: SlimectlConfig):
-        self.launcher, self.run, self.cfg = launcher, run, cfg
+    def __init__(self, launcher, run: RunDir, cfg: SlimectlConfig, group: str | None = None):
+        self.launcher, self.run, self.group = launcher, run, group
+        self.driver_cfg = cfg  # what each actor is sent (it takes its group's part itself)
+        self.cfg = cfg.group_config(group) if group else cfg  # the group's engine section: heartbeat, on_lost
+        self.model_path = self.cfg.model.path
+        self.registry = run.engine_group(group) if group else run.engines
+        self.prefix = f"{group}-" if group else ""
+        self.slots = launcher.layout.frozen[group] if group else launcher.layout.engines
         self.workers: list = []
         self.engines: list = []
         self.infos: list[dict] = []
@@ -146,15 +189,21 @@ class RayEngineActors:
         self.watcher = None
         self.lost: dict[str, str] = {}  # url -> the line saying why that engine is gone for good
 
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
     def _worker(self, index: int):
-        return self.launcher.worker(EngineWorker, self.launcher.layout.engines[index], max_concurrency=4)
+        return self.launcher.worker(EngineWorker, self.slots[index], max_concurrency=4)
 
     def start(self) -> "RayEngineActors":
         from slimectl.stages.serve import ServedEngine
 
         launcher = self.launcher
-        self.workers = [self._worker(i) for i in range(len(launcher.layout.engines))]
-        self.infos = launcher.get([a.start.remote(str(self.run.path), self.cfg.to_dict(), i, launcher.log_level)
+        self.workers = [self._worker(i) for i in range(len(self.slots))]
+        owner = healer(self.cfg.engine.health_check.enabled)
+        self.infos = launcher.get([a.start.remote(str(self.run.path), self.driver_cfg.to_dict(), i,
+                                                  launcher.log_level, self.group, owner)
                                    for i, a in enumerate(self.workers)], "engine")
         for info in self.infos:
             self.engines.append(ServedEngine(info["id"], info["url"], info["backend"], info["pid"]))
@@ -203,7 +252,8 @@ class RayEngineActors:
         """The engines the heartbeat watches (:class:`~slimectl.engines.health.Watched`), less those lost for good."""
         from slimectl.engines.health import Watched
 
-        return [Watched(f"engine-{i}", info["url"], lambda i=i: self._poll(i)) for i, info in enumerate(self.infos)
+        return [Watched(f"{self.prefix}engine-{i}", info["url"], lambda i=i: self._poll(i))
+                for i, info in enumerate(self.infos)
                 if info["url"] not in self.lost and i < len(self.workers)]
 
     def _poll(self, i: int) -> int | str | None:
@@ -238,30 +288,31 @@ class RayEngineActors:
         self._kill(old)  # (the fault point serve.engine_restarted is the new actor's, in EngineProcesses)
         new = self._worker(i)
         try:
-            back = self.launcher.get(new.restart.remote(str(self.run.path), self.cfg.to_dict(), i, loss.url, version,
-                                                        info["id"], stale, self.launcher.log_level), "engine")
+            back = self.launcher.get(new.restart.remote(str(self.run.path), self.driver_cfg.to_dict(), i, loss.url,
+                                                        version, info["id"], stale, self.launcher.log_level,
+                                                        self.group, healer(True)), "engine")
         except SlimectlError as exc:
             self.launcher.ray.kill(new)
-            self.run.engines.unregister(info["id"])
+            self.registry.unregister(info["id"])
             give_up(self.lost, loss, exc, len(self.workers), self.cfg.engine.on_lost)
             return
         self.workers[i], self.infos[i] = new, {**info, **back}
         self.watching[i] = new.wait_engine.remote()
-        log.warning("%s at %s is back at weight version %s (checked) in actor %s (pid %d), %.1fs after it was found "
-                    "lost", loss.name, loss.url, version, back["ray_actor_id"][:12], back["actor_pid"],
-                    time.monotonic() - loss.at)
+        log.warning("%s at %s is back at weight version %s (%s) in actor %s (pid %d), %.1fs after it was found lost",
+                    loss.name, loss.url, back["weight_version"], "its frozen model" if self.group else "checked",
+                    back["ray_actor_id"][:12], back["actor_pid"], time.monotonic() - loss.at)
 
     def _recorded_version(self, info: dict) -> str:
         """The weight version the registry last recorded for the engine (the one it started at, without a record)."""
         try:
-            return str(self.run.engines.get(info["id"]).weight_version)
+            return str(self.registry.get(info["id"]).weight_version)
         except (SlimectlError, OSError, KeyError):
             return str(info["weight_version"])
 
     def _stale(self, info: dict) -> dict:
         """What the new actor needs to kill what is left of the lost engine: its pid, start time and host."""
         try:
-            rec = self.run.engines.get(info["id"])
+            rec = self.registry.get(info["id"])
             return {"pid": rec.pid, "create_time": rec.create_time, "host": info["actor_host"]}
         except (SlimectlError, OSError):
             return {"pid": info["pid"], "create_time": None, "host": info["actor_host"]}
@@ -275,3 +326,16 @@ class RayEngineActors:
         except Exception as exc:  # noqa: BLE001 — dead or stuck: killing it is what is left
             log.info("ray: the lost engine's actor did not kill its engine (%s)", str(exc).splitlines()[0][:200])
         ray.kill(actor, no_restart=True)
+
+
+def frozen_group_actors(launcher, run: RunDir, cfg: SlimectlConfig):
+    """:class:`~slimectl.stages.serve.FrozenGroups` under ``rl --launcher ray``: each frozen group of
+    ``engine.groups`` (a teacher, a judge) as engine actors of its own (:class:`RayEngineActors` with its ``group``:
+    started, registered, watched and healed like the actor's engines, at its model's version 0, never synced); an
+    external group (engines started elsewhere) only registered, from the driver."""
+    from slimectl.stages.serve import FrozenGroups
+
+    frozen = FrozenGroups(run, cfg)
+    for name in launcher.layout.frozen:
+        frozen.groups[name] = RayEngineActors(launcher, run, cfg, group=name)
+    return frozen

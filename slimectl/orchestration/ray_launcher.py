@@ -9,7 +9,8 @@ loop and the rollout stage (HTTP clients of the engines); only where engines and
 - one :class:`~slimectl.orchestration.ray_engines.EngineWorker` per engine, which starts that engine exactly
   as ``slimectl serve`` does (:class:`~slimectl.stages.serve.EngineProcesses` for its one index: a child
   process of the worker, registered in ``RUN/engines/``, dying with the worker), watched and healed from the
-  driver (:mod:`slimectl.orchestration.ray_engines`);
+  driver (:mod:`slimectl.orchestration.ray_engines`); the frozen groups of ``engine.groups`` (a teacher, a judge)
+  the same way, each in a placement group of its own (``group-NAME``), registered in ``RUN/engines/groups/NAME/``;
 - one :class:`TrainerWorker` per trainer rank (``train.tp*pp*dp`` of them). Rank 0 runs
   :class:`~slimectl.orchestration.local_launcher.InProcessTrainer` — the same train stage
   (``train`` lock, cursor, checkpoints, ``weights/N``) and the same weight sync that a local
@@ -37,13 +38,13 @@ import logging
 import os
 import sys
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from slimectl.contract.config import build_config
 from slimectl.contract.config_schema import SlimectlConfig
 from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
-from slimectl.orchestration.ray_engines import RayEngineActors, is_loopback, url_host
+from slimectl.orchestration.ray_engines import RayEngineActors, frozen_group_actors, is_loopback, url_host
 from slimectl.orchestration.ray_workers import (
     import_ray,
     node_address,
@@ -80,6 +81,8 @@ class Layout:
     colocate: bool
     critic: list[Slot] = field(default_factory=list)
     """PPO's critic group (empty without a critic)."""
+    frozen: dict[str, list[Slot]] = field(default_factory=dict)
+    """Each frozen engine group's engines (``engine.groups``), by group name (empty without one)."""
 
 
 def _part(total: float, n: int) -> float:
@@ -122,6 +125,35 @@ def placement_layout(num_engines: int, trainer_ranks: int, colocate: bool, train
                   [Slot("engines", i, 1.0, float(engine_gpus)) for i in range(num_engines)],
                   colocate=False,
                   critic=[Slot("critic", r, 1.0, float(trainer_gpus)) for r in range(critic_ranks)])
+
+
+def with_frozen_groups(layout: Layout, frozen: dict[str, tuple[int, int]]) -> Layout:
+    """``layout`` plus a placement group ``group-NAME`` for each frozen engine group ``NAME`` -> (its engines, the
+    GPUs each uses): a bundle ``{"CPU": 1}`` (plus its GPUs) per engine, colocated or not (a teacher or a judge
+    shares no GPU with the trainer)."""
+    groups, slots = dict(layout.groups), {}
+    for name, (engines, gpus) in frozen.items():
+        groups[f"group-{name}"] = [{"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})} for _ in range(engines)]
+        slots[name] = [Slot(f"group-{name}", i, 1.0, float(gpus)) for i in range(engines)]
+    return replace(layout, groups=groups, frozen=slots)
+
+
+def ray_frozen_groups(cfg: SlimectlConfig, gpus: bool) -> dict[str, tuple[int, int]]:
+    """The frozen engine groups whose engines the Ray launcher starts as actors (not external ones, which are only
+    registered): name -> (engines, GPUs each)."""
+    out = {}
+    for g in cfg.engine.frozen_groups:
+        ec = cfg.group_config(g.name).engine
+        if ec.backend != "external":
+            out[g.name] = (ec.num_engines, ec.tp_size if gpus and ec.backend == "sglang" else 0)
+    return out
+
+
+def _placement_knob(group: str) -> str:
+    """The config key that sizes placement group ``group`` (for the line saying it could not be placed)."""
+    if group.startswith("group-"):
+        return f"the num_engines of engine.groups {group[len('group-'):]}"
+    return "engine.num_engines" + (" or critic.tp x pp x dp" if group == "critic" else "")
 
 
 def critic_world(cfg: SlimectlConfig) -> int:
@@ -286,6 +318,7 @@ class RayLauncher:
         engine_gpus = cfg.engine.tp_size if gpus and cfg.engine.backend == "sglang" else 0
         self.layout = placement_layout(cfg.engine.num_engines, world, self.colocate, trainer_gpus=1 if gpus else 0,
                                        engine_gpus=engine_gpus, critic_ranks=critic_world(cfg))
+        self.layout = with_frozen_groups(self.layout, ray_frozen_groups(cfg, gpus))
         log.info("ray: %s placement; bundles %s", "colocated" if self.colocate else "disaggregated",
                  {name: len(b) for name, b in self.layout.groups.items()})
         critic = None
@@ -310,7 +343,8 @@ class RayLauncher:
     def start_engines(self, run: RunDir, cfg: SlimectlConfig, engine_urls, stack: ExitStack):
         from slimectl.orchestration.local_launcher import RunEngines
 
-        return RunEngines(run, cfg, engine_urls, stack, make_group=lambda r, c: RayEngineActors(self, r, c))
+        return RunEngines(run, cfg, engine_urls, stack, make_group=lambda r, c: RayEngineActors(self, r, c),
+                          make_frozen=lambda r, c: frozen_group_actors(self, r, c))
 
     # ------------------------------------------------------------------ Ray plumbing
     def _connect(self, cfg: SlimectlConfig, stack: ExitStack) -> None:
@@ -322,7 +356,8 @@ class RayLauncher:
         kwargs: dict = {"address": self.address or "local", "log_to_driver": True}
         if self.address is None:
             # enough logical CPUs for every bundle, even on a small box
-            need = max(cfg.engine.num_engines, 1) + 1 + critic_world(cfg)
+            need = max(cfg.engine.num_engines, 1) + 1 + critic_world(cfg) + sum(
+                n for n, _ in ray_frozen_groups(cfg, False).values())
             kwargs.update(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False)
         if not sys.stderr.isatty():
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no color codes in the actors' forwarded lines
@@ -351,7 +386,7 @@ class RayLauncher:
         if not pg.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
             raise SlimectlError(f"the Ray cluster could not place the {name} bundles {bundles} within "
                                 f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {self.ray.available_resources()}); add nodes or "
-                                f"lower engine.num_engines{' or critic.tp x pp x dp' if name == 'critic' else ''}")
+                                f"lower {_placement_knob(name)}")
         self._groups[name] = pg
         return pg
 

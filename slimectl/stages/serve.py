@@ -496,7 +496,7 @@ class EngineProcesses:
         self.supervisor.stop(timeout=0.0, names=[loss.name])  # SIGKILL to its process group (a stopped one too)
         fault_point("serve.engine_killed")
         try:
-            pid, version = self._restart(loss.name, loss.url, version)
+            pid, version = self._restart_while_pruned(loss.name, loss.url, version)
         except (SlimectlError, OSError) as exc:
             if served is not None:
                 self.registry.unregister(served.id)
@@ -523,15 +523,36 @@ class EngineProcesses:
         meanwhile, ``sync.keep_weights``; or never written: ``sync.transport: distributed`` between two checkpoints),
         the newest published one, else the initial weights (version 0). The next sync brings it to the current
         version (``rl`` builds its weight-update group again for it)."""
-        version = self._recorded_version(served)
+        return self._on_disk_or_newest(self._recorded_version(served), served.id if served else "the engine")
+
+    def _on_disk_or_newest(self, version: str, who: str) -> str:
+        """``version`` when its ``weights/N`` is on disk (or it is the initial one); else the newest published
+        version, else the initial one, said in a warning naming ``who``."""
         if not (version.isdigit() and int(version) > 0) or self.run.weights.exists(int(version)):
             return version
         ids = self.run.weights.ids()
         newest = str(ids[-1]) if ids else INITIAL_WEIGHT_VERSION
         log.warning("weights/%06d is not on disk; starting %s at %s instead (the next sync brings it to the current "
-                    "version)", int(version), served.id if served else "the engine",
+                    "version)", int(version), who,
                     f"weights/{int(newest):06d}" if ids else "the initial weights (version 0)")
         return newest
+
+    def _restart_while_pruned(self, name: str, url: str, version: str) -> tuple[int, str]:
+        """:meth:`_restart` at ``version``; when it fails because ``weights/version`` left the disk meanwhile (an
+        attached ``rl`` pruned it, ``sync.keep_weights``, while the engine loaded it or its weights were checked
+        against it), again at the newest published version, up to three times. Any other failure is raised as
+        it is."""
+        for _ in range(2):
+            try:
+                return self._restart(name, url, version)
+            except (SlimectlError, OSError) as exc:
+                now = self._on_disk_or_newest(version, name)
+                if now == version:
+                    raise
+                log.warning("starting %s again at weight version %s failed (%s): weights/%06d left the disk "
+                            "meanwhile; starting it at weight version %s", name, version, exc, int(version), now)
+                version = now
+        return self._restart(name, url, version)
 
     def _restart(self, name: str, url: str, version: str) -> tuple[int, str]:
         """Start engine ``name`` again at ``url`` on ``weights/version``; its pid and weight version once healthy
@@ -565,6 +586,15 @@ class EngineProcesses:
                 shutil.rmtree(self.staging, ignore_errors=True)
         fault_point("serve.engine_restarted")
         return proc.pid, version
+
+    def restart(self, name: str, url: str, version: str) -> tuple[int, str]:
+        """Start engine ``name`` (``engine-N``) of this group again at ``url`` on ``weights/version`` (a frozen group:
+        its model at version 0), wait until it is healthy and checked (``verify``); its pid and the weight version it
+        reports (a newer one when a process attached to the run synced it meanwhile). It is not registered: the
+        caller does that (the Ray launcher's engine actor, :mod:`slimectl.orchestration.ray_engines`). What is left
+        of an earlier process under that name is the caller's to kill first. Made again at the newest published
+        version when ``weights/version`` leaves the disk meanwhile (:meth:`_restart_while_pruned`)."""
+        return self._restart_while_pruned(name, url, version)
 
     def _check_restarted(self, url: str, version: str) -> str:
         """The engine started again reports ``version`` and its weights read back match (``self.verify``); its

@@ -57,10 +57,7 @@ def test_rl_attached_to_a_serve_follows_its_heal(tmp_path):
     n_rollout, batch, n = 3, 4, 4
     cfg = write_config(tmp_path, rollout={"num_rollout": n_rollout, "batch_size": batch, "n_samples_per_prompt": n,
                                           "max_response_len": 24},
-                       engine={"num_engines": 2, "health_check": FAST},
-                       # every weights/N kept: a heal racing sync.keep_weights' pruning of the version it restarts
-                       # at is a known gap (the issue note), not what this test checks
-                       sync={"keep_weights": None})
+                       engine={"num_engines": 2, "health_check": FAST})
     path = tmp_path / "run"
     assert slimectl_in_process("init", path, "-c", cfg, "--tiny-model", "qwen2").returncode == 0
     run = RunDir.open(path)
@@ -132,6 +129,13 @@ def test_the_pool_takes_back_an_engine_the_heartbeat_registered_again(group):
             assert url1 not in pool.dead and url1 in {u for _, u in second}  # taken back
             pids = {r.url: r.pid for r in run.engines.list()}
             third = await batch(pool, range(80, 100), kill=[url0, url1])  # no engine left: wait for the heal
+            # asked for the engines' versions with every engine out (both healed, then killed again): waits too
+            await asyncio.to_thread(_wait, "both engines registered again",
+                                    lambda: all(healed(u, pids[u]) for u in (url0, url1)))
+            for url in (url0, url1):
+                _listener(url).kill()
+            versions = await pool.weight_versions()
+            assert versions and set(versions) <= {url0, url1}, versions
             return first + second + third, pids
         finally:
             await pool.close()

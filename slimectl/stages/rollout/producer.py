@@ -156,7 +156,9 @@ class RolloutProducer:
         cfg, r = self.cfg, self.cfg.rollout
         routing = {} if self.evaluating else {
             "registry": self.run.engines, "connections": self.connections,
-            "router": self.run.live_router(self.urls)}  # serve's sglang-router in front of exactly these engines
+            "router": self.run.live_router(self.urls),  # serve's sglang-router in front of exactly these engines
+            # every engine out, one being healed (its record says its owner's heartbeat restarts it): wait for it
+            "heal_wait_s": cfg.engine.startup_timeout_s}
         self.pool = EnginePool(self.urls, token=cfg.engine.token(), concurrency_per_engine=r.concurrency_per_engine,
                                timeout=cfg.engine.request_timeout_s,
                                lora_path=weight_format(cfg).adapter_name, **routing)
