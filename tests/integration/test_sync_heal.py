@@ -93,7 +93,8 @@ def test_a_standalone_sync_follows_a_serves_heal(tmp_path):
 
 
 @pytest.mark.slow
-def test_sync_follow_follows_a_serves_heal(tmp_path):
+@pytest.mark.parametrize("transport", ["disk", "distributed"])
+def test_sync_follow_follows_a_serves_heal(tmp_path, transport):
     """``sync --follow`` (its library call, on a thread) beside ``serve``: weights/1 reaches both engines; engine-1
     ``kill -9``ed and weights/2 published at once: the push that meets the restarting engine waits for it and is
     made again, and the follower ends (weights/{num_rollout} in every engine) with both engines on version 2."""
@@ -104,7 +105,7 @@ def test_sync_follow_follows_a_serves_heal(tmp_path):
 
     def follow():
         try:
-            out["pushed"] = follow_sync(run, run.stage_config("sync"), stop=stop)
+            out["pushed"] = follow_sync(run, run.stage_config("sync"), transport, stop=stop)
         except BaseException as exc:  # noqa: BLE001 — reported by the assertion below
             out["error"] = exc
 
