@@ -132,10 +132,9 @@ class RunEngines:
         """Whether the engines are watched (a lost one is restarted: a failed sync may be tried again): by this
         process's heartbeat, or by the ``serve`` this process is attached to (its records say so)."""
         if self.group is None:
-            from slimectl.contract.rundir.registry import owner_alive
+            from slimectl.contract.rundir.registry import healed_by_owner
 
-            return any(r.id in self.ids.values() and isinstance(r.extra, dict) and r.extra.get("heals") and
-                       owner_alive(r) for r in self.registry.list())
+            return any(r.id in self.ids.values() and healed_by_owner(r) for r in self.registry.list())
         return getattr(self.group, "watcher", None) is not None
 
     def wait_healed(self, timeout: float) -> None:

@@ -5,13 +5,21 @@ record on exit; ``rollout`` and ``sync`` find engines here; ``status`` shows the
 health. A record whose process is gone (same host: same
 :func:`~slimectl.contract.rundir.atomic.host_id`) is reported as dead and pruned; a record from another
 host cannot be judged from here and counts as live.
+
+Every change of a record is a read-modify-write under ``engines/.records.lock`` (an ``fcntl.flock``, let go by the
+kernel when its holder dies, ``kill -9`` included): a sync recording a weight version and a ``serve`` registering
+an engine it started again (same id, new pid) never lose each other's field, and a record removed meanwhile is not
+written back.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +52,8 @@ class EngineRecord:
     extra: dict[str, Any] = field(default_factory=dict)
     host_id: str | None = field(default_factory=host_id)
     """Whose process table ``pid`` belongs to (None in records written before it existed)."""
+    version_set: float | None = None
+    """When a sync last recorded ``weight_version`` (``time.time()``; None: as registered)."""
 
     def alive(self) -> bool | None:
         """True/False for processes on this host; None when it cannot be told from here."""
@@ -62,6 +72,24 @@ def owner_alive(record: EngineRecord) -> bool:
     return process_alive(owner["pid"], owner.get("create_time"))
 
 
+def healed_by_owner(record: EngineRecord) -> bool:
+    """Whether a live process restarts this engine when it is lost: the ``serve`` that started it (its record's
+    ``extra["owner"]``) is alive and its heartbeat is on (``extra["heals"]``)."""
+    return isinstance(record.extra, dict) and bool(record.extra.get("heals")) and owner_alive(record)
+
+
+def _kept_version(old: EngineRecord, new: EngineRecord) -> str | None:
+    """The weight version ``new`` (an engine registered again under ``old``'s id) is recorded with: a newer one that
+    a sync recorded after ``new``'s process started (the old process was killed before that, so the sync reached
+    this one) wins over the version its owner checked before; otherwise ``new``'s."""
+    if old.pid == new.pid or old.version_set is None or new.create_time is None:
+        return new.weight_version
+    ours, theirs = str(new.weight_version), str(old.weight_version)
+    if theirs.isdigit() and ours.isdigit() and int(theirs) > int(ours) and old.version_set >= new.create_time:
+        return theirs
+    return new.weight_version
+
+
 class EngineRegistry:
     def __init__(self, engines_dir: str | Path):
         self.dir = Path(engines_dir)
@@ -71,26 +99,53 @@ class EngineRegistry:
             raise ValueError(f"engine id {engine_id!r} may only contain letters, digits, '.', '_' and '-'")
         return self.dir / f"{engine_id}.json"
 
+    @contextmanager
+    def _locked(self):
+        """Held around every read-modify-write of a record (one lock for the folder's records)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / ".records.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # lets the lock go
+
     def register(self, record: EngineRecord) -> EngineRecord:
+        """Write ``record`` (a new id when it has none). An engine registered again under its id keeps a newer
+        weight version a sync recorded meanwhile (:func:`_kept_version`)."""
         if not record.id:
             record.id = f"engine-{uuid.uuid4().hex[:8]}"
         if record.pid is not None and record.create_time is None and same_host(record.host, record.host_id):
             record.create_time = process_create_time(record.pid)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self._path(record.id), asdict(record))
+        path = self._path(record.id)
+        with self._locked():
+            if path.exists():
+                try:
+                    old = self._load(path)
+                except (RunDirError, FileNotFoundError):
+                    old = None
+                if old is not None and _kept_version(old, record) != record.weight_version:
+                    record.weight_version, record.version_set = old.weight_version, old.version_set
+            atomic_write_json(path, asdict(record))
         return record
 
     def update(self, engine_id: str, **fields: Any) -> EngineRecord:
-        rec = self.get(engine_id)
-        for k, v in fields.items():
-            if not hasattr(rec, k):
-                raise ValueError(f"engine records have no field {k!r}")
-            setattr(rec, k, v)
-        atomic_write_json(self._path(engine_id), asdict(rec))
+        """Change ``fields`` of the record as it is now (its other fields stay as the last writer left them)."""
+        with self._locked():
+            rec = self.get(engine_id)
+            for k, v in fields.items():
+                if not hasattr(rec, k):
+                    raise ValueError(f"engine records have no field {k!r}")
+                setattr(rec, k, v)
+            atomic_write_json(self._path(engine_id), asdict(rec))
         return rec
 
     def unregister(self, engine_id: str) -> None:
-        self._path(engine_id).unlink(missing_ok=True)
+        path = self._path(engine_id)
+        if not self.dir.is_dir():
+            return
+        with self._locked():
+            path.unlink(missing_ok=True)
 
     def get(self, engine_id: str) -> EngineRecord:
         p = self._path(engine_id)
@@ -121,9 +176,14 @@ class EngineRegistry:
         """Records whose process is alive (or on another host, where that cannot be told)."""
         return [r for r in self.list() if r.alive() is not False]
 
-    def require_live(self) -> list[EngineRecord]:
-        """:meth:`live`, or a clear error when there is none."""
-        recs = self.live()
+    def live_or_healing(self) -> list[EngineRecord]:
+        """:meth:`live`, and the records whose process is gone but whose ``serve`` is restarting it
+        (:func:`healed_by_owner`): the engines a sync must bring to its version."""
+        return [r for r in self.list() if r.alive() is not False or healed_by_owner(r)]
+
+    def require_live(self, healing: bool = False) -> list[EngineRecord]:
+        """:meth:`live` (with ``healing``: :meth:`live_or_healing`), or a clear error when there is none."""
+        recs = self.live_or_healing() if healing else self.live()
         if not recs:
             run = self.dir.parent
             raise RunDirError(f"no live engines registered in {self.dir}; start `slimectl serve -r {run}` "
@@ -136,7 +196,7 @@ class EngineRegistry:
             if engine_id is None:
                 continue
             try:
-                self.update(engine_id, weight_version=version)
+                self.update(engine_id, weight_version=version, version_set=time.time())
             except RunDirError:
                 pass  # unregistered meanwhile (its serve stopped)
 

@@ -146,10 +146,12 @@ class DistributedTransport(WeightTransport):
         sent = asyncio.ensure_future(asyncio.to_thread(self._broadcast, tensors))
         # An engine that refuses the call never joins the broadcast: fail fast on it
         # (the broadcast thread then ends at the group's timeout).
-        done, _ = await asyncio.wait([*calls, sent], return_when=asyncio.FIRST_EXCEPTION)
-        for f in done:
-            if f.exception() is not None:
-                raise f.exception()
+        done, pending = await asyncio.wait([*calls, sent], return_when=asyncio.FIRST_EXCEPTION)
+        failed = [f.exception() for f in done if f.exception() is not None]  # (each retrieved: no asyncio warning)
+        if failed:
+            for f in pending:  # what fails after this one is the same failure's: retrieved when it ends
+                f.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise failed[0]
         await asyncio.gather(*calls, sent)
         return sum(t.numel() * t.element_size() for _, t in tensors) * (self.world_size - 1)
 

@@ -14,6 +14,7 @@ from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.rundir import RunDir
 from slimectl.contract.trace import NULL_TRACER, SpanRecorder
 from slimectl.weight_formats import WeightSource, weight_format
+from slimectl.stages.sync import healing
 from slimectl.stages.sync.transport import EngineTarget, WeightTransport, make_transport
 
 log = logging.getLogger("slimectl.sync")
@@ -116,7 +117,7 @@ def engine_targets(run: RunDir, engine_urls: list[str] | tuple[str, ...] = ()) -
     if engine_urls:
         by_url = {r.url.rstrip("/"): r.id for r in run.engines.list()}
         return [EngineTarget(u.rstrip("/"), by_url.get(u.rstrip("/"))) for u in engine_urls]
-    return [EngineTarget(r.url.rstrip("/"), r.id) for r in run.engines.require_live()]
+    return [EngineTarget(r.url.rstrip("/"), r.id) for r in run.engines.require_live(healing=True)]
 
 
 def weight_source(run: RunDir, cfg: SlimectlConfig, version: int | None) -> WeightSource:
@@ -135,30 +136,52 @@ def weight_source(run: RunDir, cfg: SlimectlConfig, version: int | None) -> Weig
 
 class EngineSync:
     """A sync process's connection to its engines: the clients and the transport, opened once, then
-    :meth:`push` for each version (``run_sync``: one; ``follow_sync``: each new ``weights/N``)."""
+    :meth:`push` for each version (``run_sync``: one; ``follow_sync``: each new ``weights/N``). Beside a ``serve``
+    that heals its engines, an engine it is restarting is waited for and synced once back (:mod:`.healing`)."""
 
     def __init__(self, run: RunDir, cfg: SlimectlConfig, transport: str | None, verify: bool | None,
                  engine_urls: list[str] | tuple[str, ...]):
         self.run, self.cfg = run, cfg
         self.verify = cfg.sync.verify if verify is None else verify
         self.targets = engine_targets(run, engine_urls)
-        self.transport = make_transport(transport or cfg.sync.transport, cfg.sync)
-        self.transport.progress = cfg.logging.progress
+        self.transport_name = transport or cfg.sync.transport
+        self.transport: WeightTransport | None = None
         self.clients: dict = {}
+        self.left: list[str] = []
+        """One phrase per engine this sync goes on without (not back from its serve's heal in time, or lost)."""
 
     async def __aenter__(self) -> "EngineSync":
+        restarting = healing.restarting(self.run, self.targets)
+        if restarting:
+            await self._wait_back(restarting)
+        before = healing.processes(self.run, self.targets)
+        try:
+            await self._open()
+        except SlimectlError as exc:
+            if not await self._follow_heal(exc, before):
+                await self._close()  # (connected again meanwhile, maybe)
+                raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._close()
+
+    async def _open(self) -> None:
         from slimectl.engines.client import EngineClient
 
         token = self.cfg.engine.token()
+        self.transport = make_transport(self.transport_name, self.cfg.sync)
+        self.transport.progress = self.cfg.logging.progress
         self.clients = {t.url: EngineClient(t.url, token=token, timeout=self.cfg.sync.timeout_s) for t in self.targets}
+        if not self.clients:
+            return  # every engine left behind: nothing to connect (the push says so)
         try:
             await self.transport.connect(self.clients)
         except BaseException:
             await self._close_clients()
             raise
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def _close(self) -> None:
         try:
             await self.transport.close(self.clients)
         finally:
@@ -167,12 +190,36 @@ class EngineSync:
     async def _close_clients(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients.values()), return_exceptions=True)
 
+    async def _wait_back(self, ids: list[str]) -> None:
+        """Wait for the engines ``ids`` their serve is restarting; go on with those back (the others: :attr:`left`)."""
+        self.targets, left = await healing.wait_back(self.run, self.targets, ids, self.cfg.engine.startup_timeout_s)
+        self.left += left
+
+    async def _follow_heal(self, exc: SlimectlError, before: dict[str, int | None]) -> bool:
+        """After ``exc``: wait for the engines their serve heals to be back and connect again; whether one of them
+        was restarted (or left behind) since ``before`` (their processes then): only then is it tried once more."""
+        ids = healing.healed(self.run, self.targets)
+        if not ids:
+            return False
+        log.warning("sync failed (%s); syncing again once the lost engine is back", exc)
+        await self._close()
+        await self._wait_back(ids)
+        await self._open()
+        return healing.processes(self.run, self.targets) != before or bool(self.left)
+
     async def push(self, source: WeightSource) -> SyncResult:
-        """Load ``source`` into every engine, record the engines' version and the sync metrics."""
+        """Load ``source`` into every engine, record the engines' version and the sync metrics. A push that fails
+        while the engines' serve restarts one of them is made once more when it is back (or without it, when it
+        is not back in time: then, the others synced, raises naming it)."""
         from slimectl.contract.metrics import MetricsWriter
 
-        result = await sync_engines(self.clients, self.transport, source, self.cfg.effective_pause_mode, self.verify,
-                                     tracer=self.run.tracer("sync"))
+        before = healing.processes(self.run, self.targets)
+        try:
+            result = await self._push(source)
+        except SlimectlError as exc:
+            if not await self._follow_heal(exc, before):
+                raise
+            result = await self._push(source)
         self.run.engines.set_weight_version([t.id for t in self.targets], str(result.version))
         tb = self.run.tensorboard_dir("sync") if self.cfg.logging.tensorboard else None
         with MetricsWriter(self.run.metrics_path("sync"), tb) as m:
@@ -180,7 +227,15 @@ class EngineSync:
         log.info("sync: weight version %d to %d engine(s) by %s in %.2f s (%.1f MB)%s", result.version,
                  len(result.engines), result.transport, result.seconds, result.bytes / 1e6,
                  ", verified" if result.verified else "")
+        if self.left:
+            raise SlimectlError(healing.left_behind_line(self.run, self.left, result.version, result.engines))
         return result
+
+    async def _push(self, source: WeightSource) -> SyncResult:
+        if not self.targets:
+            raise SlimectlError(healing.left_behind_line(self.run, self.left, source.version, []))
+        return await sync_engines(self.clients, self.transport, source, self.cfg.effective_pause_mode, self.verify,
+                                  tracer=self.run.tracer("sync"))
 
 
 def run_sync(run: RunDir, cfg: SlimectlConfig, version: int | None = None, transport: str | None = None,
@@ -230,7 +285,7 @@ def follow_sync(run: RunDir, cfg: SlimectlConfig, transport: str | None = None, 
                             log.info("weights/%06d was pruned before it reached the engines (%s); taking the newer "
                                      "one", newest, exc)
                             continue
-                        served = {u: newest for u in served}
+                        served = {u: newest for u in engines.clients}
                         pushed.append(newest)
                         waiting = time.time()
                         if on_synced is not None:
@@ -250,6 +305,6 @@ async def _served_versions(clients: dict) -> dict[str, int | None]:
     for u, c in clients.items():
         try:
             out[u] = int(await c.weight_version())
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, SlimectlError):  # (SlimectlError: it does not answer; the push finds why)
             out[u] = None
     return out
