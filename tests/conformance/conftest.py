@@ -9,14 +9,15 @@ When no such interpreter is there, the tests that need the server are not run an
 run of this suite. ``SLIMECTL_CONFORMANCE=skip`` opts out on purpose: the tests are deselected and the
 summary says so in one line.
 
-SGLang starts eight times in the whole suite (20-35 s each on an idle 2-core machine, minutes under load): one
+SGLang starts ten times in the whole suite (20-35 s each on an idle 2-core machine, minutes under load): one
 `serve` with two engines and sglang-router in front (test_sglang_serve.py's module fixture: every test of
 the serve, protocol, sync and router paths shares it, in order), the engine the 2-rollout `rl` of
 test_sglang_rl.py starts itself, the one engine of test_sglang_inflight.py (the in-flight updates change
 its weights and leave stale prefixes in its cache), the tiny Qwen2.5-VL of test_vlm_conformance.py, and the one engine of test_sglang_delta_sync.py (sync.mode
 delta: its weights move through five deltas on its own run's chain), and the
 engine of test_sglang_heal.py three times (its start, the heartbeat's restart after a `kill -9`, and after a
-SIGSTOP). The
+SIGSTOP), and the engine of test_sglang_ray.py's `rl --launcher ray` twice (its start, and the Ray driver's heal
+after a `kill -9`). The
 modules are one xdist group (one worker runs them one after another, never two servers of the suite at once).
 """
 
