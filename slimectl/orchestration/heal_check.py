@@ -15,7 +15,9 @@ from slimectl.contract.rundir import RunDir
 
 def weights_check(run: RunDir, cfg: SlimectlConfig) -> Callable[[str, str], list[str]]:
     """``check(url, version)``: the problems found comparing the engine at ``url`` with ``weights/version``
-    (``model.path`` for version 0), one line each; empty when they match."""
+    (``model.path`` for version 0), one line each; empty when they match (a
+    :class:`~slimectl.stages.sync.verify.VerifyReport`: its ``verified`` is false when no tensor could be read
+    back, e.g. SGLang's Qwen2)."""
 
     def check(url: str, version: str) -> list[str]:
         from slimectl.engines.client import EngineClient
@@ -26,7 +28,7 @@ def weights_check(run: RunDir, cfg: SlimectlConfig) -> Callable[[str, str], list
 
         async def read_back() -> list[str]:
             async with EngineClient(url, token=cfg.engine.token(), timeout=cfg.sync.timeout_s, retries=1) as c:
-                return list(await verify_engines({url: c}, source))
+                return await verify_engines({url: c}, source)
 
         return asyncio.run(read_back())
 

@@ -134,7 +134,7 @@ class EngineWorker:
                                                   weight_version=version, id=engine_id, extra=extra))
         self.group.engines.append(ServedEngine(engine_id, url, self.group.backend, pid))
         return {"id": engine_id, "url": url, "backend": self.group.backend, "pid": pid, "weight_version": version,
-                **where}
+                "check": self.group.restart_check, **where}
 
     def wait_engine(self) -> int | None:
         """Return once the engine's process exits: its exit status (the driver's heartbeat sees a dead engine at
@@ -299,7 +299,7 @@ class RayEngineActors:
         self.workers[i], self.infos[i] = new, {**info, **back}
         self.watching[i] = new.wait_engine.remote()
         log.warning("%s at %s is back at weight version %s (%s) in actor %s (pid %d), %.1fs after it was found lost",
-                    loss.name, loss.url, back["weight_version"], "its frozen model" if self.group else "checked",
+                    loss.name, loss.url, back["weight_version"], "its frozen model" if self.group else back["check"],
                     back["ray_actor_id"][:12], back["actor_pid"], time.monotonic() - loss.at)
 
     def _recorded_version(self, info: dict) -> str:

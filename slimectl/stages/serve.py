@@ -181,6 +181,8 @@ class EngineProcesses:
         self.after_start = None  # a version launched engines load once healthy (a LoRA run's adapter)
         self.staging: Path | None = None  # a model they start from, written for them (engine.lora_merged)
         self.verify = verify
+        self.restart_check = "checked"
+        """How the last engine started again was checked (said in the heal's log line)."""
         self.lock = threading.RLock()  # a weight sync, or the heartbeat healing an engine
         self.watcher = None  # the heartbeat (engine.health_check), once the engines are up
         self.lost: dict[str, str] = {}  # url -> the line saying why that engine is gone for good
@@ -508,8 +510,8 @@ class EngineProcesses:
         if served is not None:
             self.engines.remove(served)
         self._register(loss.name, loss.url, pid, version)  # the same id: its record, rewritten
-        log.warning("%s at %s is back at weight version %s (checked), %.1fs after it was found lost", loss.name,
-                    loss.url, version, time.monotonic() - loss.at)
+        log.warning("%s at %s is back at weight version %s (%s), %.1fs after it was found lost", loss.name,
+                    loss.url, version, self.restart_check, time.monotonic() - loss.at)
 
     def _recorded_version(self, served: ServedEngine | None) -> str:
         """The weight version the registry last recorded for ``served`` (the group's when it has no record)."""
@@ -616,6 +618,9 @@ class EngineProcesses:
                 raise SlimectlError(f"it came back reporting weight version {got}, not {version}")
             problems = self.verify(url, got) if self.verify is not None else []
             if not problems:
+                self.restart_check = ("checked" if getattr(problems, "verified", True) else "its version checked; "
+                                      "its weights could not be read back") if self.verify is not None \
+                    else "its version checked"
                 return got
             if asyncio.run(reported()) == got:
                 break

@@ -151,6 +151,13 @@ class DistributedTransport(WeightTransport):
         if failed:
             for f in pending:  # what fails after this one is the same failure's: retrieved when it ends
                 f.add_done_callback(lambda f: f.cancelled() or f.exception())
+            said = next((e for e in failed if isinstance(e, SlimectlError)), None)  # an engine's own failure first
+            if said is not None:
+                raise said
+            if isinstance(failed[0], RuntimeError):  # the collective's (gloo/NCCL): a peer gone mid-broadcast
+                first = (str(failed[0]).strip().splitlines() or [type(failed[0]).__name__])[0][:300]
+                raise SlimectlError(f"the weight broadcast over group {self.group_name} failed ({first}): an engine "
+                                    f"of the group died or left it") from failed[0]
             raise failed[0]
         await asyncio.gather(*calls, sent)
         return sum(t.numel() * t.element_size() for _, t in tensors) * (self.world_size - 1)
