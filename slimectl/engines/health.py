@@ -8,7 +8,9 @@ died) is lost at once; from ``first_wait`` seconds on, an engine whose
 ``GET /health_generate`` does not answer 200 within ``timeout`` seconds (hung: alive, never answering, e.g.
 SIGSTOPped) is lost too. A lost engine is handed to the group's ``heal`` (kill its process group, start it
 again, bring it to its weight version, register it again), which runs under the group's ``lock``: the
-heartbeat is not sent while the group holds it for a weight sync (a paused engine answers no generate).
+heartbeat is not sent while the group holds it for a weight sync (a paused engine answers no generate), nor while
+another process syncing the engines holds their records (``EngineRegistry.hold``: a ``sync``, an ``rl`` attached to
+this ``serve``); a dead process is still found at once.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ class Healable(Protocol):
 
     lock: threading.RLock
     """Held by the group while it syncs weights (no heartbeat then) and by ``heal``."""
+
+    registry: object
+    """Its engines' records (:class:`~slimectl.contract.rundir.registry.EngineRegistry`): while another process
+    (a ``sync``, an attached ``rl``) holds them for a sync (``registry.held()``), no heartbeat either."""
 
     def watched(self) -> list[Watched]:
         """The engines to watch now (the ones lost for good are not among them)."""
@@ -130,7 +136,8 @@ class EngineWatcher:
         """One round over the engines: heal each one found lost; the losses of this round."""
         heartbeat = time.monotonic() - self._t0 >= self.first_wait
         found = []
-        with self.group.lock:  # not while a sync holds the engines paused
+        with self.group.lock:  # not while a sync holds the engines paused (this process's, or another's)
+            heartbeat = heartbeat and not self.group.registry.held()
             for engine in self.group.watched():
                 if self._stop.is_set():
                     break

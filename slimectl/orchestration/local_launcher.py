@@ -60,6 +60,7 @@ class RunEngines:
         self.group = None  # set when this process started the engines
         self.frozen = None  # the frozen groups (engine.groups) this process started with them
         self.registry = run.engines  # attached to a serve: followed (urls)
+        self.sync_timeout_s = cfg.sync.timeout_s
         given = list(engine_urls) or list(cfg.engine.urls)
         if given:
             self.ids = {u.rstrip("/"): None for u in given}
@@ -124,7 +125,10 @@ class RunEngines:
             self.frozen.check_alive()
 
     def guard(self):
-        """Held around a weight sync: the heartbeat neither probes nor restarts an engine meanwhile."""
+        """Held around a weight sync: the heartbeat neither probes nor restarts an engine meanwhile (this process's
+        own; attached to a ``serve``, its heartbeat skips the engines the run's records say are held)."""
+        if self.group is None:
+            return self.registry.hold(self.sync_timeout_s) if self.ids and any(self.ids.values()) else nullcontext()
         lock = getattr(self.group, "lock", None)
         return lock if lock is not None else nullcontext()
 

@@ -4,8 +4,10 @@ named in one line (exit 1), the others synced."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
+import time
 
 import pytest
 
@@ -126,5 +128,36 @@ def test_sync_follow_follows_a_serves_heal(tmp_path, transport):
     finally:
         stop.set()
         follower.join(timeout=30)
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+
+
+def _pause(url: str, token: str | None) -> None:
+    from slimectl.engines.client import EngineClient
+
+    async def go():
+        async with EngineClient(url, token=token) as c:
+            await c.pause_generation("abort")
+
+    asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_a_sync_in_another_process_holds_off_the_serves_heartbeat(tmp_path):
+    """A process syncing the engines of a ``serve`` (here: this one) holds their records
+    (``EngineRegistry.hold``): engine-1 paused far longer than the heartbeat's timeout is not taken for hung while
+    the hold lasts (the same pid throughout); once the hold is let go, still paused, it is (found hung, restarted)."""
+    run, serve, urls, serve_err = _serve(tmp_path)
+    try:
+        first = _engine_1(run)
+        with run.engines.hold(60):
+            _pause(first.url, run.config().engine.token())
+            time.sleep(3 * FAST["timeout"] + FAST["interval"])
+            assert _engine_1(run).pid == first.pid and "is lost" not in serve_err.read_text(), serve_err.read_text()
+        back = _wait("engine-1 found hung and restarted", lambda: _back(run, first.pid), timeout=120)
+        assert back.url == first.url
+        assert f"GET /health_generate did not answer 200 within {FAST['timeout']:g}s (hung)" in serve_err.read_text()
+        assert not list((run.path / "engines" / ".holds").glob("*.json"))  # the hold let go
+    finally:
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=60)

@@ -9,7 +9,7 @@ import os
 import subprocess
 import time
 
-from slimectl.contract.rundir.atomic import process_create_time
+from slimectl.contract.rundir.atomic import host_id, process_create_time
 from slimectl.contract.rundir.registry import EngineRecord, EngineRegistry
 
 N = 150  # writes per writer: without the lock, a lost field shows within a few dozen (measured: see the note)
@@ -91,3 +91,26 @@ def test_a_sync_targets_the_engines_its_serve_is_restarting(tmp_path):
     assert reg.live() == []
     assert [r.id for r in reg.live_or_healing()] == ["healed"]
     assert [r.id for r in reg.require_live(healing=True)] == ["healed"]
+
+
+def test_a_hold_counts_while_its_process_lives_or_until_its_deadline_on_another_host(tmp_path):
+    """``EngineRegistry.hold``/``held``: held while the block runs, not after; a hold file of a dead process on this
+    host is no hold (and is removed); one from another host counts until its ``until``."""
+    import json
+
+    reg = EngineRegistry(tmp_path / "engines")
+    assert not reg.held()
+    with reg.hold(60):
+        assert reg.held()
+    assert not reg.held() and not list((tmp_path / "engines" / ".holds").glob("*.json"))
+    holds = tmp_path / "engines" / ".holds"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (holds / "dead.json").write_text(json.dumps({"pid": dead.pid, "create_time": 1.0, "host_id": host_id(),
+                                                 "host": "x", "until": time.time() + 60}))
+    assert not reg.held() and not (holds / "dead.json").exists()
+    far = {"pid": 1, "create_time": 1.0, "host_id": "elsewhere", "host": "elsewhere"}
+    (holds / "far.json").write_text(json.dumps({**far, "until": time.time() + 60}))
+    assert reg.held()
+    (holds / "far.json").write_text(json.dumps({**far, "until": time.time() - 1}))
+    assert not reg.held() and not (holds / "far.json").exists()

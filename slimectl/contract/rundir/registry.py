@@ -190,6 +190,42 @@ class EngineRegistry:
                               f"or pass --engine-url URL")
         return recs
 
+    @contextmanager
+    def hold(self, seconds: float):
+        """Held by a process that syncs these engines while another process (the ``serve`` that started them)
+        watches them: while it is held that watcher sends no heartbeat (a paused engine answers no generate; it
+        would be taken for hung and killed mid-sync). ``engines/.holds/ID.json`` names this process; a hold whose
+        process died, or from another host past ``seconds``, is not one (:meth:`held`)."""
+        holds = self.dir / ".holds"
+        holds.mkdir(parents=True, exist_ok=True)
+        path = holds / f"{uuid.uuid4().hex}.json"
+        atomic_write_json(path, {"pid": os.getpid(), "create_time": process_create_time(), "host": hostname(),
+                                 "host_id": host_id(), "until": time.time() + seconds})
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+
+    def held(self) -> bool:
+        """Whether a live process holds these engines for a sync (:meth:`hold`); holds of dead processes are
+        removed."""
+        holds = self.dir / ".holds"
+        if not holds.is_dir():
+            return False
+        found = False
+        for p in holds.glob("*.json"):
+            try:
+                h = read_json(p)
+            except (RunDirError, FileNotFoundError):
+                continue  # being written or removed
+            live = process_alive(h["pid"], h.get("create_time")) if same_host(h.get("host"), h.get("host_id")) \
+                else time.time() < float(h.get("until", 0))
+            if live:
+                found = True
+            else:
+                p.unlink(missing_ok=True)
+        return found
+
     def set_weight_version(self, engine_ids, version: str) -> None:
         """Record ``version`` on each registered engine (ids of None, or records gone meanwhile, are skipped)."""
         for engine_id in engine_ids:

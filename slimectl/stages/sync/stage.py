@@ -234,8 +234,9 @@ class EngineSync:
     async def _push(self, source: WeightSource) -> SyncResult:
         if not self.targets:
             raise SlimectlError(healing.left_behind_line(self.run, self.left, source.version, []))
-        return await sync_engines(self.clients, self.transport, source, self.cfg.effective_pause_mode, self.verify,
-                                  tracer=self.run.tracer("sync"))
+        with self.run.engines.hold(self.cfg.sync.timeout_s):  # their serve's heartbeat waits (engines paused)
+            return await sync_engines(self.clients, self.transport, source, self.cfg.effective_pause_mode,
+                                      self.verify, tracer=self.run.tracer("sync"))
 
 
 def run_sync(run: RunDir, cfg: SlimectlConfig, version: int | None = None, transport: str | None = None,
