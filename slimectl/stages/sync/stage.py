@@ -199,8 +199,9 @@ class EngineSync:
         """After ``exc``: wait for the engines their serve heals to be back and connect again; whether one of them
         was restarted (or left behind) since ``before`` (their processes then): only then is it tried once more."""
         ids = healing.healed(self.run, self.targets)
-        if not ids:
-            return False
+        if not ids or (healing.processes(self.run, self.targets) == before
+                       and not healing.restarting(self.run, self.targets)):
+            return False  # no engine lost: a refusal of a live engine (a corrupt delta, a bad version) is the error
         log.warning("sync failed (%s); syncing again once the lost engine is back", exc)
         await self._close()
         await self._wait_back(ids)
