@@ -60,11 +60,9 @@ def remote_result(refs, what: str):
 
 def node_address() -> tuple[str, int]:
     """This node's address and a free port on it: the rendezvous of a group of ranks."""
-    import socket
-
     import ray
 
+    from slimectl.contract.net import free_port
+
     host = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return host, s.getsockname()[1]
+    return host, free_port(host)
