@@ -174,10 +174,7 @@ def wait_healing(registry, timeout: float) -> list[str]:
     that says ``heals`` and whose owner (the process that heals it) lives — to be back or gone
     (:func:`wait_registered`): what a caller that found no live engine in a group does before it gives up (a frozen
     group's only engine, healed while a rollout begins). The ids still not back at the deadline."""
-    from slimectl.contract.rundir.registry import owner_alive
-
-    ids = [r.id for r in registry.list() if r.alive() is False and isinstance(r.extra, dict) and r.extra.get("heals")
-           and owner_alive(r)]
+    ids = [r.id for r in registry.healing()]
     if not ids:
         return []
     log.info("waiting up to %gs for engine(s) %s, being healed", timeout, ", ".join(ids))

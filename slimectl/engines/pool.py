@@ -251,11 +251,10 @@ class EnginePool:
     def _healing(self) -> bool:
         """Whether an engine taken out is being started again: its record is there, says ``heals`` and its
         owner (the serve group that watches it) lives."""
-        from slimectl.contract.rundir.registry import owner_alive
+        from slimectl.contract.rundir.registry import healed_by_owner
 
         ids = {rid for rid, _, _ in self.down.values()}
-        return self._record(lambda r: r.id in ids and isinstance(r.extra, dict) and bool(r.extra.get("heals"))
-                            and owner_alive(r)) is not None
+        return self._record(lambda r: r.id in ids and healed_by_owner(r)) is not None
 
     async def _pick_or_wait_for_heal(self) -> str:
         """:meth:`_pick`; with every engine out and one of them being healed, wait (up to ``heal_wait_s``) for

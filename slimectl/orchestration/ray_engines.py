@@ -23,7 +23,6 @@ way, at version 0 (not checked against ``weights/N``, which are the actor's); no
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from slimectl.contract.config import build_config
@@ -51,9 +50,10 @@ def is_loopback(host: str) -> bool:
 def healer(watched: bool) -> dict | None:
     """What the driver tells its engine actors to record as the ``owner`` of their engines when its heartbeat watches
     them (``watched``): itself, the process that heals them (its pid, start time and process table); None else."""
-    from slimectl.contract.rundir.atomic import host_id, process_create_time
+    from slimectl.contract.rundir.atomic import host_id
+    from slimectl.contract.rundir.registry import this_process
 
-    return {"pid": os.getpid(), "create_time": process_create_time(), "host_id": host_id()} if watched else None
+    return {**this_process(), "host_id": host_id()} if watched else None
 
 
 def owner_extra(owner: dict | None) -> dict:
@@ -61,11 +61,12 @@ def owner_extra(owner: dict | None) -> dict:
     (``owner``, from :func:`healer`) when it shares this process table — a record is not pruned as dead while its
     owner lives (``registry.prune_dead``), and a pool waits for an engine being healed (``engines/pool.py``) —
     else this actor, which does not heal it."""
-    from slimectl.contract.rundir.atomic import host_id, process_create_time
+    from slimectl.contract.rundir.atomic import host_id
+    from slimectl.contract.rundir.registry import this_process
 
     if owner is not None and owner.get("host_id") == host_id():
         return {"owner": {"pid": owner["pid"], "create_time": owner["create_time"]}, "heals": True}
-    return {"owner": {"pid": os.getpid(), "create_time": process_create_time()}, "heals": False}
+    return {"owner": this_process(), "heals": False}
 
 
 def unwatched_config(cfg_data: dict, group: str | None = None) -> SlimectlConfig:

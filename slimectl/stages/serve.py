@@ -45,7 +45,7 @@ from slimectl.contract.errors import SlimectlError, UsageError
 from slimectl.contract.faults import fault_point
 from slimectl.contract.net import free_port
 from slimectl.contract.rundir import EngineRecord, RunDir
-from slimectl.contract.rundir.atomic import process_create_time
+from slimectl.contract.rundir.registry import this_process
 from slimectl.engines.supervisor import ENGINE_NONCE_ENV
 from slimectl.contract.signals import set_on_signals
 from slimectl.weight_formats import weight_format
@@ -57,6 +57,13 @@ INITIAL_WEIGHT_VERSION = "0"
 #: What ``serve --weight-version``/``--initial`` asks for: None (the newest published weights),
 #: a version N, or ``"initial"`` (model.path at version 0).
 WeightChoice = Union[int, Literal["initial"], None]
+
+
+def _how_checked(verified_against_weights: bool, read_back: bool) -> str:
+    """How an engine started again was checked, as its heal's log line says it."""
+    if not verified_against_weights:
+        return "its version checked"  # a frozen group: its model, not weights/N
+    return "checked" if read_back else "its version checked; its weights could not be read back"
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -438,7 +445,7 @@ class EngineProcesses:
         # dead while its owner lives: registry.prune_dead); "heals": whether it does (a pool waits for a healed
         # engine, engines/pool.py)
         extra = {"log": str(self._log_path(name)),
-                 "owner": {"pid": os.getpid(), "create_time": process_create_time()},
+                 "owner": this_process(),
                  "heals": self.cfg.engine.health_check.enabled} if pid is not None else {}
         if self.group:
             extra["group"] = self.group
@@ -498,7 +505,7 @@ class EngineProcesses:
         self.supervisor.stop(timeout=0.0, names=[loss.name])  # SIGKILL to its process group (a stopped one too)
         fault_point("serve.engine_killed")
         try:
-            pid, version = self._restart_while_pruned(loss.name, loss.url, version)
+            pid, version = self.restart(loss.name, loss.url, version)
         except (SlimectlError, OSError) as exc:
             if served is not None:
                 self.registry.unregister(served.id)
@@ -539,23 +546,6 @@ class EngineProcesses:
                     f"weights/{int(newest):06d}" if ids else "the initial weights (version 0)")
         return newest
 
-    def _restart_while_pruned(self, name: str, url: str, version: str) -> tuple[int, str]:
-        """:meth:`_restart` at ``version``; when it fails because ``weights/version`` left the disk meanwhile (an
-        attached ``rl`` pruned it, ``sync.keep_weights``, while the engine loaded it or its weights were checked
-        against it), again at the newest published version, up to three times. Any other failure is raised as
-        it is."""
-        for _ in range(2):
-            try:
-                return self._restart(name, url, version)
-            except (SlimectlError, OSError) as exc:
-                now = self._on_disk_or_newest(version, name)
-                if now == version:
-                    raise
-                log.warning("starting %s again at weight version %s failed (%s): weights/%06d left the disk "
-                            "meanwhile; starting it at weight version %s", name, version, exc, int(version), now)
-                version = now
-        return self._restart(name, url, version)
-
     def _restart(self, name: str, url: str, version: str) -> tuple[int, str]:
         """Start engine ``name`` again at ``url`` on ``weights/version``; its pid and weight version once healthy
         and checked (a newer one when a process attached to the run synced it meanwhile)."""
@@ -593,10 +583,22 @@ class EngineProcesses:
         """Start engine ``name`` (``engine-N``) of this group again at ``url`` on ``weights/version`` (a frozen group:
         its model at version 0), wait until it is healthy and checked (``verify``); its pid and the weight version it
         reports (a newer one when a process attached to the run synced it meanwhile). It is not registered: the
-        caller does that (the Ray launcher's engine actor, :mod:`slimectl.orchestration.ray_engines`). What is left
-        of an earlier process under that name is the caller's to kill first. Made again at the newest published
-        version when ``weights/version`` leaves the disk meanwhile (:meth:`_restart_while_pruned`)."""
-        return self._restart_while_pruned(name, url, version)
+        caller does that (:meth:`heal`, or the Ray launcher's engine actor, :mod:`slimectl.orchestration.ray_engines`).
+        What is left of an earlier process under that name is the caller's to kill first. When it fails because
+        ``weights/version`` left the disk meanwhile (an attached ``rl`` pruned it, ``sync.keep_weights``, while the
+        engine loaded it or its weights were checked against it), it is made again at the newest published version,
+        three tries in all; any other failure is raised as it is."""
+        for _ in range(2):
+            try:
+                return self._restart(name, url, version)
+            except (SlimectlError, OSError) as exc:
+                now = self._on_disk_or_newest(version, name)
+                if now == version:
+                    raise
+                log.warning("starting %s again at weight version %s failed (%s): weights/%06d left the disk "
+                            "meanwhile; starting it at weight version %s", name, version, exc, int(version), now)
+                version = now
+        return self._restart(name, url, version)
 
     def _check_restarted(self, url: str, version: str) -> str:
         """The engine started again reports ``version`` and its weights read back match (``self.verify``); its
@@ -618,9 +620,7 @@ class EngineProcesses:
                 raise SlimectlError(f"it came back reporting weight version {got}, not {version}")
             problems = self.verify(url, got) if self.verify is not None else []
             if not problems:
-                self.restart_check = ("checked" if getattr(problems, "verified", True) else "its version checked; "
-                                      "its weights could not be read back") if self.verify is not None \
-                    else "its version checked"
+                self.restart_check = _how_checked(self.verify is not None, getattr(problems, "verified", True))
                 return got
             if asyncio.run(reported()) == got:
                 break

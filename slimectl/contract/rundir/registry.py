@@ -72,6 +72,11 @@ def owner_alive(record: EngineRecord) -> bool:
     return process_alive(owner["pid"], owner.get("create_time"))
 
 
+def this_process() -> dict[str, Any]:
+    """This process as an engine record's ``extra["owner"]`` (what :func:`owner_alive` checks)."""
+    return {"pid": os.getpid(), "create_time": process_create_time()}
+
+
 def healed_by_owner(record: EngineRecord) -> bool:
     """Whether a live process restarts this engine when it is lost: the ``serve`` that started it (its record's
     ``extra["owner"]``) is alive and its heartbeat is on (``extra["heals"]``)."""
@@ -176,9 +181,12 @@ class EngineRegistry:
         """Records whose process is alive (or on another host, where that cannot be told)."""
         return [r for r in self.list() if r.alive() is not False]
 
+    def healing(self) -> list[EngineRecord]:
+        """Records whose process is gone but whose owner is restarting it (:func:`healed_by_owner`)."""
+        return [r for r in self.list() if r.alive() is False and healed_by_owner(r)]
+
     def live_or_healing(self) -> list[EngineRecord]:
-        """:meth:`live`, and the records whose process is gone but whose ``serve`` is restarting it
-        (:func:`healed_by_owner`): the engines a sync must bring to its version."""
+        """:meth:`live`, and :meth:`healing`: the engines a sync must bring to its version."""
         return [r for r in self.list() if r.alive() is not False or healed_by_owner(r)]
 
     def require_live(self, healing: bool = False) -> list[EngineRecord]:

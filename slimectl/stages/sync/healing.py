@@ -30,7 +30,7 @@ def healed(run: RunDir, targets: list[EngineTarget]) -> list[str]:
 def restarting(run: RunDir, targets: list[EngineTarget]) -> list[str]:
     """The ids of ``targets`` whose record is on a dead process that their ``serve`` is restarting."""
     ids = {t.id for t in targets} - {None}
-    return [r.id for r in run.engines.list() if r.id in ids and r.alive() is False and healed_by_owner(r)]
+    return [r.id for r in run.engines.healing() if r.id in ids]
 
 
 def processes(run: RunDir, targets: list[EngineTarget]) -> dict[str, int | None]:
