@@ -114,3 +114,5 @@ def test_a_hold_counts_while_its_process_lives_or_until_its_deadline_on_another_
     assert reg.held()
     (holds / "far.json").write_text(json.dumps({**far, "until": time.time() - 1}))
     assert not reg.held() and not (holds / "far.json").exists()
+    (holds / "junk.json").write_text(json.dumps(["not", "a", "hold"]))  # a file no hold() wrote: none, removed
+    assert not reg.held() and not (holds / "junk.json").exists()

@@ -226,8 +226,11 @@ class EngineRegistry:
                 h = read_json(p)
             except (RunDirError, FileNotFoundError):
                 continue  # being written or removed
-            live = process_alive(h["pid"], h.get("create_time")) if same_host(h.get("host"), h.get("host_id")) \
-                else time.time() < float(h.get("until", 0))
+            try:
+                live = process_alive(int(h["pid"]), h.get("create_time")) \
+                    if same_host(h.get("host"), h.get("host_id")) else time.time() < float(h.get("until", 0))
+            except (KeyError, TypeError, ValueError, AttributeError):
+                live = False  # not a hold this module wrote (hand-made, another format): no hold
             if live:
                 found = True
             else:
