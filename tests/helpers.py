@@ -406,3 +406,11 @@ def scheduler_rollouts(model: Path, n_rollouts: int, version=lambda rid, group: 
     finally:
         scheduler.stop()
     return out
+
+
+def wait_turns_recorded(harness, sid: str, timeout: float = 10.0) -> None:
+    """Wait until the harness has recorded every turn of session ``sid``: a streamed turn is recorded just after its
+    last event reached the client (``Harness.turns_in_flight``)."""
+    deadline = time.monotonic() + timeout
+    while harness.turns_in_flight(sid) and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -108,7 +108,9 @@ def client(h, **kw):
 
 def recorded(h, sid) -> list[Sample]:
     from slimectl.agents.harness_sessions import samples_from_sessions
+    from tests.helpers import wait_turns_recorded
 
+    wait_turns_recorded(h["harness"], sid)
     return [Sample.from_dict(s.to_dict()) for s in samples_from_sessions([h["harness"].sessions[sid]], h["tok"])]
 
 

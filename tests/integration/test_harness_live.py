@@ -61,11 +61,9 @@ def scripted(tmp_path_factory):
 
 
 def recorded(h, sid):
-    import time
+    from tests.helpers import wait_turns_recorded
 
-    deadline = time.monotonic() + 10  # a streamed turn is recorded just after its last event reached the client
-    while h["harness"].turns_in_flight(sid) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_turns_recorded(h["harness"], sid)
     from slimectl.agents.harness_sessions import samples_from_sessions
 
     return [s.to_dict() for s in samples_from_sessions([h["harness"].sessions[sid]], h["tok"])]

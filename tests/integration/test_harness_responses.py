@@ -66,6 +66,9 @@ def client(h, sid=None):
 
 
 def recorded(h, sid):
+    from tests.helpers import wait_turns_recorded
+
+    wait_turns_recorded(h["harness"], sid)
     return samples_from_sessions([h["harness"].sessions[sid]], h["tok"])
 
 

@@ -80,11 +80,9 @@ def client(h):
 
 
 def recorded(h, sid):
-    import time
+    from tests.helpers import wait_turns_recorded
 
-    deadline = time.monotonic() + 10  # a streamed turn is recorded just after its last event reached the client
-    while h["harness"].turns_in_flight(sid) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_turns_recorded(h["harness"], sid)
     sess = h["harness"].sessions[sid]
     from slimectl.agents.harness_sessions import samples_from_sessions
 
